@@ -1,0 +1,7 @@
+"""tandem.placement (skeleton; filled by its own issue)."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("tandem-placement")
+
+__all__ = ["__version__"]

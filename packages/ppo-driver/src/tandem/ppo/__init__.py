@@ -1,0 +1,7 @@
+"""tandem.ppo (skeleton; filled by its own issue)."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("tandem-ppo-driver")
+
+__all__ = ["__version__"]

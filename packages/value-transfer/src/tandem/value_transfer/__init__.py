@@ -1,0 +1,7 @@
+"""tandem.value_transfer (skeleton; filled by its own issue)."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("tandem-value-transfer")
+
+__all__ = ["__version__"]

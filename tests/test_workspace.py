@@ -1,0 +1,113 @@
+"""The monorepo's own rules: package layout, the pin scheme of docs/versioning.md, and
+the dependency boundaries of DESIGN.md ("Packages")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {  # folder -> import name
+    "placement": "tandem.placement",
+    "lifecycle": "tandem.lifecycle",
+    "value-transfer": "tandem.value_transfer",
+    "megatron-backend": "tandem.megatron",
+    "ppo-driver": "tandem.ppo",
+}
+# Distributions each package must not declare (DESIGN.md, "must not depend on").
+FORBIDDEN = {
+    "placement": {
+        "torch",
+        "megatron-core",
+        "tandem-lifecycle",
+        "tandem-value-transfer",
+        "tandem-megatron-backend",
+        "tandem-ppo-driver",
+    },
+    "lifecycle": {
+        "ray",
+        "megatron-core",
+        "tandem-placement",
+        "tandem-value-transfer",
+        "tandem-megatron-backend",
+        "tandem-ppo-driver",
+    },
+    "value-transfer": {
+        "megatron-core",
+        "tandem-placement",
+        "tandem-lifecycle",
+        "tandem-megatron-backend",
+        "tandem-ppo-driver",
+    },
+    "megatron-backend": {"tandem-ppo-driver"},
+    "ppo-driver": set(),
+}
+# Modules a fresh `import <package>` must not pull in.
+IMPORT_BOUNDARIES = {
+    "tandem.placement": ("ray", "torch"),
+    "tandem.lifecycle": ("ray", "megatron", "torch_memory_saver"),
+    "tandem.value_transfer": ("megatron",),
+}
+
+
+def _pyproject(folder: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())
+
+
+def _versions() -> dict[str, Version]:
+    return {_pyproject(f)["project"]["name"]: Version(_pyproject(f)["project"]["version"]) for f in PACKAGES}
+
+
+def test_members_are_the_five_packages() -> None:
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert root["tool"]["uv"]["package"] is False
+    found = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+    assert found == sorted(PACKAGES)
+    for name in _versions():
+        assert root["tool"]["uv"]["sources"][name] == {"workspace": True}
+
+
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_package_layout(folder: str) -> None:
+    pkg = ROOT / "packages" / folder
+    meta = _pyproject(folder)["project"]
+    assert meta["name"] == f"tandem-{folder}"
+    assert (pkg / "README.md").read_text().strip(), "each package has its own README"
+    # One implicit namespace shared by independent distributions: no tandem/__init__.py.
+    assert not (pkg / "src" / "tandem" / "__init__.py").exists()
+    module_dir = pkg / "src" / Path(*PACKAGES[folder].split("."))
+    assert (module_dir / "__init__.py").exists()
+    assert _pyproject(folder)["tool"]["uv"]["build-backend"]["module-name"] == PACKAGES[folder]
+
+
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_internal_pins_follow_the_scheme(folder: str) -> None:
+    versions = _versions()
+    for dep in map(Requirement, _pyproject(folder)["project"].get("dependencies", [])):
+        assert dep.name not in FORBIDDEN[folder], f"{folder} must not depend on {dep.name} (DESIGN.md)"
+        if dep.name not in versions:
+            continue
+        current = versions[dep.name]
+        if current.major == 0:
+            expected = f"<0.{current.minor + 1},>=0.{current.minor}"
+        else:
+            expected = f"<{current.major + 1},>={current.major}.{current.minor}"
+        assert str(dep.specifier) == expected, f"{folder}: pin of {dep.name} should be {expected!r}"
+        assert current in dep.specifier
+
+
+@pytest.mark.parametrize(("module", "banned"), sorted(IMPORT_BOUNDARIES.items()))
+def test_import_boundary(module: str, banned: tuple[str, ...]) -> None:
+    code = (
+        f"import sys, {module}\n"
+        f"loaded = [m for m in {banned!r} if m in sys.modules]\n"
+        "print(','.join(loaded))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing {module} loaded {out.stdout.strip()}"

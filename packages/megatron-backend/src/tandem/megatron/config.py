@@ -1,0 +1,440 @@
+"""The train worker's configuration: one typed, validated object for both roles.
+
+`WorkerConfig` holds everything a `TrainWorker` needs to build, train, save and
+load one rank of the actor or of the critic. The driver builds one from its own
+config and hands the same object to both roles; the role picked at `init` selects
+the role's fields (`lr` / `critic_lr`, `load` / `critic_load`, ...).
+
+Checks that need only the config run at construction; checks that need the
+number of ranks or the role run in `check_world` / `check_role`, which the group
+helper calls on the driver before any worker starts, so a bad config fails fast.
+Every check raises a `ValueError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["actor", "critic"]
+ROLES: tuple[Role, ...] = ("actor", "critic")
+
+_KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
+_LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+_DEVICES = ("auto", "cuda", "cpu")
+_BACKENDS = ("torch_memory_saver", "pinned_host", "none")
+_DTYPES = ("float32", "bfloat16")
+_AGGREGATIONS = ("sample_mean", "token_mean")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Hyper-parameters and paths of the actor and critic train workers.
+
+    Derived sizes (data-parallel size, optimizer steps per rollout, gradient
+    accumulation) are methods, computed in one place from these fields.
+    """
+
+    # --- weights and checkpoints -------------------------------------------------
+    hf_checkpoint: str
+    """Hugging Face folder (config.json + safetensors): the model's architecture, the
+    actor's and critic's initial weights and, by default, the reference weights."""
+
+    rollout_batch_size: int
+    """Prompts per rollout (over all data-parallel ranks)."""
+
+    global_batch_size: int
+    """Samples per optimizer step, over all data-parallel ranks."""
+
+    critic_hf_checkpoint: str | None = None
+    """Hugging Face folder with the critic's initial backbone weights; None: `hf_checkpoint`.
+    Must have the same architecture as `hf_checkpoint`."""
+
+    ref_load: str | None = None
+    """Hugging Face folder with the reference weights of the KL loss; None: `hf_checkpoint`."""
+
+    load: str | None = None
+    """Actor's Megatron checkpoint folder to resume from (its latest complete checkpoint).
+    None, or a folder with no checkpoint yet: start from `hf_checkpoint`. A folder that
+    does not exist is an error unless it is `save` (the first run of a resumable job)."""
+
+    save: str | None = None
+    """Actor's Megatron checkpoint folder that `save_model` writes to; None: saving is off."""
+
+    critic_load: str | None = None
+    """The critic's own checkpoint folder to resume from (never the actor's); same rules as `load`."""
+
+    critic_save: str | None = None
+    """The critic's own checkpoint folder that `save_model` writes to (never the actor's)."""
+
+    # --- parallelism ------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the actor."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size of the actor."""
+
+    critic_tensor_model_parallel_size: int | None = None
+    """Tensor-parallel size of the critic; None: the actor's. Must equal the actor's (the
+    critic shares the actor's bundles and hands values rank by rank)."""
+
+    critic_pipeline_model_parallel_size: int | None = None
+    """Pipeline-parallel size of the critic; None: the actor's. Must equal the actor's."""
+
+    # --- batches ----------------------------------------------------------------
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt; a rollout holds `rollout_batch_size * n_samples_per_prompt` samples."""
+
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass on one rank; gradients accumulate over
+    `global_batch_size / (micro_batch_size * data_parallel_size)` micro-batches."""
+
+    # --- optimizer and learning-rate schedule --------------------------------------
+    lr: float = 1e-6
+    """Actor's peak learning rate."""
+
+    critic_lr: float = 1e-6
+    """Critic's peak learning rate."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (both roles, capped at the role's peak)."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
+    """Shape of the decay after warm-up (Megatron's OptimizerParamScheduler)."""
+
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to the peak learning rate."""
+
+    lr_decay_steps: int | None = None
+    """Optimizer steps over which the rate decays to `min_lr`; None: no decay ends (constant after warm-up)."""
+
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.98
+    """Adam's second-moment decay."""
+
+    adam_eps: float = 1e-8
+    """Adam's epsilon."""
+
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (over all ranks of the model); 0 turns clipping off."""
+
+    params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Dtype of the model weights; bfloat16 keeps fp32 main weights in the optimizer
+    (GPU only). The critic head's output is fp32 either way."""
+
+    # --- PPO ------------------------------------------------------------------
+    eps_clip: float = 0.2
+    """Lower (and, without `eps_clip_high`, upper) clip range of the policy ratio."""
+
+    eps_clip_high: float | None = None
+    """Upper clip range of the policy ratio; None: `eps_clip`."""
+
+    eps_clip_c: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None: off."""
+
+    value_clip: float = 0.2
+    """Clip range of the new values around the old values in the value loss."""
+
+    gamma: float = 1.0
+    """GAE discount."""
+
+    lambd: float = 1.0
+    """GAE lambda."""
+
+    kl_coef: float = 0.0
+    """Reward-level KL folded into GAE. Must be 0: with a shared critic the critic trains
+    before reference log-probs exist; use `use_kl_loss` and `kl_loss_coef` instead."""
+
+    use_kl_loss: bool = False
+    """Add a KL penalty against the reference weights to the policy loss (computes
+    reference log-probs each step; reference weights stay on the host)."""
+
+    kl_loss_coef: float = 0.0
+    """Weight of the KL penalty in the policy loss (with `use_kl_loss`)."""
+
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator of the KL loss."""
+
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
+
+    normalize_advantages: bool = False
+    """Whiten advantages over the masked tokens of the whole data-parallel group."""
+
+    loss_aggregation: Literal["sample_mean", "token_mean"] = "sample_mean"
+    """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
+    mean over the whole global batch."""
+
+    temperature: float = 1.0
+    """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
+
+    # --- device, memory, system -------------------------------------------------
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
+
+    offload_backend: Literal["torch_memory_saver", "pinned_host", "none"] = "pinned_host"
+    """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on
+    the GPU; pinned_host or none on the CPU."""
+
+    update_weights_chunk_bytes: int = 512 * 1024**2
+    """Bytes of HF-named tensors per chunk sent to the rollout engine by `update_weights`."""
+
+    seed: int = 1234
+    """Seed of torch and of Megatron's RNG tracker (each rank derives its own)."""
+
+    def __post_init__(self) -> None:
+        self._check_positive_ints()
+        self._check_choices()
+        self._check_ppo()
+        self._check_topology()
+        self._check_batches()
+        self._check_folders()
+
+    # --- derived sizes -------------------------------------------------------------
+    @property
+    def samples_per_rollout(self) -> int:
+        """Samples in one rollout, over all data-parallel ranks."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps each role takes per rollout."""
+        return self.samples_per_rollout // self.global_batch_size
+
+    def topology(self, role: Role) -> tuple[int, int]:
+        """(tensor-parallel size, pipeline-parallel size) of `role`."""
+        _check_role(role)
+        if role == "critic":
+            return (
+                self.critic_tensor_model_parallel_size or self.tensor_model_parallel_size,
+                self.critic_pipeline_model_parallel_size or self.pipeline_model_parallel_size,
+            )
+        return self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size on `world_size` ranks; see `check_world` for the rules."""
+        self.check_world(world_size)
+        tp, pp = self.topology("actor")
+        return world_size // (tp * pp)
+
+    def grad_accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on one rank."""
+        dp = self.data_parallel_size(world_size)
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+    def lr_of(self, role: Role) -> float:
+        """Peak learning rate of `role`."""
+        _check_role(role)
+        return self.critic_lr if role == "critic" else self.lr
+
+    def load_of(self, role: Role) -> str | None:
+        """Checkpoint folder `role` resumes from."""
+        _check_role(role)
+        return self.critic_load if role == "critic" else self.load
+
+    def save_of(self, role: Role) -> str | None:
+        """Checkpoint folder `role` saves to."""
+        _check_role(role)
+        return self.critic_save if role == "critic" else self.save
+
+    def hf_checkpoint_of(self, role: Role) -> str:
+        """Hugging Face folder with `role`'s initial weights."""
+        _check_role(role)
+        if role == "critic" and self.critic_hf_checkpoint is not None:
+            return self.critic_hf_checkpoint
+        return self.hf_checkpoint
+
+    # --- checks that need the world or the role -----------------------------------
+    def check_world(self, world_size: int) -> None:
+        """Check that `world_size` ranks can run this config; ValueError naming the field otherwise."""
+        if world_size < 1:
+            raise ValueError(f"world_size: got {world_size}; a train group needs at least one rank")
+        tp, pp = self.topology("actor")
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp * pp} does not divide "
+                f"the {world_size} ranks of the train group; pick sizes whose product divides it"
+            )
+        dp = world_size // (tp * pp)
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(
+                f"global_batch_size: {self.global_batch_size} is not divisible by micro_batch_size "
+                f"({self.micro_batch_size}) * data-parallel size ({dp}); make it a multiple of "
+                f"{self.micro_batch_size * dp}"
+            )
+
+    def check_role(self, role: Role) -> None:
+        """Check the fields `role` needs (its checkpoint folders); ValueError naming the field."""
+        _check_role(role)
+        if role != "critic":
+            return
+        if self.save is not None and self.critic_save is None:
+            raise ValueError(
+                "critic_save: `save` is set but the critic has no save folder; set critic_save to a folder "
+                "of its own (the critic never writes into the actor's folder)"
+            )
+        if self.load is not None and self.critic_load is None:
+            raise ValueError(
+                "critic_load: `load` is set but the critic has no load folder; set critic_load to the "
+                "critic's own folder (usually the same as critic_save) so a resumed critic never loads "
+                "the actor's weights"
+            )
+
+    # --- construction-time checks --------------------------------------------------
+    def _check_positive_ints(self) -> None:
+        for name in (
+            "rollout_batch_size",
+            "global_batch_size",
+            "n_samples_per_prompt",
+            "micro_batch_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "update_weights_chunk_bytes",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: got {value!r}; it must be a positive integer")
+        for name in ("critic_tensor_model_parallel_size", "critic_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps: got {self.lr_warmup_steps}; it must be >= 0")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"lr_decay_steps: got {self.lr_decay_steps}, which must exceed lr_warmup_steps "
+                f"({self.lr_warmup_steps}); raise it or set it to None for no decay"
+            )
+
+    def _check_choices(self) -> None:
+        choices: dict[str, tuple[str, ...]] = {
+            "lr_decay_style": _LR_DECAY_STYLES,
+            "params_dtype": _DTYPES,
+            "kl_loss_type": _KL_KINDS,
+            "loss_aggregation": _AGGREGATIONS,
+            "device": _DEVICES,
+            "offload_backend": _BACKENDS,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
+        if self.device == "cpu" and self.offload_backend == "torch_memory_saver":
+            raise ValueError(
+                "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "
+                "use offload_backend='pinned_host' or 'none' on the CPU"
+            )
+        if self.device == "cpu" and self.params_dtype != "float32":
+            raise ValueError(
+                "params_dtype: the CPU path trains in float32 (Megatron's mixed-precision optimizer "
+                "is GPU-only); set params_dtype='float32' with device='cpu'"
+            )
+
+    def _check_ppo(self) -> None:
+        if self.kl_coef != 0:
+            raise ValueError(
+                f"kl_coef: got {self.kl_coef}; reward-level KL is not supported because the shared critic "
+                "trains before reference log-probs exist. Set kl_coef=0 and use use_kl_loss=True with "
+                "kl_loss_coef for a KL penalty in the policy loss"
+            )
+        non_negative = {
+            "lr": self.lr,
+            "critic_lr": self.critic_lr,
+            "min_lr": self.min_lr,
+            "weight_decay": self.weight_decay,
+            "clip_grad": self.clip_grad,
+            "value_clip": self.value_clip,
+            "kl_loss_coef": self.kl_loss_coef,
+            "entropy_coef": self.entropy_coef,
+        }
+        for name, value in non_negative.items():
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: got {value}; it must be a finite number >= 0")
+        if self.min_lr > min(self.lr, self.critic_lr):
+            raise ValueError(
+                f"min_lr: {self.min_lr} exceeds a peak learning rate (lr={self.lr}, critic_lr="
+                f"{self.critic_lr}); lower min_lr"
+            )
+        for name in ("eps_clip", "temperature", "adam_eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}: got {value}; it must be a finite number > 0")
+        if self.eps_clip_high is not None and not self.eps_clip_high > 0:
+            raise ValueError(f"eps_clip_high: got {self.eps_clip_high}; it must be > 0 or None")
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1:
+            raise ValueError(f"eps_clip_c: got {self.eps_clip_c}; the dual-clip constant must be > 1 or None")
+        for name in ("gamma", "lambd", "adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
+
+    def _check_topology(self) -> None:
+        actor = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+        critic = self.topology("critic")
+        if critic != actor:
+            raise ValueError(
+                f"critic_tensor_model_parallel_size / critic_pipeline_model_parallel_size: the critic's "
+                f"(TP, PP) = {critic} differs from the actor's {actor}; the critic shares the actor's "
+                "bundles and hands its values rank by rank, so leave them None (same as the actor)"
+            )
+
+    def _check_batches(self) -> None:
+        if self.samples_per_rollout % self.global_batch_size:
+            raise ValueError(
+                f"global_batch_size: {self.global_batch_size} does not divide the "
+                f"{self.samples_per_rollout} samples of a rollout (rollout_batch_size * "
+                "n_samples_per_prompt); pick a divisor so each rollout is a whole number of steps"
+            )
+        if self.micro_batch_size > self.global_batch_size:
+            raise ValueError(
+                f"micro_batch_size: {self.micro_batch_size} exceeds global_batch_size "
+                f"({self.global_batch_size}); lower it"
+            )
+
+    def _check_folders(self) -> None:
+        for name in ("hf_checkpoint", "critic_hf_checkpoint", "ref_load"):
+            path = getattr(self, name)
+            if path is None:
+                continue
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ValueError(
+                    f"{name}: {path!r} is not a Hugging Face checkpoint folder (no config.json); "
+                    "point it at a folder written by save_pretrained"
+                )
+        pairs = (("load", "save"), ("critic_load", "critic_save"))
+        for load_name, save_name in pairs:
+            load, save = getattr(self, load_name), getattr(self, save_name)
+            if load is None:
+                continue
+            if os.path.exists(load) and not os.path.isdir(load):
+                raise ValueError(f"{load_name}: {load!r} is a file; it must be a checkpoint folder")
+            if not os.path.exists(load) and not _same_path(load, save):
+                raise ValueError(
+                    f"{load_name}: folder {load!r} does not exist; fix the path, or set it equal to "
+                    f"{save_name} for the first run of a resumable job"
+                )
+        for actor_name, critic_name in (("load", "critic_load"), ("save", "critic_save")):
+            actor_path, critic_path = getattr(self, actor_name), getattr(self, critic_name)
+            if actor_path is not None and critic_path is not None and _same_path(actor_path, critic_path):
+                raise ValueError(
+                    f"{critic_name}: {critic_path!r} is the actor's `{actor_name}` folder; give the critic "
+                    "a folder of its own"
+                )
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role: got {role!r}; choose 'actor' or 'critic'")

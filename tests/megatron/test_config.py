@@ -1,0 +1,165 @@
+"""WorkerConfig: derived sizes and the ValueErrors that name the field and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.megatron.config import WorkerConfig
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("hf")
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(path)
+
+
+def make(hf_dir: str, **overrides: Any) -> WorkerConfig:
+    fields: dict[str, Any] = {
+        "hf_checkpoint": hf_dir,
+        "rollout_batch_size": 4,
+        "n_samples_per_prompt": 2,
+        "global_batch_size": 4,
+        "micro_batch_size": 1,
+        "device": "cpu",
+        "params_dtype": "float32",
+    }
+    fields.update(overrides)
+    return WorkerConfig(**fields)
+
+
+def test_defaults_build_and_derive_sizes(hf_dir: str) -> None:
+    config = make(hf_dir)
+    assert config.samples_per_rollout == 8
+    assert config.steps_per_rollout == 2
+    assert config.data_parallel_size(2) == 2
+    assert config.grad_accumulation_steps(2) == 2
+    assert config.topology("critic") == config.topology("actor") == (1, 1)
+
+
+def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
+    config = make(
+        hf_dir,
+        lr=1e-5,
+        critic_lr=2e-5,
+        save=str(tmp_path / "actor"),
+        load=str(tmp_path / "actor"),
+        critic_save=str(tmp_path / "critic"),
+        critic_load=str(tmp_path / "critic"),
+    )
+    assert (config.lr_of("actor"), config.lr_of("critic")) == (1e-5, 2e-5)
+    assert config.save_of("critic") == str(tmp_path / "critic")
+    assert config.load_of("actor") == str(tmp_path / "actor")
+    assert config.hf_checkpoint_of("critic") == hf_dir
+    config.check_role("critic")
+    with pytest.raises(ValueError, match="role"):
+        config.lr_of("judge")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"kl_coef": 0.1}, "kl_coef"),
+        ({"critic_tensor_model_parallel_size": 2}, "critic_tensor_model_parallel_size"),
+        ({"critic_pipeline_model_parallel_size": 2}, "critic_pipeline_model_parallel_size"),
+        ({"global_batch_size": 3}, "global_batch_size"),
+        ({"micro_batch_size": 8, "global_batch_size": 4}, "micro_batch_size"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"offload_backend": "torch_memory_saver"}, "offload_backend"),
+        ({"offload_backend": "disk"}, "offload_backend"),
+        ({"params_dtype": "bfloat16"}, "params_dtype"),
+        ({"kl_loss_type": "k4"}, "kl_loss_type"),
+        ({"eps_clip_c": 1.0}, "eps_clip_c"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"min_lr": 1.0}, "min_lr"),
+        ({"lr_warmup_steps": 5, "lr_decay_steps": 5}, "lr_decay_steps"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"loss_aggregation": "seq_sum"}, "loss_aggregation"),
+    ],
+)
+def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        make(hf_dir, **overrides)
+
+
+def test_checkpoint_folders(hf_dir: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="hf_checkpoint"):
+        make(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="ref_load"):
+        make(hf_dir, ref_load=str(tmp_path))
+    # A load folder that does not exist is a typo, unless it is the run's own save folder.
+    with pytest.raises(ValueError, match="load"):
+        make(hf_dir, load=str(tmp_path / "typo"))
+    make(hf_dir, load=str(tmp_path / "fresh"), save=str(tmp_path / "fresh"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="load"):
+        make(hf_dir, load=str(tmp_path / "a_file"))
+    # The critic never shares the actor's folders.
+    with pytest.raises(ValueError, match="critic_save"):
+        make(hf_dir, save=str(tmp_path / "x"), critic_save=str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="critic_load"):
+        make(hf_dir, load=str(tmp_path), critic_load=str(tmp_path))
+
+
+def test_critic_needs_its_own_folders_when_the_actor_has_them(hf_dir: str, tmp_path: Path) -> None:
+    config = make(hf_dir, save=str(tmp_path / "actor"))
+    config.check_role("actor")
+    with pytest.raises(ValueError, match="critic_save"):
+        config.check_role("critic")
+    config = make(hf_dir, load=str(tmp_path), critic_save=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="critic_load"):
+        config.check_role("critic")
+
+
+def test_world_checks(hf_dir: str) -> None:
+    config = make(hf_dir, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        config.check_world(3)
+    with pytest.raises(ValueError, match="world_size"):
+        config.check_world(0)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        # dp = 8 / 2 = 4 does not divide global_batch_size 4 / micro 2 ... 4 % (2 * 4) != 0
+        dataclasses.replace(config, micro_batch_size=2).check_world(8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rollout=st.integers(1, 16),
+    n=st.integers(1, 4),
+    gbs=st.integers(1, 32),
+    mbs=st.integers(1, 8),
+    tp=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]),
+    world=st.integers(1, 8),
+)
+def test_batch_sizes_either_divide_or_fail_with_the_field(
+    hf_dir: str, rollout: int, n: int, gbs: int, mbs: int, tp: int, pp: int, world: int
+) -> None:
+    fields = {
+        "rollout_batch_size": rollout,
+        "n_samples_per_prompt": n,
+        "global_batch_size": gbs,
+        "micro_batch_size": mbs,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+    }
+    fits = (rollout * n) % gbs == 0 and world % (tp * pp) == 0 and gbs % (mbs * (world // (tp * pp))) == 0
+    try:
+        config = make(hf_dir, **fields)
+        accumulation = config.grad_accumulation_steps(world)
+    except ValueError as error:
+        assert not fits
+        assert any(name in str(error) for name in fields), str(error)
+        return
+    assert fits
+    dp = config.data_parallel_size(world)
+    # One rollout is a whole number of optimizer steps, each a whole number of micro-batches per rank.
+    assert accumulation * mbs * dp == gbs
+    assert config.steps_per_rollout * gbs == rollout * n

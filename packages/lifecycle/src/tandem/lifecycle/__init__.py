@@ -1,7 +1,58 @@
-"""tandem.lifecycle (skeleton; filled by its own issue)."""
+"""Sleep and wake for models that share GPUs: a state machine, memory backends, reloadable process groups.
 
+`Lifecycle` puts a model's GPU memory away and brings it back through a
+`MemoryBackend`: `PinnedHostBackend` (retained host buffers, any device),
+`TorchMemorySaverBackend` (GPU only; its process starts with
+`torch_memory_saver_env()`) or `NoopBackend`, chosen by `make_backend`.
+`ReloadableProcessGroup`s let the NCCL communicators go too, and `OffloadPlan`
+is the driver's side: when to sleep and wake.
+
+Importing this package imports torch, never ray, megatron or torch_memory_saver.
+"""
+
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-__version__ = _version("tandem-lifecycle")
+from ._backend import BACKEND_NAMES, BackendName, MemoryBackend, NoopBackend, clear_torch_caches, make_backend
+from ._lifecycle import Lifecycle
+from ._memory_saver import TorchMemorySaverBackend, torch_memory_saver_env
+from ._pinned_host import PinnedHostBackend
+from ._plan import OffloadPlan
+from ._process_groups import (
+    ProcessGroupTornDownError,
+    ReloadableProcessGroup,
+    destroy_all,
+    forget_all,
+    reload_all,
+    reloadable_groups,
+    reloadable_new_group,
+    reloadable_process_groups,
+)
 
-__all__ = ["__version__"]
+try:
+    __version__ = _version("tandem-lifecycle")
+except PackageNotFoundError:  # source tree on PYTHONPATH (the offline GPU host), not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "BACKEND_NAMES",
+    "BackendName",
+    "Lifecycle",
+    "MemoryBackend",
+    "NoopBackend",
+    "OffloadPlan",
+    "PinnedHostBackend",
+    "ProcessGroupTornDownError",
+    "ReloadableProcessGroup",
+    "TorchMemorySaverBackend",
+    "__version__",
+    "clear_torch_caches",
+    "destroy_all",
+    "forget_all",
+    "make_backend",
+    "reload_all",
+    "reloadable_groups",
+    "reloadable_new_group",
+    "reloadable_process_groups",
+    "torch_memory_saver_env",
+]

@@ -1,0 +1,106 @@
+"""The sleep/wake state machine of one model: idempotent, in a fixed order, truthful after failures."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from ._backend import MemoryBackend
+
+logger = logging.getLogger(__name__)
+
+Hook = Callable[[], None]
+
+
+def _nothing() -> None:
+    return None
+
+
+class Lifecycle:
+    """Puts one model's GPU memory away (`sleep`) and brings it back (`wake_up`), safely under retries.
+
+    Sleep: clear caches → destroy process groups → pause memory. Wake: resume
+    memory → clear caches → reload process groups. `sleep()` when asleep logs
+    and returns; `wake_up()` when awake only reloads the process groups (a
+    retried step may have died between a wake and a sleep, or after a failed
+    sleep destroyed them). So the backend never sees `pause` twice or `resume`
+    twice in a row for a tag.
+
+    `asleep` tells the truth after a failure in any step: it follows the memory,
+    and a backend's `pause`/`resume` either completes or leaves the memory as it
+    was. With several `tags` each is paused on its own, and a sleep that failed
+    half-way is finished by the next `sleep()` (or undone by `wake_up()`);
+    `asleep` is True while any tag is paused.
+
+    What a worker does around the memory (clear caches, destroy and reload
+    process groups) is handed in as hooks; each defaults to doing nothing.
+
+    Args:
+        backend: the memory backend.
+        tags: the tags to pause and resume, in order; None pauses and resumes
+            every tag at once (`pause(None)`).
+        clear_caches: e.g. `clear_torch_caches` (gc, then empty the CUDA cache).
+        destroy_process_groups: e.g. `destroy_all` of the reloadable process groups.
+        reload_process_groups: e.g. `reload_all`.
+    """
+
+    def __init__(
+        self,
+        backend: MemoryBackend,
+        *,
+        tags: Sequence[str] | None = None,
+        clear_caches: Hook | None = None,
+        destroy_process_groups: Hook | None = None,
+        reload_process_groups: Hook | None = None,
+    ) -> None:
+        if tags is not None:
+            if isinstance(tags, str) or not list(tags):
+                raise ValueError(f"tags={tags!r}: give a non-empty list of tag names, or None for all tags")
+            tags = list(tags)
+            if any(not isinstance(t, str) or not t for t in tags) or len(set(tags)) != len(tags):
+                raise ValueError(f"tags={tags!r}: tag names must be distinct non-empty strings")
+        self._backend = backend
+        self._tags: list[str | None] = [None] if tags is None else list(tags)
+        self._paused: set[str | None] = set()
+        self._clear_caches = clear_caches or _nothing
+        self._destroy_process_groups = destroy_process_groups or _nothing
+        self._reload_process_groups = reload_process_groups or _nothing
+        self._lock = threading.RLock()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the model's memory (any of its tags) is put away right now."""
+        return bool(self._paused)
+
+    @property
+    def backend(self) -> MemoryBackend:
+        """The memory backend this lifecycle drives."""
+        return self._backend
+
+    def sleep(self) -> None:
+        """Clear caches, destroy process groups, pause memory. Returns at once when already asleep."""
+        with self._lock:
+            todo = [t for t in self._tags if t not in self._paused]
+            if not todo:
+                logger.info("sleep(): already asleep, nothing to do")
+                return
+            self._clear_caches()
+            self._destroy_process_groups()
+            for tag in todo:
+                self._backend.pause(tag)
+                self._paused.add(tag)
+
+    def wake_up(self) -> None:
+        """Resume memory, clear caches, reload process groups. When awake, only reload process groups."""
+        with self._lock:
+            todo = [t for t in self._tags if t in self._paused]
+            if not todo:
+                logger.info("wake_up(): already awake, reloading process groups only")
+                self._reload_process_groups()
+                return
+            for tag in todo:
+                self._backend.resume(tag)
+                self._paused.discard(tag)
+            self._clear_caches()
+            self._reload_process_groups()

@@ -1,0 +1,360 @@
+"""The pinned-host memory backend: registered storages copied to retained host buffers and freed on the GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TensorSource = Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
+HostMemory = Literal["registered", "pinned", "pageable"]
+HOST_MEMORY: tuple[str, ...] = ("registered", "pinned", "pageable")
+
+# Each storage starts on its own page of the host buffer: aligned copies run at full speed.
+_ALIGN = 4096
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+@dataclass
+class _Stored:
+    """One storage put away: where its bytes live in the tag's host buffer."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    offset: int
+
+
+class _HostBuffer:
+    """A tag's host buffer, allocated once and reused by every pause of that tag.
+
+    "registered" allocates exactly `nbytes` of ordinary memory and page-locks it with
+    cudaHostRegister; "pinned" uses PyTorch's pinned allocator (which may round the
+    size up to a power of two); "pageable" is plain memory (the only kind on CPU).
+    """
+
+    def __init__(self, nbytes: int, kind: HostMemory) -> None:
+        self.nbytes = nbytes
+        if kind == "pinned":
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if kind == "registered" and nbytes > 0:
+            cudart = torch.cuda.cudart()
+            ptr = self.tensor.data_ptr()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
+                    f"{cudart.cudaGetErrorString(err)}; pass host_memory='pinned' to PinnedHostBackend"
+                )
+            # Unregister before the memory goes back to the allocator: the finalizer holds the tensor.
+            weakref.finalize(self, _unregister_host, ptr, self.tensor)
+
+
+def _unregister_host(ptr: int, tensor: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be gone
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    del tensor
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class PinnedHostBackend:
+    """Puts registered GPU tensors away in host buffers that are allocated once and reused.
+
+    Tensors are registered per tag (`register`). `pause(tag)` copies each distinct
+    storage behind them (many views of one flat buffer are copied once) to the
+    tag's host buffer on a side CUDA stream, then frees the GPU storage by
+    resizing it to 0 bytes and empties the CUDA cache. `resume(tag)` re-creates
+    each storage at its old size and copies the bytes back, so every tensor and
+    view made before the pause sees its data again. On CPU tensors the same steps
+    run with plain memory, which is how the logic is tested without a GPU.
+
+    Args:
+        device: the device whose tensors are put away; None takes the device of the
+            registered tensors (they must all share one).
+        host_memory: "registered" (exact-size host memory page-locked with
+            cudaHostRegister), "pinned" (PyTorch's pinned allocator) or "pageable";
+            ignored for CPU tensors, which always use pageable memory.
+        chunk_bytes: the largest single copy; bigger storages are copied in pieces.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        host_memory: HostMemory = "registered",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if host_memory not in HOST_MEMORY:
+            raise ValueError(f"host_memory={host_memory!r}: choose one of {list(HOST_MEMORY)}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes={chunk_bytes}: must be a positive number of bytes")
+        self._device = None if device is None else torch.device(device)
+        self._host_memory: HostMemory = host_memory
+        self._chunk_bytes = chunk_bytes
+        self._sources: dict[str, list[TensorSource]] = {}
+        self._buffers: dict[str, _HostBuffer] = {}
+        self._paused: dict[str, list[_Stored]] = {}
+        self._owner: dict[int, str] = {}  # storage identity -> the paused tag holding it
+        self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.RLock()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(self, tag: str, tensors: TensorSource) -> None:
+        """Put `tensors` under `tag`: an iterable of tensors, or a zero-argument callable
+        returning one (called at every pause, so state created later is included)."""
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"register: tag={tag!r} must be a non-empty string")
+        if callable(tensors):
+            source: TensorSource = tensors
+        else:
+            source = list(tensors)
+            for t in source:
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"register({tag!r}): expected tensors, got {type(t).__name__}")
+        with self._lock:
+            self._sources.setdefault(tag, []).append(source)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The registered tags, in registration order."""
+        return tuple(self._sources)
+
+    @property
+    def paused_tags(self) -> frozenset[str]:
+        """The tags whose memory is on the host right now."""
+        return frozenset(self._paused)
+
+    def host_nbytes(self) -> int:
+        """Bytes held in host buffers (kept between cycles, also while awake)."""
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def region(self, tag: str) -> AbstractContextManager[None]:
+        """A context that does nothing: this backend finds memory through `register`."""
+        return contextlib.nullcontext()
+
+    # -- pause / resume -------------------------------------------------------------------------
+
+    def pause(self, tag: str | None = None) -> None:
+        """Copy the storages of `tag` (every registered tag when None) to the host and free them."""
+        with self._lock:
+            done: list[str] = []
+            try:
+                for t in self._select(tag, paused=False):
+                    self._pause_tag(t)
+                    done.append(t)
+            except BaseException as err:
+                _undo(err, [functools.partial(self._resume_tag, t) for t in reversed(done)])
+                raise
+            finally:
+                if self._is_cuda():
+                    torch.cuda.empty_cache()
+
+    def resume(self, tag: str | None = None) -> None:
+        """Re-create the storages of `tag` (every registered tag when None) and copy their bytes back."""
+        with self._lock:
+            done: list[tuple[str, list[_Stored]]] = []
+            try:
+                for t in self._select(tag, paused=True):
+                    done.append((t, self._paused[t]))
+                    self._resume_tag(t)
+            except BaseException as err:
+                # The tag that failed has already freed itself again (`_restore`); undo the ones before it.
+                _undo(err, [functools.partial(self._unresume, t, s) for t, s in reversed(done[:-1])])
+                if self._is_cuda():
+                    torch.cuda.empty_cache()
+                raise
+
+    def _select(self, tag: str | None, *, paused: bool) -> list[str]:
+        if tag is not None and tag not in self._sources:
+            raise ValueError(f"tag {tag!r} is not registered; registered tags: {list(self._sources)}")
+        tags = list(self._sources) if tag is None else [tag]
+        wrong = [t for t in tags if (t in self._paused) != paused]
+        if wrong:
+            state = "awake" if paused else "paused"
+            raise RuntimeError(f"PinnedHostBackend: tags {wrong} are already {state}")
+        return tags
+
+    def _pause_tag(self, tag: str) -> None:
+        stored = self._layout(self._collect(tag))
+        total = stored[-1].offset + stored[-1].nbytes if stored else 0
+        buffer = self._buffer(tag, total)
+        self._copy(stored, buffer, to_host=True)
+        freed: list[_Stored] = []
+        try:
+            for s in stored:
+                s.storage.resize_(0)
+                freed.append(s)
+        except BaseException:
+            self._restore(freed, buffer)
+            raise
+        self._paused[tag] = stored
+        for s in stored:
+            self._owner[int(s.storage._cdata)] = tag
+
+    def _resume_tag(self, tag: str) -> None:
+        stored = self._paused[tag]
+        self._restore(stored, self._buffers.get(tag))
+        del self._paused[tag]
+        for s in stored:
+            self._owner.pop(int(s.storage._cdata), None)
+
+    def _unresume(self, tag: str, stored: list[_Stored]) -> None:
+        """Free a tag that was just resumed: its host buffer still holds the same bytes."""
+        for s in stored:
+            s.storage.resize_(0)
+        self._paused[tag] = stored
+        for s in stored:
+            self._owner[int(s.storage._cdata)] = tag
+
+    def _restore(self, stored: list[_Stored], buffer: _HostBuffer | None) -> None:
+        """Re-create `stored` and copy their bytes back; on failure free them again (all-or-nothing)."""
+        allocated: list[_Stored] = []
+        try:
+            for s in stored:
+                s.storage.resize_(s.nbytes)
+                allocated.append(s)
+            if stored:
+                assert buffer is not None, "a paused tag with storages has a host buffer"
+                self._copy(stored, buffer, to_host=False)
+        except BaseException:
+            self._wait_side_stream()  # no copy may still write memory that goes back to the cache
+            for s in allocated:
+                s.storage.resize_(0)
+            raise
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _collect(self, tag: str) -> list[torch.UntypedStorage]:
+        """The distinct, non-empty storages behind the tensors of `tag`, in first-seen order."""
+        seen: dict[int, torch.UntypedStorage] = {}
+        for source in self._sources[tag]:
+            tensors = source() if callable(source) else source
+            for t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"tag {tag!r}: its tensor source yielded a {type(t).__name__}")
+                storage = t.untyped_storage()
+                key = int(storage._cdata)
+                if key in seen:
+                    continue
+                owner = self._owner.get(key)
+                if owner is not None:
+                    raise ValueError(
+                        f"tags {owner!r} and {tag!r} share a storage; register each buffer under one tag"
+                    )
+                if storage.nbytes() == 0:
+                    continue  # nothing to keep (already freed by its owner, or empty)
+                self._check_device(storage, tag)
+                if not storage.resizable():
+                    raise ValueError(
+                        f"tag {tag!r}: a tensor's storage cannot be resized (it wraps external memory); "
+                        "register tensors allocated by PyTorch"
+                    )
+                seen[key] = storage
+        return list(seen.values())
+
+    def _check_device(self, storage: torch.UntypedStorage, tag: str) -> None:
+        device = storage.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._device is None:
+            self._device = device
+            return
+        expected = self._device
+        if expected.type == "cuda" and expected.index is None:
+            expected = torch.device("cuda", torch.cuda.current_device())
+        if device != expected:
+            raise ValueError(
+                f"tag {tag!r}: a tensor lives on {device}, this backend moves tensors of {expected}"
+            )
+
+    @staticmethod
+    def _layout(storages: list[torch.UntypedStorage]) -> list[_Stored]:
+        stored, offset = [], 0
+        for storage in storages:
+            n = storage.nbytes()
+            stored.append(_Stored(storage, n, offset))
+            offset = _aligned(offset + n)
+        return stored
+
+    def _buffer(self, tag: str, nbytes: int) -> _HostBuffer:
+        buffer = self._buffers.get(tag)
+        if buffer is not None and buffer.nbytes >= nbytes:
+            return buffer
+        self._buffers.pop(tag, None)  # drop the small one first: host memory peaks lower
+        kind: HostMemory = self._host_memory if self._is_cuda() else "pageable"
+        if buffer is not None:
+            logger.info("tag %r: host buffer grows to %.3f GiB", tag, nbytes / 2**30)
+        buffer = _HostBuffer(nbytes, kind)
+        self._buffers[tag] = buffer
+        return buffer
+
+    def _is_cuda(self) -> bool:
+        return self._device is not None and self._device.type == "cuda"
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._device)
+        return self._stream
+
+    def _wait_side_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy(self, stored: list[_Stored], buffer: _HostBuffer, *, to_host: bool) -> None:
+        """Copy every stored storage to (or from) its place in `buffer`, in chunks, and wait for it."""
+        if not self._is_cuda():
+            self._copy_chunks(stored, buffer, to_host=to_host)
+            return
+        current = torch.cuda.current_stream(self._device)
+        side = self._side_stream()
+        # The side stream starts after the work already queued on the compute stream: that work
+        # may still write these tensors (pause), or used the memory just allocated (resume).
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._copy_chunks(stored, buffer, to_host=to_host)
+        # Later compute waits for the copies; the host waits too, so that storages are freed only
+        # after their bytes left, and the host buffer is complete before `pause` returns.
+        current.wait_stream(side)
+        side.synchronize()
+
+    def _copy_chunks(self, stored: list[_Stored], buffer: _HostBuffer, *, to_host: bool) -> None:
+        non_blocking = self._is_cuda()
+        chunk = self._chunk_bytes
+        for s in stored:
+            device_bytes = _bytes_of(s.storage)
+            host_bytes = buffer.tensor[s.offset : s.offset + s.nbytes]
+            for start in range(0, s.nbytes, chunk):
+                end = min(start + chunk, s.nbytes)
+                if to_host:
+                    host_bytes[start:end].copy_(device_bytes[start:end], non_blocking=non_blocking)
+                else:
+                    device_bytes[start:end].copy_(host_bytes[start:end], non_blocking=non_blocking)
+
+
+def _undo(err: BaseException, steps: list[Callable[[], None]]) -> None:
+    """Run rollback steps after `err`; a step that fails too is noted on `err`, not raised."""
+    for step in steps:
+        try:
+            step()
+        except Exception as undo_err:
+            err.add_note(f"rolling back also failed: {undo_err!r}; memory state is now mixed")

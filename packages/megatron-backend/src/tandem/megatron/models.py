@@ -1,0 +1,137 @@
+"""The actor and critic networks: this rank's pipeline stage of a Megatron `GPTModel`.
+
+Both roles share the backbone built from a `ModelSpec` with Megatron's local
+(non-Transformer-Engine) layer spec. The actor ends in the vocabulary-parallel
+output head (tied to the embedding when the checkpoint says so); the critic
+ends in `ValueHead`, an untied `hidden -> 1` linear with bias whose output is
+fp32. The critic head is replicated on every tensor-parallel rank: its input
+(the final norm's output) is already identical on all of them, so its
+gradients are identical too, like those of the final norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.hf_config import ModelSpec
+
+Role = Literal["actor", "critic"]
+_ROLES = ("actor", "critic")
+
+
+class ValueHead(nn.Module):
+    """The critic's scalar head: `hidden -> 1` with bias, fp32 weights and fp32 output.
+
+    It stands in for `GPTModel.output_layer`, so it takes and returns what
+    that layer does (`(output, bias)`, extra keyword arguments ignored); the
+    model then returns values of shape `(batch, seq, 1)`.
+    """
+
+    def __init__(self, hidden_size: int, *, init_std: float, seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        # A private generator: the head starts equal on every rank whatever
+        # else each rank drew from the global RNG before.
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(1, hidden_size, generator=gen) * init_std)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """Values `[s, b, 1]` in fp32 from hidden states `[s, b, h]` of any dtype."""
+        values = torch.nn.functional.linear(hidden_states.float(), self.weight, self.bias)
+        return values, None
+
+
+def unwrap_model(model: Any) -> Any:
+    """The `GPTModel` inside wrappers such as Megatron's DDP or Float16Module (`.module` chains)."""
+    from megatron.core.models.gpt import GPTModel
+
+    if isinstance(model, list | tuple):
+        if len(model) != 1:
+            raise ValueError(
+                f"expected one model chunk, got {len(model)} (virtual pipelining is not supported)"
+            )
+        model = model[0]
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    if not isinstance(model, GPTModel):
+        raise ValueError(f"expected a GPTModel (possibly wrapped), got {type(model).__name__}")
+    return model
+
+
+def build_model(
+    spec: ModelSpec,
+    role: Role,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+    **config_overrides: Any,
+) -> nn.Module:
+    """This rank's pipeline stage of the actor or critic network, on this rank's device.
+
+    Needs `parallel.init_distributed` first (the tensor- and pipeline-parallel
+    sizes come from Megatron's parallel state). Weights are randomly
+    initialised; load a checkpoint with `hf_weights.load_hf_checkpoint`.
+
+    Args:
+        spec: the model shape (`ModelSpec.from_hf`).
+        role: "actor" (LM head, tied when `spec.tie_word_embeddings`) or "critic" (`ValueHead`).
+        params_dtype: dtype of the backbone's parameters (the critic head stays fp32).
+        seed: seed of the critic head's init (equal on all ranks).
+        config_overrides: extra `TransformerConfig` fields (e.g. `recompute_granularity`).
+    """
+    if role not in _ROLES:
+        raise ValueError(f"build_model: role {role!r} is not one of {_ROLES}")
+    enable_cpu_compat()
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if not mpu.model_parallel_is_initialized():
+        raise ValueError(
+            "build_model: Megatron's parallel state is not initialised; call init_distributed first"
+        )
+    config = spec.transformer_config(
+        tensor_parallel_size=mpu.get_tensor_model_parallel_world_size(),
+        pipeline_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        **config_overrides,
+    )
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    # Spelled out so that the final norm is torch's RMSNorm on every host (Megatron
+    # would pick Apex or Transformer Engine norms when installed).
+    block_spec = TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=WrappedTorchNorm
+    )
+    tie = role == "actor" and spec.tie_word_embeddings
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+    )
+    # transformers' own frequencies (RoPE scaling types, non-integer bases).
+    model.rotary_pos_emb.inv_freq = spec.rope_inv_freq().to(model.rotary_pos_emb.inv_freq.device)
+    if role == "critic" and model.post_process:
+        # Replaces the vocabulary head that GPTModel always builds on the last stage.
+        device = next(model.decoder.parameters()).device
+        model.output_layer = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed).to(
+            device
+        )
+    return model

@@ -1,0 +1,94 @@
+"""Generalised advantage estimation over the trainable tokens of padded responses.
+
+GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using
+Generalized Advantage Estimation", eq. 16) with the conventions of DESIGN.md
+("PPO math conventions"):
+
+- Only trainable tokens (`loss_mask != 0`) are steps. A masked token between two
+  trainable ones (e.g. a tool output inside a multi-turn response) is skipped:
+  the trainable token before it bootstraps from the value of the trainable
+  token after it, and no discount is applied for the hole.
+- The scalar reward of a response is the reward of its last trainable token;
+  every other step has reward 0.
+- The value after the last trainable token is 0, also for truncated responses.
+- `δ_t = r_t + γ V_{t+1} − V_t`, `A_t = δ_t + γ λ A_{t+1}` (t, t+1 are
+  consecutive trainable tokens), `returns = A + V`.
+- Masked positions of both outputs are 0, whatever `values` holds there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compute_gae"]
+
+
+@torch.no_grad()
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns of each trainable response token, for the actor's and the critic's losses.
+
+    Runs under `no_grad` on detached inputs: advantages and returns are targets,
+    never differentiated through. Computed in at least float32 (`values`'s dtype
+    if wider). The loop runs over time steps only (vectorised over the batch).
+
+    Args:
+        rewards: one scalar reward per response. Shape `(batch,)`.
+        values: the critic's value of the state before each response token
+            (the old values). Shape `(batch, response_len)`; masked positions are ignored.
+        loss_mask: 1 (or True) for trainable tokens, 0 for the rest.
+            Shape `(batch, response_len)`. A row with no trainable token gets all zeros.
+        gamma: discount γ in [0, 1].
+        lambd: GAE λ in [0, 1]; 1 gives Monte-Carlo returns, 0 one-step TD.
+
+    Returns:
+        `(advantages, returns)`, each of shape `(batch, response_len)`, 0 at masked positions.
+    """
+    if values.dim() != 2:
+        raise ValueError(f"compute_gae: `values` must have shape (batch, response_len), got {tuple(values.shape)}")
+    if loss_mask.shape != values.shape:
+        raise ValueError(
+            f"compute_gae: `loss_mask` has shape {tuple(loss_mask.shape)} but `values` has "
+            f"{tuple(values.shape)}; pad both to (batch, response_len)"
+        )
+    if rewards.shape != values.shape[:1]:
+        raise ValueError(
+            f"compute_gae: `rewards` must have shape (batch,) = {tuple(values.shape[:1])}, "
+            f"got {tuple(rewards.shape)}; pass one scalar reward per response"
+        )
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"compute_gae: `gamma` must be in [0, 1], got {gamma}")
+    if not 0.0 <= lambd <= 1.0:
+        raise ValueError(f"compute_gae: `lambd` must be in [0, 1], got {lambd}")
+
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    values = values.detach().to(dtype)
+    rewards = rewards.detach().to(device=values.device, dtype=dtype)
+    mask = loss_mask.detach().to(values.device) != 0
+    batch, response_len = values.shape
+
+    # The last trainable token is the trainable token with no trainable token after it.
+    trainable_at_or_after = mask.flip(-1).cumsum(-1).flip(-1)
+    is_last = mask & (trainable_at_or_after == 1)
+    token_rewards = torch.where(is_last, rewards[:, None], torch.zeros((), dtype=dtype, device=values.device))
+
+    advantages = torch.zeros_like(values)
+    # Carried across masked tokens unchanged, so a hole is not a step.
+    next_value = values.new_zeros(batch)
+    next_advantage = values.new_zeros(batch)
+    for t in reversed(range(response_len)):
+        trainable = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lambd * next_advantage
+        # `where`, not multiplication: a NaN/inf value at a masked position must not leak.
+        advantages[:, t] = torch.where(trainable, advantage, 0.0)
+        next_value = torch.where(trainable, values[:, t], next_value)
+        next_advantage = torch.where(trainable, advantage, next_advantage)
+
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages, returns

@@ -1,0 +1,325 @@
+"""PPO's clipped policy and value losses per token, and their aggregation to one scalar.
+
+Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7 for the
+clipped surrogate, eq. 9 for the value term); dual clip from Ye et al. 2020,
+"Mastering Complex Control in MOBA Games with Deep Reinforcement Learning"
+(eq. 5); asymmetric clip ranges (`eps_clip_high`) as in DAPO ("clip-higher").
+Conventions in DESIGN.md ("PPO math conventions").
+
+Every function here works on padded `(batch, response_len)` tensors and returns
+per-token tensors; `aggregate_loss` reduces a per-token tensor (a loss or a
+metric) with the loss mask. Per-token metrics are 0/1 indicators or values,
+detached, so that they aggregate with the same mask, mode and denominators as
+the loss they describe (a clip fraction of the whole step is then exact under
+micro-batching and data parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from tandem.megatron.advantages import masked_mean_var
+
+__all__ = [
+    "LOG_RATIO_LIMIT",
+    "LOSS_AGGREGATIONS",
+    "LossAggregation",
+    "aggregate_loss",
+    "explained_variance",
+    "loss_denominator",
+    "policy_loss",
+    "value_loss",
+    "value_loss_and_metrics",
+]
+
+LOG_RATIO_LIMIT = 20.0
+"""`log π − log π_old` is clamped to ±this before `exp`, so the ratio stays finite
+(e^20 ≈ 4.9e8) and a masked position's 0 advantage always gives a 0 loss."""
+
+LossAggregation = Literal["sample_mean", "token_mean"]
+"""How per-token losses become one scalar (see `aggregate_loss`)."""
+
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+
+
+def _check_same_shape(fn: str, reference: str, tensors: dict[str, torch.Tensor]) -> None:
+    shape = tensors[reference].shape
+    for name, tensor in tensors.items():
+        if tensor.shape != shape:
+            raise ValueError(
+                f"{fn}: `{name}` has shape {tuple(tensor.shape)} but `{reference}` has {tuple(shape)}; "
+                "pad all per-token tensors to (batch, response_len)"
+            )
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate loss per token (to be minimised), for the actor.
+
+    `ratio = exp(clamp(log_probs − old_log_probs, ±LOG_RATIO_LIMIT))`,
+    `pg_loss1 = −A · ratio`, `pg_loss2 = −A · clip(ratio, 1 − eps_clip, 1 + eps_clip_high)`,
+    loss = `max(pg_loss1, pg_loss2)`. With dual clip, for `A < 0` the loss is
+    further bounded by `pg_loss3 = −A · eps_clip_c`: `min(pg_loss3, max(pg_loss1, pg_loss2))`,
+    so that a token whose ratio has exploded cannot dominate the batch.
+
+    A masked position has advantage 0 (as `compute_gae` and `whiten_advantages`
+    produce), hence loss 0 and gradient 0, whatever its log-probs hold.
+
+    Args:
+        log_probs: log π(token) under the policy being trained (with grad). Shape `(batch, response_len)`.
+        old_log_probs: log π_old(token) under the policy that the step started from (detached). Same shape.
+        advantages: per-token advantages (detached; whitened or not). Same shape.
+        eps_clip: ε_low in (0, 1): the ratio's lower clip bound is `1 − eps_clip`.
+        eps_clip_high: ε_high > 0: the upper bound is `1 + eps_clip_high`;
+            None means `eps_clip` (symmetric clipping).
+        eps_clip_c: the dual-clip constant c > 1 for negative advantages; None disables dual clip.
+
+    Returns:
+        `(per_token_loss, metrics)`: the loss, shape `(batch, response_len)`, and
+        detached per-token metrics of the same shape and dtype (aggregate them
+        with `aggregate_loss` and the loss mask):
+        - `clip_frac`: 1 where the clipped term was chosen (`pg_loss2 > pg_loss1`;
+          the token gives no gradient), else 0.
+        - `dual_clip_frac`: 1 where dual clip bound the loss (`A < 0` and
+          `pg_loss3 < max(pg_loss1, pg_loss2)`), else 0; all 0 without dual clip.
+        - `approx_kl`: `(ratio − 1) − log ratio`, the k3 estimate of KL(π_old ‖ π)
+          on tokens sampled from π_old (as in cleanrl's `approx_kl`).
+    """
+    if not 0.0 < eps_clip < 1.0:
+        raise ValueError(
+            f"policy_loss: `eps_clip` must be in (0, 1), got {eps_clip}; "
+            "it is ε_low of the ratio's clip range [1 − ε_low, 1 + ε_high] (e.g. 0.2)"
+        )
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    if not eps_high > 0.0:
+        raise ValueError(
+            f"policy_loss: `eps_clip_high` must be > 0 or None (= eps_clip), got {eps_clip_high}; "
+            "it is ε_high of the ratio's clip range [1 − ε_low, 1 + ε_high] (e.g. 0.28)"
+        )
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(
+            f"policy_loss: `eps_clip_c` must be > 1 or None (no dual clip), got {eps_clip_c}; "
+            "it bounds the loss of a negative-advantage token at c·|A| (e.g. 3.0)"
+        )
+    _check_same_shape(
+        "policy_loss",
+        "log_probs",
+        {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages},
+    )
+
+    log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_high)
+    clipped_loss = torch.maximum(pg_loss1, pg_loss2)
+    if eps_clip_c is None:
+        loss = clipped_loss
+    else:
+        pg_loss3 = -advantages * eps_clip_c
+        loss = torch.where(advantages < 0, torch.minimum(pg_loss3, clipped_loss), clipped_loss)
+
+    with torch.no_grad():
+        clip_frac = (pg_loss2 > pg_loss1).to(loss.dtype)
+        if eps_clip_c is None:
+            dual_clip_frac = torch.zeros_like(clip_frac)
+        else:
+            dual_clip_frac = ((advantages < 0) & (pg_loss3 < clipped_loss)).to(loss.dtype)
+        metrics = {
+            "clip_frac": clip_frac,
+            "dual_clip_frac": dual_clip_frac,
+            "approx_kl": ((ratio - 1.0) - log_ratio).detach(),
+        }
+    return loss, metrics
+
+
+def value_loss_and_metrics(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    value_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped value loss per token, with its clip fraction, for the critic.
+
+    `v_loss_unclipped = (V − R)²`, `v_loss_clipped = (V_old + clip(V − V_old, ±value_clip) − R)²`,
+    loss = `0.5 · max(v_loss_unclipped, v_loss_clipped)`.
+
+    The factor 0.5 (as in cleanrl, torchtune and verl) makes the gradient with
+    respect to `V` equal to `V − R` where unclipped, so `value_loss_coef`
+    values carry over from those codebases. DESIGN.md's formula is this without the 0.5.
+
+    Masked positions are 0 when `values`, `old_values` and `returns` are 0
+    there; in any case `aggregate_loss` ignores them.
+
+    Args:
+        values: the critic's current values (with grad). Shape `(batch, response_len)`.
+        old_values: the values the step started from (detached). Same shape.
+        returns: GAE returns (detached). Same shape.
+        value_clip: > 0: how far `V` may move from `V_old` before the clipped
+            term takes over; None disables clipping (loss `0.5 · (V − R)²`).
+
+    Returns:
+        `(per_token_loss, metrics)`, each of shape `(batch, response_len)`;
+        metrics (detached): `value_clip_frac`, 1 where the clipped term was
+        chosen (`v_loss_clipped > v_loss_unclipped`; the token gives no gradient), else 0.
+    """
+    if value_clip is not None and not value_clip > 0.0:
+        raise ValueError(
+            f"value_loss: `value_clip` must be > 0 or None (no clipping), got {value_clip} (e.g. 0.2)"
+        )
+    _check_same_shape(
+        "value_loss", "values", {"values": values, "old_values": old_values, "returns": returns}
+    )
+    v_loss_unclipped = (values - returns).square()
+    if value_clip is None:
+        loss = 0.5 * v_loss_unclipped
+        with torch.no_grad():
+            clip_frac = torch.zeros_like(loss)
+        return loss, {"value_clip_frac": clip_frac}
+    values_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    v_loss_clipped = (values_clipped - returns).square()
+    loss = 0.5 * torch.maximum(v_loss_unclipped, v_loss_clipped)
+    with torch.no_grad():
+        clip_frac = (v_loss_clipped > v_loss_unclipped).to(loss.dtype)
+    return loss, {"value_clip_frac": clip_frac}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    value_clip: float | None,
+) -> torch.Tensor:
+    """The clipped value loss per token, for the critic: `value_loss_and_metrics` without the metrics."""
+    return value_loss_and_metrics(values, old_values, returns, value_clip)[0]
+
+
+def loss_denominator(loss_mask: torch.Tensor, mode: LossAggregation = "sample_mean") -> torch.Tensor:
+    """This micro-batch's share of `aggregate_loss`'s denominator, to be summed into `global_count`.
+
+    "token_mean": the number of trainable tokens. "sample_mean": the number of
+    samples with at least one trainable token (a sample without any carries no
+    loss and does not dilute the mean).
+
+    Args:
+        loss_mask: 1 (or True) for trainable tokens. Shape `(batch, response_len)`.
+        mode: one of `LOSS_AGGREGATIONS`.
+
+    Returns:
+        A float32 scalar on `loss_mask`'s device (ready for `all_reduce`).
+    """
+    _check_mode(mode)
+    mask = loss_mask.detach() != 0
+    if mode == "token_mean":
+        return mask.sum().to(torch.float32)
+    return mask.any(dim=-1).sum().to(torch.float32)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation `mode` {mode!r} is unknown; choose one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: LossAggregation = "sample_mean",
+    *,
+    global_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss (or metric) to one scalar over the trainable tokens.
+
+    Modes:
+    - "sample_mean" (default): each sample's mean over its trainable tokens,
+      then the mean over samples. Every sample weighs the same, however long.
+      Samples without a trainable token are left out of both sums.
+    - "token_mean": the mean over all trainable tokens of the batch. Every token
+      weighs the same, so long samples weigh more.
+
+    Denominators under micro-batching and data parallelism: by default the
+    denominator is this call's own (`loss_denominator(loss_mask, mode)`), which
+    is exact only when the whole step is one micro-batch on one rank; with
+    several, averaging micro-batch means weighs a micro-batch of few tokens (or
+    samples) as much as a large one. For the exact mean of the whole step pass
+    `global_count`: the sum of `loss_denominator` over every micro-batch of the
+    optimizer step and every data-parallel rank (one `all_reduce` over the DP
+    group before the step). Then the plain sum of the returned values over
+    micro-batches and ranks is the exact step mean. Megatron-core divides each
+    micro-batch's loss by the number of micro-batches (a two-output `loss_func`)
+    and its DDP averages gradients over the DP ranks, so a caller there returns
+    `aggregate_loss(..., global_count=N) * num_microbatches * dp_size` to
+    undo both.
+
+    Args:
+        per_token_loss: shape `(batch, response_len)`; masked positions may hold anything finite.
+        loss_mask: 1 (or True) for trainable tokens. Same shape.
+        mode: one of `LOSS_AGGREGATIONS`.
+        global_count: the denominator to use instead of this call's own (a count;
+            a count of 0 means nothing was trainable and gives 0).
+
+    Returns:
+        A scalar tensor with `per_token_loss`'s dtype, differentiable; 0 (still
+        connected to the graph) when nothing is trainable.
+    """
+    _check_mode(mode)
+    if loss_mask.shape != per_token_loss.shape or per_token_loss.dim() != 2:
+        raise ValueError(
+            f"aggregate_loss: `per_token_loss` {tuple(per_token_loss.shape)} and `loss_mask` "
+            f"{tuple(loss_mask.shape)} must both have shape (batch, response_len)"
+        )
+    mask = loss_mask.detach().to(per_token_loss.device) != 0
+    # `where`, not multiplication: a non-finite value at a masked position must not leak.
+    masked = torch.where(mask, per_token_loss, 0.0)
+    if mode == "token_mean":
+        total = masked.sum()
+    else:
+        tokens_per_sample = mask.sum(dim=-1).clamp(min=1).to(per_token_loss.dtype)
+        total = (masked.sum(dim=-1) / tokens_per_sample).sum()
+    denominator = loss_denominator(mask, mode) if global_count is None else global_count
+    if isinstance(denominator, torch.Tensor):
+        denominator = denominator.to(device=total.device, dtype=total.dtype).clamp(min=1.0)
+    else:
+        denominator = max(float(denominator), 1.0)
+    return total / denominator
+
+
+@torch.no_grad()
+def explained_variance(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """How much of the returns' variance the critic's values explain, a diagnostic of the critic.
+
+    `1 − Var[R − V] / Var[R]` over the trainable tokens (of every rank of
+    `group`, as in `masked_mean_var`): 1 for a perfect critic, 0 for one that
+    predicts the mean, negative for one worse than that; NaN when the returns
+    have no variance. Computed under `no_grad`, returned detached.
+
+    Args:
+        values: the critic's values. Shape `(batch, response_len)`.
+        returns: the GAE returns. Same shape.
+        loss_mask: 1 (or True) for trainable tokens. Same shape.
+        group: as in `masked_mean_var` (pass the data-parallel group, or rely on
+            the default: world when torch.distributed is initialised, local otherwise).
+
+    Returns:
+        A float32 scalar tensor.
+    """
+    _check_same_shape(
+        "explained_variance", "values", {"values": values, "returns": returns, "loss_mask": loss_mask}
+    )
+    _, var_returns, _ = masked_mean_var(returns, loss_mask, group=group, unbiased=False)
+    _, var_residual, _ = masked_mean_var(returns - values, loss_mask, group=group, unbiased=False)
+    ratio = torch.where(var_returns > 0, var_residual / var_returns, torch.nan)
+    return (1.0 - ratio).to(torch.float32)

@@ -1,0 +1,128 @@
+"""`compute_gae` against a plain reverse loop over each response's trainable tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.megatron.gae import compute_gae
+
+
+def reference_gae(
+    reward: float, values: list[float], mask: list[bool], gamma: float, lambd: float
+) -> tuple[list[float], list[float]]:
+    """GAE of one response, written the textbook way: list the steps, then walk them backwards."""
+    steps = [t for t, m in enumerate(mask) if m]
+    advantages = [0.0] * len(values)
+    returns = [0.0] * len(values)
+    next_value = 0.0  # nothing follows the last step, truncated or not
+    next_advantage = 0.0
+    for k in reversed(range(len(steps))):
+        t = steps[k]
+        r = reward if k == len(steps) - 1 else 0.0
+        delta = r + gamma * next_value - values[t]
+        advantages[t] = delta + gamma * lambd * next_advantage
+        returns[t] = advantages[t] + values[t]
+        next_value = values[t]
+        next_advantage = advantages[t]
+    return advantages, returns
+
+
+finite = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False)
+unit = st.floats(min_value=0.0, max_value=1.0)
+
+
+@st.composite
+def gae_batches(draw: st.DrawFn) -> tuple[list[float], list[list[float]], list[list[bool]], float, float]:
+    batch = draw(st.integers(1, 4))
+    length = draw(st.integers(1, 8))
+    rewards = draw(st.lists(finite, min_size=batch, max_size=batch))
+    values = [draw(st.lists(finite, min_size=length, max_size=length)) for _ in range(batch)]
+    # Arbitrary masks: holes, leading/trailing padding and all-masked rows all occur.
+    masks = [draw(st.lists(st.booleans(), min_size=length, max_size=length)) for _ in range(batch)]
+    return rewards, values, masks, draw(unit), draw(unit)
+
+
+@settings(max_examples=100, deadline=None)
+@given(gae_batches())
+def test_matches_reverse_loop(case: tuple[list[float], list[list[float]], list[list[bool]], float, float]) -> None:
+    rewards, values, masks, gamma, lambd = case
+    advantages, returns = compute_gae(
+        torch.tensor(rewards, dtype=torch.float64),
+        torch.tensor(values, dtype=torch.float64),
+        torch.tensor(masks, dtype=torch.float64),
+        gamma=gamma,
+        lambd=lambd,
+    )
+    for i, (reward, row_values, row_mask) in enumerate(zip(rewards, values, masks, strict=True)):
+        expected_adv, expected_ret = reference_gae(reward, row_values, row_mask, gamma, lambd)
+        torch.testing.assert_close(advantages[i], torch.tensor(expected_adv, dtype=torch.float64))
+        torch.testing.assert_close(returns[i], torch.tensor(expected_ret, dtype=torch.float64))
+
+
+@settings(max_examples=50, deadline=None)
+@given(gae_batches(), st.floats(allow_nan=True, allow_infinity=True))
+def test_values_at_masked_positions_do_not_matter(
+    case: tuple[list[float], list[list[float]], list[list[bool]], float, float], garbage: float
+) -> None:
+    rewards, values, masks, gamma, lambd = case
+    mask = torch.tensor(masks)
+    clean = torch.where(mask, torch.tensor(values, dtype=torch.float64), 0.0)
+    dirty = torch.where(mask, clean, garbage)
+    expected = compute_gae(torch.tensor(rewards, dtype=torch.float64), clean, mask, gamma, lambd)
+    got = compute_gae(torch.tensor(rewards, dtype=torch.float64), dirty, mask, gamma, lambd)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_masked_hole_is_skipped_not_a_step() -> None:
+    # Mask 1 0 1 with γ = 0.5, λ = 1, V = (1, 100, 3), reward 8 (hand-computed):
+    # the hole at t=1 is skipped, so t=0 bootstraps from V_2 = 3 with ONE factor γ.
+    # t=2: δ = 8 + 0 − 3 = 5, A_2 = 5.
+    # t=0: δ = 0 + 0.5·3 − 1 = 0.5, A_0 = 0.5 + 0.5·5 = 3.
+    # Were the hole a zero-reward step, A_0 would use V_1 = 100 and γ² for A_2.
+    advantages, returns = compute_gae(
+        torch.tensor([8.0]), torch.tensor([[1.0, 100.0, 3.0]]), torch.tensor([[1, 0, 1]]), gamma=0.5
+    )
+    torch.testing.assert_close(advantages, torch.tensor([[3.0, 0.0, 5.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[4.0, 0.0, 8.0]]))
+
+
+def test_defaults_give_reward_minus_value() -> None:
+    # γ = λ = 1: every trainable token's advantage is the final reward minus its own value
+    # (the intermediate values telescope away), and the return is the reward itself.
+    values = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    advantages, returns = compute_gae(torch.tensor([3.0]), values, mask)
+    torch.testing.assert_close(advantages, torch.tensor([[2.5, 4.0, 1.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[3.0, 3.0, 3.0, 0.0]]))
+
+
+def test_outputs_are_detached_and_at_least_float32() -> None:
+    values = torch.zeros(2, 3, dtype=torch.bfloat16, requires_grad=True)
+    rewards = torch.ones(2, requires_grad=True)
+    advantages, returns = compute_gae(rewards, values, torch.ones(2, 3))
+    assert not advantages.requires_grad and not returns.requires_grad
+    assert advantages.dtype == returns.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"gamma": 1.5}, "gamma"),
+        ({"gamma": math.nan}, "gamma"),
+        ({"lambd": -0.1}, "lambd"),
+        ({"rewards": torch.zeros(2, 1)}, "rewards"),
+        ({"loss_mask": torch.ones(2, 4)}, "loss_mask"),
+        ({"values": torch.zeros(2)}, "values"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs: dict[str, object], flag: str) -> None:
+    args: dict[str, object] = {"rewards": torch.zeros(2), "values": torch.zeros(2, 3), "loss_mask": torch.ones(2, 3)}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=f"`{flag}`"):
+        compute_gae(**args)  # type: ignore[arg-type]

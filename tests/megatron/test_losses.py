@@ -1,0 +1,273 @@
+"""PPO policy and value losses, their aggregation, explained variance and entropy, against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.megatron.entropy import entropy_from_logits
+from tandem.megatron.losses import (
+    aggregate_loss,
+    explained_variance,
+    loss_denominator,
+    policy_loss,
+    value_loss,
+    value_loss_and_metrics,
+)
+
+
+def _policy(
+    ratios: list[float], advantages: list[float], **kwargs: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Policy loss of one row with the given ratios (old log-probs 0, so log_probs = log ratio)."""
+    log_probs = torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float64, requires_grad=True)
+    loss, metrics = policy_loss(
+        log_probs,
+        torch.zeros_like(log_probs),
+        torch.tensor([advantages], dtype=torch.float64),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    loss.sum().backward()
+    assert log_probs.grad is not None
+    return loss, metrics, log_probs.grad
+
+
+def test_policy_loss_clip_on_both_sides() -> None:
+    # ε = 0.2, so the ratio's clip range is [0.8, 1.2]; loss = max(−r·A, −clip(r)·A).
+    # 0: A = +2, r = 1.5: the surrogate would reward pushing r past 1.2 → clipped: −1.2·2 = −2.4, no gradient.
+    # 1: A = +2, r = 0.5: below the range but A > 0, so pessimism keeps the unclipped −0.5·2 = −1.0.
+    # 2: A = −2, r = 0.5: pushing r below 0.8 would be rewarded → clipped: 0.8·2 = 1.6, no gradient.
+    # 3: A = −2, r = 1.5: above the range but A < 0, unclipped: 1.5·2 = 3.0.
+    # 4: A = +2, r = 1.1: inside the range, both terms agree: −1.1·2 = −2.2.
+    loss, metrics, grad = _policy([1.5, 0.5, 0.5, 1.5, 1.1], [2.0, 2.0, -2.0, -2.0, 2.0], eps_clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-2.4, -1.0, 1.6, 3.0, -2.2]], dtype=torch.float64))
+    torch.testing.assert_close(metrics["clip_frac"], torch.tensor([[1.0, 0.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(metrics["dual_clip_frac"], torch.zeros(1, 5, dtype=torch.float64))
+    # d(−A·r)/d log r = −A·r where unclipped; 0 where the clipped (constant) term is chosen.
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -1.0, 0.0, 3.0, -2.2]], dtype=torch.float64))
+
+
+def test_policy_loss_asymmetric_clip_high() -> None:
+    # ε_low = 0.2, ε_high = 0.28 ("clip-higher"): range [0.8, 1.28].
+    # 0: A = +1, r = 1.25 is inside the wider upper range: −1.25 (would be clipped to −1.2 symmetrically).
+    # 1: A = +1, r = 1.3 is above it: −1.28.
+    # 2: A = −1, r = 0.7 is below the unchanged lower bound: 0.8.
+    loss, metrics, _ = _policy([1.25, 1.3, 0.7], [1.0, 1.0, -1.0], eps_clip=0.2, eps_clip_high=0.28)
+    torch.testing.assert_close(loss, torch.tensor([[-1.25, -1.28, 0.8]], dtype=torch.float64))
+    torch.testing.assert_close(metrics["clip_frac"], torch.tensor([[0.0, 1.0, 1.0]], dtype=torch.float64))
+
+
+def test_policy_loss_dual_clip() -> None:
+    # ε = 0.2, c = 3: for A < 0 the loss is min(c·|A|, max(r·|A|, clip(r)·|A|)).
+    # 0: A = −1, r = 5: the ratio exploded; max(5, 1.2) = 5 is bounded to c·1 = 3, no gradient.
+    # 1: A = −1, r = 2: 2 < c, dual clip inactive: 2.
+    # 2: A = +1, r = 5: dual clip never applies to A > 0; the ordinary clip gives −1.2.
+    # 3: A = −1, r = 0.5: the ordinary lower clip: 0.8 (< c, untouched).
+    loss, metrics, grad = _policy([5.0, 2.0, 5.0, 0.5], [-1.0, -1.0, 1.0, -1.0], eps_clip=0.2, eps_clip_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[3.0, 2.0, -1.2, 0.8]], dtype=torch.float64))
+    torch.testing.assert_close(metrics["dual_clip_frac"], torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(metrics["clip_frac"], torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_policy_loss_approx_kl_metric_and_detachment() -> None:
+    # approx_kl = (r − 1) − log r: r = 2 → 1 − ln 2; r = 1 → 0; r = 0.5 → −0.5 + ln 2.
+    loss, metrics, _ = _policy([2.0, 1.0, 0.5], [1.0, 1.0, 1.0], eps_clip=0.2)
+    expected = torch.tensor([[1 - math.log(2), 0.0, -0.5 + math.log(2)]], dtype=torch.float64)
+    torch.testing.assert_close(metrics["approx_kl"], expected)
+    assert loss.requires_grad
+    assert not any(m.requires_grad for m in metrics.values())
+    assert all(m.shape == loss.shape for m in metrics.values())
+
+
+def test_policy_loss_clamps_the_log_ratio() -> None:
+    # A log-ratio of ±50 (or a garbage log-prob at a padded position) would overflow exp; clamped to
+    # ±20 the loss stays finite: A = −1 with r = e^20 → e^20 (unclipped, A < 0); A = +1 with r = e^−20
+    # → −e^−20 (below the range but A > 0, unclipped); and with A = 0 at padding exactly 0.
+    log_probs = torch.tensor([[50.0, -50.0, 1e30]])
+    loss, metrics = policy_loss(log_probs, torch.zeros(1, 3), torch.tensor([[-1.0, 1.0, 0.0]]), eps_clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor([[math.exp(20.0), -math.exp(-20.0), 0.0]]))
+    assert torch.isfinite(metrics["approx_kl"]).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"eps_clip": 0.0}, "eps_clip"),
+        ({"eps_clip": 1.0}, "eps_clip"),
+        ({"eps_clip": math.nan}, "eps_clip"),
+        ({"eps_clip_high": 0.0}, "eps_clip_high"),
+        ({"eps_clip_c": 1.0}, "eps_clip_c"),
+        ({"advantages": torch.zeros(2, 2)}, "advantages"),
+    ],
+)
+def test_policy_loss_bad_input_names_the_argument(kwargs: dict[str, object], flag: str) -> None:
+    args: dict[str, object] = {
+        "log_probs": torch.zeros(2, 3),
+        "old_log_probs": torch.zeros(2, 3),
+        "advantages": torch.zeros(2, 3),
+        "eps_clip": 0.2,
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=f"`{flag}`"):
+        policy_loss(**args)  # type: ignore[arg-type]
+
+
+def test_value_loss_clip_cases() -> None:
+    # V_old = 1, R = 2, value_clip = 0.2, so the clipped value lies in [0.8, 1.2]; loss = 0.5·max(...).
+    # 0: V = 1.5 moved toward R beyond the clip: clipped (1.2 − 2)² = 0.64 > (1.5 − 2)² = 0.25 → 0.32, no gradient.
+    # 1: V = 1.1 inside the clip: both terms (1.1 − 2)² = 0.81 → 0.405.
+    # 2: V = 3 overshoots R: unclipped (3 − 2)² = 1 > clipped 0.64 → 0.5.
+    # 3: V = 0.5 moved away from R: unclipped 2.25 > clipped (0.8 − 2)² = 1.44 → 1.125.
+    values = torch.tensor([[1.5, 1.1, 3.0, 0.5]], dtype=torch.float64, requires_grad=True)
+    old_values = torch.ones(1, 4, dtype=torch.float64)
+    returns = torch.full((1, 4), 2.0, dtype=torch.float64)
+    loss, metrics = value_loss_and_metrics(values, old_values, returns, value_clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor([[0.32, 0.405, 0.5, 1.125]], dtype=torch.float64))
+    torch.testing.assert_close(metrics["value_clip_frac"], torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+    assert not metrics["value_clip_frac"].requires_grad
+    loss.sum().backward()
+    # Where unclipped the 0.5 makes the gradient V − R: 1.1 − 2, 3 − 2, 0.5 − 2.
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.9, 1.0, -1.5]], dtype=torch.float64))
+    torch.testing.assert_close(value_loss(values, old_values, returns, 0.2), loss)
+
+
+def test_value_loss_without_clip() -> None:
+    # value_clip=None: plain 0.5·(V − R)², even where V moved far from V_old.
+    loss = value_loss(torch.tensor([[5.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 2.0]]), value_clip=None)
+    torch.testing.assert_close(loss, torch.tensor([[4.5, 0.5]]))
+
+
+@pytest.mark.parametrize(("value_clip", "flag"), [(0.0, "value_clip"), (-1.0, "value_clip")])
+def test_value_loss_bad_clip(value_clip: float, flag: str) -> None:
+    with pytest.raises(ValueError, match=f"`{flag}`"):
+        value_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), value_clip)
+
+
+LOSS = [[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0], [99.0, 99.0, 99.0, 99.0]]
+MASK = [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_aggregate_sample_mean() -> None:
+    # Row means 2 and 4; the all-masked third row carries no loss and is not counted: (2 + 4) / 2 = 3.
+    # The 99s sit at masked positions and must not count.
+    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "sample_mean")
+    torch.testing.assert_close(got, torch.tensor(3.0))
+
+
+def test_aggregate_token_mean() -> None:
+    # Four trainable tokens summing to 10: 10 / 4 = 2.5 (the long first row weighs three times as much).
+    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "token_mean")
+    torch.testing.assert_close(got, torch.tensor(2.5))
+
+
+def test_aggregate_with_global_count() -> None:
+    # A step of 8 trainable tokens over all micro-batches and ranks: this micro-batch contributes 10 / 8.
+    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "token_mean", global_count=torch.tensor(8.0))
+    torch.testing.assert_close(got, torch.tensor(1.25))
+    # 5 samples in the step: this micro-batch's two row means 2 + 4 over 5.
+    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "sample_mean", global_count=5)
+    torch.testing.assert_close(got, torch.tensor(1.2))
+
+
+def test_aggregate_nothing_trainable_gives_connected_zero() -> None:
+    loss = torch.full((2, 3), 7.0, requires_grad=True)
+    for mode in ("sample_mean", "token_mean"):
+        got = aggregate_loss(loss, torch.zeros(2, 3), mode)  # type: ignore[arg-type]
+        assert got.item() == 0.0
+        got.backward()  # still in the graph, so a backward pass on every rank works
+        assert loss.grad is not None and loss.grad.eq(0).all()
+
+
+def test_loss_denominator() -> None:
+    assert loss_denominator(torch.tensor(MASK), "token_mean").item() == 4
+    assert loss_denominator(torch.tensor(MASK), "sample_mean").item() == 2
+
+
+@st.composite
+def split_batches(draw: st.DrawFn) -> tuple[list[list[float]], list[list[bool]], list[int]]:
+    batch = draw(st.integers(1, 6))
+    length = draw(st.integers(1, 5))
+    losses = [
+        draw(st.lists(st.floats(-100, 100), min_size=length, max_size=length)) for _ in range(batch)
+    ]
+    masks = [draw(st.lists(st.booleans(), min_size=length, max_size=length)) for _ in range(batch)]
+    cuts = sorted(draw(st.lists(st.integers(1, batch - 1), max_size=3, unique=True))) if batch > 1 else []
+    return losses, masks, cuts
+
+
+@settings(max_examples=60, deadline=None)
+@given(split_batches(), st.sampled_from(["sample_mean", "token_mean"]))
+def test_micro_batches_with_global_count_sum_to_the_whole(
+    case: tuple[list[list[float]], list[list[bool]], list[int]], mode: str
+) -> None:
+    # Splitting a step into micro-batches (or ranks) and passing the step's count must give the
+    # same total as aggregating the whole step at once.
+    losses, masks, cuts = case
+    loss = torch.tensor(losses, dtype=torch.float64)
+    mask = torch.tensor(masks)
+    whole = aggregate_loss(loss, mask, mode)  # type: ignore[arg-type]
+    bounds = [0, *cuts, len(losses)]
+    parts = [(loss[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    count = sum(loss_denominator(m, mode) for _, m in parts)  # type: ignore[arg-type]
+    total = sum(aggregate_loss(part, m, mode, global_count=count) for part, m in parts)  # type: ignore[arg-type]
+    torch.testing.assert_close(total, whole)
+
+
+def test_aggregate_bad_mode_lists_the_modes() -> None:
+    with pytest.raises(ValueError, match="sample_mean, token_mean"):
+        aggregate_loss(torch.zeros(1, 2), torch.ones(1, 2), "mean")  # type: ignore[arg-type]
+
+
+def test_explained_variance() -> None:
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0], [4.0, 5.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    # A perfect critic explains everything.
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    # Predicting the mean of the trainable returns (3) explains nothing: Var[R − 3] = Var[R].
+    assert explained_variance(torch.full_like(returns, 3.0), returns, mask).item() == pytest.approx(0.0)
+    # Values off by ±1 alternately: R − V = (1, −1, 1, ·; −1, 1) with mean 0.2, Var = 1 − 0.04 = 0.96;
+    # Var[R] over 1..5 is 2 (population variance): 1 − 0.96 / 2 = 0.52.
+    offsets = torch.tensor([[-1.0, 1.0, -1.0, 0.0], [1.0, -1.0, 0.0, 0.0]])
+    assert explained_variance(returns + offsets, returns, mask).item() == pytest.approx(0.52)
+    # Constant returns: the ratio is undefined.
+    assert math.isnan(explained_variance(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)).item())
+
+
+@st.composite
+def logit_rows(draw: st.DrawFn) -> list[list[float]]:
+    vocab = draw(st.integers(1, 6))
+    row = st.lists(st.floats(-30, 30), min_size=vocab, max_size=vocab)
+    return draw(st.lists(row, min_size=1, max_size=4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(logit_rows())
+def test_entropy_matches_torch_categorical(rows: list[list[float]]) -> None:
+    # torch.distributions.Categorical is the reference no one here wrote.
+    logits = torch.tensor(rows, dtype=torch.float64)
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(entropy_from_logits(logits), expected)
+
+
+def test_entropy_is_stable_for_large_and_peaked_logits() -> None:
+    # Entropy is invariant to adding a constant; with logits near 1e4 in float32 the form
+    # logsumexp(l) − Σ p·l would lose about 1e-3 to cancellation.
+    logits = torch.tensor([[0.0, -1.0, -2.0, -30.0]])
+    expected = entropy_from_logits(logits.double()).float()
+    torch.testing.assert_close(entropy_from_logits(logits + 1e4), expected, rtol=1e-5, atol=1e-6)
+    # Uniform over V entries: log V. A vocabulary entry masked with finfo.min does not count.
+    uniform = torch.zeros(2, 3, 8)
+    torch.testing.assert_close(entropy_from_logits(uniform), torch.full((2, 3), math.log(8)))
+    masked = torch.tensor([[0.0, 0.0, torch.finfo(torch.float32).min]])
+    torch.testing.assert_close(entropy_from_logits(masked), torch.tensor([math.log(2)]))
+
+
+def test_entropy_gradient_is_finite() -> None:
+    logits = torch.tensor([[3.0, 0.0, torch.finfo(torch.float32).min]], requires_grad=True)
+    entropy_from_logits(logits).sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()

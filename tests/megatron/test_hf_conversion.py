@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.megatron.conversion import (
+    hf_shape,
     layer_names,
     param_map,
     shard,
@@ -39,29 +40,7 @@ def _spec(family: str, heads: int, kv_heads: int, head_dim: int, tie: bool = Fal
 
 
 def _hf_tensor(name: str, spec: ModelSpec, gen: torch.Generator) -> torch.Tensor:
-    h, hd = spec.hidden_size, spec.head_dim
-    shapes = {
-        "q_proj.weight": (spec.num_attention_heads * hd, h),
-        "k_proj.weight": (spec.num_kv_heads * hd, h),
-        "v_proj.weight": (spec.num_kv_heads * hd, h),
-        "q_proj.bias": (spec.num_attention_heads * hd,),
-        "k_proj.bias": (spec.num_kv_heads * hd,),
-        "v_proj.bias": (spec.num_kv_heads * hd,),
-        "o_proj.weight": (h, spec.num_attention_heads * hd),
-        "q_norm.weight": (hd,),
-        "k_norm.weight": (hd,),
-        "gate_proj.weight": (spec.ffn_hidden_size, h),
-        "up_proj.weight": (spec.ffn_hidden_size, h),
-        "down_proj.weight": (h, spec.ffn_hidden_size),
-        "embed_tokens.weight": (spec.vocab_size, h),
-        "lm_head.weight": (spec.vocab_size, h),
-        "score.weight": (1, h),
-        "score.bias": (1,),
-    }
-    for suffix, shape in shapes.items():
-        if name.endswith(suffix):
-            return torch.randn(*shape, generator=gen)
-    return torch.randn(h, generator=gen)  # the norms of width hidden
+    return torch.randn(*hf_shape(spec, name), generator=gen)
 
 
 @settings(max_examples=40, deadline=None)

@@ -205,3 +205,34 @@ def unshard(split: Split, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(parts), dim=1)
     halves = [p.chunk(2, dim=0) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def hf_shape(spec: ModelSpec, hf_name: str) -> tuple[int, ...]:
+    """Shape of HF tensor `hf_name` in a checkpoint of shape `spec`."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q_rows, kv_rows = spec.num_attention_heads * hd, spec.num_kv_heads * hd
+    suffix_shapes: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q_rows, h),
+        "self_attn.k_proj.weight": (kv_rows, h),
+        "self_attn.v_proj.weight": (kv_rows, h),
+        "self_attn.q_proj.bias": (q_rows,),
+        "self_attn.k_proj.bias": (kv_rows,),
+        "self_attn.v_proj.bias": (kv_rows,),
+        "self_attn.o_proj.weight": (h, q_rows),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
+        "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
+        "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "model.norm.weight": (h,),
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "lm_head.weight": (spec.vocab_size, h),
+        "score.weight": (1, h),
+        "score.bias": (1,),
+    }
+    for suffix, shape in suffix_shapes.items():
+        if hf_name == suffix or hf_name.endswith("." + suffix):
+            return shape
+    raise KeyError(f"unknown Hugging Face tensor name {hf_name!r}")

@@ -152,6 +152,9 @@ class ModelSpec:
             tensor_model_parallel_size=tensor_parallel_size,
             pipeline_model_parallel_size=pipeline_parallel_size,
             sequence_parallel=False,
+            # Micro-batches are padded each to its own longest sample, so pipeline
+            # stages exchange tensor shapes before each activation.
+            variable_seq_lengths=True,
             params_dtype=params_dtype,
             pipeline_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,

@@ -1,0 +1,256 @@
+"""Forward (and backward) passes of actor and critic over a rollout batch, through Megatron's pipeline schedule.
+
+Each micro-batch is right-padded to its own longest sample (causal attention
+means padding at the end never changes the real tokens, and positions start
+at 0 for every sample as in the rollout engine). On pipeline-last-stage ranks
+the model output is cut down to each sample's response positions:
+
+- actor: `log_probs[t] = log softmax(logits / temperature)[token_t]` taken from
+  the position that predicts response token `t`, computed vocab-parallel
+  (no rank gathers the full vocabulary); `entropy[t]` of that same
+  distribution when asked;
+- critic: `values[t]` = the value head at that position (never divided by the
+  temperature), fp32.
+
+`run_micro_batches` hands those per-sample tensors (with autograd when not
+forward-only) to a `loss_fn`; `forward_only` returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.batch import RolloutBatch
+
+Role = Literal["actor", "critic"]
+LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, Mapping[str, Any]]]
+
+
+@dataclass
+class ResponseOutputs:
+    """Per-sample response tensors of one micro-batch (each of shape `(response_len_i,)`).
+
+    Attributes:
+        log_probs: actor only: log-probs of the response tokens under `logits / temperature`.
+        entropy: actor only, when asked: entropy of that distribution at each response token.
+        values: critic only: fp32 values of the state before each response token.
+
+    Also readable as a mapping (`outputs["log_probs"]`).
+    """
+
+    log_probs: list[torch.Tensor] | None = None
+    entropy: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+
+    def __getitem__(self, key: str) -> list[torch.Tensor]:
+        value = getattr(self, key, None) if key in ("log_probs", "entropy", "values") else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+
+def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
+    """`batch` cut into consecutive micro-batches of `micro_batch_size` samples (the last may be smaller)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size is {micro_batch_size}; it must be at least 1")
+    n = len(batch)
+    return [batch.select(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+
+
+def _padded_tokens(mb: RolloutBatch, device: torch.device) -> torch.Tensor:
+    """Tokens of the micro-batch as `(b, max_len)`, right-padded with token 0."""
+    padded = torch.nn.utils.rnn.pad_sequence(list(mb.tokens), batch_first=True, padding_value=0)
+    return padded.to(device=device, dtype=torch.long)
+
+
+def _response_rows(mb: RolloutBatch) -> list[tuple[int, int, int]]:
+    """(sample, first position, last position + 1) of the positions that predict each response."""
+    rows = []
+    for i, (toks, rlen) in enumerate(zip(mb.tokens, mb.response_lengths, strict=True)):
+        total = int(toks.numel())
+        rows.append((i, total - rlen - 1, total - 1))
+    return rows
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` (and entropies) from this TP rank's vocabulary slice of `logits`.
+
+    Shape: logits `(n, vocab / tp)`, targets `(n,)` global token ids; returns `(n,)` tensors.
+    Differentiable: the sums over the vocabulary are all-reduced with Megatron's
+    `reduce_from_tensor_model_parallel_region` (identity backward), so each rank's
+    gradient reaches only its own slice, as Megatron's vocab-parallel cross entropy does.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    vocab_local = logits.shape[-1]
+    start = mpu.get_tensor_model_parallel_rank() * vocab_local
+    # A shift for stability only: no gradient flows through it.
+    shift = logits.detach().max(dim=-1).values
+    if tp_size > 1:
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    shifted = logits - shift.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    log_z = sum_exp.log()
+    in_slice = (targets >= start) & (targets < start + vocab_local)
+    local_target = (targets - start).clamp(0, vocab_local - 1)
+    picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_slice
+    log_probs = reduce_from_tensor_model_parallel_region(picked) - log_z
+    if not with_entropy:
+        return log_probs, None
+    expected = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1)) / sum_exp
+    return log_probs, log_z - expected
+
+
+def _response_outputs(
+    mb: RolloutBatch,
+    tokens: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    role: Role,
+    temperature: float,
+    with_entropy: bool,
+) -> ResponseOutputs:
+    rows = _response_rows(mb)
+    lengths = [end - begin for _, begin, end in rows]
+    if role == "critic":
+        values = torch.cat([output[i, begin:end, 0] for i, begin, end in rows]).float()
+        return ResponseOutputs(values=list(values.split(lengths)))
+    # Only the positions that predict response tokens: prompts never reach the softmax.
+    logits = torch.cat([output[i, begin:end] for i, begin, end in rows]).float() / temperature
+    targets = torch.cat([tokens[i, begin + 1 : end + 1] for i, begin, end in rows])
+    log_probs, entropy = vocab_parallel_log_probs(logits, targets, with_entropy=with_entropy)
+    return ResponseOutputs(
+        log_probs=list(log_probs.split(lengths)),
+        entropy=None if entropy is None else list(entropy.split(lengths)),
+    )
+
+
+def run_micro_batches(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    micro_batches: Sequence[RolloutBatch],
+    *,
+    role: Role,
+    temperature: float = 1.0,
+    forward_only: bool,
+    loss_fn: LossFn | None = None,
+    with_entropy: bool = False,
+) -> list[Mapping[str, Any]]:
+    """Run Megatron's forward(-backward) schedule over `micro_batches`; return each one's metrics.
+
+    On pipeline-last-stage ranks, each micro-batch's `ResponseOutputs` go to
+    `loss_fn(micro_batch, outputs) -> (loss, metrics)`. When not
+    `forward_only`, Megatron back-propagates the losses and gradients
+    accumulate in the parameters as the SUM over micro-batches of the
+    `loss` values returned (we undo the schedule's division by the number of
+    micro-batches), so normalise inside `loss_fn` (e.g. divide by the number
+    of samples of the whole step). Gradient reduction across data-parallel
+    ranks (DDP, `config.finalize_model_grads_func`) is the caller's set-up.
+
+    All ranks of the model (every TP and PP rank of a data-parallel group)
+    must call this with the same micro-batches. Returns the metrics dicts,
+    one per micro-batch, on last-stage ranks and `[]` on the others.
+
+    Args:
+        model: this rank's stage (possibly DDP-wrapped), or a one-element list of it.
+        micro_batches: from `micro_batches(batch, size)`.
+        role: "actor" (log-probs, entropy) or "critic" (values).
+        temperature: the sampling temperature; actor logits are divided by it.
+        forward_only: no backward pass (outputs then carry no autograd graph).
+        loss_fn: required unless `forward_only`; `None` in forward-only mode gives empty metrics.
+        with_entropy: also compute the actor's per-token entropy.
+    """
+    if role not in ("actor", "critic"):
+        raise ValueError(f"run_micro_batches: role {role!r} is not 'actor' or 'critic'")
+    if temperature <= 0:
+        raise ValueError(f"run_micro_batches: temperature is {temperature}; it must be positive")
+    if not forward_only and loss_fn is None:
+        raise ValueError("run_micro_batches: a loss_fn is required when forward_only=False")
+    if with_entropy and role != "actor":
+        raise ValueError("run_micro_batches: with_entropy applies to the actor only")
+    if not micro_batches:
+        return []
+    enable_cpu_compat()
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    device = next(chunks[0].parameters()).device
+    num_micro_batches = len(micro_batches)
+
+    def loss_func(mb: RolloutBatch, tokens: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        outputs = _response_outputs(
+            mb, tokens, output, role=role, temperature=temperature, with_entropy=with_entropy
+        )
+        if loss_fn is None:
+            return output.new_zeros(()), {}
+        loss, metrics = loss_fn(mb, outputs)
+        # Megatron divides a (loss, metrics) pair by the number of micro-batches; undo it.
+        return loss * num_micro_batches, metrics
+
+    def forward_step(data_iterator: Iterator[RolloutBatch], stage: torch.nn.Module) -> tuple[Any, Any]:
+        mb = next(data_iterator)
+        tokens = _padded_tokens(mb, device)
+        position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        output = stage(tokens, position_ids, None)
+        return output, partial(loss_func, mb, tokens)
+
+    forward_backward = get_forward_backward_func()
+    result = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=chunks,
+        num_microbatches=num_micro_batches,
+        seq_length=max(int(t.numel()) for mb in micro_batches for t in mb.tokens),
+        micro_batch_size=max(len(mb) for mb in micro_batches),
+        forward_only=forward_only,
+    )
+    return list(result or [])
+
+
+def forward_only(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    batch: RolloutBatch,
+    *,
+    role: Role,
+    temperature: float = 1.0,
+    micro_batch_size: int = 1,
+) -> list[torch.Tensor] | None:
+    """Per-sample response log-probs (actor) or values (critic), without gradients.
+
+    Returns one `(response_len_i,)` tensor per sample of `batch` on
+    pipeline-last-stage ranks (log-probs of `logits / temperature` for the
+    actor; fp32 values, never divided by the temperature, for the critic),
+    and None on other stages. Every rank of the model must call it.
+    """
+    from megatron.core import parallel_state as mpu
+
+    key = "log_probs" if role == "actor" else "values"
+    collected: list[torch.Tensor] = []
+
+    def keep(mb: RolloutBatch, outputs: ResponseOutputs) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        collected.extend(t.detach() for t in outputs[key])
+        return torch.zeros(()), {}
+
+    with torch.no_grad():
+        run_micro_batches(
+            model,
+            micro_batches(batch, micro_batch_size),
+            role=role,
+            temperature=temperature,
+            forward_only=True,
+            loss_fn=keep,
+        )
+    if not mpu.is_pipeline_last_stage():
+        return None
+    return collected

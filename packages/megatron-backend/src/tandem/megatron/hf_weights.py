@@ -1,0 +1,219 @@
+"""Hugging Face weights into and out of this rank's Megatron stage.
+
+`load_hf_checkpoint` reads a local HF folder (`config.json` plus
+`model.safetensors`, or shards listed in `model.safetensors.index.json`) and
+fills this rank's tensor-parallel slice of its pipeline stage; each rank reads
+only the tensors of its own stage.
+
+`export_hf_weights` is the other direction, in the form an inference engine's
+weight update takes: full (unsplit), HF-named tensors in chunks of bounded
+size. Every rank of the model calls it and iterates it to the end in
+lockstep (it runs collectives): the owner stage gathers each tensor over its
+TP group, then broadcasts it over the pipeline group, so EVERY rank receives
+every chunk, on the model's device and in the model's dtype. That suits both
+ways an engine is fed: each engine rank pulling full tensors from its
+co-located train rank (e.g. SGLang `update_weights_from_tensor`), or one rank
+(global rank 0) sending them over a broadcast group (`update_weights_from_distributed`).
+A tied output head is not exported (the engine ties it to `model.embed_tokens.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.conversion import (
+    ParamMap,
+    hf_shape,
+    param_map,
+    shard,
+    stage_param_names,
+    to_hf,
+    to_megatron,
+    unshard,
+)
+from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.models import Role, ValueHead, unwrap_model
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a local HF checkpoint folder (single file or sharded index)."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self.root = Path(hf_dir)
+        index = self.root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self._file_of = dict(weight_map)
+        else:
+            files = sorted(self.root.glob("*.safetensors"))
+            if not files:
+                raise ValueError(
+                    f"load_hf_checkpoint: no *.safetensors in {self.root}; pass a HF model folder "
+                    "saved with safetensors (save_pretrained(..., safe_serialization=True))"
+                )
+            from safetensors import safe_open
+
+            self._file_of = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as handle:
+                    self._file_of.update(dict.fromkeys(handle.keys(), f.name))
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor `name`, read from its file."""
+        if name not in self._file_of:
+            raise ValueError(
+                f"load_hf_checkpoint: tensor {name!r} is missing from the checkpoint in {self.root}"
+            )
+        from safetensors import safe_open
+
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.root / file), framework="pt")
+        tensor: torch.Tensor = self._handles[file].get_tensor(name)
+        return tensor
+
+
+def _stage_layout(gpt: Any, pp_rank: int | None = None) -> tuple[int, int]:
+    """(first global layer, number of layers) of pipeline stage `pp_rank` (this one by default)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return (
+        int(get_transformer_layer_offset(gpt.config, pp_rank=pp_rank)),
+        int(get_num_layers_to_build(gpt.config, pp_rank=pp_rank)),
+    )
+
+
+def _role_of(gpt: Any) -> Role:
+    return "critic" if isinstance(getattr(gpt, "output_layer", None), ValueHead) else "actor"
+
+
+def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Role) -> None:
+    """Copy a local HF checkpoint into this rank's slice of its stage of `model`.
+
+    The critic's `ValueHead` is loaded from `score.weight` / `score.bias` when
+    the checkpoint has them with shape (1, hidden) / (1,) (a critic saved by
+    `export_hf_weights`, or a one-label reward model); otherwise it keeps its init.
+    """
+    enable_cpu_compat()
+    from megatron.core import parallel_state as mpu
+
+    gpt = unwrap_model(model)
+    if _role_of(gpt) != role:
+        raise ValueError(f"load_hf_checkpoint: role {role!r} does not match the model ({_role_of(gpt)})")
+    reader = SafetensorsReader(hf_dir)
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    offset, _ = _stage_layout(gpt)
+    for name, param in gpt.named_parameters():
+        pm = param_map(spec, name, layer_offset=offset, role=role)
+        if role == "critic" and name.startswith("output_layer."):
+            if not all(n in reader for n in pm.hf):
+                continue
+            tensors = [reader.get(n) for n in pm.hf]
+            if any(tuple(t.shape) != tuple(param.shape) for t in tensors):
+                continue
+        else:
+            tensors = [reader.get(n) for n in pm.hf]
+        local = shard(pm.split, to_megatron(spec, pm, tensors), tp_rank, tp_size)
+        if tuple(local.shape) != tuple(param.shape):
+            raise ValueError(
+                f"load_hf_checkpoint: {pm.hf} give {tuple(local.shape)} for {name} but the model has "
+                f"{tuple(param.shape)}; the checkpoint does not match config.json"
+            )
+        with torch.no_grad():
+            param.copy_(local)
+
+
+def _gather_tp(local: torch.Tensor, pm: ParamMap) -> torch.Tensor:
+    from megatron.core import parallel_state as mpu
+
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    if pm.split == "replicated" or tp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    return unshard(pm.split, parts)
+
+
+def _export_plan(gpt: Any, spec: ModelSpec, role: Role) -> list[tuple[int, ParamMap]]:
+    """(owner pipeline stage, ParamMap) of every exported tensor of the whole model, in order."""
+    from megatron.core import parallel_state as mpu
+
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    plan = []
+    for stage in range(pp_size):
+        offset, num_layers = _stage_layout(gpt, pp_rank=stage)
+        names = stage_param_names(
+            spec,
+            role=role,
+            num_local_layers=num_layers,
+            pre_process=stage == 0,
+            post_process=stage == pp_size - 1,
+            tied_copy=pp_size > 1,
+        )
+        for name in names:
+            pm = param_map(spec, name, layer_offset=offset, role=role)
+            if pm.exported:
+                plan.append((stage, pm))
+    return plan
+
+
+def export_hf_weights(
+    model: Any, spec: ModelSpec, chunk_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full HF-named tensors of the whole model, in chunks of at most `chunk_bytes` (one tensor larger than that comes alone).
+
+    Every rank of the model must iterate it to the end (collectives inside);
+    every rank gets every chunk (see the module docstring). Tensors are fresh
+    copies on the model's device, in its parameter dtype (the critic head in fp32).
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"export_hf_weights: chunk_bytes is {chunk_bytes}; it must be positive")
+    enable_cpu_compat()
+    from megatron.core import parallel_state as mpu
+
+    gpt = unwrap_model(model)
+    role = _role_of(gpt)
+    params = dict(gpt.named_parameters())
+    device = next(iter(params.values())).device
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+
+    @torch.no_grad()
+    def materialize(stage: int, pm: ParamMap) -> list[tuple[str, torch.Tensor]]:
+        if stage == pp_rank:
+            full = _gather_tp(params[pm.megatron].detach(), pm)
+            tensors = [(n, t.contiguous().clone()) for n, t in to_hf(spec, pm, full)]
+        else:
+            dtype = torch.float32 if pm.hf[0].startswith("score.") else gpt.config.params_dtype
+            tensors = [(n, torch.empty(hf_shape(spec, n), dtype=dtype, device=device)) for n in pm.hf]
+        if pp_size > 1:
+            src = dist.get_global_rank(pp_group, stage)
+            for _, t in tensors:
+                dist.broadcast(t, src=src, group=pp_group)
+        return tensors
+
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for stage, pm in _export_plan(gpt, spec, role):
+        for name, t in materialize(stage, pm):
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append((name, t))
+            size += nbytes
+    if chunk:
+        yield chunk

@@ -49,7 +49,9 @@ def gae_batches(draw: st.DrawFn) -> tuple[list[float], list[list[float]], list[l
 
 @settings(max_examples=100, deadline=None)
 @given(gae_batches())
-def test_matches_reverse_loop(case: tuple[list[float], list[list[float]], list[list[bool]], float, float]) -> None:
+def test_matches_reverse_loop(
+    case: tuple[list[float], list[list[float]], list[list[bool]], float, float],
+) -> None:
     rewards, values, masks, gamma, lambd = case
     advantages, returns = compute_gae(
         torch.tensor(rewards, dtype=torch.float64),
@@ -122,7 +124,11 @@ def test_outputs_are_detached_and_at_least_float32() -> None:
     ],
 )
 def test_bad_input_names_the_argument(kwargs: dict[str, object], flag: str) -> None:
-    args: dict[str, object] = {"rewards": torch.zeros(2), "values": torch.zeros(2, 3), "loss_mask": torch.ones(2, 3)}
+    args: dict[str, object] = {
+        "rewards": torch.zeros(2),
+        "values": torch.zeros(2, 3),
+        "loss_mask": torch.ones(2, 3),
+    }
     args.update(kwargs)
     with pytest.raises(ValueError, match=f"`{flag}`"):
         compute_gae(**args)  # type: ignore[arg-type]

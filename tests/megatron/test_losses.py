@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 
 from tandem.megatron.entropy import entropy_from_logits
 from tandem.megatron.losses import (
+    LOSS_AGGREGATIONS,
+    LossAggregation,
     aggregate_loss,
     explained_variance,
     loss_denominator,
@@ -45,7 +48,9 @@ def test_policy_loss_clip_on_both_sides() -> None:
     # 4: A = +2, r = 1.1: inside the range, both terms agree: −1.1·2 = −2.2.
     loss, metrics, grad = _policy([1.5, 0.5, 0.5, 1.5, 1.1], [2.0, 2.0, -2.0, -2.0, 2.0], eps_clip=0.2)
     torch.testing.assert_close(loss, torch.tensor([[-2.4, -1.0, 1.6, 3.0, -2.2]], dtype=torch.float64))
-    torch.testing.assert_close(metrics["clip_frac"], torch.tensor([[1.0, 0.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        metrics["clip_frac"], torch.tensor([[1.0, 0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    )
     torch.testing.assert_close(metrics["dual_clip_frac"], torch.zeros(1, 5, dtype=torch.float64))
     # d(−A·r)/d log r = −A·r where unclipped; 0 where the clipped (constant) term is chosen.
     torch.testing.assert_close(grad, torch.tensor([[0.0, -1.0, 0.0, 3.0, -2.2]], dtype=torch.float64))
@@ -69,8 +74,12 @@ def test_policy_loss_dual_clip() -> None:
     # 3: A = −1, r = 0.5: the ordinary lower clip: 0.8 (< c, untouched).
     loss, metrics, grad = _policy([5.0, 2.0, 5.0, 0.5], [-1.0, -1.0, 1.0, -1.0], eps_clip=0.2, eps_clip_c=3.0)
     torch.testing.assert_close(loss, torch.tensor([[3.0, 2.0, -1.2, 0.8]], dtype=torch.float64))
-    torch.testing.assert_close(metrics["dual_clip_frac"], torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(metrics["clip_frac"], torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        metrics["dual_clip_frac"], torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        metrics["clip_frac"], torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
+    )
     torch.testing.assert_close(grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]], dtype=torch.float64))
 
 
@@ -128,7 +137,9 @@ def test_value_loss_clip_cases() -> None:
     returns = torch.full((1, 4), 2.0, dtype=torch.float64)
     loss, metrics = value_loss_and_metrics(values, old_values, returns, value_clip=0.2)
     torch.testing.assert_close(loss, torch.tensor([[0.32, 0.405, 0.5, 1.125]], dtype=torch.float64))
-    torch.testing.assert_close(metrics["value_clip_frac"], torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        metrics["value_clip_frac"], torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    )
     assert not metrics["value_clip_frac"].requires_grad
     loss.sum().backward()
     # Where unclipped the 0.5 makes the gradient V − R: 1.1 − 2, 3 − 2, 0.5 − 2.
@@ -138,7 +149,9 @@ def test_value_loss_clip_cases() -> None:
 
 def test_value_loss_without_clip() -> None:
     # value_clip=None: plain 0.5·(V − R)², even where V moved far from V_old.
-    loss = value_loss(torch.tensor([[5.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 2.0]]), value_clip=None)
+    loss = value_loss(
+        torch.tensor([[5.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 2.0]]), value_clip=None
+    )
     torch.testing.assert_close(loss, torch.tensor([[4.5, 0.5]]))
 
 
@@ -177,7 +190,7 @@ def test_aggregate_with_global_count() -> None:
 def test_aggregate_nothing_trainable_gives_connected_zero() -> None:
     loss = torch.full((2, 3), 7.0, requires_grad=True)
     for mode in ("sample_mean", "token_mean"):
-        got = aggregate_loss(loss, torch.zeros(2, 3), mode)  # type: ignore[arg-type]
+        got = aggregate_loss(loss, torch.zeros(2, 3), mode)
         assert got.item() == 0.0
         got.backward()  # still in the graph, so a backward pass on every rank works
         assert loss.grad is not None and loss.grad.eq(0).all()
@@ -192,29 +205,26 @@ def test_loss_denominator() -> None:
 def split_batches(draw: st.DrawFn) -> tuple[list[list[float]], list[list[bool]], list[int]]:
     batch = draw(st.integers(1, 6))
     length = draw(st.integers(1, 5))
-    losses = [
-        draw(st.lists(st.floats(-100, 100), min_size=length, max_size=length)) for _ in range(batch)
-    ]
+    losses = [draw(st.lists(st.floats(-100, 100), min_size=length, max_size=length)) for _ in range(batch)]
     masks = [draw(st.lists(st.booleans(), min_size=length, max_size=length)) for _ in range(batch)]
     cuts = sorted(draw(st.lists(st.integers(1, batch - 1), max_size=3, unique=True))) if batch > 1 else []
     return losses, masks, cuts
 
 
 @settings(max_examples=60, deadline=None)
-@given(split_batches(), st.sampled_from(["sample_mean", "token_mean"]))
+@given(split_batches(), st.sampled_from(LOSS_AGGREGATIONS))
 def test_micro_batches_with_global_count_sum_to_the_whole(
-    case: tuple[list[list[float]], list[list[bool]], list[int]], mode: str
+    case: tuple[list[list[float]], list[list[bool]], list[int]], mode: LossAggregation
 ) -> None:
     # Splitting a step into micro-batches (or ranks) and passing the step's count must give the
     # same total as aggregating the whole step at once.
     losses, masks, cuts = case
     loss = torch.tensor(losses, dtype=torch.float64)
     mask = torch.tensor(masks)
-    whole = aggregate_loss(loss, mask, mode)  # type: ignore[arg-type]
-    bounds = [0, *cuts, len(losses)]
-    parts = [(loss[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    count = sum(loss_denominator(m, mode) for _, m in parts)  # type: ignore[arg-type]
-    total = sum(aggregate_loss(part, m, mode, global_count=count) for part, m in parts)  # type: ignore[arg-type]
+    whole = aggregate_loss(loss, mask, mode)
+    parts = [(loss[a:b], mask[a:b]) for a, b in itertools.pairwise([0, *cuts, len(losses)])]
+    count = torch.stack([loss_denominator(m, mode) for _, m in parts]).sum()
+    total = torch.stack([aggregate_loss(part, m, mode, global_count=count) for part, m in parts]).sum()
     torch.testing.assert_close(total, whole)
 
 

@@ -50,7 +50,9 @@ def compute_gae(
         `(advantages, returns)`, each of shape `(batch, response_len)`, 0 at masked positions.
     """
     if values.dim() != 2:
-        raise ValueError(f"compute_gae: `values` must have shape (batch, response_len), got {tuple(values.shape)}")
+        raise ValueError(
+            f"compute_gae: `values` must have shape (batch, response_len), got {tuple(values.shape)}"
+        )
     if loss_mask.shape != values.shape:
         raise ValueError(
             f"compute_gae: `loss_mask` has shape {tuple(loss_mask.shape)} but `values` has "

@@ -225,7 +225,9 @@ def loss_denominator(loss_mask: torch.Tensor, mode: LossAggregation = "sample_me
 
 def _check_mode(mode: str) -> None:
     if mode not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss aggregation `mode` {mode!r} is unknown; choose one of {', '.join(LOSS_AGGREGATIONS)}")
+        raise ValueError(
+            f"loss aggregation `mode` {mode!r} is unknown; choose one of {', '.join(LOSS_AGGREGATIONS)}"
+        )
 
 
 def aggregate_loss(

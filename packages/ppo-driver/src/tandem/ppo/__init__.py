@@ -1,7 +1,13 @@
-"""tandem.ppo (skeleton; filled by its own issue)."""
+"""Tandem's PPO driver: the `ppo-driver` command (for now its `demo` job)."""
 
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-__version__ = _version("tandem-ppo-driver")
+from .cli import main
 
-__all__ = ["__version__"]
+try:
+    __version__ = _version("tandem-ppo-driver")
+except PackageNotFoundError:  # source tree on PYTHONPATH (an offline GPU host), not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "main"]

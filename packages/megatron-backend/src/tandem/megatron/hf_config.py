@@ -155,6 +155,8 @@ class ModelSpec:
             # Micro-batches are padded each to its own longest sample, so pipeline
             # stages exchange tensor shapes before each activation.
             variable_seq_lengths=True,
+            # Dense models have no MoE; Megatron still validates this against variable_seq_lengths.
+            moe_token_dispatcher_type="alltoall",
             params_dtype=params_dtype,
             pipeline_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,

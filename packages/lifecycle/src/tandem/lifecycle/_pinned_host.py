@@ -274,15 +274,15 @@ class PinnedHostBackend:
 
     def _check_device(self, storage: torch.UntypedStorage, tag: str) -> None:
         device = storage.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         if self._device is None:
             self._device = device
             return
         expected = self._device
-        if expected.type == "cuda" and expected.index is None:
-            expected = torch.device("cuda", torch.cuda.current_device())
-        if device != expected:
+        same = device.type == expected.type and (
+            device.type != "cuda"
+            or (expected.index if expected.index is not None else torch.cuda.current_device()) == device.index
+        )
+        if not same:
             raise ValueError(
                 f"tag {tag!r}: a tensor lives on {device}, this backend moves tensors of {expected}"
             )

@@ -1,0 +1,87 @@
+"""make_backend, the no-op backend, torch_memory_saver's refusal without CUDA, and the offload plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tandem.lifecycle import (
+    BACKEND_NAMES,
+    MemoryBackend,
+    NoopBackend,
+    OffloadPlan,
+    PinnedHostBackend,
+    make_backend,
+    torch_memory_saver_env,
+)
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+
+
+def test_make_backend_builds_each_usable_backend() -> None:
+    assert isinstance(make_backend("none"), NoopBackend)
+    pinned = make_backend("pinned_host", chunk_bytes=1 << 20)
+    assert isinstance(pinned, PinnedHostBackend)
+    assert isinstance(pinned, MemoryBackend)
+    assert set(BACKEND_NAMES) == {"torch_memory_saver", "pinned_host", "none"}
+
+
+def test_make_backend_names_the_flag_for_an_unknown_name() -> None:
+    with pytest.raises(ValueError, match=r"offload_backend='cuda_ipc'.*pinned_host"):
+        make_backend("cuda_ipc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="offload_backend='none' takes no options"):
+        make_backend("none", device="cpu")
+
+
+def test_the_noop_backend_moves_nothing() -> None:
+    t = torch.ones(4)
+    backend = NoopBackend()
+    with backend.region("weights"):
+        backend.pause("weights")
+        backend.pause()
+        backend.resume()
+    assert t.untyped_storage().nbytes() == 16
+
+
+@needs_no_cuda
+def test_torch_memory_saver_is_refused_without_cuda_and_never_imported() -> None:
+    # A fresh interpreter: the refusal must come before any import of torch_memory_saver.
+    code = (
+        "import sys\n"
+        "from tandem.lifecycle import make_backend, torch_memory_saver_env\n"
+        "for call in (lambda: make_backend('torch_memory_saver'), torch_memory_saver_env):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as err:\n"
+        "        print(err)\n"
+        "print('imported' if 'torch_memory_saver' in sys.modules else 'not imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    assert lines[-1] == "not imported"
+    assert "offload_backend='torch_memory_saver'" in lines[0] and "CUDA" in lines[0]
+    assert "torch_memory_saver_env()" in lines[1] and "pinned_host" in lines[1]
+
+
+@needs_no_cuda
+def test_torch_memory_saver_env_is_refused_in_process_too() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        torch_memory_saver_env()
+
+
+def test_the_offload_plan_is_the_drivers_and_is_validated() -> None:
+    shared = OffloadPlan.time_shared()
+    assert shared.sleep_after_train and shared.wake_up_before_save
+    assert shared.wake_up_before_train and shared.sleep_after_save
+    resident = OffloadPlan.resident()
+    assert not (resident.sleep_after_train or resident.wake_up_before_train or resident.sleep_after_save)
+    # Waking to save a model that stays resident is harmless and does not put it to sleep afterwards.
+    assert not OffloadPlan(sleep_after_train=False, wake_up_before_save=True).sleep_after_save
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shared.sleep_after_train = False  # type: ignore[misc]
+    with pytest.raises(ValueError, match="sleep_after_train"):
+        OffloadPlan(sleep_after_train="yes")  # type: ignore[arg-type]

@@ -1,0 +1,145 @@
+"""Lifecycle: the order of its steps, idempotence, and what a failure in each step leaves behind."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+
+import pytest
+
+from tandem.lifecycle import Lifecycle, MemoryBackend, NoopBackend
+
+
+class Boom(RuntimeError):
+    """The injected failure."""
+
+
+class Recorder:
+    """A backend and the three hooks in one: every call lands in `log`; `fail` names steps that raise once."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.fail: set[str] = set()
+
+    def _step(self, name: str) -> None:
+        self.log.append(name)
+        if name in self.fail:
+            self.fail.discard(name)
+            raise Boom(name)
+
+    def region(self, tag: str) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def pause(self, tag: str | None = None) -> None:
+        self._step(f"pause:{tag}")
+
+    def resume(self, tag: str | None = None) -> None:
+        self._step(f"resume:{tag}")
+
+    def lifecycle(self, tags: list[str] | None = None) -> Lifecycle:
+        return Lifecycle(
+            self,
+            tags=tags,
+            clear_caches=lambda: self._step("clear"),
+            destroy_process_groups=lambda: self._step("destroy"),
+            reload_process_groups=lambda: self._step("reload"),
+        )
+
+
+def test_the_recorder_is_a_memory_backend() -> None:
+    assert isinstance(Recorder(), MemoryBackend)
+    assert isinstance(NoopBackend(), MemoryBackend)
+
+
+def test_sleep_and_wake_run_their_steps_in_order() -> None:
+    r = Recorder()
+    lc = r.lifecycle()
+    assert not lc.asleep
+    lc.sleep()
+    assert lc.asleep
+    assert r.log == ["clear", "destroy", "pause:None"]
+    r.log.clear()
+    lc.wake_up()
+    assert not lc.asleep
+    assert r.log == ["resume:None", "clear", "reload"]
+
+
+def test_sleep_when_asleep_does_nothing_and_wake_when_awake_only_reloads_groups() -> None:
+    r = Recorder()
+    lc = r.lifecycle()
+    lc.wake_up()
+    assert r.log == ["reload"]
+    lc.sleep()
+    r.log.clear()
+    lc.sleep()
+    assert r.log == []
+    assert lc.asleep
+
+
+def test_tags_are_paused_in_order_and_resumed_in_order() -> None:
+    r = Recorder()
+    lc = r.lifecycle(["weights", "grads", "optimizer"])
+    lc.sleep()
+    lc.wake_up()
+    assert r.log == [
+        "clear", "destroy", "pause:weights", "pause:grads", "pause:optimizer",
+        "resume:weights", "resume:grads", "resume:optimizer", "clear", "reload",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("step", ["clear", "destroy", "pause:None"])
+def test_a_failed_sleep_stays_awake_and_a_retry_finishes_it(step: str) -> None:
+    r = Recorder()
+    lc = r.lifecycle()
+    r.fail.add(step)
+    with pytest.raises(Boom):
+        lc.sleep()
+    assert not lc.asleep  # the memory did not move
+    lc.sleep()
+    assert lc.asleep
+    assert r.log.count("pause:None") == (2 if step == "pause:None" else 1)
+
+
+@pytest.mark.parametrize("step", ["resume:None", "clear", "reload"])
+def test_a_failed_wake_tells_the_truth_and_a_retry_repairs_it(step: str) -> None:
+    r = Recorder()
+    lc = r.lifecycle()
+    lc.sleep()
+    r.fail.add(step)
+    r.log.clear()
+    with pytest.raises(Boom):
+        lc.wake_up()
+    # The memory is back unless resume itself failed; asleep follows the memory.
+    assert lc.asleep == (step == "resume:None")
+    r.log.clear()
+    lc.wake_up()
+    assert not lc.asleep
+    expected = ["resume:None", "clear", "reload"] if step == "resume:None" else ["reload"]
+    assert r.log == expected
+
+
+def test_a_sleep_that_failed_half_way_is_finished_or_undone() -> None:
+    r = Recorder()
+    lc = r.lifecycle(["weights", "grads"])
+    r.fail.add("pause:grads")
+    with pytest.raises(Boom):
+        lc.sleep()
+    assert lc.asleep, "weights are on the host"
+    r.log.clear()
+    lc.sleep()
+    assert r.log == ["clear", "destroy", "pause:grads"]
+    lc.wake_up()
+
+    r.fail.add("pause:grads")
+    with pytest.raises(Boom):
+        lc.sleep()
+    r.log.clear()
+    lc.wake_up()  # undoes the half sleep: only what was paused is resumed
+    assert r.log == ["resume:weights", "clear", "reload"]
+    assert not lc.asleep
+
+
+@pytest.mark.parametrize("tags", [[], "weights", ["a", "a"], ["a", ""]])
+def test_bad_tags_are_refused(tags: object) -> None:
+    with pytest.raises(ValueError, match="tags"):
+        Lifecycle(NoopBackend(), tags=tags)  # type: ignore[arg-type]

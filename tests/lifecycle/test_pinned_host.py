@@ -1,0 +1,268 @@
+"""PinnedHostBackend on CPU tensors: storages freed and restored bit-identically, views kept, errors clear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.lifecycle import PinnedHostBackend
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of the storage behind `t` (NaN payloads included)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+def _flat_model() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A flat parameter buffer and parameters viewing it, as Megatron's DDP lays them out."""
+    flat = torch.randn(300)
+    params = [flat[0:120].view(10, 12), flat[120:200].view(8, 10), flat[200:300]]
+    return flat, params
+
+
+def test_views_into_a_flat_buffer_see_the_restored_data_and_write_through() -> None:
+    flat, params = _flat_model()
+    before = [p.clone() for p in params]
+    backend = PinnedHostBackend()
+    backend.register("weights", params)
+
+    backend.pause("weights")
+    assert flat.untyped_storage().nbytes() == 0, "the storage is really freed"
+    assert backend.paused_tags == {"weights"}
+    backend.resume("weights")
+
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b)
+    params[1][3, 4] = 123.0  # a view made before the sleep still aliases the buffer
+    assert flat[120 + 3 * 10 + 4].item() == 123.0
+    flat[0] = -7.0
+    assert params[0][0, 0].item() == -7.0
+
+
+def test_a_storage_seen_through_many_tensors_is_copied_once() -> None:
+    flat, params = _flat_model()
+    other = torch.randn(50)
+    backend = PinnedHostBackend()
+    backend.register("weights", [flat, *params, flat, other[:10], other])
+    backend.register("weights", params)  # registered again under the same tag
+    backend.pause("weights")
+    # Two distinct storages, each on its own 4 KiB-aligned slot of the host buffer.
+    assert backend.host_nbytes() == 4096 + 50 * 4
+    backend.resume("weights")
+
+
+def test_the_host_buffer_is_allocated_once_and_reused() -> None:
+    flat, params = _flat_model()
+    backend = PinnedHostBackend()
+    backend.register("weights", params)
+    pointers = set()
+    for step in range(3):
+        flat.add_(1.0)
+        expected = _bytes(flat)
+        backend.pause("weights")
+        pointers.add(backend._buffers["weights"].tensor.data_ptr())
+        backend.resume("weights")
+        assert torch.equal(_bytes(flat), expected), f"cycle {step}"
+    assert len(pointers) == 1
+
+
+def test_a_callable_source_is_evaluated_at_every_pause() -> None:
+    state: dict[str, torch.Tensor] = {}
+    calls = []
+
+    def optimizer_state() -> list[torch.Tensor]:
+        calls.append(1)
+        return list(state.values())
+
+    backend = PinnedHostBackend()
+    backend.register("optimizer", optimizer_state)
+    backend.pause("optimizer")  # nothing exists yet
+    backend.resume("optimizer")
+    state["exp_avg"] = torch.randn(64)  # created lazily by the first optimizer step
+    expected = state["exp_avg"].clone()
+    backend.pause("optimizer")
+    assert state["exp_avg"].untyped_storage().nbytes() == 0
+    backend.resume("optimizer")
+    assert torch.equal(state["exp_avg"], expected)
+    assert len(calls) == 2
+
+
+def test_pause_and_resume_refuse_to_repeat_and_name_unknown_tags() -> None:
+    backend = PinnedHostBackend()
+    backend.register("weights", [torch.randn(8)])
+    with pytest.raises(RuntimeError, match="already awake"):
+        backend.resume("weights")
+    backend.pause("weights")
+    with pytest.raises(RuntimeError, match="already paused"):
+        backend.pause("weights")
+    with pytest.raises(RuntimeError, match="already paused"):
+        backend.pause()
+    with pytest.raises(ValueError, match="'grads' is not registered"):
+        backend.pause("grads")
+    backend.resume()
+
+
+def test_tags_move_separately() -> None:
+    weights, grads = torch.randn(16), torch.randn(16)
+    backend = PinnedHostBackend()
+    backend.register("weights", [weights])
+    backend.register("grads", [grads])
+    backend.pause("grads")
+    assert grads.untyped_storage().nbytes() == 0
+    assert weights.untyped_storage().nbytes() == 64
+    backend.pause("weights")
+    backend.resume("grads")
+    assert grads.untyped_storage().nbytes() == 64
+    assert weights.untyped_storage().nbytes() == 0
+    backend.resume("weights")
+
+
+def test_a_storage_shared_by_two_tags_is_refused_and_nothing_moves() -> None:
+    _flat, params = _flat_model()
+    backend = PinnedHostBackend()
+    backend.register("weights", params[:1])
+    backend.register("grads", params[1:])
+    backend.pause("weights")
+    with pytest.raises(ValueError, match="share a storage"):
+        backend.pause("grads")
+    assert backend.paused_tags == {"weights"}
+    backend.resume("weights")
+
+
+def test_pause_of_all_tags_is_all_or_nothing() -> None:
+    weights = torch.randn(32)
+    expected = weights.clone()
+
+    def broken() -> list[torch.Tensor]:
+        raise OSError("state not readable")
+
+    backend = PinnedHostBackend()
+    backend.register("weights", [weights])
+    backend.register("optimizer", broken)
+    with pytest.raises(OSError, match="not readable"):
+        backend.pause()
+    assert backend.paused_tags == frozenset()
+    assert torch.equal(weights, expected), "the tag paused first was brought back"
+
+
+@pytest.mark.parametrize("direction", ["to_host", "to_device"])
+def test_a_failed_copy_leaves_the_memory_where_it_was(
+    direction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = torch.randn(32)
+    expected = weights.clone()
+    backend = PinnedHostBackend()
+    backend.register("weights", [weights])
+    if direction == "to_device":
+        backend.pause("weights")
+    real_copy = backend._copy
+
+    def failing_copy(stored, buffer, *, to_host):  # type: ignore[no-untyped-def]
+        if to_host == (direction == "to_host"):
+            raise MemoryError("injected")
+        return real_copy(stored, buffer, to_host=to_host)
+
+    monkeypatch.setattr(backend, "_copy", failing_copy)
+    with pytest.raises(MemoryError):
+        backend.pause("weights") if direction == "to_host" else backend.resume("weights")
+    if direction == "to_host":
+        assert backend.paused_tags == frozenset()
+        assert torch.equal(weights, expected)
+    else:
+        assert backend.paused_tags == {"weights"}
+        assert weights.untyped_storage().nbytes() == 0
+        monkeypatch.undo()
+        backend.resume("weights")  # the retry works
+        assert torch.equal(weights, expected)
+
+
+def test_bad_input_is_refused_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="host_memory"):
+        PinnedHostBackend(host_memory="cheap")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        PinnedHostBackend(chunk_bytes=0)
+    backend = PinnedHostBackend()
+    with pytest.raises(ValueError, match="tag"):
+        backend.register("", [torch.zeros(1)])
+    with pytest.raises(ValueError, match="expected tensors"):
+        backend.register("weights", [np.zeros(3)])  # type: ignore[list-item]
+    backend.register("external", [torch.from_numpy(np.zeros(3))])
+    with pytest.raises(ValueError, match="cannot be resized"):
+        backend.pause("external")
+    on_meta = PinnedHostBackend(device="meta")
+    on_meta.register("weights", [torch.zeros(3)])
+    with pytest.raises(ValueError, match="lives on cpu"):
+        on_meta.pause("weights")
+
+
+def test_small_chunks_move_the_same_bytes() -> None:
+    flat, params = _flat_model()
+    expected = _bytes(flat)
+    backend = PinnedHostBackend(chunk_bytes=100)  # 1200 bytes in 12 pieces
+    backend.register("weights", params)
+    backend.pause("weights")
+    backend.resume("weights")
+    assert torch.equal(_bytes(flat), expected)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+
+
+@st.composite
+def _tensor_sets(draw: st.DrawFn) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """Tags holding tensors and views of them (duplicates included); returns (by tag, all bases)."""
+    n_tags = draw(st.integers(1, 3))
+    by_tag: dict[str, list[torch.Tensor]] = {}
+    bases = []
+    for i in range(n_tags):
+        tensors = []
+        for _ in range(draw(st.integers(0, 4))):
+            dtype = draw(st.sampled_from(_DTYPES))
+            n = draw(st.integers(1, 200))
+            seed = draw(st.integers(0, 2**31 - 1))
+            raw = torch.randint(
+                0,
+                256,
+                (n * torch.empty(0, dtype=dtype).element_size(),),
+                dtype=torch.uint8,
+                generator=torch.Generator().manual_seed(seed),
+            )
+            base = raw.view(dtype) if dtype != torch.bool else raw % 2 == 1
+            bases.append(base)
+            tensors.append(base)
+            if n > 2:
+                start = draw(st.integers(0, n - 2))
+                tensors.append(base[start:])  # a view of the same storage
+            if draw(st.booleans()):
+                tensors.append(base)  # the same tensor twice
+        by_tag[f"tag{i}"] = tensors
+    return by_tag, bases
+
+
+@settings(max_examples=40, deadline=None)
+@given(sets=_tensor_sets(), cycles=st.integers(1, 3), one_by_one=st.booleans())
+def test_any_tensors_come_back_bit_identical(
+    sets: tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]], cycles: int, one_by_one: bool
+) -> None:
+    by_tag, bases = sets
+    expected = [_bytes(b) for b in bases]
+    backend = PinnedHostBackend()
+    for tag, tensors in by_tag.items():
+        backend.register(tag, tensors)
+    for _ in range(cycles):
+        if one_by_one:
+            for tag in by_tag:
+                backend.pause(tag)
+        else:
+            backend.pause()
+        assert all(b.untyped_storage().nbytes() == 0 for b in bases)
+        if one_by_one:
+            for tag in reversed(list(by_tag)):
+                backend.resume(tag)
+        else:
+            backend.resume()
+        for b, e in zip(bases, expected, strict=True):
+            assert torch.equal(_bytes(b), e)

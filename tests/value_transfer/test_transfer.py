@@ -328,3 +328,14 @@ def test_by_sample_values_reach_actor_ranks_through_actor_calls(ranks: tuple[lis
     )
     for owned, values in zip(actor_split, got, strict=True):
         assert_values_equal(values, [sample_value(i, lengths[i]) for i in owned])
+
+
+@pytest.mark.gpu
+def test_values_travel_from_gpu_through_the_store_to_gpu(local_ray: None) -> None:
+    values = [torch.randn(n, device="cuda") for n in (5, 0, 3000)]
+    got = unpack_values(pack_values(values), "cuda")
+    # The copy is asynchronous on the current stream; comparing on that stream is ordered after it.
+    assert all(g.device.type == "cuda" for g in got)
+    assert_values_equal(got, values)
+    by_sample = route_by_sample([pack_indexed_values(values, [7, 8, 9])], [[9, 7], [8]])
+    assert_values_equal(unpack_values(by_sample[0], "cuda"), [values[2], values[0]])

@@ -96,7 +96,10 @@ def _stage_layout(gpt: Any, pp_rank: int | None = None) -> tuple[int, int]:
 
 
 def _role_of(gpt: Any) -> Role:
-    return "critic" if isinstance(getattr(gpt, "output_layer", None), ValueHead) else "actor"
+    role: Role | None = getattr(gpt, "tandem_role", None)
+    if role is None:  # a GPTModel built elsewhere: only the last stage can tell
+        role = "critic" if isinstance(getattr(gpt, "output_layer", None), ValueHead) else "actor"
+    return role
 
 
 def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Role) -> None:

@@ -128,6 +128,8 @@ def build_model(
     )
     # transformers' own frequencies (RoPE scaling types, non-integer bases).
     model.rotary_pos_emb.inv_freq = spec.rope_inv_freq().to(model.rotary_pos_emb.inv_freq.device)
+    # Every stage knows its role (only the last one holds the head that shows it).
+    model.tandem_role = role
     if role == "critic" and model.post_process:
         # Replaces the vocabulary head that GPTModel always builds on the last stage.
         device = next(model.decoder.parameters()).device

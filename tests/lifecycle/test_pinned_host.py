@@ -152,31 +152,33 @@ def test_pause_of_all_tags_is_all_or_nothing() -> None:
 def test_a_failed_copy_leaves_the_memory_where_it_was(
     direction: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    weights = torch.randn(32)
-    expected = weights.clone()
+    tensors = [torch.randn(32), torch.randn(16), torch.randn(8)]
+    expected = [t.clone() for t in tensors]
     backend = PinnedHostBackend()
-    backend.register("weights", [weights])
+    backend.register("weights", tensors)
     if direction == "to_device":
         backend.pause("weights")
-    real_copy = backend._copy
+    real_copy_one = backend._copy_one
+    copies = []
 
-    def failing_copy(stored, buffer, *, to_host):  # type: ignore[no-untyped-def]
-        if to_host == (direction == "to_host"):
-            raise MemoryError("injected")
-        return real_copy(stored, buffer, to_host=to_host)
+    def copy_one(s, buffer, to_host):  # type: ignore[no-untyped-def]
+        copies.append(to_host)
+        if to_host == (direction == "to_host") and len(copies) == 2:
+            raise MemoryError("injected")  # the second storage fails, after the first one moved
+        return real_copy_one(s, buffer, to_host)
 
-    monkeypatch.setattr(backend, "_copy", failing_copy)
+    monkeypatch.setattr(backend, "_copy_one", copy_one)
     with pytest.raises(MemoryError):
         backend.pause("weights") if direction == "to_host" else backend.resume("weights")
     if direction == "to_host":
         assert backend.paused_tags == frozenset()
-        assert torch.equal(weights, expected)
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
     else:
         assert backend.paused_tags == {"weights"}
-        assert weights.untyped_storage().nbytes() == 0
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors), "the re-created one is freed again"
         monkeypatch.undo()
         backend.resume("weights")  # the retry works
-        assert torch.equal(weights, expected)
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
 
 
 def test_bad_input_is_refused_with_the_field_named() -> None:

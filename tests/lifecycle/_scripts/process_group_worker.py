@@ -7,6 +7,7 @@ Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment; prints
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from tandem.lifecycle import (
 CYCLES = 5
 
 
-def create_group(ranks: list[int], desc: str, backend: str | None = None) -> object:
+def create_group(ranks: list[int], desc: str, backend: str | None = None) -> Any:
     """Megatron's parallel_state.create_group: keyword arguments to torch.distributed.new_group."""
     return torch.distributed.new_group(
         ranks=ranks, timeout=None, backend=backend, pg_options=None,
@@ -35,7 +36,7 @@ def create_group(ranks: list[int], desc: str, backend: str | None = None) -> obj
     )  # fmt: skip
 
 
-def check_collectives(group: object, rank: int, world: int, tag: float) -> None:
+def check_collectives(group: Any, rank: int, world: int, tag: float) -> None:
     t = torch.tensor([rank + tag])
     dist.all_reduce(t, group=group)
     assert t.item() == sum(r + tag for r in range(world)), t
@@ -75,7 +76,7 @@ def main() -> None:
     assert reloadable_process_groups() == (tp, dp, direct)
 
     class Layer:  # a module that cached its group at construction, as Megatron's layers do
-        def __init__(self, group: object) -> None:
+        def __init__(self, group: Any) -> None:
             self.tp_group = group
 
     layer = Layer(tp)

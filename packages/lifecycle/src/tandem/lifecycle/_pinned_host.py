@@ -7,7 +7,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
@@ -198,7 +198,9 @@ class PinnedHostBackend:
         stored = self._layout(self._collect(tag))
         total = stored[-1].offset + stored[-1].nbytes if stored else 0
         buffer = self._buffer(tag, total)
-        self._copy(stored, buffer, to_host=True)
+        with self._copies() as copy:
+            for s in stored:
+                copy(s, buffer, True)
         freed: list[_Stored] = []
         try:
             for s in stored:
@@ -230,12 +232,13 @@ class PinnedHostBackend:
         """Re-create `stored` and copy their bytes back; on failure free them again (all-or-nothing)."""
         allocated: list[_Stored] = []
         try:
-            for s in stored:
-                s.storage.resize_(s.nbytes)
-                allocated.append(s)
-            if stored:
-                assert buffer is not None, "a paused tag with storages has a host buffer"
-                self._copy(stored, buffer, to_host=False)
+            with self._copies() as copy:
+                for s in stored:
+                    # Allocate the next storage while the previous copies run.
+                    s.storage.resize_(s.nbytes)
+                    allocated.append(s)
+                    assert buffer is not None, "a paused tag with storages has a host buffer"
+                    copy(s, buffer, False)
         except BaseException:
             self._wait_side_stream()  # no copy may still write memory that goes back to the cache
             for s in allocated:
@@ -320,35 +323,43 @@ class PinnedHostBackend:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _copy(self, stored: list[_Stored], buffer: _HostBuffer, *, to_host: bool) -> None:
-        """Copy every stored storage to (or from) its place in `buffer`, in chunks, and wait for it."""
+    @contextlib.contextmanager
+    def _copies(self) -> Iterator[Callable[[_Stored, _HostBuffer, bool], None]]:
+        """A session of copies between storages and a host buffer; on exit they are complete.
+
+        On CUDA the copies run on a side stream, in chunks, without blocking the host
+        until the end. Storages are allocated (resume) outside the side stream, so that
+        their memory stays with the compute stream in the caching allocator.
+        """
         if not self._is_cuda():
-            self._copy_chunks(stored, buffer, to_host=to_host)
+            yield self._copy_one
             return
         current = torch.cuda.current_stream(self._device)
         side = self._side_stream()
         # The side stream starts after the work already queued on the compute stream: that work
-        # may still write these tensors (pause), or used the memory just allocated (resume).
+        # may still write these tensors (pause), or used the memory handed out again (resume).
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._copy_chunks(stored, buffer, to_host=to_host)
+
+        def on_side_stream(s: _Stored, buffer: _HostBuffer, to_host: bool) -> None:
+            with torch.cuda.stream(side):
+                self._copy_one(s, buffer, to_host)
+
+        yield on_side_stream
         # Later compute waits for the copies; the host waits too, so that storages are freed only
         # after their bytes left, and the host buffer is complete before `pause` returns.
         current.wait_stream(side)
         side.synchronize()
 
-    def _copy_chunks(self, stored: list[_Stored], buffer: _HostBuffer, *, to_host: bool) -> None:
+    def _copy_one(self, s: _Stored, buffer: _HostBuffer, to_host: bool) -> None:
         non_blocking = self._is_cuda()
-        chunk = self._chunk_bytes
-        for s in stored:
-            device_bytes = _bytes_of(s.storage)
-            host_bytes = buffer.tensor[s.offset : s.offset + s.nbytes]
-            for start in range(0, s.nbytes, chunk):
-                end = min(start + chunk, s.nbytes)
-                if to_host:
-                    host_bytes[start:end].copy_(device_bytes[start:end], non_blocking=non_blocking)
-                else:
-                    device_bytes[start:end].copy_(host_bytes[start:end], non_blocking=non_blocking)
+        device_bytes = _bytes_of(s.storage)
+        host_bytes = buffer.tensor[s.offset : s.offset + s.nbytes]
+        for start in range(0, s.nbytes, self._chunk_bytes):
+            end = min(start + self._chunk_bytes, s.nbytes)
+            if to_host:
+                host_bytes[start:end].copy_(device_bytes[start:end], non_blocking=non_blocking)
+            else:
+                device_bytes[start:end].copy_(host_bytes[start:end], non_blocking=non_blocking)
 
 
 def _undo(err: BaseException, steps: list[Callable[[], None]]) -> None:

@@ -32,8 +32,25 @@ def _import_saver() -> Any:
     return torch_memory_saver
 
 
-def _hook_preloaded() -> bool:
+def _hook_in_ld_preload() -> bool:
     return any("torch_memory_saver" in p for p in os.environ.get("LD_PRELOAD", "").split(":"))
+
+
+def _mapped_libraries() -> set[str] | None:
+    """Paths of the shared libraries mapped into this process (None where /proc is not there)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {
+                line.split(maxsplit=5)[5].strip() for line in maps if line.count(" ") >= 5 and ".so" in line
+            }
+    except (OSError, IndexError):
+        return None
+
+
+def _cuda_runtime_dirs() -> list[str]:
+    """Folders of the CUDA runtime this process loaded (torch wheels ship it outside the loader's path)."""
+    libraries = _mapped_libraries() or set()
+    return sorted({os.path.dirname(p) for p in libraries if os.path.basename(p).startswith("libcudart.so")})
 
 
 def torch_memory_saver_env() -> dict[str, str]:
@@ -42,7 +59,9 @@ def torch_memory_saver_env() -> dict[str, str]:
     Pass them to the process that will create the backend, e.g. a Ray actor's
     `runtime_env={"env_vars": torch_memory_saver_env()}`: the hook is an LD_PRELOAD
     library, so setting it in a process that is already running does nothing. Any
-    other LD_PRELOAD entries of this process are kept after the hook.
+    other LD_PRELOAD entries of this process are kept after the hook. The hook needs
+    the CUDA runtime (libcudart) when the process starts, before torch finds its own
+    copy, so the folder of the one torch loaded here goes first on LD_LIBRARY_PATH.
     Raises ValueError on a machine without CUDA.
     """
     require_cuda("torch_memory_saver_env()")
@@ -51,7 +70,15 @@ def torch_memory_saver_env() -> dict[str, str]:
 
     hook = str(get_binary_path_from_package(_PRELOAD_HOOK_STEM))
     others = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and "torch_memory_saver" not in p]
-    return {"LD_PRELOAD": ":".join([hook, *others])}
+    env = {"LD_PRELOAD": ":".join([hook, *others])}
+    torch.cuda.init()  # loads the CUDA runtime if torch has not yet
+    library_path = _cuda_runtime_dirs()
+    library_path += [
+        p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p and p not in library_path
+    ]
+    if library_path:
+        env["LD_LIBRARY_PATH"] = ":".join(library_path)
+    return env
 
 
 class TorchMemorySaverBackend:
@@ -72,13 +99,30 @@ class TorchMemorySaverBackend:
         require_cuda("offload_backend='torch_memory_saver'")
         if hook_mode not in HOOK_MODES:
             raise ValueError(f"hook_mode={hook_mode!r}: choose one of {list(HOOK_MODES)}")
-        if hook_mode == "preload" and not _hook_preloaded():
+        start_with_env = (
+            "start it with the environment of torch_memory_saver_env() "
+            "(Ray: runtime_env={'env_vars': torch_memory_saver_env()}), or pass hook_mode='torch'"
+        )
+        if hook_mode == "preload" and not _hook_in_ld_preload():
             raise ValueError(
                 "offload_backend='torch_memory_saver' with hook_mode='preload': this process was not "
-                "started with the hook; start it with the environment of torch_memory_saver_env() "
-                "(Ray: runtime_env={'env_vars': torch_memory_saver_env()}), or pass hook_mode='torch'"
+                f"started with the hook in LD_PRELOAD; {start_with_env}"
             )
         saver = _import_saver().torch_memory_saver
+        # ld.so skips a preload it cannot load (e.g. libcudart not on its path) with only a warning;
+        # torch_memory_saver would then load the hook late, and pause would silently do nothing.
+        libraries = _mapped_libraries()
+        if (
+            hook_mode == "preload"
+            and saver._impl is None
+            and libraries is not None
+            and not any("torch_memory_saver_hook_mode_preload" in p for p in libraries)
+        ):
+            raise ValueError(
+                "offload_backend='torch_memory_saver': LD_PRELOAD names the hook but it was not loaded "
+                "when this process started (look for an 'ld.so: object ... cannot be preloaded' "
+                f"warning; usually libcudart is not on LD_LIBRARY_PATH); {start_with_env}"
+            )
         if hook_mode == "torch" and saver._impl is None:
             saver.hook_mode = "torch"
         self._saver = saver

@@ -66,7 +66,7 @@ class Slot:
         return len(self.bundle_indices)
 
     def __repr__(self) -> str:
-        pg = "None" if self.pg is None else self.pg.id.hex()[:8]
+        pg = _short_id(self.pg)
         where = ", ".join(
             f"{b}:gpu{g}" + (f"@{self.node_ips[i]}" if self.node_ips else "")
             for i, (b, g) in enumerate(zip(self.bundle_indices, self.gpu_ids, strict=True))
@@ -111,7 +111,7 @@ class Placements:
         self.remove()
 
     def __repr__(self) -> str:
-        pg = "None" if self.pg is None else self.pg.id.hex()[:8]
+        pg = _short_id(self.pg)
         critic = "actor's" if self.critic is self.actor else "None"
         return (
             f"Placements(case={self.layout.case}, num_gpus={self.layout.num_gpus}, pg={pg},\n"
@@ -163,6 +163,14 @@ def create_placement_groups(
         rollout=_slot(pg, ordered, layout.rollout_gpus),
         eval=_slot(pg, ordered, layout.eval_gpus),
     )
+
+
+def _short_id(pg: PlacementGroup | None) -> str:
+    """First hex digits of the group's id, enough to tell groups apart in a repr."""
+    if pg is None:
+        return "None"
+    pg_id = getattr(pg, "id", None)
+    return pg_id.hex()[:8] if pg_id is not None else repr(pg)
 
 
 def _slot(pg: PlacementGroup, ordered: Sequence[BundleLocation], positions: range) -> Slot:

@@ -27,7 +27,7 @@ def shuffled_bundles(draw: st.DrawFn) -> list[BundleLocation]:
     return [BundleLocation(i, ip, gpu, node_id) for i, (ip, node_id, gpu) in enumerate(cells)]
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(shuffled_bundles())
 def test_order_is_a_permutation_sorted_by_ip_number_then_gpu(bundles: list[BundleLocation]) -> None:
     ordered = order_bundles(bundles)
@@ -42,7 +42,7 @@ def test_order_is_a_permutation_sorted_by_ip_number_then_gpu(bundles: list[Bundl
             assert before.gpu_id < after.gpu_id
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(shuffled_bundles())
 def test_each_node_is_contiguous(bundles: list[BundleLocation]) -> None:
     """Consecutive ranks share a node, also when several nodes share one IP (raylets on one host)."""
@@ -54,7 +54,7 @@ def test_each_node_is_contiguous(bundles: list[BundleLocation]) -> None:
             seen.append((b.node_ip, b.node_id))
 
 
-@settings(max_examples=100)
+@settings(max_examples=100, deadline=None)
 @given(shuffled_bundles(), st.randoms(use_true_random=False))
 def test_order_does_not_depend_on_arrival_order(bundles: list[BundleLocation], rnd: object) -> None:
     reshuffled = list(bundles)

@@ -43,7 +43,7 @@ def test_actor_critic_and_engine_fit_and_a_fourth_is_refused() -> None:
 shares = st.lists(st.integers(0, 10_000).map(lambda u: u / 10_000), min_size=1, max_size=6)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(shares)
 def test_a_bundle_accepts_shares_exactly_while_they_fit(fractions: list[float]) -> None:
     ledger = GpuShares()

@@ -107,7 +107,7 @@ def table(f: dict[str, Any]) -> tuple[int, int]:
     return a + r + f["eval_num_gpus"], a
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None)
 @given(st.one_of(raw_fields, typed_fields))
 def test_valid_specs_lay_out_and_invalid_ones_raise(fields: dict[str, Any]) -> None:
     if not expected_valid(fields):
@@ -125,7 +125,7 @@ def valid_specs() -> st.SearchStrategy[PlacementSpec]:
     return typed_fields.filter(expected_valid).map(lambda f: PlacementSpec(**f))
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(valid_specs())
 def test_slots_fit_inside_the_group(spec: PlacementSpec) -> None:
     layout = compute_layout(spec)
@@ -134,7 +134,7 @@ def test_slots_fit_inside_the_group(spec: PlacementSpec) -> None:
         assert set(slot) <= set(everything), layout
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(valid_specs())
 def test_no_bundle_is_reserved_for_nothing(spec: PlacementSpec) -> None:
     layout = compute_layout(spec)
@@ -142,7 +142,7 @@ def test_no_bundle_is_reserved_for_nothing(spec: PlacementSpec) -> None:
     assert used == set(range(layout.num_gpus)), layout
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(valid_specs())
 def test_training_and_rollout_overlap_only_when_colocated(spec: PlacementSpec) -> None:
     layout = compute_layout(spec)
@@ -156,7 +156,7 @@ def test_training_and_rollout_overlap_only_when_colocated(spec: PlacementSpec) -
     assert layout.colocated == (spec.colocate and not spec.debug_train_only and not spec.debug_rollout_only)
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(valid_specs())
 def test_the_critic_never_adds_gpus(spec: PlacementSpec) -> None:
     with_critic = compute_layout(dataclasses.replace(spec, use_critic=True))
@@ -165,7 +165,7 @@ def test_the_critic_never_adds_gpus(spec: PlacementSpec) -> None:
     assert with_critic == without
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(valid_specs())
 def test_rollout_starts_at_the_offset_and_training_at_zero(spec: PlacementSpec) -> None:
     layout = compute_layout(spec)

@@ -131,7 +131,8 @@ def create_placement_groups(
 
     Raises `PlacementTimeoutError` (a `TimeoutError`) when the group is not ready
     within `timeout_s` seconds (None: wait forever), saying how many GPUs were asked
-    for and how many the cluster has; the pending group is removed first.
+    for and how many the cluster has, or when the probes then take longer than
+    `timeout_s` again; the group is removed first.
     """
     layout = compute_layout(spec)
     if layout.num_gpus == 0:
@@ -145,13 +146,13 @@ def create_placement_groups(
     if not ray.is_initialized():
         raise RuntimeError("Ray is not running: call ray.init() (or ray.init(address=...)) first")
     pg = placement_group([dict(BUNDLE) for _ in range(layout.num_gpus)], strategy=STRATEGY, name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise PlacementTimeoutError(_not_ready_message(layout, timeout_s))
     try:
-        ordered = order_bundles(probe_bundles(pg, layout.num_gpus))
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise PlacementTimeoutError(_not_ready_message(layout, timeout_s))
+        ordered = order_bundles(probe_bundles(pg, layout.num_gpus, timeout_s=timeout_s))
     except BaseException:
+        # Never leave a pending or half-probed group behind to hold (or later grab) GPUs.
         remove_placement_group(pg)
         raise
     actor = _slot(pg, ordered, layout.train_gpus)

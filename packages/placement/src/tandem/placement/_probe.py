@@ -10,6 +10,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ._bundles import BundleLocation
+from ._groups import PlacementTimeoutError
 
 # A sliver of the bundle's GPU: enough for Ray to assign the bundle's GPU id to the
 # probe, small enough that it never holds up the real actors while it is being killed.
@@ -28,8 +29,11 @@ class _BundleProbe:
         )
 
 
-def probe_bundles(pg: PlacementGroup, num_bundles: int) -> list[BundleLocation]:
-    """Start one probe actor per bundle of a ready group, read its location, kill it."""
+def probe_bundles(pg: PlacementGroup, num_bundles: int, *, timeout_s: float | None) -> list[BundleLocation]:
+    """Start one probe actor per bundle of a ready group, read its location, kill it.
+
+    Raises `PlacementTimeoutError` when the probes have not all reported within `timeout_s`.
+    """
     probes = [
         _BundleProbe.options(  # type: ignore[attr-defined]
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -39,7 +43,13 @@ def probe_bundles(pg: PlacementGroup, num_bundles: int) -> list[BundleLocation]:
         for index in range(num_bundles)
     ]
     try:
-        reports = ray.get([probe.location.remote() for probe in probes])
+        reports = ray.get([probe.location.remote() for probe in probes], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementTimeoutError(
+            f"the {num_bundles} probe actors (one per bundle, to find each bundle's node and GPU) did not "
+            f"all start within {timeout_s} s; check that Ray can start worker processes on every node "
+            "(`ray status`, the raylet logs), or raise timeout_s"
+        ) from None
     finally:
         for probe in probes:
             ray.kill(probe)

@@ -143,3 +143,30 @@ def test_a_sleep_that_failed_half_way_is_finished_or_undone() -> None:
 def test_bad_tags_are_refused(tags: object) -> None:
     with pytest.raises(ValueError, match="tags"):
         Lifecycle(NoopBackend(), tags=tags)  # type: ignore[arg-type]
+
+
+def test_parts_of_the_memory_can_sleep_and_wake_alone() -> None:
+    r = Recorder()
+    lc = r.lifecycle(["weights", "grads", "optimizer"])
+    lc.sleep()
+    r.log.clear()
+    lc.wake_up(["weights"])  # e.g. to export the weights while the rest stays away
+    assert r.log == ["resume:weights", "clear", "reload"]
+    assert lc.asleep and lc.paused_tags == {"grads", "optimizer"}
+    r.log.clear()
+    lc.sleep(["weights"])
+    assert r.log == ["clear", "destroy", "pause:weights"]
+    r.log.clear()
+    lc.sleep(["optimizer", "grads"])  # already away
+    assert r.log == []
+    lc.wake_up()
+    assert not lc.asleep
+
+
+def test_choosing_tags_needs_a_lifecycle_with_tags() -> None:
+    with pytest.raises(ValueError, match="moves all memory at once"):
+        Recorder().lifecycle().wake_up(["weights"])
+    with pytest.raises(ValueError, match="choose among"):
+        Recorder().lifecycle(["weights"]).sleep(["grads"])
+    with pytest.raises(ValueError, match="choose among"):
+        Recorder().lifecycle(["weights"]).sleep("weights")  # type: ignore[arg-type]

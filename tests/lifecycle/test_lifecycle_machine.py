@@ -104,11 +104,17 @@ class LifecycleMachine(RuleBasedStateMachine):
         elif name == "reload_process_groups":
             self.groups_alive = True
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [self.flat_params, self.flat_grads, *self.optimizer_state.values()]
+    def _tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The backend's tags and the tensors each one owns."""
+        by_tag = {
+            "weights": [self.flat_params],
+            "grads": [self.flat_grads],
+            "optimizer": list(self.optimizer_state.values()),
+        }
+        return by_tag if self.tags else {"all": [t for ts in by_tag.values() for t in ts]}
 
-    def _snapshot(self) -> list[torch.Tensor]:
-        return [_bytes(t) for t in self._tensors()]
+    def _snapshot(self) -> dict[str, list[torch.Tensor]]:
+        return {tag: [_bytes(t) for t in ts] for tag, ts in self._tensors().items()}
 
     @rule(step=st.sampled_from(STEPS))
     def arm_failure(self, step: str) -> None:
@@ -161,19 +167,53 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @invariant()
     def memory_is_away_or_bit_identical(self) -> None:
-        if self.backend.inner.paused_tags == set(self.backend.inner.tags):
-            assert all(t.untyped_storage().nbytes() == 0 for t in self._tensors())
-        elif not self.backend.inner.paused_tags:
-            for t, e in zip(self._tensors(), self.expected, strict=True):
-                assert torch.equal(_bytes(t), e)
+        for tag, tensors in self._tensors().items():
+            if tag in self.backend.inner.paused_tags:
+                assert all(t.untyped_storage().nbytes() == 0 for t in tensors), tag
+            else:
+                for t, e in zip(tensors, self.expected[tag], strict=True):
+                    assert torch.equal(_bytes(t), e), tag
+        if self.flat_params.untyped_storage().nbytes():
             # the views still alias the flat buffer
             assert self.params[1].data_ptr() == self.flat_params.data_ptr() + 40 * 4
 
 
 class LifecycleMachineWithTags(LifecycleMachine):
-    """The same model paused tag by tag, so that a sleep can fail half-way."""
+    """The same model paused tag by tag, so that a sleep can fail half-way, and parts can move alone."""
 
     tags: ClassVar[list[str] | None] = ["weights", "grads", "optimizer"]
+
+    @rule(some=st.lists(st.sampled_from(["weights", "grads", "optimizer"]), min_size=1, unique=True))
+    def sleep_some(self, some: list[str]) -> None:
+        others = {t: t in self.backend.inner.paused_tags for t in self._tensors() if t not in some}
+        already = set(some) <= self.backend.inner.paused_tags
+        calls_before = (len(self.backend.calls), len(self.hook_calls))
+        try:
+            self.lifecycle.sleep(some)
+        except Injected:
+            return
+        if already:
+            assert (len(self.backend.calls), len(self.hook_calls)) == calls_before
+        else:
+            assert not self.groups_alive
+        assert set(some) <= self.backend.inner.paused_tags
+        assert others == {t: t in self.backend.inner.paused_tags for t in others}, "other tags moved"
+
+    @rule(some=st.lists(st.sampled_from(["weights", "grads", "optimizer"]), min_size=1, unique=True))
+    def wake_some(self, some: list[str]) -> None:
+        others = {t: t in self.backend.inner.paused_tags for t in self._tensors() if t not in some}
+        none_paused = not set(some) & self.backend.inner.paused_tags
+        calls_before, hooks_before = len(self.backend.calls), len(self.hook_calls)
+        try:
+            self.lifecycle.wake_up(some)
+        except Injected:
+            return
+        if none_paused:
+            assert len(self.backend.calls) == calls_before
+            assert self.hook_calls[hooks_before:] == ["reload_process_groups"]
+        assert not set(some) & self.backend.inner.paused_tags
+        assert others == {t: t in self.backend.inner.paused_tags for t in others}, "other tags moved"
+        assert self.groups_alive
 
 
 _settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

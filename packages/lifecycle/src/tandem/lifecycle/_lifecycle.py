@@ -31,7 +31,8 @@ class Lifecycle:
     and a backend's `pause`/`resume` either completes or leaves the memory as it
     was. With several `tags` each is paused on its own, and a sleep that failed
     half-way is finished by the next `sleep()` (or undone by `wake_up()`);
-    `asleep` is True while any tag is paused.
+    `asleep` is True while any tag is paused. `sleep(tags)` / `wake_up(tags)` move
+    only some tags (e.g. the weights back for a weight export while asleep).
 
     What a worker does around the memory (clear caches, destroy and reload
     process groups) is handed in as hooks; each defaults to doing nothing.
@@ -74,14 +75,23 @@ class Lifecycle:
         return bool(self._paused)
 
     @property
+    def paused_tags(self) -> frozenset[str | None]:
+        """The tags put away right now (`{None}` for a lifecycle that moves every tag at once)."""
+        return frozenset(self._paused)
+
+    @property
     def backend(self) -> MemoryBackend:
         """The memory backend this lifecycle drives."""
         return self._backend
 
-    def sleep(self) -> None:
-        """Clear caches, destroy process groups, pause memory. Returns at once when already asleep."""
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """Clear caches, destroy process groups, pause memory. Returns at once when already asleep.
+
+        `tags` (a subset of the lifecycle's tags) puts only those away, e.g. the
+        optimizer state while the weights stay for a weight export; None means all.
+        """
         with self._lock:
-            todo = [t for t in self._tags if t not in self._paused]
+            todo = [t for t in self._chosen(tags) if t not in self._paused]
             if not todo:
                 logger.info("sleep(): already asleep, nothing to do")
                 return
@@ -91,10 +101,14 @@ class Lifecycle:
                 self._backend.pause(tag)
                 self._paused.add(tag)
 
-    def wake_up(self) -> None:
-        """Resume memory, clear caches, reload process groups. When awake, only reload process groups."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Resume memory, clear caches, reload process groups. When awake, only reload process groups.
+
+        `tags` (a subset of the lifecycle's tags) brings only those back, e.g. the
+        weights for a weight export while asleep; None means all.
+        """
         with self._lock:
-            todo = [t for t in self._tags if t in self._paused]
+            todo = [t for t in self._chosen(tags) if t in self._paused]
             if not todo:
                 logger.info("wake_up(): already awake, reloading process groups only")
                 self._reload_process_groups()
@@ -104,3 +118,16 @@ class Lifecycle:
                 self._paused.discard(tag)
             self._clear_caches()
             self._reload_process_groups()
+
+    def _chosen(self, tags: Sequence[str] | None) -> list[str | None]:
+        if tags is None:
+            return self._tags
+        if self._tags == [None]:
+            raise ValueError(
+                f"tags={tags!r}: this Lifecycle moves all memory at once; create it with tags=[...] "
+                "to move tags separately"
+            )
+        unknown = [t for t in tags if t not in self._tags]
+        if unknown or isinstance(tags, str):
+            raise ValueError(f"tags={tags!r}: choose among this Lifecycle's tags {self._tags}")
+        return [t for t in self._tags if t in tags]

@@ -198,7 +198,7 @@ class PinnedHostBackend:
         stored = self._layout(self._collect(tag))
         total = stored[-1].offset + stored[-1].nbytes if stored else 0
         buffer = self._buffer(tag, total)
-        with self._copies() as copy:
+        with self._copies(wait_for_device=True) as copy:
             for s in stored:
                 copy(s, buffer, True)
         freed: list[_Stored] = []
@@ -324,16 +324,22 @@ class PinnedHostBackend:
             self._stream.synchronize()
 
     @contextlib.contextmanager
-    def _copies(self) -> Iterator[Callable[[_Stored, _HostBuffer, bool], None]]:
+    def _copies(
+        self, *, wait_for_device: bool = False
+    ) -> Iterator[Callable[[_Stored, _HostBuffer, bool], None]]:
         """A session of copies between storages and a host buffer; on exit they are complete.
 
         On CUDA the copies run on a side stream, in chunks, without blocking the host
         until the end. Storages are allocated (resume) outside the side stream, so that
         their memory stays with the compute stream in the caching allocator.
+        `wait_for_device` first waits for every stream (pause: a communication stream
+        may still write gradients); otherwise the side stream waits for the compute stream.
         """
         if not self._is_cuda():
             yield self._copy_one
             return
+        if wait_for_device:
+            torch.cuda.synchronize(self._device)
         current = torch.cuda.current_stream(self._device)
         side = self._side_stream()
         # The side stream starts after the work already queued on the compute stream: that work

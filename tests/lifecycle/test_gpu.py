@@ -1,4 +1,5 @@
-"""On a CUDA host: both GPU backends really hand memory back and bring the contents back identical.
+"""On a CUDA host: both GPU backends really hand memory back and bring the contents back identical,
+and an NCCL group is torn down and reloaded.
 
 Each case runs `_scripts/gpu_sleep_worker.py` in a fresh process (torch_memory_saver's
 preload hook must be in LD_PRELOAD when the process starts) with a 4 GiB training
@@ -17,15 +18,17 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).parent / "_scripts" / "gpu_sleep_worker.py"
+SCRIPTS = Path(__file__).parent / "_scripts"
+WORKER = SCRIPTS / "gpu_sleep_worker.py"
 MAX_ASLEEP_EXTRA_GIB = 1.0
 
 pytestmark = pytest.mark.gpu
 
 
-def _run(backend: str, env: dict[str, str], *extra: str) -> dict:
+def _run(backend: str, env: dict[str, str], *extra: str, script: Path = WORKER) -> dict:
+    args = ["--backend", backend] if backend else []
     out = subprocess.run(
-        [sys.executable, str(WORKER), "--backend", backend, *extra],
+        [sys.executable, str(script), *args, *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -58,3 +61,14 @@ def test_torch_memory_saver_backend_hands_memory_back_with_its_preload_hook() ->
 
 def test_torch_memory_saver_backend_hands_memory_back_in_torch_hook_mode() -> None:
     _check(_run("torch_memory_saver", dict(os.environ), "--hook-mode", "torch"))
+
+
+def test_an_nccl_group_is_torn_down_and_reloaded() -> None:
+    report = _run("", dict(os.environ), script=SCRIPTS / "nccl_reload_worker.py")
+    assert report["values_ok"]
+    cycles = report["cycles"]
+    for cycle in cycles:
+        assert cycle["refused"], "a collective on a torn-down group must fail clearly"
+        assert cycle["torn_down_gib"] <= cycle["with_comm_gib"]
+    # Tearing down and rebuilding must not pile communicators up.
+    assert cycles[-1]["with_comm_gib"] - cycles[0]["with_comm_gib"] <= 1 / 16, report

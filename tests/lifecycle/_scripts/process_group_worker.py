@@ -118,9 +118,13 @@ def main() -> None:
         dist.all_reduce(views[0], group=tp)
         flat.copy_(torch.arange(32, dtype=torch.float32) + rank)
 
-    # Tearing the job down works with reloadable groups alive, and with one torn down.
+    # Tearing the job down works with reloadable groups alive and torn down, destroyed one by one or all.
     dist.destroy_process_group(direct)
     assert not direct.alive
+    destroy_all()
+    dist.destroy_process_group(tp)  # already torn down
+    reload_all()  # revives both
+    check_collectives(direct, rank, world, 7.0)
     dist.destroy_process_group()
     forget_all()
     print(f"OK {rank}", flush=True)

@@ -116,6 +116,8 @@ class ReloadableProcessGroup(dist.ProcessGroup):
             return getattr(inner, name)
         if name in _KEPT_WHILE_DOWN:
             return object.__getattribute__(self, _KEPT_WHILE_DOWN[name])
+        if name == "_device_types":
+            return []  # no backend, no device: what torch's destroy_process_group asks of a dead group
         raise ProcessGroupTornDownError(
             f"process group {object.__getattribute__(self, '_rpg_name')!r} is torn down (its model is "
             f"asleep) and cannot answer {name!r}; call reload_all() (Lifecycle.wake_up) first"

@@ -8,6 +8,7 @@ contract (`values_for_rank`) and fetches its values (`unpack_values`, one `ray.g
 See DESIGN.md, "One PPO step", steps 3 and 4.
 """
 
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from tandem.value_transfer._box import Box
@@ -16,7 +17,10 @@ from tandem.value_transfer._rank_routing import route_per_rank, values_for_rank
 from tandem.value_transfer._sample_routing import IndexedValues, SampleGather, route_by_sample
 from tandem.value_transfer._transfer import pack_indexed_values, pack_values, unpack_values
 
-__version__ = _version("tandem-value-transfer")
+try:
+    __version__ = _version("tandem-value-transfer")
+except PackageNotFoundError:  # source tree on PYTHONPATH (the offline GPU host), not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Box",

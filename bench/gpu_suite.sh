@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one go: the `gpu`-marked tests, then the
+# benchmarks, logs and JSON under $OUT (default ./gpu-results).
+#
+#   source .gpu-kit/setup.sh && bash bench/gpu_suite.sh [pytest -k expression]
+# (tests/ppo and the workspace tests need no GPU and packages the host lacks.)
+#
+# Each step runs even when an earlier one failed; the exit status is the worst one.
+set -uo pipefail
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)' | tee -a "$OUT/gpu.txt"
+status=0
+step() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc"
+  [ "$rc" -gt "$status" ] && status=$rc
+  return 0
+}
+step tests python3 -m pytest tests/lifecycle tests/value_transfer tests/megatron -m gpu -p no:cacheprovider -q -rA ${1:+-k "$1"}
+[ -n "${SKIP_BENCH:-}" ] && exit $status
+step lifecycle python3 bench/lifecycle_bench.py --gib 8 --out "$OUT/lifecycle.json"
+step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$OUT/value_transfer.json"
+if [ -f bench/worker_gpu_bench.py ]; then
+  step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
+fi
+exit $status

@@ -2,7 +2,9 @@
 
 Usage: python launch.py NPROC SCRIPT [ARGS...]
 Each process gets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` in its
-environment (the script passes them to `tandem.megatron.parallel.init_distributed`).
+environment (the script passes them to `tandem.megatron.parallel.init_distributed`),
+and `LAUNCH_PORTS`: more free ports, comma-separated, for scripts that
+re-initialise torch.distributed several times (one port per initialisation).
 Exits non-zero if any process does; a process that hangs is killed after
 `LAUNCH_TIMEOUT_S` seconds (default 600).
 """
@@ -16,23 +18,30 @@ import sys
 import time
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def main() -> int:
     nproc, script, *args = sys.argv[1:]
-    port = _free_port()
+    port, *more = _free_ports(6)
     procs = []
     for rank in range(int(nproc)):
         env = dict(
             os.environ,
             RANK=str(rank),
+            LOCAL_RANK=str(rank),
             WORLD_SIZE=nproc,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            LAUNCH_PORTS=",".join(map(str, more)),
             OMP_NUM_THREADS="1",
         )
         procs.append(subprocess.Popen([sys.executable, script, *args], env=env))

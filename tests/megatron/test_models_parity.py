@@ -253,6 +253,9 @@ def test_critic_head_and_values(run: dict[str, Any], family: str, phase: str) ->
             expected = hidden @ w.T[:, 0] + b
             assert ours.dtype == torch.float32 and ours.shape == expected.shape
             assert (ours - expected).abs().max().item() < run["atol"]
+        # Saved from its export and loaded into a critic with another head init: same values.
+        for again, ours in zip(out["reloaded_values"], out["values"], strict=True):
+            assert (again - ours).abs().max().item() < run["atol"]
     # The head is equal on every rank (same seeded init), and untied from the embedding.
     heads = [run["outputs"][(phase, family, r)]["critic_export"]["score.weight"] for r in run["ranks"]]
     assert all(torch.equal(heads[0], h) for h in heads)
@@ -262,12 +265,12 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> bool:
     return (ours - ref).abs().max().item() <= atol * ref.abs().max().item() + 1e-6
 
 
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_training_gradients_match_transformers(run: dict[str, Any], family: str, phase: str) -> None:
-    """run_micro_batches(forward_only=False): gradients of the same loss as in transformers."""
-    inputs = run["inputs"]
-    model = run["models"][family]
+def _reference_grads(run: dict[str, Any], family: str) -> dict[str, dict[str, torch.Tensor]]:
+    """transformers' gradients of the two test losses of model_checks.py (computed once per family)."""
+    cache = run.setdefault("grad_cache", {})
+    if family in cache:
+        return cache[family]
+    inputs, model = run["inputs"], run["models"][family]
     model.zero_grad()
     log_probs, entropies = _reference_actor(model, inputs)
     loss = sum(
@@ -275,17 +278,11 @@ def test_training_gradients_match_transformers(run: dict[str, Any], family: str,
         for lp, e, m in zip(log_probs, entropies, inputs["loss_masks"], strict=True)
     )
     torch.as_tensor(loss).backward()
-    expected = {n: p.grad for n, p in model.named_parameters()}
+    actor = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    # The script sums q/k-norm grads over TP and tied-head grads over PP as
-    # Megatron's finalize_model_grads does (the worker's DDP set-up).
-    for rank in run["ranks"]:
-        grads = run["outputs"][(phase, family, rank)]["actor_grads"]
-        for name, ref in expected.items():
-            assert _close(grads[name], ref, run["atol"]), name
-
-    # Critic: values from the HF backbone and the exported head, loss sum((v - 0.5)^2 * mask).
-    export = run["outputs"][(phase, family, 0)]["critic_export"]
+    # Critic: values from the HF backbone and our (seeded, equal everywhere) head,
+    # loss sum((v - 0.5)^2 * mask).
+    export = run["outputs"][(PHASES[0], family, 0)]["critic_export"]
     w = export["score.weight"].clone().requires_grad_()
     b = export["score.bias"].clone().requires_grad_()
     total = torch.zeros(())
@@ -293,15 +290,31 @@ def test_training_gradients_match_transformers(run: dict[str, Any], family: str,
         hidden = model.model(tokens[None]).last_hidden_state[0, prompt - 1 : end - 1]
         total = total + (((hidden @ w.T)[:, 0] + b - 0.5) ** 2 * m).sum()
     total.backward()
-    expected = {n: p.grad for n, p in model.model.named_parameters(prefix="model")} | {
-        "score.weight": w.grad,
-        "score.bias": b.grad,
-    }
+    critic = {n: p.grad.clone() for n, p in model.model.named_parameters(prefix="model")}
+    critic |= {"score.weight": w.grad, "score.bias": b.grad}
     model.zero_grad()
+    cache[family] = {"actor": actor, "critic": critic}
+    return cache[family]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_match_transformers(run: dict[str, Any], family: str, phase: str) -> None:
+    """run_micro_batches(forward_only=False): gradients of the same losses as in transformers.
+
+    The script sums q/k-norm grads over TP and tied-head grads over PP as
+    Megatron's finalize_model_grads does (the worker's DDP set-up).
+    """
+    expected = _reference_grads(run, family)
     for rank in run["ranks"]:
-        grads = run["outputs"][(phase, family, rank)]["critic_grads"]
-        for name, ref in expected.items():
-            assert _close(grads[name], ref, run["atol"]), name
+        out = run["outputs"][(phase, family, rank)]
+        # The reference used the first layout's critic head; this layout's is the same.
+        reference_head = run["outputs"][(PHASES[0], family, 0)]["critic_export"]["score.weight"]
+        assert torch.equal(out["critic_export"]["score.weight"], reference_head)
+        for role in ("actor", "critic"):
+            grads = out[f"{role}_grads"]
+            for name, ref in expected[role].items():
+                assert _close(grads[name], ref, run["atol"]), (role, name)
 
 
 @pytest.mark.gpu

@@ -28,3 +28,10 @@ def test_value_head_init_depends_on_seed_only() -> None:
     assert torch.equal(a.weight, b.weight)
     assert not torch.equal(a.weight, c.weight)
     assert 0.005 < a.weight.std().item() < 0.05
+
+
+def test_value_head_output_stays_fp32_after_a_bf16_cast_of_the_module() -> None:
+    # Megatron's Float16Module casts every parameter of the model to bf16.
+    head = ValueHead(8, init_std=0.02, seed=1).bfloat16()
+    values, _ = head(torch.randn(3, 1, 8))
+    assert values.dtype == torch.float32

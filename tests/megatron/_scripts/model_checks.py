@@ -13,6 +13,7 @@ Usage (under launch.py): model_checks.py WORK_DIR PHASES
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,20 @@ def check_family(family_dir: Path, inputs: dict[str, Any], out: Path) -> None:
 
     run_micro_batches(critic, micro_batches(batch, 2), role="critic", forward_only=False, loss_fn=critic_loss)
     result["critic_grads"] = exported_grads(critic, spec, "critic")
+    del critic
+
+    # A critic saved from its export loads back with its head (score.weight / score.bias).
+    saved = out.parent.parent / f"critic-{family_dir.name}"
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        saved.mkdir(parents=True, exist_ok=True)
+        save_file(result["critic_export"], str(saved / "model.safetensors"))
+        shutil.copy(family_dir / "config.json", saved / "config.json")
+    dist.barrier()
+    reloaded = build_model(spec, "critic", seed=99)
+    load_hf_checkpoint(reloaded, spec, saved, "critic")
+    result["reloaded_values"] = forward_only(reloaded, batch, role="critic", micro_batch_size=3)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(to_cpu(result), out / f"rank{dist.get_rank()}.pt")
 

@@ -96,7 +96,9 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """Values `[s, b, 1]` in fp32 from hidden states `[s, b, h]` of any dtype."""
-        values = torch.nn.functional.linear(hidden_states.float(), self.weight, self.bias)
+        # `.float()` on the weights too: a mixed-precision wrapper (Megatron's
+        # Float16Module) may have cast them to bf16; the values stay fp32 anyway.
+        values = torch.nn.functional.linear(hidden_states.float(), self.weight.float(), self.bias.float())
         return values, None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,52 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+RAY_START_ATTEMPTS = 3
+
+
+def _node_timed_out(exc: BaseException) -> bool:
+    return "timed out during startup" in str(exc)
+
+
+def _kill_half_started_node(retry_state: Any) -> None:
+    """Kill what a Ray start that timed out left running, so the next try starts clean.
+
+    `Node.__init__` raised, so nobody holds the Node object; its `self` is still in
+    the traceback. Left running, its processes would also trip `filterwarnings=error`
+    ("subprocess still running").
+    """
+    from ray._private.node import Node
+
+    exc = retry_state.outcome.exception()
+    tb = exc.__traceback__ if exc is not None else None
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, wait=True)
+            return
+        tb = tb.tb_next
+
+
+def start_ray_with_retries[T](start: Callable[[], T]) -> T:
+    """Run a Ray start (`ray.init`, `Cluster.add_node`), again if the node timed out starting.
+
+    On a busy 2-core machine the raylet gives up when Ray's dashboard agent takes
+    more than about 15 s to import; no Ray setting lengthens that wait.
+    """
+    import tenacity
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_node_timed_out),
+        stop=tenacity.stop_after_attempt(RAY_START_ATTEMPTS),
+        before_sleep=_kill_half_started_node,
+        reraise=True,
+    )
+    return retrying(start)
+
+
+@pytest.fixture(scope="session")
+def ray_start() -> Callable[[Callable[[], Any]], Any]:
+    """`ray_start(lambda: ray.init(...))`: a Ray start retried when the node times out starting."""
+    return start_ray_with_retries

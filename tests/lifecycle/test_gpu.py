@@ -59,9 +59,6 @@ def test_torch_memory_saver_backend_hands_memory_back_with_its_preload_hook() ->
     _check(_run("torch_memory_saver", env, "--hook-mode", "preload"))
 
 
-def test_torch_memory_saver_backend_hands_memory_back_in_torch_hook_mode() -> None:
-    _check(_run("torch_memory_saver", dict(os.environ), "--hook-mode", "torch"))
-
 
 def test_an_nccl_group_is_torn_down_and_reloaded() -> None:
     report = _run("", dict(os.environ), script=SCRIPTS / "nccl_reload_worker.py")

@@ -4,7 +4,7 @@ Run by test_gpu.py in a fresh process: torch_memory_saver's preload mode needs i
 hook in LD_PRELOAD from the start, and a fresh process makes the memory baseline
 ("what the process held before the model existed") clean.
 
-    python gpu_sleep_worker.py --backend {pinned_host,torch_memory_saver} [--hook-mode preload|torch] [--gib 4]
+    python gpu_sleep_worker.py --backend {pinned_host,torch_memory_saver} [--hook-mode preload] [--gib 4]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def device_used() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["pinned_host", "torch_memory_saver"], required=True)
-    parser.add_argument("--hook-mode", choices=["preload", "torch"], default="preload")
+    parser.add_argument("--hook-mode", choices=["preload"], default="preload")
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--cycles", type=int, default=3)
     args = parser.parse_args()

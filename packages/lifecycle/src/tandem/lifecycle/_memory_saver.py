@@ -15,8 +15,11 @@ import torch
 
 from ._backend import require_cuda
 
-HookMode = Literal["preload", "torch"]
-HOOK_MODES: tuple[str, ...] = ("preload", "torch")
+HookMode = Literal["preload"]
+HOOK_MODES: tuple[str, ...] = ("preload",)
+# torch_memory_saver's "torch" hook mode (a pluggable allocator) is not offered: with 0.0.10 on an
+# H200 the process aborted at exit ("only support interesting region" in tms_torch_free) once
+# memory allocated outside a region was freed, which every training process does.
 # The hook library's name stem inside the torch_memory_saver wheel (one build per CUDA major).
 _PRELOAD_HOOK_STEM = "torch_memory_saver_hook_mode_preload"
 _INSTALL = "pip install 'tandem-lifecycle[torch-memory-saver]'"
@@ -86,9 +89,8 @@ class TorchMemorySaverBackend:
 
     With `enable_cpu_backup` their contents are copied to host memory and back;
     without it they come back uninitialised (fine for caches, wrong for weights).
-    `hook_mode="preload"` (the default) needs the process started with
-    `torch_memory_saver_env()`; `hook_mode="torch"` uses a PyTorch pluggable
-    allocator instead and needs no preload.
+    `hook_mode="preload"` (the only mode offered) needs the process started with
+    `torch_memory_saver_env()`.
 
     torch_memory_saver kills the process when a paused allocation is paused again,
     so this class refuses (RuntimeError) a pause of what is paused and a resume of
@@ -98,10 +100,13 @@ class TorchMemorySaverBackend:
     def __init__(self, *, enable_cpu_backup: bool = True, hook_mode: HookMode = "preload") -> None:
         require_cuda("offload_backend='torch_memory_saver'")
         if hook_mode not in HOOK_MODES:
-            raise ValueError(f"hook_mode={hook_mode!r}: choose one of {list(HOOK_MODES)}")
+            raise ValueError(
+                f"hook_mode={hook_mode!r}: choose one of {list(HOOK_MODES)} (torch_memory_saver's 'torch' "
+                "mode aborts the process when memory allocated outside its regions is freed)"
+            )
         start_with_env = (
             "start it with the environment of torch_memory_saver_env() "
-            "(Ray: runtime_env={'env_vars': torch_memory_saver_env()}), or pass hook_mode='torch'"
+            "(Ray: runtime_env={'env_vars': torch_memory_saver_env()}),"
         )
         if hook_mode == "preload" and not _hook_in_ld_preload():
             raise ValueError(
@@ -123,8 +128,6 @@ class TorchMemorySaverBackend:
                 "when this process started (look for an 'ld.so: object ... cannot be preloaded' "
                 f"warning; usually libcudart is not on LD_LIBRARY_PATH); {start_with_env}"
             )
-        if hook_mode == "torch" and saver._impl is None:
-            saver.hook_mode = "torch"
         self._saver = saver
         self._enable_cpu_backup = enable_cpu_backup
         self._all_paused = False

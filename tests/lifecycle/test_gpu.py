@@ -59,7 +59,6 @@ def test_torch_memory_saver_backend_hands_memory_back_with_its_preload_hook() ->
     _check(_run("torch_memory_saver", env, "--hook-mode", "preload"))
 
 
-
 def test_an_nccl_group_is_torn_down_and_reloaded() -> None:
     report = _run("", dict(os.environ), script=SCRIPTS / "nccl_reload_worker.py")
     assert report["values_ok"]

@@ -127,3 +127,18 @@ def test_imports_from_a_source_tree_without_metadata(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0+unknown"
+
+
+def test_megatron_backend_exports_resolve_lazily() -> None:
+    """Every name in `tandem.megatron.__all__` resolves; the PPO math alone does not load megatron-core."""
+    code = (
+        "import sys, tandem.megatron as m\n"
+        "from tandem.megatron import compute_gae, policy_loss, value_loss, approx_kl, RolloutBatch\n"
+        "assert 'megatron.core' not in sys.modules, 'the PPO math pulled in megatron-core'\n"
+        "missing = [n for n in m.__all__ if getattr(m, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")

@@ -1,11 +1,110 @@
-"""tandem.megatron (skeleton; filled by its own issue)."""
+"""Tandem's Megatron-core backend: the train worker (actor and critic roles), models, HF weights, PPO math.
 
+Names are imported on first use, so `from tandem.megatron import compute_gae`
+loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
+30 s on a small CPU machine).
+
+- PPO math (torch only): `compute_gae`, `policy_loss`, `value_loss`, `aggregate_loss`,
+  `approx_kl`, `whiten_advantages`, `entropy_from_logits`, `explained_variance`.
+- Data: `RolloutBatch`, `pad_responses`, `unpad_responses`.
+- Models and weights: `ModelSpec`, `build_model`, `load_hf_checkpoint`,
+  `export_hf_weights`, and the pure HF ⇄ Megatron mapping `param_map`, `to_megatron`, `to_hf`.
+- Forward passes: `forward_only`, `run_micro_batches`.
+- The worker: `WorkerConfig`, `TrainWorker`, `TrainGroup`, `create_train_group`.
+"""
+
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = _version("tandem-megatron-backend")
 except PackageNotFoundError:  # source tree on PYTHONPATH (the offline GPU host), not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "compute_gae": "gae",
+    "policy_loss": "losses",
+    "value_loss": "losses",
+    "aggregate_loss": "losses",
+    "explained_variance": "losses",
+    "approx_kl": "kl",
+    "whiten_advantages": "advantages",
+    "entropy_from_logits": "entropy",
+    "RolloutBatch": "batch",
+    "pad_responses": "batch",
+    "unpad_responses": "batch",
+    "ModelSpec": "hf_config",
+    "build_model": "models",
+    "load_hf_checkpoint": "hf_weights",
+    "export_hf_weights": "hf_weights",
+    "param_map": "conversion",
+    "to_megatron": "conversion",
+    "to_hf": "conversion",
+    "forward_only": "forward",
+    "run_micro_batches": "forward",
+    "WorkerConfig": "config",
+    "TrainWorker": "worker",
+    "TrainGroup": "worker",
+    "create_train_group": "worker",
+}
+
+if TYPE_CHECKING:
+    from .advantages import whiten_advantages
+    from .batch import RolloutBatch, pad_responses, unpad_responses
+    from .config import WorkerConfig
+    from .conversion import param_map, to_hf, to_megatron
+    from .entropy import entropy_from_logits
+    from .forward import forward_only, run_micro_batches
+    from .gae import compute_gae
+    from .hf_config import ModelSpec
+    from .hf_weights import export_hf_weights, load_hf_checkpoint
+    from .kl import approx_kl
+    from .losses import aggregate_loss, explained_variance, policy_loss, value_loss
+    from .models import build_model
+    from .worker import TrainGroup, TrainWorker, create_train_group
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = [
+    "ModelSpec",
+    "RolloutBatch",
+    "TrainGroup",
+    "TrainWorker",
+    "WorkerConfig",
+    "__version__",
+    "aggregate_loss",
+    "approx_kl",
+    "build_model",
+    "compute_gae",
+    "create_train_group",
+    "entropy_from_logits",
+    "explained_variance",
+    "export_hf_weights",
+    "forward_only",
+    "load_hf_checkpoint",
+    "pad_responses",
+    "param_map",
+    "policy_loss",
+    "run_micro_batches",
+    "to_hf",
+    "to_megatron",
+    "unpad_responses",
+    "value_loss",
+    "whiten_advantages",
+]

@@ -81,6 +81,8 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"min_lr": 1.0}, "min_lr"),
         ({"lr_warmup_steps": 5, "lr_decay_steps": 5}, "lr_decay_steps"),
         ({"temperature": 0.0}, "temperature"),
+        ({"value_clip": 0.0}, "value_clip"),
+        ({"eps_clip": 1.0}, "eps_clip"),
         ({"loss_aggregation": "seq_sum"}, "loss_aggregation"),
     ],
 )

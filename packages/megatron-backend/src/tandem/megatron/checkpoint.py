@@ -176,7 +176,7 @@ def _sharded_state_dict(state: TrainState, *, is_loading: bool, rollout_id: int)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model_sd: dict[str, Any] = {}
     for i, chunk in enumerate(state.model):
-        module = getattr(chunk, "module", chunk)
+        module: Any = getattr(chunk, "module", chunk)
         key = "model" if len(state.model) == 1 else f"model{i}"
         model_sd[key] = module.sharded_state_dict(metadata=state.sharding_metadata)
     flat_model_sd: dict[str, Any] = {}
@@ -233,6 +233,8 @@ def load_checkpoint(root: str | os.PathLike[str] | None, state: TrainState) -> i
     for i, chunk in enumerate(state.model):
         chunk.load_state_dict(loaded["model" if len(state.model) == 1 else f"model{i}"], strict=True)
     state.optimizer.load_state_dict(loaded["optimizer"])
+    # The scheduler adds the saved step count to its own; count from 0 when loading in place.
+    state.scheduler.num_steps = 0
     state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     _set_rng_state(loaded["rng_state"])
     if int(loaded["rollout_id"]) != rollout_id:

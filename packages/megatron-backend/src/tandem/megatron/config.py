@@ -139,8 +139,8 @@ class WorkerConfig:
     eps_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None: off."""
 
-    value_clip: float = 0.2
-    """Clip range of the new values around the old values in the value loss."""
+    value_clip: float | None = 0.2
+    """Clip range (> 0) of the new values around the old values in the value loss; None: no clipping."""
 
     gamma: float = 1.0
     """GAE discount."""
@@ -350,7 +350,6 @@ class WorkerConfig:
             "min_lr": self.min_lr,
             "weight_decay": self.weight_decay,
             "clip_grad": self.clip_grad,
-            "value_clip": self.value_clip,
             "kl_loss_coef": self.kl_loss_coef,
             "entropy_coef": self.entropy_coef,
         }
@@ -366,6 +365,12 @@ class WorkerConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: got {value}; it must be a finite number > 0")
+        if self.value_clip is not None and not (math.isfinite(self.value_clip) and self.value_clip > 0):
+            raise ValueError(f"value_clip: got {self.value_clip}; it must be > 0, or None for no clipping")
+        if self.eps_clip is not None and not self.eps_clip < 1:
+            raise ValueError(
+                f"eps_clip: got {self.eps_clip}; the ratio's lower bound 1 - eps_clip must stay > 0"
+            )
         if self.eps_clip_high is not None and not self.eps_clip_high > 0:
             raise ValueError(f"eps_clip_high: got {self.eps_clip_high}; it must be > 0 or None")
         if self.eps_clip_c is not None and not self.eps_clip_c > 1:

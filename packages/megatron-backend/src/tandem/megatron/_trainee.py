@@ -1,0 +1,180 @@
+"""The model one train worker trains: built, loaded, wrapped, and its tensors grouped for sleeping.
+
+`build_trainee` builds this rank's pipeline stage of the actor or critic, loads
+the Hugging Face weights (and, for an actor with a KL loss, keeps the reference
+weights on the host), wraps it in Megatron's DDP and builds the optimizer, each
+inside the memory backend's region of its tag so that torch_memory_saver tracks
+them. `Trainee` then says which tensors belong to which tag for the pinned-host
+backend, swaps reference weights in and out, and snapshots the training state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.lifecycle import MemoryBackend, PinnedHostBackend
+from tandem.megatron.checkpoint import TrainState
+from tandem.megatron.config import Role, WorkerConfig
+from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
+
+WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
+"""Memory tags: weights can come back alone (weight export while asleep)."""
+
+
+def _params_dtype(config: WorkerConfig) -> torch.dtype:
+    return torch.bfloat16 if config.params_dtype == "bfloat16" else torch.float32
+
+
+@dataclass
+class Trainee:
+    """One rank's model of one role, with its optimizer and (actor with KL loss) reference weights.
+
+    Attributes:
+        role: "actor" or "critic".
+        config: the worker config.
+        spec: the model shape from the Hugging Face config.
+        chunks: the DDP-wrapped model chunks (one: no virtual pipelining).
+        optim: optimizer, LR schedule and clipping.
+        device: where the model lives.
+        backend: the memory backend whose regions hold the weights and optimizer state.
+        reference: host copies of the reference weights, one per parameter of
+            `chunks[0].module`, in `parameters()` order; None without a KL loss.
+    """
+
+    role: Role
+    config: WorkerConfig
+    spec: ModelSpec
+    chunks: list[Any]
+    optim: OptimizerBundle
+    device: torch.device
+    backend: MemoryBackend
+    reference: list[torch.Tensor] | None = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The GPTModel inside the DDP wrapper."""
+        module: torch.nn.Module = self.chunks[0].module
+        return module
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, in `parameters()` order."""
+        return list(self.module.parameters())
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """One optimizer step; (grad norm, lr). Inside the optimizer's region: Adam state is created lazily."""
+        with self.backend.region(OPTIMIZER):
+            return self.optim.step(self.chunks)
+
+    # --- tensors per memory tag (pinned-host backend) ------------------------------------
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The model weights: DDP's flat parameter buffers where it has them, else each parameter."""
+        flat = [b.param_data for b in self._buffers() if getattr(b, "param_data", None) is not None]
+        in_flat = {
+            id(p) for b in self._buffers() if getattr(b, "param_data", None) is not None for p in b.params
+        }
+        return flat + [p for p in self.parameters() if id(p) not in in_flat]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """DDP's flat gradient buffers."""
+        return [b.grad_data for b in self._buffers()]
+
+    def optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        """Optimizer-owned tensors (main weights, Adam state) that are not model weights."""
+        weights = {id(p) for p in self.parameters()}
+        return (t for t in self.optim.state_tensors() if id(t) not in weights)
+
+    def register(self, backend: MemoryBackend) -> tuple[str, ...]:
+        """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order."""
+        if isinstance(backend, PinnedHostBackend):
+            backend.register(WEIGHTS, self.weight_tensors())
+            backend.register(GRADS, self.grad_tensors())
+            backend.register(OPTIMIZER, self.optimizer_tensors)
+            return WEIGHTS, GRADS, OPTIMIZER
+        # torch_memory_saver: regions at build time; the gradients were allocated in the weights region.
+        return WEIGHTS, OPTIMIZER
+
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes of the training state by memory tag (distinct storages), for benchmarks."""
+        sources = {
+            WEIGHTS: self.weight_tensors(),
+            GRADS: self.grad_tensors(),
+            OPTIMIZER: self.optimizer_tensors(),
+        }
+        out = {}
+        for tag, tensors in sources.items():
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+            out[tag] = sum(storages.values())
+        return out
+
+    def _buffers(self) -> list[Any]:
+        return [b for c in self.chunks for b in c.buffers + c.expert_parallel_buffers]
+
+    # --- reference weights -----------------------------------------------------------------
+    @torch.no_grad()
+    def swap_reference(self) -> None:
+        """Exchange the model's weights with the host-side reference weights (call twice to undo)."""
+        if self.reference is None:
+            raise RuntimeError("swap_reference: this model keeps no reference weights (use_kl_loss is off)")
+        for param, host in zip(self.parameters(), self.reference, strict=True):
+            current = param.detach().to("cpu", copy=True)
+            param.copy_(host.to(param.device, non_blocking=True))
+            host.copy_(current)
+
+    # --- state -------------------------------------------------------------------------------
+    def train_state(self) -> TrainState:
+        """What a checkpoint saves and loads for this rank."""
+        from megatron.core import parallel_state as mpu
+
+        metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if self.optim.uses_distributed_optimizer:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+            metadata["dp_cp_group"] = mpu.get_data_parallel_group(with_context_parallel=True)
+        return TrainState(self.chunks, self.optim.optimizer, self.optim.scheduler, metadata)
+
+    @torch.no_grad()
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this rank's weights, optimizer state and schedule position, by name."""
+        out: dict[str, torch.Tensor] = {
+            f"weights/{name}": p.detach().to("cpu", copy=True) for name, p in self.module.named_parameters()
+        }
+        for i, tensor in enumerate(self.optim.state_tensors()):
+            out[f"optimizer/{i}"] = tensor.detach().to("cpu", copy=True)
+        out["scheduler/num_steps"] = torch.tensor(self.optim.scheduler.num_steps)
+        return out
+
+
+def build_trainee(
+    config: WorkerConfig,
+    role: Role,
+    backend: MemoryBackend,
+    *,
+    on_gpu: bool,
+    load_hf: Callable[[torch.nn.Module, ModelSpec, str, Role], Any],
+) -> Trainee:
+    """Build, load and wrap `role`'s model on this rank; weights and optimizer in their memory regions.
+
+    `load_hf(model, spec, hf_dir, role)` loads a Hugging Face folder into the model.
+    """
+    from tandem.megatron.models import build_model
+
+    spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    with backend.region(WEIGHTS):
+        model = build_model(spec, role, params_dtype=_params_dtype(config), seed=config.seed)
+        reference = None
+        if role == "actor" and config.use_kl_loss:
+            load_hf(model, spec, config.ref_load or config.hf_checkpoint, role)
+            reference = [
+                p.detach().to("cpu", copy=True).pin_memory() if on_gpu else p.detach().clone()
+                for p in model.parameters()
+            ]
+        load_hf(model, spec, config.hf_checkpoint_of(role), role)
+        ddp = wrap_ddp(model, use_distributed_optimizer=on_gpu)
+    with backend.region(OPTIMIZER):
+        optim = build_optimizer([ddp], config, role)
+    return Trainee(role, config, spec, [ddp], optim, device, backend, reference)

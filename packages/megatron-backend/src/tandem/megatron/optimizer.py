@@ -1,0 +1,232 @@
+"""The optimizer side of a train worker: DDP wrapping, the Megatron optimizer, the LR schedule, clipping.
+
+On the GPU the model trains with Megatron's distributed optimizer (fp32 main
+weights and Adam state sharded over the data-parallel group) and Megatron clips
+the gradients. On the CPU Megatron's distributed optimizer and its clipping
+helpers are not usable, so the plain Megatron optimizer steps the fp32 model
+weights and `clip_grad_norm_` here clips the gradient buffers first. Either way
+Megatron's DDP wrapper owns the flat gradient buffers (summed over micro-batches,
+averaged over data-parallel ranks by `finalize_model_grads`), and the
+learning rate follows Megatron's `OptimizerParamScheduler`, one step per
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.megatron._cpu_compat import cpu_compat_active
+from tandem.megatron.config import Role, WorkerConfig
+
+
+class _NullStream:
+    """Stands in for a CUDA stream on the CPU: nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        """No CUDA work to order."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """No CUDA work to order."""
+
+    def synchronize(self) -> None:
+        """No CUDA work to wait for."""
+
+
+def _enable_ddp_cpu_compat() -> None:
+    # TODO(lead): replace with tandem.megatron._cpu_compat.enable_cpu_compat once it covers
+    # torch.cuda.current_stream(), which Megatron's DDP calls in start_grad_sync.
+    if cpu_compat_active() and not getattr(torch.cuda, "_tandem_null_stream", False):
+        torch.cuda.current_stream = lambda device=None: _NullStream()  # type: ignore[assignment,return-value]
+        torch.cuda._tandem_null_stream = True  # type: ignore[attr-defined]
+
+
+def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool) -> Any:
+    """Wrap this rank's model in Megatron's DDP: flat fp32 gradient buffers, averaged over data parallel.
+
+    Also sets the model config's hooks that Megatron's pipeline schedule calls
+    (`finalize_model_grads_func`, `no_sync_func`).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    _enable_ddp_cpu_compat()
+    config: Any = model.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        # One bucket per buffer: fewer, larger collectives; overlap is off anyway.
+        bucket_size=None,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    config.grad_sync_func = None
+    config.param_sync_func = None
+    return ddp
+
+
+@dataclass
+class OptimizerBundle:
+    """The optimizer and LR schedule of one role on one rank, and how it steps.
+
+    Attributes:
+        optimizer: Megatron optimizer (distributed on the GPU, plain on the CPU).
+        scheduler: Megatron's OptimizerParamScheduler.
+        clip_grad: global gradient-norm bound; 0 means no clipping.
+        clip_here: whether `step` clips itself (CPU) instead of Megatron (GPU).
+    """
+
+    optimizer: Any
+    scheduler: Any
+    clip_grad: float
+    clip_here: bool
+
+    def zero_grad(self, model_chunks: Sequence[Any]) -> None:
+        """Zero the DDP gradient buffers and the optimizer's grads before an optimizer step."""
+        for chunk in model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self, model_chunks: Sequence[Any]) -> tuple[float, float]:
+        """One optimizer step on the reduced gradients; returns (grad norm before clipping, lr used)."""
+        lr = self.lr
+        own_norm = clip_grad_norm_(model_chunks, self.clip_grad) if self.clip_here else None
+        success, megatron_norm, _ = self.optimizer.step()
+        if not success:
+            raise RuntimeError("the optimizer step failed (inf/nan gradients)")
+        self.scheduler.step(increment=1)
+        norm = own_norm if own_norm is not None else megatron_norm
+        return (float("nan") if norm is None else float(norm)), lr
+
+    @property
+    def uses_distributed_optimizer(self) -> bool:
+        """Whether Megatron's distributed optimizer (GPU) steps; the plain one (CPU) clips here."""
+        return not self.clip_here
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors the optimizer owns: main (fp32) weight copies and Adam state, each once.
+
+        Evaluated lazily so that state created at the first step is included. On
+        the CPU the plain optimizer's parameters are the model's own weights, which
+        the weights tag already covers; the caller removes those.
+        """
+        seen: set[int] = set()
+        for inner in _inner_torch_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    for tensor in (param, *inner.state.get(param, {}).values()):
+                        # 0-dim entries (Adam's step count) live on the host and are not state to move.
+                        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and id(tensor) not in seen:
+                            seen.add(id(tensor))
+                            yield tensor
+
+
+def _inner_torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if inner is not None:
+            yield inner
+
+
+def build_optimizer(model_chunks: Sequence[Any], config: WorkerConfig, role: Role) -> OptimizerBundle:
+    """The Megatron optimizer and LR schedule of `role` for DDP-wrapped `model_chunks`."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    on_gpu = not cpu_compat_active()
+    lr = config.lr_of(role)
+    bf16 = config.params_dtype == "bfloat16"
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min(config.min_lr, lr),
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        adam_eps=config.adam_eps,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=on_gpu,
+        # Megatron's clipping helpers are CUDA-only; on the CPU `clip_grad_norm_` clips.
+        clip_grad=config.clip_grad if on_gpu else 0.0,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, list(model_chunks), use_gloo_process_groups=False)
+    warmup = config.lr_warmup_steps
+    if config.lr_decay_steps is None:
+        decay_steps, decay_style = warmup + 1, "constant"
+    else:
+        decay_steps, decay_style = config.lr_decay_steps, config.lr_decay_style
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else lr,
+        max_lr=lr,
+        min_lr=min(config.min_lr, lr),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        # On resume the schedule comes from this config; the checkpoint gives only the step count.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+    return OptimizerBundle(optimizer, scheduler, config.clip_grad, clip_here=not on_gpu)
+
+
+@torch.no_grad()
+def grad_norm(model_chunks: Sequence[Any]) -> float:
+    """Global L2 norm of the (already data-parallel-reduced) gradients over all ranks of the model.
+
+    Each parameter counts once: tensor-parallel duplicates and the shared copy of
+    tied embeddings are skipped, and the sum of squares is all-reduced over the
+    model-parallel (TP x PP) group.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None or not param.requires_grad:
+                continue
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                total += grad.detach().double().pow(2).sum().cpu()
+    device = next(iter(model_chunks[0].parameters())).device
+    total = total.to(device)
+    torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
+    return math.sqrt(float(total))
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_chunks: Sequence[Any], max_norm: float) -> float:
+    """Scale the DDP gradient buffers so the global norm is at most `max_norm`; returns the norm before.
+
+    `max_norm` 0 measures without clipping.
+    """
+    norm = grad_norm(model_chunks)
+    if max_norm > 0 and math.isfinite(norm):
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0:
+            for chunk in model_chunks:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.grad_data.mul_(coefficient)
+    return norm

@@ -1,0 +1,295 @@
+"""The train worker on CPU: Ray + gloo, two ranks (data-parallel 2) per role, a tiny Llama.
+
+One critic group and one actor group share the same two placement bundles for
+the whole module (each Ray worker process imports Megatron, which is slow),
+and the tests run in order on them: the value hand-off, learning, sleep/wake
+exactness, the weight export, and last a save -> kill -> restart that resumes
+both roles from their own folders.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from tandem.megatron.batch import RolloutBatch
+from tandem.megatron.config import WorkerConfig
+from tandem.megatron.worker import TrainGroup, create_train_group
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 64
+RANKS = 2
+
+
+def make_hf_checkpoint(path: Path) -> None:
+    """A tiny random Llama saved with save_pretrained (the workers' initial weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def make_batch(n: int, seed: int, reward: float | None = None) -> RolloutBatch:
+    """`n` random samples (prompt 2-4 tokens, response 2-5, last response token masked out on odd samples)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, lengths, masks = [], [], []
+    for i in range(n):
+        prompt, response = (
+            int(torch.randint(2, 5, (1,), generator=g)),
+            int(torch.randint(2, 6, (1,), generator=g)),
+        )
+        tokens.append(torch.randint(0, VOCAB, (prompt + response,), generator=g))
+        lengths.append(response)
+        mask = torch.ones(response)
+        if i % 2:
+            mask[-1] = 0
+        masks.append(mask)
+    rewards = torch.full((n,), reward) if reward is not None else torch.randn(n, generator=g)
+    return RolloutBatch(
+        tokens=tokens,
+        response_lengths=lengths,
+        loss_masks=masks,
+        rewards=rewards,
+        sample_indices=[seed * 100 + i for i in range(n)],
+    )
+
+
+def put_rollout(seed: int, reward: float | None = None) -> list[Any]:
+    """One rollout of 8 samples split over the two data-parallel ranks (one object ref each)."""
+    return [ray.put(make_batch(4, seed * 10 + r, reward)) for r in range(RANKS)]
+
+
+def init_ray() -> None:
+    """A local Ray; a start that missed the raylet's start-up deadline (busy machine) is cleaned up and retried."""
+    from ray._private.node import Node
+
+    for attempt in range(1, 4):
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == 3:
+                raise
+            # Node.__init__ raised, so nobody holds the Node; its `self` is still in the traceback.
+            tb = exc.__traceback__
+            while tb is not None:
+                node = tb.tb_frame.f_locals.get("self")
+                if isinstance(node, Node):
+                    node.kill_all_processes(check_alive=False, wait=True)
+                    break
+                tb = tb.tb_next
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("worker")
+    make_hf_checkpoint(root / "hf")
+    config = WorkerConfig(
+        hf_checkpoint=str(root / "hf"),
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        global_batch_size=4,  # two optimizer steps per rollout, two micro-batches per step and rank
+        micro_batch_size=1,
+        device="cpu",
+        params_dtype="float32",
+        offload_backend="pinned_host",
+        lr=1e-3,
+        critic_lr=2e-3,
+        clip_grad=1.0,
+        save=str(root / "actor"),
+        load=str(root / "actor"),
+        critic_save=str(root / "critic"),
+        critic_load=str(root / "critic"),
+    )
+    init_ray()
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([{"CPU": 1}] * RANKS, strategy="PACK")
+    ray.get(pg.ready())
+    state: dict[str, Any] = {"config": config, "pg": pg, "root": root}
+    state["critic"] = create_train_group(config, "critic", pg, range(RANKS), num_gpus_per_worker=0)
+    state["actor"] = create_train_group(config, "actor", pg, range(RANKS), num_gpus_per_worker=0)
+    yield state
+    ray.shutdown()
+
+
+def ppo_step(critic: TrainGroup, actor: TrainGroup, rollout_id: int, data: list[Any], *, sleep: bool) -> dict:
+    """One critic step then one actor step, the actor getting the critic's per-rank payloads."""
+    critic_out = ray.get(critic.train(rollout_id, data))
+    if sleep:
+        critic.run("sleep")
+    actor_out = ray.get(actor.train(rollout_id, data, critic_out))
+    if sleep:
+        actor.run("sleep")
+        actor.run("sleep")  # idempotent
+    return {"critic": critic_out, "actor": actor_out}
+
+
+def snapshots(group: TrainGroup) -> list[dict[str, torch.Tensor]]:
+    return group.run("state_snapshot")
+
+
+def assert_identical(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for rank, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.keys() == y.keys()
+        different = [k for k in x if not torch.equal(x[k], y[k])]
+        assert not different, f"rank {rank}: {different[:5]} differ"
+
+
+def test_critic_then_actor_hand_values_over(setup: dict[str, Any]) -> None:
+    from tandem.value_transfer import Box, unpack_values
+
+    critic, actor = setup["critic"], setup["actor"]
+    data = put_rollout(seed=1)
+    out = ppo_step(critic, actor, 0, data, sleep=False)
+    total, count = 0.0, 0
+    for rank, result in enumerate(out["critic"]):
+        assert isinstance(result["values"], Box)
+        batch = ray.get(data[rank])
+        values = unpack_values(result["values"], "cpu", sample_indices=batch.sample_indices)
+        assert [v.numel() for v in values] == batch.response_lengths
+        for v, mask in zip(values, batch.loss_masks, strict=True):
+            total += float((v * mask).sum())
+            count += int(mask.sum())
+    # The actor's GAE used exactly the critic's old values (token mean over both ranks).
+    actor_metrics = out["actor"][0]["metrics"]
+    assert actor_metrics["values_mean"] == pytest.approx(total / count, rel=1e-5)
+    assert out["critic"][0]["metrics"]["values_mean"] == pytest.approx(total / count, rel=1e-5)
+    # Every rank reports the same figures; the learning rates are the roles' own.
+    for role in ("critic", "actor"):
+        assert all(r["metrics"] == out[role][0]["metrics"] for r in out[role])
+    assert out["critic"][0]["metrics"]["lr"] == pytest.approx(2e-3)
+    assert actor_metrics["lr"] == pytest.approx(1e-3)
+    assert all(torch.isfinite(torch.tensor(v)) for v in actor_metrics.values())
+    assert 0.0 <= actor_metrics["clip_frac"] <= 1.0 and actor_metrics["grad_norm"] > 0
+
+
+def test_losses_fall_on_fixed_data(setup: dict[str, Any]) -> None:
+    critic, actor = setup["critic"], setup["actor"]
+    data = put_rollout(seed=2)
+    value_losses = [ray.get(critic.train(i, data))[0]["metrics"]["value_loss"] for i in range(4)]
+    assert value_losses[-1] < 0.8 * value_losses[0], value_losses
+    # Every response rewarded +1 and no critic (values 0): the actor makes them all more likely.
+    rewarded = put_rollout(seed=3, reward=1.0)
+    log_probs = [ray.get(actor.train(i, rewarded))[0]["metrics"]["log_prob"] for i in range(4)]
+    assert all(b > a for a, b in itertools.pairwise(log_probs)), log_probs
+
+
+def test_sleep_and_wake_leave_training_bit_identical(setup: dict[str, Any]) -> None:
+    critic, actor = setup["critic"], setup["actor"]
+    for group in (critic, actor):
+        group.run("save_model", 10)
+    before = {"critic": snapshots(critic), "actor": snapshots(actor)}
+    rollouts = [put_rollout(seed=s) for s in (4, 5)]
+
+    slept = [ppo_step(critic, actor, 11 + i, data, sleep=True) for i, data in enumerate(rollouts)]
+    assert critic.run("asleep") == [True, True] and actor.run("asleep") == [True, True]
+    for group in (critic, actor):
+        group.run("wake_up")
+        group.run("wake_up")  # idempotent
+    after_sleeping = {"critic": snapshots(critic), "actor": snapshots(actor)}
+
+    # Back to the saved state, in place; the same steps without ever sleeping.
+    for group in (critic, actor):
+        assert group.run("load_model") == [10, 10]
+    assert_identical(snapshots(critic), before["critic"])
+    assert_identical(snapshots(actor), before["actor"])
+    awake = [ppo_step(critic, actor, 11 + i, data, sleep=False) for i, data in enumerate(rollouts)]
+    assert_identical(snapshots(critic), after_sleeping["critic"])
+    assert_identical(snapshots(actor), after_sleeping["actor"])
+    for a, b in zip(slept, awake, strict=True):
+        for role in ("critic", "actor"):
+            assert [r["metrics"] for r in a[role]] == [r["metrics"] for r in b[role]]
+    # The state did move: the steps trained something.
+    assert not torch.equal(
+        before["actor"][0]["weights/embedding.word_embeddings.weight"],
+        after_sleeping["actor"][0]["weights/embedding.word_embeddings.weight"],
+    )
+
+
+@ray.remote
+class RecordingEngine:
+    """Stands in for a rollout engine: keeps the weights it is sent."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.chunks = 0
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.chunks += 1
+        for name, tensor in named_tensors:
+            assert name not in self.tensors, f"{name} sent twice"
+            self.tensors[name] = tensor.clone()
+
+    def received(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.chunks, self.tensors
+
+
+def test_update_weights_asleep_and_awake_send_the_same_hf_tensors(setup: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    actor = setup["actor"]
+    initial = load_file(str(Path(setup["config"].hf_checkpoint) / "model.safetensors"))
+    asleep_engine, awake_engine = RecordingEngine.remote(), RecordingEngine.remote()
+    actor.run("sleep")
+    chunk_counts = actor.run("update_weights", asleep_engine)
+    assert actor.run("asleep") == [True, True]  # temporary groups and weights only; still asleep
+    actor.run("wake_up")
+    actor.run("update_weights", awake_engine)
+    chunks, sent = ray.get(asleep_engine.received.remote())
+    _, sent_awake = ray.get(awake_engine.received.remote())
+    assert chunks == chunk_counts[0] >= 1
+    assert sent.keys() == initial.keys()
+    assert all(sent[k].shape == initial[k].shape for k in initial)
+    assert all(torch.equal(sent[k], sent_awake[k]) for k in sent)
+    # The actor trained: its weights are no longer the checkpoint's.
+    assert any(not torch.equal(sent[k], initial[k].to(sent[k].dtype)) for k in initial)
+
+
+def test_save_kill_restart_resumes_each_role_from_its_own_folder(setup: dict[str, Any]) -> None:
+    from tandem.megatron.checkpoint import read_latest
+
+    critic, actor, config = setup["critic"], setup["actor"], setup["config"]
+    for group in (critic, actor):
+        group.run("wake_up")
+        group.run("save_model", 20)
+    assert read_latest(config.critic_save) == read_latest(config.save) == 20
+    saved = {"critic": snapshots(critic), "actor": snapshots(actor)}
+    # The critic's own weights went to its own folder (scalar head, not the vocabulary head).
+    assert saved["critic"][0]["weights/output_layer.weight"].shape == (1, 32)
+    data = put_rollout(seed=6)
+    continued = ppo_step(critic, actor, 21, data, sleep=False)
+    trained = {"critic": snapshots(critic), "actor": snapshots(actor)}
+    critic.kill()
+    actor.kill()
+
+    pg = setup["pg"]
+    critic = create_train_group(config, "critic", pg, range(RANKS), num_gpus_per_worker=0)
+    actor = create_train_group(config, "actor", pg, range(RANKS), num_gpus_per_worker=0)
+    setup["critic"], setup["actor"] = critic, actor
+    assert critic.start_rollout_id == actor.start_rollout_id == 21
+    assert_identical(snapshots(critic), saved["critic"])
+    assert_identical(snapshots(actor), saved["actor"])
+    resumed = ppo_step(critic, actor, 21, data, sleep=False)
+    assert_identical(snapshots(critic), trained["critic"])
+    assert_identical(snapshots(actor), trained["actor"])
+    for role in ("critic", "actor"):
+        assert [r["metrics"] for r in resumed[role]] == [r["metrics"] for r in continued[role]]

@@ -1,15 +1,18 @@
-"""The train worker on CPU: Ray + gloo, two ranks (data-parallel 2) per role, a tiny Llama.
+"""The train worker on CPU: Ray + gloo, two ranks per role, a tiny Llama.
 
-One critic group and one actor group share the same two placement bundles for
-the whole module (each Ray worker process imports Megatron, which is slow),
-and the tests run in order on them: the value hand-off, learning, sleep/wake
-exactness, the weight export, and last a save -> kill -> restart that resumes
-both roles from their own folders.
+One critic group and one actor group (data parallel 2) share the same two
+placement bundles (each Ray worker process imports Megatron, which is slow),
+and the tests run in order on them: the value hand-off, learning (with the KL
+loss against host-side reference weights and the entropy bonus on), sleep/wake
+exactness, the weight export, and a save -> kill -> restart that resumes both
+roles from their own folders. Last, both roles again with pipeline parallel 2:
+values from the last stage only, and the weight export gathering both stages.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +116,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         lr=1e-3,
         critic_lr=2e-3,
         clip_grad=1.0,
+        # The KL loss (reference weights swapped in from the host) and the entropy bonus are on.
+        use_kl_loss=True,
+        kl_loss_coef=0.01,
+        entropy_coef=1e-3,
         save=str(root / "actor"),
         load=str(root / "actor"),
         critic_save=str(root / "critic"),
@@ -180,6 +187,10 @@ def test_critic_then_actor_hand_values_over(setup: dict[str, Any]) -> None:
     assert actor_metrics["lr"] == pytest.approx(1e-3)
     assert all(torch.isfinite(torch.tensor(v)) for v in actor_metrics.values())
     assert 0.0 <= actor_metrics["clip_frac"] <= 1.0 and actor_metrics["grad_norm"] > 0
+    # The actor starts as its reference: the KL is 0 at the first step, tiny after the second
+    # (and grows as it trains, below).
+    assert 0.0 <= actor_metrics["kl_loss"] < 1e-3
+    assert 0.0 < actor_metrics["entropy"] <= math.log(VOCAB)
 
 
 def test_losses_fall_on_fixed_data(setup: dict[str, Any]) -> None:
@@ -189,8 +200,11 @@ def test_losses_fall_on_fixed_data(setup: dict[str, Any]) -> None:
     assert value_losses[-1] < 0.8 * value_losses[0], value_losses
     # Every response rewarded +1 and no critic (values 0): the actor makes them all more likely.
     rewarded = put_rollout(seed=3, reward=1.0)
-    log_probs = [ray.get(actor.train(i, rewarded))[0]["metrics"]["log_prob"] for i in range(4)]
+    metrics = [ray.get(actor.train(i, rewarded))[0]["metrics"] for i in range(4)]
+    log_probs = [m["log_prob"] for m in metrics]
     assert all(b > a for a, b in itertools.pairwise(log_probs)), log_probs
+    # The policy moved away from the reference weights, which stayed put on the host.
+    assert metrics[-1]["kl_loss"] > metrics[0]["kl_loss"] > 0.0
 
 
 def test_sleep_and_wake_leave_training_bit_identical(setup: dict[str, Any]) -> None:
@@ -225,7 +239,6 @@ def test_sleep_and_wake_leave_training_bit_identical(setup: dict[str, Any]) -> N
     )
 
 
-@ray.remote
 class RecordingEngine:
     """Stands in for a rollout engine: keeps the weights it is sent."""
 
@@ -248,7 +261,8 @@ def test_update_weights_asleep_and_awake_send_the_same_hf_tensors(setup: dict[st
 
     actor = setup["actor"]
     initial = load_file(str(Path(setup["config"].hf_checkpoint) / "model.safetensors"))
-    asleep_engine, awake_engine = RecordingEngine.remote(), RecordingEngine.remote()
+    engine_cls: Any = ray.remote(RecordingEngine)
+    asleep_engine, awake_engine = engine_cls.remote(), engine_cls.remote()
     actor.run("sleep")
     chunk_counts = actor.run("update_weights", asleep_engine)
     assert actor.run("asleep") == [True, True]  # temporary groups and weights only; still asleep
@@ -293,3 +307,60 @@ def test_save_kill_restart_resumes_each_role_from_its_own_folder(setup: dict[str
     assert_identical(snapshots(actor), trained["actor"])
     for role in ("critic", "actor"):
         assert [r["metrics"] for r in resumed[role]] == [r["metrics"] for r in continued[role]]
+
+
+@pytest.fixture(scope="module")
+def pipeline(setup: dict[str, Any]) -> dict[str, Any]:
+    """Critic and actor with pipeline parallel 2 (one layer per stage) on the same bundles."""
+    import dataclasses
+
+    for group in (setup["critic"], setup["actor"]):
+        group.kill()  # done with data parallel; frees the bundles and the CPU
+    root = setup["root"]
+    config = dataclasses.replace(
+        setup["config"],
+        pipeline_model_parallel_size=2,
+        save=str(root / "pp-actor"),
+        load=str(root / "pp-actor"),
+        critic_save=str(root / "pp-critic"),
+        critic_load=str(root / "pp-critic"),
+    )
+    pg = setup["pg"]
+    return {
+        "config": config,
+        "critic": create_train_group(config, "critic", pg, range(RANKS), num_gpus_per_worker=0),
+        "actor": create_train_group(config, "actor", pg, range(RANKS), num_gpus_per_worker=0),
+    }
+
+
+def test_pipeline_values_come_from_the_last_stage_only(pipeline: dict[str, Any]) -> None:
+    critic, actor = pipeline["critic"], pipeline["actor"]
+    batch = make_batch(8, seed=7)
+    data = [ray.put(batch)]  # one data-parallel rank: both stages get the whole rollout
+    out = ppo_step(critic, actor, 0, data, sleep=True)
+    assert "values" not in out["critic"][0]
+    from tandem.value_transfer import unpack_values
+
+    values = unpack_values(out["critic"][1]["values"], "cpu", sample_indices=batch.sample_indices)
+    assert [v.numel() for v in values] == batch.response_lengths
+    for role in ("critic", "actor"):
+        first, last = (r["metrics"] for r in out[role])
+        assert first == last and all(math.isfinite(v) for v in first.values()), (role, first)
+    assert out["actor"][0]["metrics"]["values_mean"] == out["critic"][0]["metrics"]["values_mean"]
+    again = ppo_step(critic, actor, 1, data, sleep=True)
+    assert again["critic"][0]["metrics"]["value_loss"] < out["critic"][0]["metrics"]["value_loss"]
+
+
+def test_pipeline_weight_export_gathers_both_stages(pipeline: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    actor, config = pipeline["actor"], pipeline["config"]
+    initial = load_file(str(Path(config.hf_checkpoint) / "model.safetensors"))
+    engine_cls: Any = ray.remote(RecordingEngine)
+    engine = engine_cls.remote()
+    assert actor.run("asleep") == [True, True]
+    actor.run("update_weights", engine)
+    _, sent = ray.get(engine.received.remote())
+    assert sent.keys() == initial.keys()
+    assert all(sent[k].shape == initial[k].shape for k in initial)
+    assert actor.run("asleep") == [True, True]

@@ -43,7 +43,8 @@ def make_hf_checkpoint(path: Path) -> None:
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)
 
 
 def make_batch(n: int, seed: int) -> Any:
@@ -172,7 +173,6 @@ def test_checkpoint_restores_the_distributed_optimizer_state(groups: dict[str, A
 def test_update_weights_while_asleep(groups: dict[str, Any]) -> None:
     import ray
 
-    @ray.remote
     class Engine:
         def __init__(self) -> None:
             self.shapes: dict[str, tuple[int, ...]] = {}
@@ -185,7 +185,8 @@ def test_update_weights_while_asleep(groups: dict[str, Any]) -> None:
 
     actor = groups["actor"]
     actor.run("sleep")
-    engine = Engine.remote()
+    engine_cls: Any = ray.remote(Engine)
+    engine = engine_cls.remote()
     actor.run("update_weights", engine)
     assert actor.run("asleep") == [True]
     shapes = ray.get(engine.received.remote())

@@ -102,4 +102,5 @@ def assemble(
     flat = host if device.type == "cpu" else host.to(device, non_blocking=True)
     typed = flat.view(dtype)
     parts = typed.split([math.prod(s) for s in shapes])
-    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+    # `split` already gives 1-D parts, the usual shape of per-sample values.
+    return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(parts, shapes, strict=True)]

@@ -12,14 +12,22 @@ the rendezvous address through rank 0.
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from tandem.megatron.batch import RolloutBatch
+from tandem.megatron._worker_support import (
+    device_used_bytes,
+    free_port,
+    keep_tensor_pickles_portable,
+    load_hf,
+    process_gpu_bytes,
+    resolve_batch,
+    resolve_device,
+    send_chunk,
+)
 from tandem.megatron.config import Role, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -36,37 +44,6 @@ class WeightReceiver(Protocol):
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
         """Load these tensors (full, HF-named) into the engine's model."""
         ...
-
-
-def _keep_tensor_pickles_portable() -> None:
-    """Make tensors this process pickles loadable by processes that never import Megatron.
-
-    Importing megatron.core replaces `torch.storage._load_from_bytes` (what a pickled
-    CPU storage names as its loader) with its own safe loader, so every tensor this
-    worker returns through Ray would name `megatron.core.safe_globals` and make the
-    receiver (driver, rollout engine) import Megatron to unpickle it. A loader that
-    calls the same safe function but carries torch's own name keeps loading safe
-    here and makes pickles name `torch.storage._load_from_bytes` again.
-    """
-    import torch.storage
-
-    current = torch.storage._load_from_bytes
-    if getattr(current, "__module__", "") == "torch.storage":
-        return
-
-    def _load_from_bytes(b: bytes) -> Any:
-        return current(b)
-
-    _load_from_bytes.__module__ = "torch.storage"
-    _load_from_bytes.__qualname__ = "_load_from_bytes"
-    torch.storage._load_from_bytes = _load_from_bytes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class TrainWorker:
@@ -90,7 +67,7 @@ class TrainWorker:
         """This node's address and a free port, for rank 0's rendezvous store."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def init(self, config: WorkerConfig, role: Role, master_addr: str, master_port: int) -> int:
         """Join the role's world, build the model and optimizer, load the latest checkpoint or the HF weights.
@@ -111,8 +88,8 @@ class TrainWorker:
 
         config.check_role(role)
         config.check_world(self.world_size)
-        on_gpu = _resolve_device(config) == "cuda"
-        device_before_context = _device_used_bytes() if on_gpu else None
+        on_gpu = resolve_device(config) == "cuda"
+        device_before_context = device_used_bytes() if on_gpu else None
         enable_cpu_compat()
         self.config, self.role = config, role
         tp, pp = config.topology(role)
@@ -131,16 +108,16 @@ class TrainWorker:
             self._group = torch.distributed.new_group(ranks=list(range(self.world_size)))
         if on_gpu:
             torch.zeros(1, device="cuda")  # the CUDA context exists from here on
-            after = _device_used_bytes()
+            after = device_used_bytes()
             self._gpu_start = {
-                "process_baseline": _process_gpu_bytes(),
+                "process_baseline": process_gpu_bytes(),
                 "device_before_context": device_before_context,
                 "context": None
                 if after is None or device_before_context is None
                 else after - device_before_context,
             }
-        self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu, load_hf=_load_hf)
-        _keep_tensor_pickles_portable()
+        self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu, load_hf=load_hf)
+        keep_tensor_pickles_portable()
         tags = self._trainee.register(backend)
         self._lifecycle = Lifecycle(
             backend,
@@ -175,7 +152,7 @@ class TrainWorker:
         self._require_init()
         if self._lifecycle.asleep:
             self._lifecycle.wake_up()
-        batch = _resolve_batch(data_ref, _dp_rank())
+        batch = resolve_batch(data_ref)
         logger.info(
             "rank %d: %s trains on rollout %d (%d samples)", self.rank, self.role, rollout_id, len(batch)
         )
@@ -264,7 +241,7 @@ class TrainWorker:
         ):
             if self.rank == 0:
                 for target in engines:
-                    _send_chunk(target, named)
+                    send_chunk(target, named)
             chunks += 1
         self._barrier()
         return chunks
@@ -299,7 +276,7 @@ class TrainWorker:
             return dict.fromkeys(
                 ("process", "process_baseline", "device_used", "device_before_context", "context"), 0
             )
-        return {"process": _process_gpu_bytes(), "device_used": _device_used_bytes(), **self._gpu_start}
+        return {"process": process_gpu_bytes(), "device_used": device_used_bytes(), **self._gpu_start}
 
     def shutdown(self) -> None:
         """Leave the process groups (before the actor is killed)."""
@@ -316,96 +293,6 @@ class TrainWorker:
     def _require_init(self) -> None:
         if self._trainee is None:
             raise RuntimeError("TrainWorker: call init(config, role, master_addr, master_port) first")
-
-
-def _load_hf(model: torch.nn.Module, spec: Any, hf_dir: str, role: Role) -> None:
-    from tandem.megatron.hf_weights import load_hf_checkpoint
-
-    load_hf_checkpoint(model, spec, hf_dir, role)
-
-
-def _send_chunk(target: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-    method = target.update_weights_from_tensors
-    remote: Callable[..., Any] | None = getattr(method, "remote", None)
-    if remote is None:
-        method(named)
-        return
-    import ray
-
-    ray.get(remote([(name, t.detach().to("cpu")) for name, t in named]))
-
-
-def _nvidia_smi(*args: str) -> list[str] | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", *args, "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.splitlines()
-
-
-def _process_gpu_bytes() -> int | None:
-    """GPU memory the driver attributes to this process; None when nvidia-smi lists no such pid."""
-    import os
-
-    for line in _nvidia_smi("--query-compute-apps=pid,used_memory") or []:
-        pid, _, used = line.partition(",")
-        if pid.strip() == str(os.getpid()):
-            return int(used.strip()) * 1024**2
-    return None
-
-
-def _device_used_bytes() -> int | None:
-    """Memory in use on this worker's GPU (all processes), from nvidia-smi without touching CUDA."""
-    import os
-
-    device = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    lines = _nvidia_smi("--query-gpu=memory.used", "-i", device)
-    return int(lines[0].strip()) * 1024**2 if lines else None
-
-
-def _resolve_device(config: WorkerConfig) -> str:
-    has_cuda = torch.cuda.is_available()
-    if config.device == "cuda" and not has_cuda:
-        raise ValueError("device: 'cuda' but this worker sees no GPU; give it a GPU or use device='auto'")
-    if config.device == "cpu" and has_cuda:
-        raise ValueError(
-            "device: 'cpu' on a worker that sees a GPU; Megatron's CPU path runs only without CUDA "
-            "(start the worker with num_gpus=0) or use device='auto'"
-        )
-    return "cuda" if has_cuda else "cpu"
-
-
-def _dp_rank() -> int:
-    from megatron.core import parallel_state as mpu
-
-    rank: int = mpu.get_data_parallel_rank()
-    return rank
-
-
-def _resolve_batch(data: Any, dp_rank: int) -> RolloutBatch:
-    import ray
-
-    from tandem.value_transfer import Box
-
-    if isinstance(data, list | tuple):
-        data = data[dp_rank]
-    if isinstance(data, Box):
-        data = data.get()
-    if isinstance(data, ray.ObjectRef):
-        data = ray.get(data)
-    if not isinstance(data, RolloutBatch):
-        raise TypeError(
-            f"data_ref: expected a RolloutBatch (or a ref, Box or per-rank list of one), got {data!r}"
-        )
-    return data
 
 
 @dataclass

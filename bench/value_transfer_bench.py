@@ -35,7 +35,7 @@ shared with other jobs: read them as orders of magnitude):
     source .gpu-kit/setup.sh && python3 bench/value_transfer_bench.py --device cuda --out value_transfer_gpu.json
 
 Results on the development container (2 CPU cores shared with other engineers'
-jobs, load average 8-24 during the runs; no GPU; Python 3.12, torch 2.x CPU, Ray 2.60):
+jobs, load average 8-24 during the runs; no GPU; Python 3.12, torch 2.15, Ray 2.60):
 
     ./uvw run python bench/value_transfer_bench.py
 

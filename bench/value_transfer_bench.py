@@ -85,6 +85,8 @@ from typing import Any
 # Workers run this interpreter rather than being re-launched through `uv run`.
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Workers ask Ray for no GPU and pick their device themselves: keep Ray from hiding the GPUs from them.
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 import ray
 import torch

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+RAY_START_ATTEMPTS = 3
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "value_transfer_bench.py"
 
 
@@ -16,13 +17,17 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "value_transfer_bench.py
 def test_the_benchmark_runs_and_checks_every_hand_off(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     tiny = ["--tokens", "64", "--ranks", "2", "--mean-length", "8", "--repeats", "1", "--warmup", "0"]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), *tiny, "--device", "cpu", "--num-cpus", "2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    for _ in range(RAY_START_ATTEMPTS):
+        proc = subprocess.run(
+            [sys.executable, str(BENCH), *tiny, "--device", "cpu", "--num-cpus", "2", "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        # On a busy machine Ray's node can time out starting (see tests/conftest.py): run again.
+        if "timed out during startup" not in proc.stderr:
+            break
     # The bench compares what every actor rank received with what it should have: a wrong
     # hand-off exits non-zero.
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import ray
@@ -32,8 +32,8 @@ ray_settings = settings(
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def local_ray(ray_start: Callable[[Callable[[], object]], object]) -> Iterator[None]:
+    ray_start(lambda: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False))
     yield
     ray.shutdown()
 

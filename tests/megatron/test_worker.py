@@ -311,7 +311,7 @@ def test_save_kill_restart_resumes_each_role_from_its_own_folder(setup: dict[str
 
 @pytest.fixture(scope="module")
 def pipeline(setup: dict[str, Any]) -> dict[str, Any]:
-    """Critic and actor with pipeline parallel 2 (one layer per stage) on the same bundles."""
+    """Critic and actor with pipeline parallel 2 (one layer per stage) on the same bundles, advantages whitened."""
     import dataclasses
 
     for group in (setup["critic"], setup["actor"]):
@@ -320,6 +320,7 @@ def pipeline(setup: dict[str, Any]) -> dict[str, Any]:
     config = dataclasses.replace(
         setup["config"],
         pipeline_model_parallel_size=2,
+        normalize_advantages=True,  # whitening over the data-parallel group of the last stage
         save=str(root / "pp-actor"),
         load=str(root / "pp-actor"),
         critic_save=str(root / "pp-critic"),

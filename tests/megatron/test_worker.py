@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,29 +79,10 @@ def put_rollout(seed: int, reward: float | None = None) -> list[Any]:
     return [ray.put(make_batch(4, seed * 10 + r, reward)) for r in range(RANKS)]
 
 
-def init_ray() -> None:
-    """A local Ray; a start that missed the raylet's start-up deadline (busy machine) is cleaned up and retried."""
-    from ray._private.node import Node
-
-    for attempt in range(1, 4):
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            return
-        except Exception as exc:
-            if "timed out during startup" not in str(exc) or attempt == 3:
-                raise
-            # Node.__init__ raised, so nobody holds the Node; its `self` is still in the traceback.
-            tb = exc.__traceback__
-            while tb is not None:
-                node = tb.tb_frame.f_locals.get("self")
-                if isinstance(node, Node):
-                    node.kill_all_processes(check_alive=False, wait=True)
-                    break
-                tb = tb.tb_next
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, ray_start: Callable[[Callable[[], Any]], Any]
+) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("worker")
     make_hf_checkpoint(root / "hf")
     config = WorkerConfig(
@@ -125,7 +106,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         critic_save=str(root / "critic"),
         critic_load=str(root / "critic"),
     )
-    init_ray()
+    ray_start(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     from ray.util.placement_group import placement_group
 
     pg = placement_group([{"CPU": 1}] * RANKS, strategy="PACK")

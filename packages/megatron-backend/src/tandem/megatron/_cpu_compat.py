@@ -78,6 +78,23 @@ def _no_synchronize(device: Any = None) -> None:
     return None
 
 
+class _NullStream:
+    """Stands in for a CUDA stream on the CPU (Megatron's DDP orders its grad sync on streams)."""
+
+    def wait_event(self, event: Any) -> None:
+        """No CUDA work to order."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """No CUDA work to order."""
+
+    def synchronize(self) -> None:
+        """No CUDA work to wait for."""
+
+
+def _null_stream(device: Any = None) -> _NullStream:
+    return _NullStream()
+
+
 def cpu_compat_active() -> bool:
     """Whether this process runs Megatron on CPU (no CUDA device), i.e. whether the shims apply."""
     return not torch.cuda.is_available()
@@ -98,6 +115,7 @@ def enable_cpu_compat() -> bool:
         if not _patched:
             torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
             torch.cuda.synchronize = _no_synchronize
+            torch.cuda.current_stream = _null_stream  # type: ignore[assignment]
             _patched = True
     if not getattr(_thread_state, "mode_entered", False):
         # Entered for the life of the thread on purpose: Megatron code may run

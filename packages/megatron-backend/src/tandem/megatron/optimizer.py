@@ -20,29 +20,8 @@ from typing import Any
 
 import torch
 
-from tandem.megatron._cpu_compat import cpu_compat_active
+from tandem.megatron._cpu_compat import cpu_compat_active, enable_cpu_compat
 from tandem.megatron.config import Role, WorkerConfig
-
-
-class _NullStream:
-    """Stands in for a CUDA stream on the CPU: nothing to wait for."""
-
-    def wait_event(self, event: Any) -> None:
-        """No CUDA work to order."""
-
-    def wait_stream(self, stream: Any) -> None:
-        """No CUDA work to order."""
-
-    def synchronize(self) -> None:
-        """No CUDA work to wait for."""
-
-
-def _enable_ddp_cpu_compat() -> None:
-    # TODO(lead): replace with tandem.megatron._cpu_compat.enable_cpu_compat once it covers
-    # torch.cuda.current_stream(), which Megatron's DDP calls in start_grad_sync.
-    if cpu_compat_active() and not getattr(torch.cuda, "_tandem_null_stream", False):
-        torch.cuda.current_stream = lambda device=None: _NullStream()  # type: ignore[assignment,return-value]
-        torch.cuda._tandem_null_stream = True  # type: ignore[attr-defined]
 
 
 def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool) -> Any:
@@ -57,7 +36,7 @@ def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool) -> Any:
         finalize_model_grads,
     )
 
-    _enable_ddp_cpu_compat()
+    enable_cpu_compat()  # Megatron's DDP calls torch.cuda.current_stream()
     config: Any = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -52,7 +52,6 @@ def run_demo(args: DemoArgs) -> list[dict[str, Any]]:
             f"{layout.num_gpus}, or lower --actor-gpus / --rollout-gpus"
         )
 
-    @ray.remote
     class Probe:
         """Stands in for a train worker or engine rank: reports where Ray put it."""
 
@@ -63,9 +62,10 @@ def run_demo(args: DemoArgs) -> list[dict[str, Any]]:
                 "rank": rank,
                 "node": ray.util.get_node_ip_address(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "actor_id": ctx.get_actor_id()[:8],
+                "actor_id": (ctx.get_actor_id() or "")[:8],
             }
 
+    remote_probe: Any = ray.remote(Probe)
     ray.init(num_gpus=args.gpus, num_cpus=max(2, args.gpus), include_dashboard=False, log_to_driver=False)
     try:
         with create_placement_groups(spec, timeout_s=60) as placements:
@@ -81,7 +81,7 @@ def run_demo(args: DemoArgs) -> list[dict[str, Any]]:
             for role, slot, share in plan:
                 for rank in range(len(slot)):
                     opts = shares.options(slot, rank, role=role, num_gpus=share, num_cpus=0)
-                    handles.append(Probe.options(**opts).remote().where.remote(role, rank))
+                    handles.append(remote_probe.options(**opts).remote().where.remote(role, rank))
             rows: list[dict[str, Any]] = ray.get(handles)
             print(f"{'role':<8}{'rank':>5}  {'node':<16}{'gpu':>5}  share")
             shares_by_role = {role: share for role, _, share in plan}

@@ -31,24 +31,6 @@ VOCAB = 64
 RANKS = 2
 
 
-def make_hf_checkpoint(path: Path) -> None:
-    """A tiny random Llama saved with save_pretrained (the workers' initial weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-
-
 def make_batch(n: int, seed: int, reward: float | None = None) -> RolloutBatch:
     """`n` random samples (prompt 2-4 tokens, response 2-5, last response token masked out on odd samples)."""
     g = torch.Generator().manual_seed(seed)
@@ -81,10 +63,20 @@ def put_rollout(seed: int, reward: float | None = None) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def setup(
-    tmp_path_factory: pytest.TempPathFactory, ray_start: Callable[[Callable[[], Any]], Any]
+    tmp_path_factory: pytest.TempPathFactory,
+    ray_start: Callable[[Callable[[], Any]], Any],
+    random_llama: Callable[..., None],
 ) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("worker")
-    make_hf_checkpoint(root / "hf")
+    # A tiny random Llama: the workers' initial weights.
+    random_llama(
+        root / "hf",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+    )
     config = WorkerConfig(
         hf_checkpoint=str(root / "hf"),
         rollout_batch_size=4,

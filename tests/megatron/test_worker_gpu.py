@@ -14,8 +14,7 @@ works while asleep.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -26,25 +25,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 GIB = 1024**3
 MAX_ASLEEP_EXTRA = 1 * GIB
 VOCAB = 512
-
-
-def make_hf_checkpoint(path: Path) -> None:
-    """A small random Llama (about 20 M parameters), saved with save_pretrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model: Any = LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(path)
 
 
 def make_batch(n: int, seed: int) -> Any:
@@ -69,7 +49,9 @@ def make_batch(n: int, seed: int) -> Any:
 
 @pytest.fixture(scope="module", params=["torch_memory_saver", "pinned_host"])
 def groups(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    random_llama: Callable[..., None],
 ) -> Iterator[dict[str, Any]]:
     import ray
     from ray.util.placement_group import placement_group
@@ -79,7 +61,18 @@ def groups(
 
     backend = request.param
     root = tmp_path_factory.mktemp(f"gpu-{backend}")
-    make_hf_checkpoint(root / "hf")
+    # A small random Llama (about 20 M parameters) in bf16.
+    random_llama(
+        root / "hf",
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        dtype=torch.bfloat16,
+    )
     config = WorkerConfig(
         hf_checkpoint=str(root / "hf"),
         rollout_batch_size=8,

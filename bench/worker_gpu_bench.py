@@ -135,16 +135,20 @@ def run_backend(backend: str, hf: Path, root: Path, args: argparse.Namespace) ->
         nbytes = ray.get(worker.state_nbytes.remote())
         total = sum(nbytes.values())
         sleeps, wakes, held = [], [], []
+        steps: dict[str, list[float]] = {}
         for _ in range(args.cycles):
             t0 = time.perf_counter()
-            ray.get(worker.sleep.remote())
+            sleep_steps = ray.get(worker.sleep.remote())
             t1 = time.perf_counter()
             held.append(held_asleep(ray.get(worker.gpu_memory.remote())))
             t2 = time.perf_counter()
-            ray.get(worker.wake_up.remote())
+            wake_steps = ray.get(worker.wake_up.remote())
             t3 = time.perf_counter()
             sleeps.append(t1 - t0)
             wakes.append(t3 - t2)
+            for prefix, timings in (("sleep", sleep_steps), ("wake", wake_steps)):
+                for step, seconds in timings.items():
+                    steps.setdefault(f"{prefix}/{step}", []).append(seconds)
         group.kill()
     finally:
         ray.shutdown()
@@ -161,6 +165,8 @@ def run_backend(backend: str, hf: Path, root: Path, args: argparse.Namespace) ->
         "sleep_gb_s": total / sleep_s / 1e9,
         "wake_gb_s": total / wake_s / 1e9,
         "held_asleep_bytes": max(known) if known else None,
+        # Inside the worker (Lifecycle.last_timings), median seconds per step; the rest is the Ray call.
+        "steps_s_median": {step: statistics.median(v) for step, v in steps.items()},
     }
 
 
@@ -200,6 +206,13 @@ def main() -> int:
             f"| {r['wake_gb_s']:.1f} | {100 * memcpy_off / r['sleep_s_median']:.0f} % / "
             f"{100 * memcpy_on / r['wake_s_median']:.0f} % | {held} |"
         )
+    print("\nInside the worker, median seconds per step (the rest of the wall time is the Ray call):\n")
+    names = list(dict.fromkeys(step for r in results for step in r["steps_s_median"]))
+    print("| step | " + " | ".join(r["backend"] for r in results) + " |")
+    print("|---|" + "---|" * len(results))
+    for step in names:
+        cells = [r["steps_s_median"].get(step) for r in results]
+        print(f"| {step} | " + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
     print(f"\ncommand: python3 bench/worker_gpu_bench.py {' '.join(sys.argv[1:])}")
     if args.out is not None:
         report = {

@@ -87,6 +87,32 @@ def test_tags_are_paused_in_order_and_resumed_in_order() -> None:
     ]  # fmt: skip
 
 
+def test_last_timings_name_each_step_of_the_last_call_and_omit_a_step_that_failed() -> None:
+    r = Recorder()
+    lc = r.lifecycle(["weights", "optimizer"])
+    assert lc.last_timings == {}
+    lc.sleep()
+    sleep_timings = lc.last_timings
+    assert list(sleep_timings) == [
+        "clear_caches", "destroy_process_groups", "pause:weights", "pause:optimizer", "total",
+    ]  # fmt: skip
+    assert all(t >= 0 for t in sleep_timings.values())
+    assert sleep_timings["total"] >= sum(t for k, t in sleep_timings.items() if k != "total")
+    lc.sleep()  # already asleep: nothing ran
+    assert lc.last_timings == {}
+    r.fail.add("resume:optimizer")
+    with pytest.raises(Boom):
+        lc.wake_up()
+    assert list(lc.last_timings) == ["resume:weights"]
+    lc.wake_up()
+    assert list(lc.last_timings) == ["resume:optimizer", "clear_caches", "reload_process_groups", "total"]
+    lc.wake_up()  # awake: only the groups
+    assert list(lc.last_timings) == ["reload_process_groups", "total"]
+    # A copy: changing it changes nothing inside.
+    lc.last_timings.clear()
+    assert list(lc.last_timings) == ["reload_process_groups", "total"]
+
+
 @pytest.mark.parametrize("step", ["clear", "destroy", "pause:None"])
 def test_a_failed_sleep_stays_awake_and_a_retry_finishes_it(step: str) -> None:
     r = Recorder()

@@ -117,8 +117,11 @@ def ppo_step(critic: TrainGroup, actor: TrainGroup, rollout_id: int, data: list[
         critic.run("sleep")
     actor_out = ray.get(actor.train(rollout_id, data, critic_out))
     if sleep:
-        actor.run("sleep")
-        actor.run("sleep")  # idempotent
+        timings = actor.run("sleep")
+        assert all(
+            {"destroy_process_groups", "pause:weights", "pause:optimizer"} <= t.keys() for t in timings
+        )
+        assert actor.run("sleep") == [{}, {}]  # idempotent: nothing ran
     return {"critic": critic_out, "actor": actor_out}
 
 
@@ -190,8 +193,9 @@ def test_sleep_and_wake_leave_training_bit_identical(setup: dict[str, Any]) -> N
     slept = [ppo_step(critic, actor, 11 + i, data, sleep=True) for i, data in enumerate(rollouts)]
     assert critic.run("asleep") == [True, True] and actor.run("asleep") == [True, True]
     for group in (critic, actor):
-        group.run("wake_up")
-        group.run("wake_up")  # idempotent
+        assert all("resume:weights" in t for t in group.run("wake_up"))
+        # Idempotent: awake, only the process groups are reloaded.
+        assert [list(t) for t in group.run("wake_up")] == [["reload_process_groups", "total"]] * 2
     after_sleeping = {"critic": snapshots(critic), "actor": snapshots(actor)}
 
     # Back to the saved state, in place; the same steps without ever sleeping.

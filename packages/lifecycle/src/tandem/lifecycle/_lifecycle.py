@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from ._backend import MemoryBackend
 
@@ -36,6 +38,7 @@ class Lifecycle:
 
     What a worker does around the memory (clear caches, destroy and reload
     process groups) is handed in as hooks; each defaults to doing nothing.
+    `last_timings` says how long each step of the last `sleep` / `wake_up` took.
 
     Args:
         backend: the memory backend.
@@ -68,6 +71,23 @@ class Lifecycle:
         self._destroy_process_groups = destroy_process_groups or _nothing
         self._reload_process_groups = reload_process_groups or _nothing
         self._lock = threading.RLock()
+        self._timings: dict[str, float] = {}
+
+    @property
+    def last_timings(self) -> dict[str, float]:
+        """Seconds each step of the last `sleep` / `wake_up` call took, in the order they ran.
+
+        Keys: "clear_caches", "destroy_process_groups", "reload_process_groups",
+        and "pause:<tag>" / "resume:<tag>" per tag ("pause" / "resume" for a
+        lifecycle without tags), plus "total". A step that raised is absent.
+        """
+        return dict(self._timings)
+
+    @contextmanager
+    def _timed(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self._timings[step] = time.perf_counter() - start
 
     @property
     def asleep(self) -> bool:
@@ -92,14 +112,19 @@ class Lifecycle:
         """
         with self._lock:
             todo = [t for t in self._chosen(tags) if t not in self._paused]
+            self._timings = {}
             if not todo:
                 logger.info("sleep(): already asleep, nothing to do")
                 return
-            self._clear_caches()
-            self._destroy_process_groups()
-            for tag in todo:
-                self._backend.pause(tag)
-                self._paused.add(tag)
+            with self._timed("total"):
+                with self._timed("clear_caches"):
+                    self._clear_caches()
+                with self._timed("destroy_process_groups"):
+                    self._destroy_process_groups()
+                for tag in todo:
+                    with self._timed(_step("pause", tag)):
+                        self._backend.pause(tag)
+                    self._paused.add(tag)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Resume memory, clear caches, reload process groups. When awake, only reload process groups.
@@ -109,15 +134,21 @@ class Lifecycle:
         """
         with self._lock:
             todo = [t for t in self._chosen(tags) if t in self._paused]
-            if not todo:
-                logger.info("wake_up(): already awake, reloading process groups only")
-                self._reload_process_groups()
-                return
-            for tag in todo:
-                self._backend.resume(tag)
-                self._paused.discard(tag)
-            self._clear_caches()
-            self._reload_process_groups()
+            self._timings = {}
+            with self._timed("total"):
+                if not todo:
+                    logger.info("wake_up(): already awake, reloading process groups only")
+                    with self._timed("reload_process_groups"):
+                        self._reload_process_groups()
+                    return
+                for tag in todo:
+                    with self._timed(_step("resume", tag)):
+                        self._backend.resume(tag)
+                    self._paused.discard(tag)
+                with self._timed("clear_caches"):
+                    self._clear_caches()
+                with self._timed("reload_process_groups"):
+                    self._reload_process_groups()
 
     def _chosen(self, tags: Sequence[str] | None) -> list[str | None]:
         if tags is None:
@@ -131,3 +162,7 @@ class Lifecycle:
         if unknown or isinstance(tags, str):
             raise ValueError(f"tags={tags!r}: choose among this Lifecycle's tags {self._tags}")
         return [t for t in self._tags if t in tags]
+
+
+def _step(verb: str, tag: str | None) -> str:
+    return verb if tag is None else f"{verb}:{tag}"

@@ -179,7 +179,7 @@ def export_hf_weights(
 
     Every rank of the model must iterate it to the end (collectives inside);
     every rank gets every chunk (see the module docstring). Tensors are fresh
-    copies on the model's device, in its parameter dtype (the critic head in fp32).
+    copies on the model's device, in its parameter dtype.
     """
     if chunk_bytes < 1:
         raise ValueError(f"export_hf_weights: chunk_bytes is {chunk_bytes}; it must be positive")
@@ -200,7 +200,7 @@ def export_hf_weights(
             full = _gather_tp(params[pm.megatron].detach(), pm)
             tensors = [(n, t.contiguous().clone()) for n, t in to_hf(spec, pm, full)]
         else:
-            dtype = torch.float32 if pm.hf[0].startswith("score.") else gpt.config.params_dtype
+            dtype = gpt.config.params_dtype
             tensors = [(n, torch.empty(hf_shape(spec, n), dtype=dtype, device=device)) for n in pm.hf]
         if pp_size > 1:
             src = dist.get_global_rank(pp_group, stage)

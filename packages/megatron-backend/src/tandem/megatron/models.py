@@ -4,7 +4,11 @@ Both roles share the backbone built from a `ModelSpec` with Megatron's local
 (non-Transformer-Engine) layer spec. The actor ends in the vocabulary-parallel
 output head (tied to the embedding when the checkpoint says so); the critic
 ends in `ValueHead`, an untied `hidden -> 1` linear with bias whose output is
-fp32. The critic head is replicated on every tensor-parallel rank: its input
+fp32. Every parameter (norms and the critic head too) is stored in one dtype,
+`params_dtype`, as Megatron's mixed-precision wrapper would leave them: its
+distributed optimizer pairs main weights with gradient-buffer ranges assuming
+so (its param groups put fp32 parameters first), and a pipeline stage receiving
+exported weights allocates that dtype. The critic head is replicated on every tensor-parallel rank: its input
 (the final norm's output) is already identical on all of them, so its
 gradients are identical too, like those of the final norm.
 """
@@ -77,17 +81,22 @@ def _sdpa_attention() -> type:
 
 
 class ValueHead(nn.Module):
-    """The critic's scalar head: `hidden -> 1` with bias, fp32 weights and fp32 output.
+    """The critic's scalar head: `hidden -> 1` with bias, computed and output in fp32.
 
     It stands in for `GPTModel.output_layer`, so it takes and returns what
     that layer does (`(output, bias)`, extra keyword arguments ignored); the
     model then returns values of shape `(batch, seq, 1)`.
+
+    Its parameters are stored in `dtype` (the model's `params_dtype`); the
+    optimizer keeps fp32 main copies of them as of every other weight.
     """
 
-    def __init__(self, hidden_size: int, *, init_std: float, seed: int) -> None:
+    def __init__(
+        self, hidden_size: int, *, init_std: float, seed: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
         # A private generator: the head starts equal on every rank whatever
         # else each rank drew from the global RNG before.
         gen = torch.Generator().manual_seed(seed)
@@ -96,8 +105,7 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """Values `[s, b, 1]` in fp32 from hidden states `[s, b, h]` of any dtype."""
-        # `.float()` on the weights too: a mixed-precision wrapper (Megatron's
-        # Float16Module) may have cast them to bf16; the values stay fp32 anyway.
+        # Weights stored in bf16 are upcast: the values are always computed in fp32.
         values = torch.nn.functional.linear(hidden_states.float(), self.weight.float(), self.bias.float())
         return values, None
 
@@ -137,7 +145,7 @@ def build_model(
     Args:
         spec: the model shape (`ModelSpec.from_hf`).
         role: "actor" (LM head, tied when `spec.tie_word_embeddings`) or "critic" (`ValueHead`).
-        params_dtype: dtype of the backbone's parameters (the critic head stays fp32).
+        params_dtype: dtype of every parameter (the critic head computes in fp32 anyway).
         seed: seed of the critic head's init (equal on all ranks).
         attention: "sdpa" (torch's fused causal attention) or "local" (Megatron's
             unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores).
@@ -194,7 +202,14 @@ def build_model(
     model.tandem_role = role
     if role == "critic" and model.post_process:
         # Replaces the vocabulary head that GPTModel always builds on the last stage.
-        model.output_layer = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed)
+        model.output_layer = ValueHead(
+            spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype
+        )
+    # torch's norms are created in the default dtype whatever the config says.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype != params_dtype:
+                param.data = param.data.to(params_dtype)
     if torch.cuda.is_available():
         # Megatron's linear layers are created on the current device, torch's norms (and our
         # head) on the CPU; Megatron's own training script moves the model the same way.

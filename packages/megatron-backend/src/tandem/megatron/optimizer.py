@@ -128,6 +128,8 @@ def build_optimizer(model_chunks: Sequence[Any], config: WorkerConfig, role: Rol
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     on_gpu = not cpu_compat_active()
+    if on_gpu:
+        check_one_param_dtype(model_chunks)
     lr = config.lr_of(role)
     bf16 = config.params_dtype == "bfloat16"
     optimizer_config = OptimizerConfig(
@@ -167,6 +169,31 @@ def build_optimizer(model_chunks: Sequence[Any], config: WorkerConfig, role: Rol
         override_opt_param_scheduler=True,
     )
     return OptimizerBundle(optimizer, scheduler, config.clip_grad, clip_here=not on_gpu)
+
+
+def check_one_param_dtype(model_chunks: Sequence[Any]) -> None:
+    """Refuse trainable parameters of more than one dtype, which Megatron's distributed optimizer mishandles.
+
+    In each param group it lists the fp32 parameters first and the bf16 ones
+    after, but looks a parameter's main weight and Adam state up by its place in
+    the gradient buffers; with both dtypes in one group the two orders differ, and
+    checkpoints pair state with the wrong parameter (megatron-core 0.19). Models
+    from `build_model` store every parameter in `params_dtype`.
+    """
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                by_dtype.setdefault(param.dtype, []).append(name)
+    if len(by_dtype) > 1:
+        listed = "; ".join(
+            f"{dtype}: {names[:3]}{' ...' if len(names) > 3 else ''}" for dtype, names in by_dtype.items()
+        )
+        raise ValueError(
+            f"the model's trainable parameters have {len(by_dtype)} dtypes ({listed}); Megatron's "
+            "distributed optimizer needs one: cast every parameter to params_dtype before building "
+            "the optimizer"
+        )
 
 
 @torch.no_grad()

@@ -161,15 +161,25 @@ class TrainWorker:
         return roles.train_actor(self._trainee, batch, external_data, self._group, rank=self.rank)
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Put the model's GPU memory away (idempotent)."""
+    def sleep(self) -> dict[str, float]:
+        """Put the model's GPU memory away (idempotent); returns the seconds each step took.
+
+        The keys are `Lifecycle.last_timings`' (empty when already asleep).
+        """
         self._require_init()
         self._lifecycle.sleep()
+        timings: dict[str, float] = self._lifecycle.last_timings
+        return timings
 
-    def wake_up(self) -> None:
-        """Bring the model's memory back (idempotent; when awake, reloads process groups only)."""
+    def wake_up(self) -> dict[str, float]:
+        """Bring the model's memory back (idempotent; when awake, reloads process groups only).
+
+        Returns the seconds each step took (`Lifecycle.last_timings`).
+        """
         self._require_init()
         self._lifecycle.wake_up()
+        timings: dict[str, float] = self._lifecycle.last_timings
+        return timings
 
     def asleep(self) -> bool:
         """Whether the model is asleep."""

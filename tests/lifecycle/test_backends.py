@@ -15,6 +15,7 @@ from tandem.lifecycle import (
     NoopBackend,
     OffloadPlan,
     PinnedHostBackend,
+    clear_torch_caches,
     make_backend,
     torch_memory_saver_env,
 )
@@ -85,3 +86,42 @@ def test_the_offload_plan_is_the_drivers_and_is_validated() -> None:
         shared.sleep_after_train = False  # type: ignore[misc]
     with pytest.raises(ValueError, match="sleep_after_train"):
         OffloadPlan(sleep_after_train="yes")  # type: ignore[arg-type]
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _frozen(obj: object) -> bool:
+    import gc
+
+    return not any(o is obj for o in gc.get_objects())  # the permanent generation is not listed
+
+
+def test_clear_torch_caches_collects_cycles_and_can_freeze_the_survivors() -> None:
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    try:
+        garbage = _Cycle()
+        gone = weakref.ref(garbage)
+        del garbage
+        survivor = _Cycle()
+        clear_torch_caches()
+        assert gone() is None
+        assert not _frozen(survivor)  # not asked to freeze
+
+        clear_torch_caches(freeze_survivors=True)
+        assert _frozen(survivor)
+        # What is made after the freeze is still collected.
+        later = _Cycle()
+        gone = weakref.ref(later)
+        del later
+        clear_torch_caches(freeze_survivors=True)
+        assert gone() is None
+    finally:
+        gc.unfreeze()

@@ -91,11 +91,21 @@ def make_backend(name: BackendName, **kwargs: Any) -> MemoryBackend:
     raise ValueError(f"offload_backend={name!r} is not a memory backend; choose one of {list(BACKEND_NAMES)}")
 
 
-def clear_torch_caches() -> None:
-    """A ready-made `clear_caches` hook for `Lifecycle`: collect garbage, then empty the CUDA cache."""
+def clear_torch_caches(*, freeze_survivors: bool = False) -> None:
+    """A ready-made `clear_caches` hook for `Lifecycle`: collect garbage, then empty the CUDA cache.
+
+    A full `gc.collect()` walks every object the process holds: about 0.4 s in a
+    worker that has imported torch, Megatron and Ray (half a million objects).
+    `freeze_survivors=True` then moves what survived to the permanent generation
+    (`gc.freeze()`), so the next call walks only the objects made since. Use it in
+    long-lived workers (`functools.partial(clear_torch_caches, freeze_survivors=True)`);
+    objects frozen that later form a reference cycle are not collected.
+    """
     import torch
 
     gc.collect()
+    if freeze_survivors:
+        gc.freeze()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

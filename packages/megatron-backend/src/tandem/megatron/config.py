@@ -126,8 +126,9 @@ class WorkerConfig:
     """Global gradient-norm clip (over all ranks of the model); 0 turns clipping off."""
 
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Dtype of the model weights; bfloat16 keeps fp32 main weights in the optimizer
-    (GPU only). The critic head's output is fp32 either way."""
+    """Dtype of every model weight (norms and the critic head included); bfloat16 keeps
+    fp32 main weights in the optimizer (GPU only). The critic head computes and
+    outputs fp32 either way."""
 
     # --- PPO ------------------------------------------------------------------
     eps_clip: float = 0.2

@@ -268,3 +268,13 @@ def test_any_tensors_come_back_bit_identical(
             backend.resume()
         for b, e in zip(bases, expected, strict=True):
             assert torch.equal(_bytes(b), e)
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(1, 5000), threads=st.one_of(st.none(), st.integers(1, 9)))
+def test_prefault_zeroes_every_byte_whatever_the_split(numel: int, threads: int | None) -> None:
+    from tandem.lifecycle._pinned_host import prefault
+
+    tensor = torch.full((numel,), 7, dtype=torch.uint8)
+    prefault(tensor, threads)
+    assert int(tensor.count_nonzero()) == 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
@@ -37,9 +39,12 @@ class _Stored:
 class _HostBuffer:
     """A tag's host buffer, allocated once and reused by every pause of that tag.
 
-    "registered" allocates exactly `nbytes` of ordinary memory and page-locks it with
-    cudaHostRegister; "pinned" uses PyTorch's pinned allocator (which may round the
-    size up to a power of two); "pageable" is plain memory (the only kind on CPU).
+    "registered" allocates exactly `nbytes` of ordinary memory, touches every page
+    from several threads, and page-locks it with cudaHostRegister (on an H200 host,
+    8 GiB take 0.9 s this way against 3.7 s for registering untouched memory, whose
+    pages the kernel then faults in one by one); "pinned" uses PyTorch's pinned
+    allocator (which may round the size up to a power of two); "pageable" is plain
+    memory (the only kind on CPU).
     """
 
     def __init__(self, nbytes: int, kind: HostMemory) -> None:
@@ -49,6 +54,7 @@ class _HostBuffer:
             return
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         if kind == "registered" and nbytes > 0:
+            prefault(self.tensor)
             cudart = torch.cuda.cudart()
             ptr = self.tensor.data_ptr()
             err = cudart.cudaHostRegister(ptr, nbytes, 0)
@@ -59,6 +65,25 @@ class _HostBuffer:
                 )
             # Unregister before the memory goes back to the allocator: the finalizer holds the tensor.
             weakref.finalize(self, _unregister_host, ptr, self.tensor)
+
+
+def prefault(tensor: torch.Tensor, threads: int | None = None) -> None:
+    """Zero a fresh host tensor from `threads` threads at once, so that its pages exist before page-locking.
+
+    A process's page faults on separate pages run in parallel, and torch's fill
+    releases the GIL; the thread count does not depend on torch's own (a Ray
+    actor often gets one). `threads` defaults to the CPUs this process may use, at most 16.
+    """
+    flat = tensor.view(-1)
+    if threads is None:
+        threads = min(16, len(os.sched_getaffinity(0)))
+    threads = max(1, min(threads, flat.numel()))
+    step = -(-flat.numel() // threads)
+    if threads == 1:
+        flat.zero_()
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda start: flat[start : start + step].zero_(), range(0, flat.numel(), step)))
 
 
 def _unregister_host(ptr: int, tensor: torch.Tensor) -> None:

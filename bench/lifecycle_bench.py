@@ -163,6 +163,10 @@ def bench_backend(
 ) -> dict[str, float | bool]:
     """Sleep and wake `state` through `backend`: the first sleep alone, then the median of `repeats` cycles."""
     nbytes, expected = state.nbytes, state.checksum()
+    if device.type == "cuda":
+        # What Lifecycle's clear_caches hook does before every sleep: the checksum's temporaries
+        # would otherwise stay in torch's cache, which torch_memory_saver's pause leaves alone.
+        torch.cuda.empty_cache()
     first_sleep = _timed(backend.pause, device)
     held_asleep = _device_used(device) - baseline
     first_wake = _timed(backend.resume, device)

@@ -95,6 +95,11 @@ class TorchMemorySaverBackend:
     torch_memory_saver kills the process when a paused allocation is paused again,
     so this class refuses (RuntimeError) a pause of what is paused and a resume of
     what is not.
+
+    Unlike the pinned-host backend, `pause` leaves torch's cache of unused blocks
+    alone (emptying it between two tags' pauses would free paused segments): empty
+    it before pausing, as `Lifecycle` does with `clear_torch_caches` as its
+    `clear_caches` hook.
     """
 
     def __init__(self, *, enable_cpu_backup: bool = True, hook_mode: HookMode = "preload") -> None:

@@ -94,8 +94,8 @@ def make_backend(name: BackendName, **kwargs: Any) -> MemoryBackend:
 def clear_torch_caches(*, freeze_survivors: bool = False) -> None:
     """A ready-made `clear_caches` hook for `Lifecycle`: collect garbage, then empty the CUDA cache.
 
-    A full `gc.collect()` walks every object the process holds: about 0.4 s in a
-    worker that has imported torch, Megatron and Ray (half a million objects).
+    A full `gc.collect()` walks every object the process holds: 0.33 s in a train
+    worker that has imported torch, Megatron and Ray (docs/benchmarks.md).
     `freeze_survivors=True` then moves what survived to the permanent generation
     (`gc.freeze()`), so the next call walks only the objects made since. Use it in
     long-lived workers (`functools.partial(clear_torch_caches, freeze_survivors=True)`);

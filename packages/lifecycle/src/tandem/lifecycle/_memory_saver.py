@@ -97,9 +97,9 @@ class TorchMemorySaverBackend:
     what is not.
 
     Unlike the pinned-host backend, `pause` leaves torch's cache of unused blocks
-    alone (emptying it between two tags' pauses would free paused segments): empty
-    it before pausing, as `Lifecycle` does with `clear_torch_caches` as its
-    `clear_caches` hook.
+    alone (emptied between two tags' pauses, it could hand a paused tag's cached
+    segments to cudaFree): empty it before pausing, as `Lifecycle` does with
+    `clear_torch_caches` as its `clear_caches` hook.
     """
 
     def __init__(self, *, enable_cpu_backup: bool = True, hook_mode: HookMode = "preload") -> None:

@@ -40,9 +40,9 @@ class _HostBuffer:
     """A tag's host buffer, allocated once and reused by every pause of that tag.
 
     "registered" allocates exactly `nbytes` of ordinary memory, touches every page
-    from several threads, and page-locks it with cudaHostRegister (on an H200 host,
-    8 GiB take 0.9 s this way against 3.7 s for registering untouched memory, whose
-    pages the kernel then faults in one by one); "pinned" uses PyTorch's pinned
+    from several threads, and page-locks it with cudaHostRegister (registering
+    untouched memory makes the kernel fault its pages in one by one, several times
+    slower: see the first sleep in docs/benchmarks.md); "pinned" uses PyTorch's pinned
     allocator (which may round the size up to a power of two); "pageable" is plain
     memory (the only kind on CPU).
     """
@@ -79,9 +79,6 @@ def prefault(tensor: torch.Tensor, threads: int | None = None) -> None:
         threads = min(16, len(os.sched_getaffinity(0)))
     threads = max(1, min(threads, flat.numel()))
     step = -(-flat.numel() // threads)
-    if threads == 1:
-        flat.zero_()
-        return
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda start: flat[start : start + step].zero_(), range(0, flat.numel(), step)))
 

@@ -200,7 +200,7 @@ def export_hf_weights(
             full = _gather_tp(params[pm.megatron].detach(), pm)
             tensors = [(n, t.contiguous().clone()) for n, t in to_hf(spec, pm, full)]
         else:
-            dtype = gpt.config.params_dtype
+            dtype = gpt.config.params_dtype  # every parameter is stored in it (`build_model`)
             tensors = [(n, torch.empty(hf_shape(spec, n), dtype=dtype, device=device)) for n in pm.hf]
         if pp_size > 1:
             src = dist.get_global_rank(pp_group, stage)

@@ -4,13 +4,15 @@ Both roles share the backbone built from a `ModelSpec` with Megatron's local
 (non-Transformer-Engine) layer spec. The actor ends in the vocabulary-parallel
 output head (tied to the embedding when the checkpoint says so); the critic
 ends in `ValueHead`, an untied `hidden -> 1` linear with bias whose output is
-fp32. Every parameter (norms and the critic head too) is stored in one dtype,
+fp32. The critic head is replicated on every tensor-parallel rank: its input
+(the final norm's output) is already identical on all of them, so its
+gradients are identical too, like those of the final norm.
+
+Every parameter (norms and the critic head too) is stored in one dtype,
 `params_dtype`, as Megatron's mixed-precision wrapper would leave them: its
 distributed optimizer pairs main weights with gradient-buffer ranges assuming
 so (its param groups put fp32 parameters first), and a pipeline stage receiving
-exported weights allocates that dtype. The critic head is replicated on every tensor-parallel rank: its input
-(the final norm's output) is already identical on all of them, so its
-gradients are identical too, like those of the final norm.
+exported weights allocates that dtype.
 """
 
 from __future__ import annotations

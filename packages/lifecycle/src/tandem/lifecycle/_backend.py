@@ -7,6 +7,8 @@ import gc
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
+from ._cuda import require_cuda
+
 BackendName = Literal["torch_memory_saver", "pinned_host", "none"]
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 
@@ -47,26 +49,6 @@ class NoopBackend:
 
     def resume(self, tag: str | None = None) -> None:
         """Nothing to bring back."""
-
-
-def cuda_available() -> bool:
-    """Whether this machine has a usable CUDA device (imports torch)."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def require_cuda(what: str) -> None:
-    """Raise a ValueError naming `what` (a flag or function) when there is no CUDA device.
-
-    torch_memory_saver must never be imported or preloaded without CUDA: a process
-    started with its LD_PRELOAD hook on such a machine dies before Python starts.
-    """
-    if not cuda_available():
-        raise ValueError(
-            f"{what}: torch_memory_saver needs a CUDA GPU and none is available here; "
-            "use offload_backend='pinned_host' (works on CPU and GPU) or 'none' instead"
-        )
 
 
 def make_backend(name: BackendName, **kwargs: Any) -> MemoryBackend:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from ._backend import require_cuda
+from ._cuda import require_cuda
 
 HookMode = Literal["preload"]
 HOOK_MODES: tuple[str, ...] = ("preload",)

@@ -104,7 +104,8 @@ class ReloadableProcessGroup(dist.ProcessGroup):
     _rpg_desc: str
 
     def __init__(self, inner: dist.ProcessGroup) -> None:
-        super().__init__(inner.rank(), inner.size())
+        # torch's stub lists only the (store, rank, size) overload; (rank, size) exists at runtime too.
+        super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
         object.__setattr__(self, "_rpg_inner", None)
         self._attach(inner)
 

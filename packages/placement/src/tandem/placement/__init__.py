@@ -10,7 +10,8 @@ from importlib.metadata import version as _version
 
 from ._bundles import BundleLocation, order_bundles
 from ._colocation import GpuShares, colocation_options, scheduling_options
-from ._groups import BUNDLE, STRATEGY, Placements, PlacementTimeoutError, Slot, create_placement_groups
+from ._errors import PlacementTimeoutError
+from ._groups import BUNDLE, STRATEGY, Placements, Slot, create_placement_groups
 from ._layout import Layout, LayoutCase, compute_layout
 from ._spec import PlacementSpec
 

@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
 from ._bundles import BundleLocation, order_bundles
+from ._errors import PlacementTimeoutError
 from ._layout import Layout, compute_layout
 from ._spec import PlacementSpec
 
@@ -24,10 +25,6 @@ STRATEGY = "PACK"
 """Placement strategy: as few nodes as possible, so training ranks share nodes."""
 DEFAULT_TIMEOUT_S = 300.0
 """How long `create_placement_groups` waits for the cluster by default (an autoscaler may add nodes)."""
-
-
-class PlacementTimeoutError(TimeoutError):
-    """The cluster did not provide the placement group's bundles in time."""
 
 
 @dataclass(frozen=True, slots=True)

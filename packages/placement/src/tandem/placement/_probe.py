@@ -10,7 +10,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ._bundles import BundleLocation
-from ._groups import PlacementTimeoutError
+from ._errors import PlacementTimeoutError
 
 # A sliver of the bundle's GPU: enough for Ray to assign the bundle's GPU id to the
 # probe, small enough that it never holds up the real actors while it is being killed.

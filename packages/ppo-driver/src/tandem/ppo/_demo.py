@@ -1,95 +1,105 @@
-"""`ppo-driver demo`: how a Tandem run sits on its GPUs, shown on a local Ray with logical GPUs.
+"""`ppo-driver demo`: real PPO on a fresh CPU machine, on a tiny model built locally (no downloads).
 
-Until the PPO loop lands this is the main job's stand-in: it builds the layout
-from a `PlacementSpec`, reserves the placement group, orders its bundles, and
-co-locates an actor rank, a critic rank and a rollout engine on every shared
-GPU through fractional `num_gpus`, then reports where each one landed.
+The task is verifiable and small enough to learn from a random start in a few
+minutes on two cores: the prompt is `"d+1"` for a digit `d` in 0..8 and the
+correct response is the single digit `d+1`, scored by the built-in
+`exact_match` reward. A random model answers right about once in 50 (the
+tokenizer has ~50 tokens); PPO with its critic lifts the mean reward towards 1.
+
+The actor, the critic and the embedded rollout engine share logical GPUs
+(a local Ray cluster with `--local-gpus`) and sleep and wake between phases,
+exactly as on real GPUs. Every `ppo-driver train` flag works here too, so a
+demo can be made shorter (`--num-rollout 10`) or longer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from pathlib import Path
 from typing import Any
 
+DEMO_DEFAULTS: dict[str, Any] = {
+    "run_dir": "runs/demo",
+    "num_rollout": 60,
+    "rollout_batch_size": 16,
+    "n_samples_per_prompt": 8,
+    "global_batch_size": 64,
+    "micro_batch_size": 32,
+    "rollout_max_response_len": 1,
+    "max_prompt_len": 32,
+    "lr": 2e-3,
+    "critic_lr": 5e-3,
+    "clip_grad": 1.0,
+    "eps_clip": 0.2,
+    "value_clip": None,
+    "device": "cpu",
+    "params_dtype": "float32",
+    "offload_backend": "pinned_host",
+    "local_gpus": 1,
+    "rm_type": "exact_match",
+    "eval_interval": 10,
+    "save_interval": 20,
+    "seed": 1,
+}
+"""The demo's settings; any flag given to `ppo-driver demo` overrides them."""
 
-@dataclass(frozen=True)
-class DemoArgs:
-    """Options of `ppo-driver demo`."""
-
-    gpus: int = 4
-    """Logical GPUs of the local Ray cluster (no real GPU is needed)."""
-    actor_gpus: int = 4
-    """Training GPUs (actor and critic share them)."""
-    rollout_gpus: int = 4
-    """GPUs of the rollout engine."""
-    colocate: bool = True
-    """Rollout engine on the training GPUs; with False it gets GPUs of its own."""
-    actor_share: float = 0.4
-    """Fraction of a GPU asked for by each actor rank."""
-    critic_share: float = 0.4
-    """Fraction of a GPU asked for by each critic rank."""
-    engine_share: float = 0.2
-    """Fraction of a GPU asked for by each rollout-engine rank."""
+MODEL_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+"""The tiny Llama-like model of the demo (random weights, seeded)."""
 
 
-def run_demo(args: DemoArgs) -> list[dict[str, Any]]:
-    """Place actor, critic and engine ranks; print and return where each landed."""
-    import ray
+def build_base_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A tiny random Llama and its character-level tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tandem.placement import GpuShares, PlacementSpec, compute_layout, create_placement_groups
+    from tandem.ppo._tiny import build_tiny_tokenizer
 
-    spec = PlacementSpec(
-        actor_num_gpus_per_node=args.actor_gpus,
-        rollout_num_gpus=args.rollout_gpus,
-        colocate=args.colocate,
-        use_critic=True,
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = build_tiny_tokenizer(out)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **MODEL_SHAPE,
     )
-    layout = compute_layout(spec)
-    print(f"layout: {layout}")
-    if layout.num_gpus > args.gpus:
-        raise ValueError(
-            f"the layout needs {layout.num_gpus} GPUs but --gpus is {args.gpus}; raise --gpus to at least "
-            f"{layout.num_gpus}, or lower --actor-gpus / --rollout-gpus"
-        )
+    model: Any = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    return out
 
-    class Probe:
-        """Stands in for a train worker or engine rank: reports where Ray put it."""
 
-        def where(self, role: str, rank: int) -> dict[str, Any]:
-            ctx = ray.get_runtime_context()
-            return {
-                "role": role,
-                "rank": rank,
-                "node": ray.util.get_node_ip_address(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "actor_id": (ctx.get_actor_id() or "")[:8],
-            }
+def write_task(out_dir: str | Path) -> tuple[Path, Path]:
+    """The demo's train and eval JSONL: `"d+1"` -> `"d+1"`'s digit, for d in 0..8."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": f"{d}+1", "label": str(d + 1)} for d in range(9)]
+    train, evaluation = out / "train.jsonl", out / "eval.jsonl"
+    for path in (train, evaluation):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return train, evaluation
 
-    remote_probe: Any = ray.remote(Probe)
-    ray.init(num_gpus=args.gpus, num_cpus=max(2, args.gpus), include_dashboard=False, log_to_driver=False)
-    try:
-        with create_placement_groups(spec, timeout_s=60) as placements:
-            print(placements)
-            shares = GpuShares()
-            assert placements.critic is placements.actor  # the critic reuses the actor's bundles
-            plan: list[tuple[str, Any, float]] = [
-                ("actor", placements.actor, args.actor_share),
-                ("critic", placements.critic, args.critic_share),
-                ("engine", placements.rollout, args.engine_share),
-            ]
-            handles = []
-            for role, slot, share in plan:
-                for rank in range(len(slot)):
-                    opts = shares.options(slot, rank, role=role, num_gpus=share, num_cpus=0)
-                    handles.append(remote_probe.options(**opts).remote().where.remote(role, rank))
-            rows: list[dict[str, Any]] = ray.get(handles)
-            print(f"{'role':<8}{'rank':>5}  {'node':<16}{'gpu':>5}  share")
-            shares_by_role = {role: share for role, _, share in plan}
-            for row in rows:
-                gpu = ",".join(row["gpu_ids"])
-                print(
-                    f"{row['role']:<8}{row['rank']:>5}  {row['node']:<16}{gpu:>5}  {shares_by_role[row['role']]}"
-                )
-            return rows
-    finally:
-        ray.shutdown()
+
+def prepare_demo(values: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the model and data the demo builds under RUN_DIR, unless the flags name others."""
+    run_dir = Path(values.get("run_dir", DEMO_DEFAULTS["run_dir"]))
+    filled = dict(values)
+    if not filled.get("hf_checkpoint"):
+        filled["hf_checkpoint"] = str(build_base_model(run_dir / "base"))
+    if not filled.get("prompt_data"):
+        train, evaluation = write_task(run_dir / "data")
+        filled["prompt_data"] = str(train)
+        filled.setdefault("eval_prompt_data", str(evaluation))
+        if filled.get("eval_prompt_data") is None:
+            filled["eval_prompt_data"] = str(evaluation)
+    return filled

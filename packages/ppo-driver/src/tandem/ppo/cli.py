@@ -1,17 +1,167 @@
-"""Console script `ppo-driver`: one subcommand per job, options from typed dataclasses (tyro)."""
+"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`.
+
+Each subcommand's options come from a typed dataclass through tyro, so
+`--help` shows every field's docstring. A bad value ends the command with a
+one-line error that names the flag (exit 2); Ctrl-C during a run exits 130
+after the step under way (and its save, when configured).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
 import tyro
 
-from ._demo import DemoArgs, run_demo
+PROG = "ppo-driver"
 
 
-def _demo(args: DemoArgs) -> None:
-    """Show how actor, critic and rollout engine share GPUs (local Ray, logical GPUs, CPU only)."""
-    run_demo(args)
+@dataclass(frozen=True)
+class EvalArgs:
+    """Options of `ppo-driver eval`."""
+
+    model: Annotated[str, tyro.conf.Positional]
+    """A Hugging Face folder, or a run dir (its `hf/` folder is used)."""
+    data: str
+    """Eval JSONL: a `prompt` string or chat `messages` per line, and a `label`."""
+    rm_type: str = "exact_match"
+    """Built-in reward: exact_match or math."""
+    custom_rm_path: str | None = None
+    """Your reward, `module:function` or `/path/file.py:function`; overrides --rm-type."""
+    n_samples_per_prompt: int = 1
+    """Responses per prompt."""
+    temperature: float = 0.0
+    """Sampling temperature; 0: greedy."""
+    max_response_len: int = 128
+    """Most tokens per response."""
+    max_prompt_len: int = 512
+    """Longer prompts are dropped (and counted)."""
+    accuracy_threshold: float = 1.0
+    """A response counts as correct when its reward is at least this."""
+    local_gpus: int | None = None
+    """Logical GPUs of a local Ray cluster on a machine without GPUs; None: what Ray detects."""
+    seed: int = 1234
+    """Sampling seed."""
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of `ppo-driver`."""
-    tyro.extras.subcommand_cli_from_dict({"demo": _demo}, args=argv, prog="ppo-driver")
+@dataclass(frozen=True)
+class ExportArgs:
+    """Options of `ppo-driver export`."""
+
+    run_dir: Annotated[str, tyro.conf.Positional]
+    """The run whose latest actor checkpoint is exported (its config.yaml is read)."""
+    out: str | None = None
+    """Output folder; None: RUN_DIR/hf."""
+
+
+@dataclass(frozen=True)
+class PlotArgs:
+    """Options of `ppo-driver plot`."""
+
+    run_dirs: Annotated[tuple[str, ...], tyro.conf.Positional]
+    """One or more run dirs; several are overlaid in each figure (e.g. shared vs resident)."""
+    out: str | None = None
+    """Folder of the PNG files; None: the first run dir's `plots/`."""
+
+
+def _train(argv: Sequence[str]) -> int:
+    from tandem.ppo.config import parse_config
+    from tandem.ppo.driver import train
+
+    config = parse_config(argv, prog=f"{PROG} train")
+    print(train(config).describe())
+    return 0
+
+
+def _demo(argv: Sequence[str]) -> int:
+    from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
+    from tandem.ppo.config import parse_config, unvalidated
+    from tandem.ppo.driver import train
+
+    parsed = parse_config(argv, prog=f"{PROG} demo", base=DEMO_DEFAULTS, validate=False)
+    config = unvalidated(prepare_demo(dataclasses.asdict(parsed)))
+    config.validate()
+    summary = train(config)
+    print(summary.describe())
+    return 0
+
+
+def _eval(argv: Sequence[str]) -> int:
+    from tandem.ppo.evaluate import evaluate_model
+
+    args = tyro.cli(EvalArgs, args=list(argv), prog=f"{PROG} eval")
+    metrics = evaluate_model(args)
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
+def _export(argv: Sequence[str]) -> int:
+    from tandem.ppo.evaluate import export_run
+
+    args = tyro.cli(ExportArgs, args=list(argv), prog=f"{PROG} export")
+    print(export_run(args.run_dir, args.out))
+    return 0
+
+
+def _plot(argv: Sequence[str]) -> int:
+    from tandem.ppo.plot import plot_run
+
+    args = tyro.cli(PlotArgs, args=list(argv), prog=f"{PROG} plot")
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plots"
+    for path in plot_run(list(args.run_dirs), out):
+        print(path)
+    return 0
+
+
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "train": (_train, "train a model with PPO (YAML --config plus flags)"),
+    "demo": (_demo, "PPO on a tiny local model that learns on the CPU in minutes (no downloads)"),
+    "eval": (_eval, "run a saved actor on an eval JSONL and print the metrics"),
+    "export": (_export, "write a run's latest actor checkpoint as a Hugging Face folder"),
+    "plot": (_plot, "write PNG curves of one or more runs' metrics"),
+}
+
+
+def _version() -> str:
+    from tandem.ppo import __version__
+
+    return f"{PROG} {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `ppo-driver`; exits with the command's status."""
+    sys.exit(run(sys.argv[1:] if argv is None else argv))
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run one subcommand; its exit status (0 ok, 2 bad input, 130 interrupted)."""
+    from tandem.ppo.driver import INTERRUPTED_EXIT_CODE, Interrupted
+
+    parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    argv = list(argv)
+    command_index = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if command_index is None:
+        parser.parse_args(argv)  # prints help / version / the usage error, and exits
+        return 2
+    parser.parse_args(argv[: command_index + 1])
+    command, rest = argv[command_index], argv[command_index + 1 :]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[command][0](rest)
+    except ValueError as exc:
+        print(f"{PROG} {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (Interrupted, KeyboardInterrupt) as exc:
+        print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE

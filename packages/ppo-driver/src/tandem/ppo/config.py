@@ -1,0 +1,468 @@
+"""The run's one typed config: every flag of `ppo-driver train`, read from YAML plus command-line overrides.
+
+`PPOConfig` extends the train worker's `WorkerConfig` (tandem-megatron-backend)
+with what the driver owns: data, rollout, rewards, placement, the offload plan,
+checkpoint cadence and logging. Flags use slime/miles names where they exist
+(`--use-critic`, `--colocate`, `--offload-train`, `--rollout-batch-size`, ...).
+
+Construction never validates (so that a YAML file and flags can be merged
+first); `validate()` checks the whole config before Ray starts and raises a
+`ValueError` that names the flag and the fix. Derived sizes are properties,
+computed in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from tandem.megatron.config import WorkerConfig
+
+BUILTIN_REWARDS = ("exact_match", "math")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of config field `name` (`global_batch_size` -> `--global-batch-size`)."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(WorkerConfig):
+    """Everything one PPO run needs: the train workers' fields plus the driver's."""
+
+    hf_checkpoint: str = ""
+    """Hugging Face folder (config.json, safetensors, tokenizer): the model's architecture, the
+    actor's, critic's and reference's initial weights, the rollout engine's start and the tokenizer."""
+
+    rollout_batch_size: int = 32
+    """Prompts per rollout (each sampled `n_samples_per_prompt` times)."""
+
+    global_batch_size: int = 32
+    """Samples per optimizer step (over all data-parallel ranks); must divide a rollout's samples."""
+
+    # --- run ------------------------------------------------------------------------------
+    run_dir: str = "runs/ppo"
+    """Folder of the run: config.yaml, metrics.jsonl, TensorBoard events, plots, checkpoints
+    (`actor/`, `critic/` unless `--save` / `--critic-save` say otherwise) and `hf/` at the end."""
+
+    num_rollout: int = 10
+    """PPO steps (rollouts) of the whole run, counted from rollout 0 (a resumed run continues)."""
+
+    num_critic_only_steps: int = 0
+    """First steps in which only the critic trains (warm-up): no actor update, no weight sync."""
+
+    # --- data -------------------------------------------------------------------------------
+    prompt_data: str | None = None
+    """JSONL of training prompts: each line a `prompt` string or chat `messages`, a `label`, and
+    any other fields (passed to the reward as metadata)."""
+
+    input_key: str = "prompt"
+    """Key of the prompt string in each JSONL line (`messages` is always read as a chat)."""
+
+    label_key: str = "label"
+    """Key of the label in each JSONL line."""
+
+    apply_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template (from the HF folder) when it has one."""
+
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens are dropped (and counted in the metrics)."""
+
+    # --- rollout ------------------------------------------------------------------------------
+    rollout_max_response_len: int = 128
+    """Most tokens per sampled response."""
+
+    rollout_top_p: float = 1.0
+    """Nucleus sampling of the rollout; 1: off."""
+
+    rollout_top_k: int = -1
+    """Top-k sampling of the rollout; -1: off."""
+
+    rollout_stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+
+    rollout_ignore_eos: bool = False
+    """Sample exactly `rollout_max_response_len` tokens, EOS as an ordinary token (benchmarks)."""
+
+    rollout_engine: Literal["embedded", "sglang"] = "embedded"
+    """`embedded`: Tandem's engine on Hugging Face transformers (CPU and GPU); `sglang`: SGLang
+    servers (extra `tandem-ppo-driver[sglang]`)."""
+
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the rollout engine's weights; auto: bfloat16 on a GPU, float32 on the CPU."""
+
+    sglang_urls: tuple[str, ...] = ()
+    """Attach to these running SGLang servers (one per rollout GPU) instead of launching them."""
+
+    # --- rewards ----------------------------------------------------------------------------
+    rm_type: str = "exact_match"
+    """Built-in reward: `exact_match` (response equals the label) or `math` (final answer
+    compared symbolically with math-verify)."""
+
+    custom_rm_path: str | None = None
+    """A reward of your own, `package.module:function` or `/path/to/file.py:function`: batched,
+    sync or async, given prompt, response, label and metadata per sample; overrides `rm_type`."""
+
+    accuracy_threshold: float = 1.0
+    """A sample counts as correct for `reward/accuracy` when its reward is at least this."""
+
+    # --- eval ---------------------------------------------------------------------------------
+    eval_prompt_data: str | None = None
+    """JSONL of eval prompts (same format as `prompt_data`)."""
+
+    eval_interval: int | None = None
+    """Evaluate every this many steps (and after the last); None: never."""
+
+    n_samples_per_eval_prompt: int = 1
+    """Responses per eval prompt."""
+
+    eval_temperature: float = 0.0
+    """Sampling temperature of the eval; 0: greedy."""
+
+    # --- placement and the offload plan ----------------------------------------------------------
+    use_critic: bool = True
+    """Train a critic (PPO with GAE); it shares the actor's GPUs and never adds any."""
+
+    colocate: bool = True
+    """The rollout engine sits on the training GPUs (released during training)."""
+
+    offload_train: bool = True
+    """Actor and critic sleep after training and wake before it (they time-share the GPUs);
+    `--no-offload-train` keeps both resident, for comparison."""
+
+    actor_num_nodes: int = 1
+    """Nodes of the actor (and critic)."""
+
+    actor_num_gpus_per_node: int = 1
+    """GPUs per node of the actor (and critic)."""
+
+    rollout_num_gpus: int | None = None
+    """GPUs of the rollout engines, one engine per GPU; None: the actor's GPUs when colocated."""
+
+    train_backend: Literal["megatron"] = "megatron"
+    """Training backend; the critic and the sleep/wake mechanism need Megatron."""
+
+    actor_gpu_share: float = 0.4
+    """Fraction of each shared GPU that Ray gives each actor rank (scheduling, not memory)."""
+
+    critic_gpu_share: float = 0.4
+    """Fraction of each shared GPU that Ray gives each critic rank."""
+
+    engine_gpu_share: float = 0.2
+    """Fraction of each shared GPU that Ray gives each rollout engine."""
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    save_interval: int | None = None
+    """Save a checkpoint every this many steps (and always at the end); None: only at the end."""
+
+    save_on_interrupt: bool = True
+    """On Ctrl-C, finish the step under way and save before exiting (130); a second Ctrl-C
+    exits at once, leaving the last complete checkpoint."""
+
+    export_hf: bool = True
+    """Write the actor as a Hugging Face folder to `RUN_DIR/hf` at the end of the run."""
+
+    # --- cluster and logging ----------------------------------------------------------------
+    ray_address: str | None = None
+    """Ray cluster to join; None: `RAY_ADDRESS`, else a local cluster."""
+
+    local_gpus: int | None = None
+    """Logical GPUs of a local Ray cluster on a machine without GPUs (CPU runs); None: what Ray
+    detects."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN_DIR/tensorboard."""
+
+    progress: bool = True
+    """Show a progress bar with the key figures."""
+
+    def __post_init__(self) -> None:
+        """Nothing: `validate()` checks the merged config (YAML + flags) before Ray starts."""
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def actor_num_gpus(self) -> int:
+        """GPUs (ranks) of the actor, and of the critic that shares them."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_engines(self) -> int:
+        """Rollout engines, one per rollout GPU."""
+        if self.rollout_num_gpus is not None:
+            return self.rollout_num_gpus
+        return self.actor_num_gpus
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel size of the actor (and critic)."""
+        tp, pp = self.topology("actor")
+        return self.actor_num_gpus // (tp * pp)
+
+    @property
+    def reward_spec(self) -> str:
+        """What `load_reward` is given: the custom reward if set, else the built-in."""
+        return self.custom_rm_path or self.rm_type
+
+    @property
+    def actor_save(self) -> str:
+        """The actor's checkpoint folder: `--save`, else RUN_DIR/actor."""
+        return self.save or str(Path(self.run_dir) / "actor")
+
+    @property
+    def critic_save_dir(self) -> str:
+        """The critic's checkpoint folder: `--critic-save`, else RUN_DIR/critic."""
+        return self.critic_save or str(Path(self.run_dir) / "critic")
+
+    def worker_config(self) -> WorkerConfig:
+        """The train workers' config: this config's WorkerConfig fields, checkpoints resumable by default.
+
+        Each model resumes from its `--load` / `--critic-load`, or else from its own save folder
+        (a run started again in the same RUN_DIR continues where it stopped).
+        """
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)}
+        values["save"] = self.actor_save
+        values["critic_save"] = self.critic_save_dir if self.use_critic else None
+        values["load"] = self.load or self.actor_save
+        values["critic_load"] = (self.critic_load or self.critic_save_dir) if self.use_critic else None
+        return WorkerConfig(**values)
+
+    def placement_spec(self) -> Any:
+        """The tandem.placement spec of this run."""
+        from tandem.placement import PlacementSpec
+
+        return PlacementSpec(
+            actor_num_nodes=self.actor_num_nodes,
+            actor_num_gpus_per_node=self.actor_num_gpus_per_node,
+            rollout_num_gpus=self.num_engines,
+            colocate=self.colocate,
+            use_critic=self.use_critic,
+        )
+
+    # --- validation ------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check the whole config; a ValueError naming the flag and the fix otherwise."""
+        self._check_required()
+        self._check_driver_numbers()
+        self._check_plan()
+        self._check_files()
+        try:
+            worker = self.worker_config()
+            worker.check_world(self.actor_num_gpus)
+            worker.check_role("actor")
+            if self.use_critic:
+                worker.check_role("critic")
+        except ValueError as exc:
+            raise ValueError(_flagged(str(exc))) from None
+        self._check_split()
+
+    def _check_required(self) -> None:
+        if not self.hf_checkpoint:
+            raise ValueError(
+                "--hf-checkpoint: not set; point it at a Hugging Face model folder (config.json, "
+                "safetensors, tokenizer)"
+            )
+        if not self.prompt_data:
+            raise ValueError("--prompt-data: not set; point it at a JSONL file of prompts and labels")
+
+    def _check_driver_numbers(self) -> None:
+        positive = {
+            "num_rollout": self.num_rollout,
+            "max_prompt_len": self.max_prompt_len,
+            "rollout_max_response_len": self.rollout_max_response_len,
+            "actor_num_nodes": self.actor_num_nodes,
+            "actor_num_gpus_per_node": self.actor_num_gpus_per_node,
+            "n_samples_per_eval_prompt": self.n_samples_per_eval_prompt,
+        }
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer")
+        for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer, or unset")
+        if not 0 <= self.num_critic_only_steps <= self.num_rollout:
+            raise ValueError(
+                f"--num-critic-only-steps: got {self.num_critic_only_steps}; it must lie in "
+                f"[0, --num-rollout = {self.num_rollout}]"
+            )
+        if not 0 < self.rollout_top_p <= 1:
+            raise ValueError(f"--rollout-top-p: got {self.rollout_top_p}; it must lie in (0, 1]")
+        if self.rollout_top_k == 0 or self.rollout_top_k < -1:
+            raise ValueError(f"--rollout-top-k: got {self.rollout_top_k}; use a positive k, or -1 for off")
+        if not self.eval_temperature >= 0:
+            raise ValueError(f"--eval-temperature: got {self.eval_temperature}; it must be >= 0 (0: greedy)")
+        for name in ("actor_gpu_share", "critic_gpu_share", "engine_gpu_share"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{flag(name)}: got {value}; it must lie in (0, 1]")
+        if self.rm_type not in BUILTIN_REWARDS and self.custom_rm_path is None:
+            raise ValueError(
+                f"--rm-type: got {self.rm_type!r}; choose one of {', '.join(BUILTIN_REWARDS)}, or give "
+                "--custom-rm-path module:function"
+            )
+
+    def _check_plan(self) -> None:
+        if self.use_critic and self.train_backend != "megatron":
+            raise ValueError(
+                f"--use-critic: the critic needs --train-backend megatron (got {self.train_backend!r})"
+            )
+        if self.use_critic and importlib.util.find_spec("megatron") is None:
+            raise ValueError(
+                "--use-critic: the critic trains with Megatron-core, which is not installed; "
+                "pip install megatron-core (or tandem-megatron-backend), or pass --no-use-critic"
+            )
+        if (
+            self.rollout_engine == "sglang"
+            and not self.sglang_urls
+            and importlib.util.find_spec("sglang") is None
+        ):
+            raise ValueError(
+                "--rollout-engine: sglang is not installed; pip install 'tandem-ppo-driver[sglang]', "
+                "give --sglang-urls of running servers, or use --rollout-engine embedded"
+            )
+        if self.sglang_urls and len(self.sglang_urls) != self.num_engines:
+            raise ValueError(
+                f"--sglang-urls: {len(self.sglang_urls)} URLs for {self.num_engines} rollout GPUs; give one "
+                "URL per rollout GPU (--rollout-num-gpus)"
+            )
+        if self.colocate and self.num_engines != self.actor_num_gpus:
+            raise ValueError(
+                f"--rollout-num-gpus: {self.num_engines} with --colocate, but the actor has "
+                f"{self.actor_num_gpus} GPUs; colocated engines sit one per training GPU, so leave "
+                "--rollout-num-gpus unset (or pass --no-colocate)"
+            )
+        shares = self.actor_gpu_share + (self.critic_gpu_share if self.use_critic else 0.0)
+        if self.colocate:
+            shares += self.engine_gpu_share
+        if shares > 1 + 1e-9:
+            raise ValueError(
+                f"--actor-gpu-share / --critic-gpu-share / --engine-gpu-share: they add up to {shares:g} of "
+                "one GPU; lower them so that the roles sharing a GPU add up to at most 1"
+            )
+
+    def _check_files(self) -> None:
+        hf = Path(self.hf_checkpoint)
+        if not (hf / "config.json").is_file():
+            raise ValueError(
+                f"--hf-checkpoint: {self.hf_checkpoint!r} is not a Hugging Face model folder (no "
+                "config.json); point it at a folder written by save_pretrained"
+            )
+        for name in ("prompt_data", "eval_prompt_data"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag(name)}: file {path!r} does not exist; fix the path")
+        if self.eval_interval is not None and self.eval_prompt_data is None:
+            raise ValueError("--eval-interval: set, but there is no --eval-prompt-data to evaluate on")
+        if self.custom_rm_path is not None and ":" not in self.custom_rm_path:
+            raise ValueError(
+                f"--custom-rm-path: got {self.custom_rm_path!r}; write it as package.module:function or "
+                "/path/to/file.py:function"
+            )
+        run_dir = Path(self.run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ValueError(f"--run-dir: {self.run_dir!r} is a file; it must be a folder (or not exist yet)")
+
+    def _check_split(self) -> None:
+        dp = self.data_parallel_size
+        samples = self.samples_per_rollout
+        if samples % dp:
+            raise ValueError(
+                f"--rollout-batch-size: a rollout's {samples} samples (rollout_batch_size * "
+                f"n_samples_per_prompt) do not split evenly over {dp} data-parallel ranks; make it a "
+                f"multiple of {dp}"
+            )
+
+
+def _flagged(message: str) -> str:
+    """A WorkerConfig message (`field_name: ...`) with its leading field turned into the flag."""
+    match = re.match(r"^([a-z_]+)([ :/])", message)
+    if match is None:
+        return message
+    return flag(match.group(1)) + message[len(match.group(1)) :]
+
+
+# --- reading a config ------------------------------------------------------------------------
+def config_fields() -> dict[str, dataclasses.Field[Any]]:
+    """The config's fields by name."""
+    return {f.name: f for f in dataclasses.fields(PPOConfig)}
+
+
+def unvalidated(values: Mapping[str, Any]) -> PPOConfig:
+    """A config from field values (defaults for the rest), not yet validated; unknown keys refused."""
+    known = config_fields()
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        names = ", ".join(unknown)
+        raise ValueError(f"config: unknown field(s) {names}; see `ppo-driver train --help` for the fields")
+    coerced: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return PPOConfig(**coerced)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The fields of a YAML config file (keys may use `-` or `_`)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config: file {str(path)!r} does not exist; fix the path")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config: {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {str(path)!r} must hold a mapping of field: value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def write_yaml(config: PPOConfig, path: str | os.PathLike[str]) -> None:
+    """Write the resolved config (every field) as YAML, atomically."""
+    import yaml
+
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(values, sort_keys=False))
+    os.replace(tmp, p)
+
+
+def parse_config(
+    argv: Sequence[str],
+    *,
+    prog: str = "ppo-driver train",
+    base: Mapping[str, Any] | None = None,
+    validate: bool = True,
+) -> PPOConfig:
+    """`--config FILE` (YAML) merged under the other flags of `argv`; validated unless told not to.
+
+    `base` gives defaults below the YAML file (the demo's own settings).
+    """
+    import argparse
+
+    import tyro
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    values: dict[str, Any] = dict(base or {})
+    if known.config is not None:
+        values.update(read_yaml(known.config))
+    default = unvalidated(values)
+    config: PPOConfig = tyro.cli(
+        PPOConfig,
+        args=rest,
+        default=default,
+        prog=prog,
+        description=(
+            "Train a model with PPO. --config FILE reads any of these fields from YAML "
+            "(keys as below without the dashes' prefix); flags given here override it."
+        ),
+    )
+    if validate:
+        config.validate()
+    return config

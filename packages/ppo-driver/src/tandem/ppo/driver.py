@@ -1,0 +1,479 @@
+"""The PPO driver: it owns the plan (when each model sleeps and wakes); the workers own the mechanism.
+
+One step, exactly as DESIGN.md's "One PPO step" says:
+
+1. rollout: the engines sample `rollout_batch_size * n_samples_per_prompt`
+   responses, rewards are computed, the batch is split per data-parallel rank
+   and put in Ray's object store;
+2. the engines release their GPU memory (weights, KV cache);
+3. critic: wake, train (old values, GAE returns, value loss), sleep; it
+   returns its old values per rank;
+4. actor: wake, train with the critic's per-rank payloads as `external_data`,
+   sleep (skipped during the critic-only warm-up);
+5. weights: the engines resume their weights, the actor (asleep) sends its
+   weights, the engines flush and resume their KV cache (skipped in warm-up,
+   where the engines just resume);
+6. checkpoint when due: the driver's state, then for each model wake -> save -> sleep.
+
+With `--no-offload-train` nothing sleeps and the engines keep their memory,
+so the same run can be compared with both models resident.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.lifecycle import OffloadPlan
+from tandem.ppo.config import PPOConfig, write_yaml
+from tandem.ppo.engines import SamplingParams
+from tandem.ppo.rollout import Rollout, generate_rollout, to_train_batches
+from tandem.ppo.state import DriverState, load_state, save_state
+
+logger = logging.getLogger(__name__)
+
+INTERRUPTED_EXIT_CODE = 130
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the run (after the step under way, and its save when configured)."""
+
+
+@dataclass
+class RunSummary:
+    """Where a finished (or interrupted) run put its results."""
+
+    run_dir: Path
+    last_rollout_id: int
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    hf_dir: Path | None = None
+    interrupted: bool = False
+
+    def describe(self) -> str:
+        """The lines printed at the end of a run."""
+        lines = [
+            f"run dir:      {self.run_dir}",
+            f"metrics:      {self.run_dir / 'metrics.jsonl'}",
+            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
+            f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
+            f"checkpoints:  {self.run_dir / 'actor'}, {self.run_dir / 'critic'}",
+        ]
+        if self.hf_dir is not None:
+            lines.append(f"hf model:     {self.hf_dir}")
+        if self.metrics:
+            last = self.metrics[-1]
+            figures = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "reward/accuracy") if k in last)
+            lines.append(f"last step:    {last.get('step')} ({figures})")
+        return "\n".join(lines)
+
+
+class EventLog:
+    """Timestamped driver events (`RUN_DIR/events.jsonl`): phases, sleeps and wakes, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Append one event."""
+        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+class PPODriver:
+    """One PPO run: setup, the loop, checkpoints, eval, and clean shutdown."""
+
+    def __init__(self, config: PPOConfig) -> None:
+        config.validate()
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.plan = OffloadPlan.time_shared() if config.offload_train else OffloadPlan.resident()
+        self.release_engines = config.colocate and config.offload_train
+        self.phase_seconds: dict[str, float] = {}
+        self.metrics_so_far: list[dict[str, Any]] = []
+        self._stop_requested = False
+        self._started_ray = False
+        self.actor: Any = None
+        self.critic: Any = None
+        self.engines: Any = None
+        self.placements: Any = None
+
+    # --- setup -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Ray, placement groups, engines and train groups (concurrently), data, reward, logging."""
+        from transformers import AutoTokenizer
+
+        from tandem.ppo.data import PromptDataset, read_prompts
+        from tandem.ppo.rewards import load_reward
+
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_yaml(config, self.run_dir / "config.yaml")
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
+        self.reward_fn = load_reward(config.reward_spec)
+        self.dataset = PromptDataset(
+            read_prompts(str(config.prompt_data), prompt_key=config.input_key, label_key=config.label_key),
+            self.tokenizer,
+            max_prompt_len=config.max_prompt_len,
+            seed=config.seed,
+            apply_chat_template=config.apply_chat_template,
+        )
+        self.eval_dataset = None
+        if config.eval_prompt_data is not None:
+            self.eval_dataset = PromptDataset(
+                read_prompts(
+                    config.eval_prompt_data, prompt_key=config.input_key, label_key=config.label_key
+                ),
+                self.tokenizer,
+                max_prompt_len=config.max_prompt_len,
+                seed=config.seed,
+                apply_chat_template=config.apply_chat_template,
+            )
+        self._setup_ray()
+        self._setup_groups()
+        self._resume()
+
+    def _setup_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            if self.config.local_gpus is not None:
+                kwargs["num_gpus"] = self.config.local_gpus
+            ray.init(**kwargs)
+        self._started_ray = True
+
+    def _setup_groups(self) -> None:
+        from tandem.megatron.worker import create_train_group
+        from tandem.placement import create_placement_groups
+        from tandem.ppo.engines import EngineOptions, create_engine_group
+
+        config = self.config
+        worker_config = config.worker_config()
+        self.placements = create_placement_groups(config.placement_spec())
+        actor_slot, rollout_slot = self.placements.actor, self.placements.rollout
+        engine_options = EngineOptions(dtype=config.rollout_dtype)
+        if config.sglang_urls:
+            engine_options = EngineOptions(dtype=config.rollout_dtype, sglang_urls=tuple(config.sglang_urls))
+
+        def start(role: str) -> Any:
+            share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
+            return create_train_group(
+                worker_config,
+                role,  # type: ignore[arg-type]
+                actor_slot.pg,
+                actor_slot.bundle_indices,
+                num_gpus_per_worker=share,
+                num_cpus_per_worker=share,
+            )
+
+        def start_engines() -> Any:
+            return create_engine_group(
+                config.hf_checkpoint,
+                rollout_slot.pg,
+                rollout_slot.bundle_indices,
+                num_gpus_per_engine=config.engine_gpu_share if config.colocate else 1.0,
+                num_cpus_per_engine=config.engine_gpu_share if config.colocate else 1.0,
+                engine=config.rollout_engine,
+                options=engine_options,
+            )
+
+        # The three groups do not depend on each other: they start at once.
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            actor = pool.submit(start, "actor")
+            critic = pool.submit(start, "critic") if config.use_critic else None
+            engines = pool.submit(start_engines)
+            self.actor = actor.result()
+            self.critic = critic.result() if critic is not None else None
+            self.engines = engines.result()
+        self.events.record("setup_done")
+        if self.plan.sleep_after_train:
+            # Both models start awake; the engine needs the GPU first.
+            for group in self._models():
+                self._sleep(group)
+
+    def _resume(self) -> None:
+        from tandem.ppo.metrics import MetricsLogger
+
+        config = self.config
+        start = self.actor.start_rollout_id
+        if self.critic is not None and self.critic.start_rollout_id != start:
+            raise ValueError(
+                f"--critic-load: the critic resumed from rollout {self.critic.start_rollout_id - 1} but the "
+                f"actor from rollout {start - 1}; point --load and --critic-load at checkpoints of the same run"
+            )
+        self.start_rollout_id = start
+        if start > 0:
+            state = load_state(self.run_dir, start - 1)
+            self.dataset.load_state_dict(state.data)
+            state.restore_rng()
+            self.metrics_so_far = [m for m in state.metrics if m.get("step", 0) < start]
+            # The engines start from the HF folder: they need the resumed actor's weights.
+            self._sync_weights()
+            logger.info("resumed after rollout %d", start - 1)
+        self.logger = MetricsLogger(
+            self.run_dir,
+            total_steps=config.num_rollout,
+            start_step=start,
+            tensorboard=config.tensorboard,
+            progress=config.progress,
+        )
+
+    def _models(self) -> list[Any]:
+        return [g for g in (self.critic, self.actor) if g is not None]
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end."""
+        config = self.config
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        last = self.start_rollout_id - 1
+        saved = last
+        try:
+            for rollout_id in range(self.start_rollout_id, config.num_rollout):
+                metrics = self.step(rollout_id)
+                last = rollout_id
+                final = rollout_id == config.num_rollout - 1
+                if self.eval_dataset is not None and (final or self._due(config.eval_interval, rollout_id)):
+                    metrics.update(self.evaluate())
+                self.metrics_so_far.append(metrics)
+                self.logger.log(rollout_id, metrics)
+                due = final or self._due(config.save_interval, rollout_id)
+                if due or (self._stop_requested and config.save_on_interrupt):
+                    self.save(rollout_id)
+                    saved = rollout_id
+                if self._stop_requested:
+                    raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
+            hf_dir = self.export_hf() if config.export_hf and last >= 0 else None
+            return RunSummary(self.run_dir, last, self.metrics_so_far, hf_dir)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @staticmethod
+    def _due(interval: int | None, rollout_id: int) -> bool:
+        return interval is not None and (rollout_id + 1) % interval == 0
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now; the last complete checkpoint stays
+        self._stop_requested = True
+        logger.warning("Ctrl-C: finishing the step under way, then stopping (Ctrl-C again: stop now)")
+
+    def step(self, rollout_id: int) -> dict[str, Any]:
+        """One PPO step (DESIGN.md's six steps); its metrics."""
+        import ray
+
+        config = self.config
+        self.phase_seconds = {}
+        step_start = time.perf_counter()
+        critic_only = rollout_id < config.num_critic_only_steps
+
+        # 1. rollout: sample, score, split per data-parallel rank
+        with self._phase("rollout"):
+            prompts = self.dataset.next_batch(config.rollout_batch_size)
+            rollout = self._generate(prompts, seed=config.seed * 1_000_003 + rollout_id)
+            data_refs = [ray.put(b) for b in to_train_batches(rollout, config.data_parallel_size)]
+        self.phase_seconds.update({f"time/{k}": v for k, v in rollout.seconds.items()})
+
+        # 2. the engines hand their GPU memory back
+        if self.release_engines:
+            with self._phase("engine_release"):
+                self.engines.release_memory()
+
+        # 3. critic: wake, old values + returns + value loss, sleep
+        critic_out = None
+        metrics: dict[str, Any] = {}
+        if self.critic is not None:
+            critic_out = self._train(self.critic, rollout_id, data_refs)
+            metrics.update({f"critic/{k}": v for k, v in critic_out[0]["metrics"].items()})
+
+        # 4. actor: wake, train with the critic's values, sleep
+        if not critic_only:
+            actor_out = self._train(self.actor, rollout_id, data_refs, external_data=critic_out)
+            metrics.update({f"actor/{k}": v for k, v in actor_out[0]["metrics"].items()})
+
+        # 5. weights to the engines (weights back -> sync -> KV cache back)
+        if not critic_only:
+            self._sync_weights()
+        elif self.release_engines:
+            with self._phase("engine_resume"):
+                self.engines.resume_memory()
+
+        seconds = time.perf_counter() - step_start
+        metrics.update(rollout.metrics(accuracy_threshold=config.accuracy_threshold))
+        metrics.update(self._aliases(metrics))
+        metrics.update(self.phase_seconds)
+        metrics.update(
+            {
+                "time/step": seconds,
+                "throughput/tokens_per_s": rollout.response_tokens() / seconds,
+                "data/epoch": float(self.dataset.epoch),
+                "data/dropped_prompts": float(self.dataset.num_dropped),
+                "step/critic_only": float(critic_only),
+            }
+        )
+        return metrics
+
+    @staticmethod
+    def _aliases(metrics: dict[str, Any]) -> dict[str, Any]:
+        names = {
+            "loss/policy": "actor/pg_loss",
+            "loss/value": "critic/value_loss",
+            "actor/kl": "actor/approx_kl",
+        }
+        return {alias: metrics[name] for alias, name in names.items() if name in metrics}
+
+    def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
+        config = self.config
+        eos = self.tokenizer.eos_token_id
+        stop = tuple(config.rollout_stop_token_ids) + ((eos,) if eos is not None else ())
+        params = SamplingParams(
+            max_new_tokens=config.rollout_max_response_len,
+            temperature=config.eval_temperature if eval_mode else config.temperature,
+            top_p=1.0 if eval_mode else config.rollout_top_p,
+            top_k=-1 if eval_mode else config.rollout_top_k,
+            stop_token_ids=stop,
+            ignore_eos=config.rollout_ignore_eos and not eval_mode,
+            seed=seed,
+        )
+        n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
+        return generate_rollout(
+            self.engines,
+            prompts,
+            n_samples_per_prompt=n,
+            params=params,
+            tokenizer=self.tokenizer,
+            reward_fn=self.reward_fn,
+        )
+
+    def _train(
+        self, group: Any, rollout_id: int, data_refs: list[Any], external_data: Any = None
+    ) -> list[Any]:
+        import ray
+
+        role = group.role
+        if self.plan.wake_up_before_train:
+            self._wake(group)
+        with self._phase(f"{role}_train"):
+            self.events.record("train_begin", role=role, rollout_id=rollout_id)
+            out: list[Any] = ray.get(group.train(rollout_id, data_refs, external_data))
+            self.events.record("train_end", role=role, rollout_id=rollout_id)
+        if self.plan.sleep_after_train:
+            self._sleep(group)
+        return out
+
+    def _wake(self, group: Any) -> None:
+        with self._phase(f"{group.role}_wake"):
+            self.events.record("wake", role=group.role)
+            group.run("wake_up")
+
+    def _sleep(self, group: Any) -> None:
+        with self._phase(f"{group.role}_sleep"):
+            group.run("sleep")
+            self.events.record("sleep", role=group.role)
+
+    def _sync_weights(self) -> None:
+        """Engines' weights back -> the actor's weights into them -> KV cache back."""
+        if self.release_engines:
+            with self._phase("engine_resume_weights"):
+                self.engines.resume_memory(["weights"])
+        with self._phase("weight_sync"):
+            self.events.record("weight_sync")
+            self.actor.run("update_weights", self.engines.handles)
+            self.engines.flush_cache()
+        if self.release_engines:
+            with self._phase("engine_resume_kv_cache"):
+                self.engines.resume_memory(["kv_cache"])
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{name}"
+            self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
+
+    # --- checkpoints, eval, export ---------------------------------------------------------------
+    def save(self, rollout_id: int) -> None:
+        """The driver's state, then each model: wake -> save -> sleep (as the plan says)."""
+        with self._phase("save"):
+            save_state(
+                self.run_dir, DriverState.capture(rollout_id, self.dataset.state_dict(), self.metrics_so_far)
+            )
+            for group in self._models():
+                if self.plan.wake_up_before_save:
+                    self._wake(group)
+                self.events.record("save", role=group.role, rollout_id=rollout_id)
+                group.run("save_model", rollout_id)
+                if self.plan.sleep_after_save:
+                    self._sleep(group)
+
+    def evaluate(self) -> dict[str, float]:
+        """Eval metrics on the eval JSONL (engines awake, holding the latest weights)."""
+        assert self.eval_dataset is not None
+        with self._phase("eval"):
+            prompts = self.eval_dataset.next_batch(len(self.eval_dataset))
+            rollout = self._generate(prompts, seed=self.config.seed, eval_mode=True)
+        return rollout.metrics(accuracy_threshold=self.config.accuracy_threshold, prefix="eval")
+
+    def export_hf(self) -> Path:
+        """The actor as a Hugging Face folder at RUN_DIR/hf."""
+        from tandem.ppo.export import export_actor
+
+        with self._phase("export_hf"):
+            return Path(export_actor(self.actor, self.run_dir / "hf", self.config.hf_checkpoint))
+
+    # --- shutdown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the workers and engines, release the placement groups, stop Ray if we started it."""
+        import ray
+
+        for name in ("logger", "events"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.close()
+        if self.engines is not None:
+            with contextlib.suppress(Exception):
+                self.engines.shutdown()
+        for group in self._models():
+            with contextlib.suppress(Exception):
+                group.run("shutdown")
+            with contextlib.suppress(Exception):
+                group.kill()
+        if self.placements is not None:
+            with contextlib.suppress(Exception):
+                self.placements.remove()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def train(config: PPOConfig) -> RunSummary:
+    """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C."""
+    driver = PPODriver(config)
+    try:
+        driver.setup()
+        return driver.run()
+    finally:
+        driver.close()

@@ -1,0 +1,91 @@
+"""The actor as a Hugging Face folder: config, safetensors shards, tokenizer, loadable by `transformers`.
+
+The actor's rank 0 sends its weights, HF-named and in chunks, exactly as it
+does to a rollout engine (`TrainWorker.update_weights`); `HfFolderWriter`, a
+small Ray actor on the driver's node, takes the engine's place and writes each
+chunk as one safetensors shard, then the index, the base model's config and
+the tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class HfFolderWriter:
+    """Receives HF-named tensors in chunks (the engine's `update_weights_from_tensors`) and writes a folder."""
+
+    def __init__(self, out_dir: str, base_hf_dir: str) -> None:
+        self.out = Path(out_dir)
+        self.base = Path(base_hf_dir)
+        self.staging = self.out.with_name(self.out.name + ".partial")
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+        self.shards = 0
+        self.dtypes: set[torch.dtype] = set()
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Write one chunk as the next shard."""
+        from safetensors.torch import save_file
+
+        self.shards += 1
+        name = f"model-{self.shards:05d}.safetensors"
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors}
+        save_file(tensors, str(self.staging / name), metadata={"format": "pt"})
+        for key, tensor in tensors.items():
+            self.weight_map[key] = name
+            self.total_bytes += tensor.numel() * tensor.element_size()
+            self.dtypes.add(tensor.dtype)
+
+    def finish(self) -> str:
+        """Write the index, config and tokenizer; publish the folder (replacing an older one). Its path."""
+        from transformers import AutoTokenizer
+
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": dict(sorted(self.weight_map.items())),
+        }
+        (self.staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = json.loads((self.base / "config.json").read_text())
+        if len(self.dtypes) == 1:
+            config["torch_dtype"] = str(next(iter(self.dtypes))).removeprefix("torch.")
+        (self.staging / "config.json").write_text(json.dumps(config, indent=2))
+        if (self.base / "generation_config.json").is_file():
+            shutil.copy(self.base / "generation_config.json", self.staging / "generation_config.json")
+        with contextlib.suppress(OSError, ValueError):  # a base without a tokenizer: weights and config only
+            AutoTokenizer.from_pretrained(str(self.base)).save_pretrained(str(self.staging))
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.staging, self.out)
+        return str(self.out)
+
+
+def export_actor(actor: Any, out_dir: str | os.PathLike[str], base_hf_dir: str) -> str:
+    """Write the actor group's current weights as a Hugging Face folder at `out_dir`; its path.
+
+    Works asleep or awake (`update_weights` brings only the weights back, briefly).
+    """
+    import ray
+
+    writer_cls: Any = ray.remote(num_cpus=0)(HfFolderWriter)
+    node = ray.get_runtime_context().get_node_id()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    writer = writer_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+        str(Path(out_dir).resolve()), str(Path(base_hf_dir).resolve())
+    )
+    try:
+        actor.run("update_weights", [writer])
+        path: str = ray.get(writer.finish.remote())
+        return path
+    finally:
+        ray.kill(writer)

@@ -1,0 +1,129 @@
+"""Step 1 of a PPO step: prompts -> engine samples -> rewards -> one `RolloutBatch` per data-parallel rank.
+
+Samples of one prompt are consecutive (`n_samples_per_prompt` of them), and a
+rollout is cut into contiguous, equal shares per data-parallel rank, so that
+sample `i` of the rollout is the same sample for the actor and the critic
+(`sample_indices` carries `i`). Every response token is trainable
+(`loss_mask = 1`), truncated responses included: GAE treats the value after
+the last token as 0 (DESIGN.md, "PPO math conventions").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.megatron.batch import RolloutBatch
+from tandem.ppo.data import PromptSample
+from tandem.ppo.engines import Generation, SamplingParams
+from tandem.ppo.rewards import RewardInput, compute_rewards
+
+
+@dataclass
+class Rollout:
+    """One rollout: its samples in order, their rewards, and what it cost.
+
+    Attributes:
+        prompts: the prompt of each sample (a prompt repeated `n_samples_per_prompt` times).
+        generations: the engine's response per sample.
+        responses: the decoded responses (special tokens skipped), as the reward saw them.
+        rewards: one float per sample.
+        seconds: `generate` and `reward` wall seconds.
+    """
+
+    prompts: list[PromptSample]
+    generations: list[Generation]
+    responses: list[str]
+    rewards: list[float]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.generations)
+
+    def metrics(self, *, accuracy_threshold: float, prefix: str = "reward") -> dict[str, float]:
+        """Reward mean, std, accuracy; response length; the share of truncated responses."""
+        rewards = torch.tensor(self.rewards, dtype=torch.float64)
+        lengths = torch.tensor([len(g.token_ids) for g in self.generations], dtype=torch.float64)
+        return {
+            f"{prefix}/mean": float(rewards.mean()),
+            f"{prefix}/std": float(rewards.std(unbiased=False)),
+            f"{prefix}/accuracy": float((rewards >= accuracy_threshold).double().mean()),
+            f"{prefix}/response_length": float(lengths.mean()),
+            f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
+        }
+
+    def response_tokens(self) -> int:
+        """Response tokens sampled in this rollout."""
+        return sum(len(g.token_ids) for g in self.generations)
+
+
+def generate_rollout(
+    engines: Any,
+    prompts: Sequence[PromptSample],
+    *,
+    n_samples_per_prompt: int,
+    params: SamplingParams,
+    tokenizer: Any,
+    reward_fn: Any,
+) -> Rollout:
+    """Sample `n_samples_per_prompt` responses per prompt on the engine group and score them."""
+    repeated = [p for p in prompts for _ in range(n_samples_per_prompt)]
+    start = time.perf_counter()
+    generations = engines.generate([p.prompt_ids for p in repeated], params)
+    generated = time.perf_counter()
+    responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+    inputs = [
+        RewardInput(
+            prompt=p.prompt_text,
+            response=response,
+            label=p.record.label,
+            metadata=p.record.metadata,
+            index=i,
+        )
+        for i, (p, response) in enumerate(zip(repeated, responses, strict=True))
+    ]
+    rewards = compute_rewards(reward_fn, inputs)
+    scored = time.perf_counter()
+    return Rollout(
+        prompts=repeated,
+        generations=generations,
+        responses=responses,
+        rewards=rewards,
+        seconds={"generate": generated - start, "reward": scored - generated},
+    )
+
+
+def to_train_batches(rollout: Rollout, data_parallel_size: int) -> list[RolloutBatch]:
+    """The rollout as `data_parallel_size` equal, contiguous `RolloutBatch`es (rank `r` gets share `r`)."""
+    n = len(rollout)
+    if n % data_parallel_size:
+        raise ValueError(
+            f"--rollout-batch-size: {n} samples do not split over {data_parallel_size} data-parallel ranks"
+        )
+    per_rank = n // data_parallel_size
+    batches = []
+    for rank in range(data_parallel_size):
+        indices = range(rank * per_rank, (rank + 1) * per_rank)
+        tokens, lengths, masks, log_probs = [], [], [], []
+        for i in indices:
+            prompt, gen = rollout.prompts[i], rollout.generations[i]
+            response = list(gen.token_ids)
+            tokens.append(torch.tensor([*prompt.prompt_ids, *response], dtype=torch.long))
+            lengths.append(len(response))
+            masks.append(torch.ones(len(response), dtype=torch.float32))
+            log_probs.append(torch.tensor(gen.log_probs, dtype=torch.float32))
+        batches.append(
+            RolloutBatch(
+                tokens=tokens,
+                response_lengths=lengths,
+                loss_masks=masks,
+                rewards=torch.tensor([rollout.rewards[i] for i in indices], dtype=torch.float32),
+                sample_indices=list(indices),
+                rollout_log_probs=log_probs,
+            )
+        )
+    return batches

@@ -1,0 +1,226 @@
+"""The run config: YAML plus flags, every field documented, and validation that names the flag.
+
+The fuzz tests draw configs from two strategies: one that stays inside the
+documented constraints (never refused), and single mutations that break one
+constraint each (always refused, naming that flag). Unconstrained draws must
+either pass or be refused with a message that starts with a real flag.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.ppo.config import PPOConfig, config_fields, flag, parse_config, unvalidated
+
+FLAGS = {flag(name) for name in config_fields()}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("config")
+    hf = root / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    prompts = root / "train.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1", "label": "2"}) + "\n")
+    return {"hf_checkpoint": str(hf), "prompt_data": str(prompts), "run_dir": str(root / "run")}
+
+
+def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
+    """Configs inside every documented constraint: batch sizes that divide, shares that fit, ..."""
+
+    @st.composite
+    def draw(d: Any) -> dict[str, Any]:
+        gpus = d(st.sampled_from([1, 2, 4]))
+        tp = d(st.sampled_from([t for t in (1, 2) if gpus % t == 0]))
+        dp = gpus // tp
+        micro = d(st.sampled_from([1, 2, 4]))
+        global_batch = micro * dp * d(st.integers(1, 4))
+        n_samples = d(st.integers(1, 4))
+        steps = d(st.integers(1, 3))
+        samples = global_batch * steps
+        # rollout_batch_size * n_samples must be a multiple of global_batch_size
+        rollout_batch = samples if samples % n_samples else samples // n_samples
+        if (rollout_batch * n_samples) % global_batch:
+            n_samples = 1
+            rollout_batch = samples
+        num_rollout = d(st.integers(1, 20))
+        return {
+            **files,
+            "actor_num_gpus_per_node": gpus,
+            "tensor_model_parallel_size": tp,
+            "micro_batch_size": micro,
+            "global_batch_size": global_batch,
+            "rollout_batch_size": rollout_batch,
+            "n_samples_per_prompt": n_samples,
+            "num_rollout": num_rollout,
+            "num_critic_only_steps": d(st.integers(0, num_rollout)),
+            "lr": d(st.floats(0, 1e-2)),
+            "eps_clip": d(st.floats(0.01, 0.5)),
+            "gamma": d(st.floats(0, 1)),
+            "lambd": d(st.floats(0, 1)),
+            "use_critic": d(st.booleans()),
+            "offload_train": d(st.booleans()),
+            "rollout_top_p": d(st.floats(0.05, 1)),
+            "save_interval": d(st.none() | st.integers(1, 10)),
+            "device": "cpu",
+            "params_dtype": "float32",
+        }
+
+    return draw()
+
+
+# Each breaks exactly one documented rule of a valid config; the flag the error must name.
+BREAKERS: list[tuple[str, Any]] = [
+    ("--global-batch-size", lambda v: {**v, "global_batch_size": v["global_batch_size"] * 1000 + 1}),
+    ("--micro-batch-size", lambda v: {**v, "micro_batch_size": 0}),
+    ("--kl-coef", lambda v: {**v, "kl_coef": 0.1}),
+    ("--hf-checkpoint", lambda v: {**v, "hf_checkpoint": v["hf_checkpoint"] + "-missing"}),
+    ("--prompt-data", lambda v: {**v, "prompt_data": v["prompt_data"] + ".missing"}),
+    ("--num-critic-only-steps", lambda v: {**v, "num_critic_only_steps": v["num_rollout"] + 1}),
+    ("--num-rollout", lambda v: {**v, "num_rollout": 0}),
+    ("--rollout-top-p", lambda v: {**v, "rollout_top_p": 1.5}),
+    ("--eps-clip", lambda v: {**v, "eps_clip": 1.5}),
+    ("--gamma", lambda v: {**v, "gamma": 2.0}),
+    ("--rm-type", lambda v: {**v, "rm_type": "no-such-reward"}),
+    ("--custom-rm-path", lambda v: {**v, "custom_rm_path": "no_colon_here"}),
+    ("--eval-interval", lambda v: {**v, "eval_interval": 2, "eval_prompt_data": None}),
+    ("--rollout-num-gpus", lambda v: {**v, "rollout_num_gpus": v["actor_num_gpus_per_node"] + 1}),
+    ("--engine-gpu-share", lambda v: {**v, "engine_gpu_share": 0.9, "actor_gpu_share": 0.9}),
+    ("--use-critic", lambda v: {**v, "use_critic": True, "train_backend": "fsdp"}),
+    (
+        "--critic-",
+        lambda v: {**v, "use_critic": True, "critic_save": v["run_dir"] + "/a", "save": v["run_dir"] + "/a"},
+    ),
+    ("--tensor-model-parallel-size", lambda v: {**v, "tensor_model_parallel_size": 3}),
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_no_valid_config_is_refused(files: dict[str, str], data: st.DataObject) -> None:
+    values = data.draw(valid_values(files))
+    unvalidated(values).validate()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), breaker=st.sampled_from(BREAKERS))
+def test_every_broken_rule_is_refused_naming_its_flag(
+    files: dict[str, str], data: st.DataObject, breaker: tuple[str, Any]
+) -> None:
+    name, breaks = breaker
+    values = breaks(data.draw(valid_values(files)))
+    with pytest.raises(ValueError) as info:
+        unvalidated(values).validate()
+    assert name in str(info.value), str(info.value)
+
+
+SCALARS = {
+    "rollout_batch_size": st.integers(-2, 64),
+    "global_batch_size": st.integers(-2, 64),
+    "micro_batch_size": st.integers(-2, 8),
+    "n_samples_per_prompt": st.integers(-1, 8),
+    "num_rollout": st.integers(-1, 5),
+    "num_critic_only_steps": st.integers(-1, 6),
+    "actor_num_gpus_per_node": st.integers(0, 4),
+    "tensor_model_parallel_size": st.integers(0, 3),
+    "rollout_num_gpus": st.none() | st.integers(0, 4),
+    "lr": st.floats(-1, 1) | st.just(float("nan")),
+    "eps_clip": st.floats(-1, 2) | st.just(float("nan")),
+    "gamma": st.floats(-1, 2),
+    "kl_coef": st.sampled_from([0.0, 0.1]),
+    "rollout_top_p": st.floats(-1, 2),
+    "rollout_top_k": st.integers(-3, 5),
+    "eval_interval": st.none() | st.integers(-1, 3),
+    "actor_gpu_share": st.floats(-0.5, 1.5),
+    "colocate": st.booleans(),
+    "use_critic": st.booleans(),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_refusal_names_a_real_flag(files: dict[str, str], data: st.DataObject) -> None:
+    values = {**files, "device": "cpu", "params_dtype": "float32"}
+    for name, strategy in SCALARS.items():
+        if data.draw(st.booleans(), label=f"set {name}"):
+            values[name] = data.draw(strategy, label=name)
+    try:
+        unvalidated(values).validate()
+    except ValueError as exc:
+        first = str(exc).split(":", 1)[0].split(" ", 1)[0]
+        assert first in FLAGS, f"refusal does not start with a flag: {exc}"
+
+
+def test_yaml_then_flags(files: dict[str, str], tmp_path: Path) -> None:
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                **files,
+                "rollout-batch-size": 8,
+                "global_batch_size": 8,
+                "device": "cpu",
+                "params_dtype": "float32",
+            }
+        )
+    )
+    config = parse_config(["--config", str(config_file), "--rollout-batch-size", "16", "--no-offload-train"])
+    assert config.rollout_batch_size == 16  # the flag wins over the file
+    assert config.global_batch_size == 8  # the file wins over the default
+    assert config.offload_train is False
+
+
+def test_unknown_yaml_key_is_refused(files: dict[str, str], tmp_path: Path) -> None:
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({**files, "rollout_batch_sise": 8}))
+    with pytest.raises(ValueError, match="rollout_batch_sise"):
+        parse_config(["--config", str(config_file)])
+
+
+def _documented_fields(cls: type) -> set[str]:
+    """Names of the class's annotated fields that a string literal (a field docstring) follows."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    return {
+        stmt.target.id
+        for stmt, after in itertools.pairwise(body)
+        if isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    }
+
+
+def test_every_field_is_documented_and_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    documented = set().union(
+        *(_documented_fields(c) for c in PPOConfig.__mro__ if dataclasses.is_dataclass(c))
+    )
+    missing = [f.name for f in dataclasses.fields(PPOConfig) if f.name not in documented]
+    assert not missing, f"fields without a docstring: {missing}"
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = capsys.readouterr().out
+    assert [f.name for f in dataclasses.fields(PPOConfig) if flag(f.name) not in text] == []
+
+
+def test_worker_config_resumes_from_the_run_dir(files: dict[str, str]) -> None:
+    config = unvalidated(
+        {**files, "device": "cpu", "params_dtype": "float32", "rollout_batch_size": 4, "global_batch_size": 4}
+    )
+    worker = config.worker_config()
+    assert worker.save == worker.load == str(Path(files["run_dir"]) / "actor")
+    assert worker.critic_save == worker.critic_load == str(Path(files["run_dir"]) / "critic")

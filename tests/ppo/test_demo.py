@@ -1,27 +1,46 @@
-"""`ppo-driver demo`: actor, critic and engine ranks share each logical GPU as planned."""
+"""The `ppo-driver` command line: subcommands, --version, one-line errors naming the flag."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
-from tandem.ppo._demo import DemoArgs, run_demo
+from tandem.ppo.cli import COMMANDS, run
 
 
-def test_demo_colocates_actor_critic_and_engine_on_every_gpu() -> None:
-    rows = run_demo(DemoArgs(gpus=2, actor_gpus=2, rollout_gpus=2))
-    by_gpu: dict[tuple[str, ...], set[str]] = defaultdict(set)
-    for row in rows:
-        assert len(row["gpu_ids"]) == 1, row  # a fractional share still sees exactly one GPU
-        by_gpu[tuple(row["gpu_ids"])].add(row["role"])
-    assert len(by_gpu) == 2
-    assert all(roles == {"actor", "critic", "engine"} for roles in by_gpu.values()), by_gpu
-    # Critic rank r sits on the same GPU as actor rank r (the critic reuses the actor's bundles).
-    gpu_of = {(r["role"], r["rank"]): r["gpu_ids"] for r in rows}
-    assert all(gpu_of[("critic", rank)] == gpu_of[("actor", rank)] for rank in range(2))
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    for name in ("train", "demo", "eval", "export", "plot"):
+        assert f"{name} {COMMANDS[name][1]}" in flat, name
 
 
-def test_demo_refuses_too_few_gpus_by_flag() -> None:
-    with pytest.raises(ValueError, match="--gpus"):
-        run_demo(DemoArgs(gpus=1, actor_gpus=2, rollout_gpus=2))
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.ppo import __version__
+
+    with pytest.raises(SystemExit):
+        run(["--version"])
+    assert __version__ in capsys.readouterr().out
+
+
+def test_bad_value_is_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    status = run(["demo", "--run-dir", str(tmp_path), "--global-batch-size", "7"])
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--global-batch-size" in err and "Traceback" not in err
+
+
+def test_demo_flags_have_no_args_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run(["demo", "--help"])
+    text = capsys.readouterr().out
+    assert "--num-rollout" in text and "--args." not in text
+
+
+def test_missing_file_is_refused_by_flag(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    status = run(["train", "--hf-checkpoint", str(tmp_path), "--prompt-data", "/no/such.jsonl"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--hf-checkpoint" in err or "--prompt-data" in err

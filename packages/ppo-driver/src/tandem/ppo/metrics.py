@@ -109,7 +109,7 @@ class MetricsLogger:
             self._writer = SummaryWriter(
                 logdir=str(self.tensorboard_dir), purge_step=start_step if start_step > 0 else None
             )
-        from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs; see the mypy overrides
+        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type stubs
 
         self._bar = tqdm(
             total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not progress

@@ -39,13 +39,17 @@ def test_make_backend_names_the_flag_for_an_unknown_name() -> None:
 
 
 def test_the_noop_backend_moves_nothing() -> None:
-    t = torch.ones(4)
     backend = NoopBackend()
     with backend.region("weights"):
-        backend.pause("weights")
-        backend.pause()
-        backend.resume()
+        # Allocated inside the tag's region, as a worker's weights are: a backend that
+        # moves memory would take this storage away on pause (pinned_host resizes it to 0).
+        t = torch.ones(4)
+    backend.pause("weights")
+    backend.pause()
     assert t.untyped_storage().nbytes() == 16
+    assert torch.equal(t, torch.ones(4))  # still readable while "paused"
+    backend.resume()
+    assert torch.equal(t, torch.ones(4))
 
 
 @needs_no_cuda

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.megatron.config import WorkerConfig
+from tandem.megatron.train_step import minibatch_size
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,8 @@ def make(hf_dir: str, **overrides: Any) -> WorkerConfig:
 def test_defaults_build_and_derive_sizes(hf_dir: str) -> None:
     config = make(hf_dir)
     assert config.samples_per_rollout == 8
-    assert config.steps_per_rollout == 2
-    assert config.data_parallel_size(2) == 2
-    assert config.grad_accumulation_steps(2) == 2
+    # One sequential pass over each rollout unless asked otherwise.
+    assert (config.ppo_epochs, config.shuffle_minibatches, config.use_sequence_packing) == (1, False, False)
     assert config.topology("critic") == config.topology("actor") == (1, 1)
 
 
@@ -155,13 +155,30 @@ def test_batch_sizes_either_divide_or_fail_with_the_field(
     fits = (rollout * n) % gbs == 0 and world % (tp * pp) == 0 and gbs % (mbs * (world // (tp * pp))) == 0
     try:
         config = make(hf_dir, **fields)
-        accumulation = config.grad_accumulation_steps(world)
+        config.check_world(world)
     except ValueError as error:
         assert not fits
         assert any(name in str(error) for name in fields), str(error)
         return
     assert fits
-    dp = config.data_parallel_size(world)
+    dp = world // (tp * pp)
     # One rollout is a whole number of optimizer steps, each a whole number of micro-batches per rank.
-    assert accumulation * mbs * dp == gbs
-    assert config.steps_per_rollout * gbs == rollout * n
+    per_rank = minibatch_size(gbs, dp, rollout * n // dp)
+    assert per_rank * dp == gbs and per_rank % mbs == 0
+    assert (rollout * n) % gbs == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("ppo_epochs", 0), ("ppo_epochs", 1.5), ("shuffle_minibatches", 1), ("use_sequence_packing", "yes")],
+)
+def test_pass_flags_are_checked_by_name(hf_dir: str, field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        make(hf_dir, **{field: value})
+
+
+def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:
+    with pytest.raises(
+        ValueError, match="loss_aggregation: got 'mean'; choose one of sample_mean, token_mean"
+    ):
+        make(hf_dir, loss_aggregation="mean")

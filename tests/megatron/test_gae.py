@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.gae import compute_gae
+from tandem.megatron.gae import compute_gae, lambda_returns
 
 
 def reference_gae(
@@ -132,3 +132,26 @@ def test_bad_input_names_the_argument(kwargs: dict[str, object], flag: str) -> N
     args.update(kwargs)
     with pytest.raises(ValueError, match=f"`{flag}`"):
         compute_gae(**args)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(gae_batches())
+def test_lambda_returns_are_the_gae_returns(
+    case: tuple[list[float], list[list[float]], list[list[bool]], float, float],
+) -> None:
+    # The critic's targets without advantages: another recursion, the same numbers.
+    rewards, values, masks, gamma, lambd = case
+    args = (
+        torch.tensor(rewards, dtype=torch.float64),
+        torch.tensor(values, dtype=torch.float64),
+        torch.tensor(masks, dtype=torch.float64),
+    )
+    _, expected = compute_gae(*args, gamma=gamma, lambd=lambd)
+    torch.testing.assert_close(lambda_returns(*args, gamma=gamma, lambd=lambd), expected)
+
+
+def test_lambda_returns_by_hand() -> None:
+    # Two trainable tokens, values 1 and 2, reward 3, gamma 0.5, lambda 0.5:
+    # G_1 = 3 (last step: reward, nothing after); G_0 = 0 + 0.5 * (0.5 * V_1 + 0.5 * G_1) = 0.5 * 2.5 = 1.25.
+    got = lambda_returns(torch.tensor([3.0]), torch.tensor([[1.0, 2.0]]), torch.ones(1, 2), 0.5, 0.5)
+    torch.testing.assert_close(got, torch.tensor([[1.25, 3.0]]))

@@ -7,16 +7,16 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.entropy import entropy_from_logits
+from tandem.megatron.entropy import entropy_from_logits, entropy_of_shifted
 from tandem.megatron.losses import (
     LOSS_AGGREGATIONS,
     LossAggregation,
     aggregate_loss,
     explained_variance,
-    loss_denominator,
+    loss_sum_and_count,
     policy_loss,
     value_loss,
     value_loss_and_metrics,
@@ -178,13 +178,13 @@ def test_aggregate_token_mean() -> None:
     torch.testing.assert_close(got, torch.tensor(2.5))
 
 
-def test_aggregate_with_global_count() -> None:
-    # A step of 8 trainable tokens over all micro-batches and ranks: this micro-batch contributes 10 / 8.
-    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "token_mean", global_count=torch.tensor(8.0))
-    torch.testing.assert_close(got, torch.tensor(1.25))
-    # 5 samples in the step: this micro-batch's two row means 2 + 4 over 5.
-    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "sample_mean", global_count=5)
-    torch.testing.assert_close(got, torch.tensor(1.2))
+def test_loss_sum_and_count_by_hand() -> None:
+    # token_mean: the four trainable tokens sum to 10 (the 99s are masked), count 4.
+    total, count = loss_sum_and_count(torch.tensor(LOSS), torch.tensor(MASK), "token_mean")
+    assert (total.item(), count.item(), count.dtype) == (10.0, 4, torch.int64)
+    # sample_mean: the two row means 2 and 4 add up to 6, over the 2 rows with a trainable token.
+    total, count = loss_sum_and_count(torch.tensor(LOSS), torch.tensor(MASK), "sample_mean")
+    assert (total.item(), count.item()) == (6.0, 2)
 
 
 def test_aggregate_nothing_trainable_gives_connected_zero() -> None:
@@ -196,9 +196,10 @@ def test_aggregate_nothing_trainable_gives_connected_zero() -> None:
         assert loss.grad is not None and loss.grad.eq(0).all()
 
 
-def test_loss_denominator() -> None:
-    assert loss_denominator(torch.tensor(MASK), "token_mean").item() == 4
-    assert loss_denominator(torch.tensor(MASK), "sample_mean").item() == 2
+def test_a_row_without_trainable_token_counts_for_nothing() -> None:
+    mask = torch.tensor([[1, 0], [0, 0]])
+    total, count = loss_sum_and_count(torch.tensor([[3.0, 5.0], [7.0, 9.0]]), mask, "sample_mean")
+    assert (total.item(), count.item()) == (3.0, 1)
 
 
 @st.composite
@@ -213,19 +214,21 @@ def split_batches(draw: st.DrawFn) -> tuple[list[list[float]], list[list[bool]],
 
 @settings(max_examples=60, deadline=None)
 @given(split_batches(), st.sampled_from(LOSS_AGGREGATIONS))
-def test_micro_batches_with_global_count_sum_to_the_whole(
+def test_sums_and_counts_of_micro_batches_give_the_whole_mean(
     case: tuple[list[list[float]], list[list[bool]], list[int]], mode: LossAggregation
 ) -> None:
-    # Splitting a step into micro-batches (or ranks) and passing the step's count must give the
-    # same total as aggregating the whole step at once.
+    # What Megatron's per-token-loss path does with a step cut into micro-batches (or ranks):
+    # the numerators and the counts are summed, and divided once. That must be the whole step's mean.
     losses, masks, cuts = case
     loss = torch.tensor(losses, dtype=torch.float64)
     mask = torch.tensor(masks)
     whole = aggregate_loss(loss, mask, mode)
-    parts = [(loss[a:b], mask[a:b]) for a, b in itertools.pairwise([0, *cuts, len(losses)])]
-    count = torch.stack([loss_denominator(m, mode) for _, m in parts]).sum()
-    total = torch.stack([aggregate_loss(part, m, mode, global_count=count) for part, m in parts]).sum()
-    torch.testing.assert_close(total, whole)
+    parts = [
+        loss_sum_and_count(loss[a:b], mask[a:b], mode) for a, b in itertools.pairwise([0, *cuts, len(losses)])
+    ]
+    total = torch.stack([t for t, _ in parts]).sum()
+    count = int(sum(int(c) for _, c in parts))
+    torch.testing.assert_close(total / max(count, 1), whole)
 
 
 def test_aggregate_bad_mode_lists_the_modes() -> None:
@@ -281,3 +284,31 @@ def test_entropy_gradient_is_finite() -> None:
     logits = torch.tensor([[3.0, 0.0, torch.finfo(torch.float32).min]], requires_grad=True)
     entropy_from_logits(logits).sum().backward()
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(logit_rows(), st.integers(1, 5))
+def test_entropy_over_vocabulary_slices_matches_the_whole(rows: list[list[float]], cut: int) -> None:
+    # Two tensor-parallel ranks, emulated: each holds a slice of the vocabulary, and a sum over the
+    # vocabulary is its own part plus the other rank's (a constant to it: Megatron's all-reduce has
+    # an identity backward). Values and each rank's gradient of its slice must be the full ones.
+    logits = torch.tensor(rows, dtype=torch.float64)
+    assume(logits.shape[-1] > cut)
+    full = logits.clone().requires_grad_()
+    entropy_from_logits(full).sum().backward()
+    assert full.grad is not None
+    shift = logits.max(dim=-1, keepdim=True).values
+    halves = [logits[:, :cut], logits[:, cut:]]
+    for rank in range(2):
+        local = halves[rank].clone().requires_grad_()
+        other = halves[1 - rank] - shift
+        other_exp_sum = other.exp().sum(-1)
+        other_partial = (other.exp() * other).sum(-1)
+        shifted = local - shift
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1) + other_exp_sum
+        entropy = entropy_of_shifted(shifted, exp, sum_exp, lambda part, o=other_partial: part + o)
+        torch.testing.assert_close(entropy, entropy_from_logits(logits))
+        entropy.sum().backward()
+        expected_grad = full.grad[:, :cut] if rank == 0 else full.grad[:, cut:]
+        torch.testing.assert_close(local.grad, expected_grad)

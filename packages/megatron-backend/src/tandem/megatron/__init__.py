@@ -4,13 +4,15 @@ Names are imported on first use, so `from tandem.megatron import compute_gae`
 loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
 30 s on a small CPU machine).
 
-- PPO math (torch only): `compute_gae`, `policy_loss`, `value_loss`, `aggregate_loss`,
-  `approx_kl`, `whiten_advantages`, `entropy_from_logits`, `explained_variance`.
-- Data: `RolloutBatch`, `pad_responses`, `unpad_responses`.
+- PPO math (torch only): `compute_gae`, `lambda_returns`, `policy_loss`, `value_loss`,
+  `aggregate_loss`, `loss_sum_and_count`, `approx_kl`, `whiten_advantages`,
+  `entropy_from_logits`, `explained_variance`.
+- Data: `RolloutBatch` (with its padded per-token targets), `pad_responses`, `unpad_responses`.
 - Models and weights: `ModelSpec`, `build_model`, `load_hf_checkpoint`,
   `export_hf_weights`, and the pure HF ⇄ Megatron mapping `param_map`, `to_megatron`, `to_hf`.
 - Forward passes: `forward_only`, `run_micro_batches`.
-- The worker: `WorkerConfig`, `TrainWorker`, `TrainGroup`, `create_train_group`.
+- The worker: `WorkerConfig`; process side `TrainWorker` (imports Megatron); driver
+  side `TrainGroup`, `create_train_group` (never imports Megatron).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ except PackageNotFoundError:  # source tree on PYTHONPATH (the offline GPU host)
 
 _EXPORTS = {
     "compute_gae": "gae",
+    "lambda_returns": "gae",
+    "loss_sum_and_count": "losses",
     "policy_loss": "losses",
     "value_loss": "losses",
     "aggregate_loss": "losses",
@@ -48,8 +52,8 @@ _EXPORTS = {
     "run_micro_batches": "forward",
     "WorkerConfig": "config",
     "TrainWorker": "worker",
-    "TrainGroup": "worker",
-    "create_train_group": "worker",
+    "TrainGroup": "group",
+    "create_train_group": "group",
 }
 
 if TYPE_CHECKING:
@@ -59,13 +63,14 @@ if TYPE_CHECKING:
     from .conversion import param_map, to_hf, to_megatron
     from .entropy import entropy_from_logits
     from .forward import forward_only, run_micro_batches
-    from .gae import compute_gae
+    from .gae import compute_gae, lambda_returns
+    from .group import TrainGroup, create_train_group
     from .hf_config import ModelSpec
     from .hf_weights import export_hf_weights, load_hf_checkpoint
     from .kl import approx_kl
-    from .losses import aggregate_loss, explained_variance, policy_loss, value_loss
+    from .losses import aggregate_loss, explained_variance, loss_sum_and_count, policy_loss, value_loss
     from .models import build_model
-    from .worker import TrainGroup, TrainWorker, create_train_group
+    from .worker import TrainWorker
 
 
 def __getattr__(name: str) -> Any:
@@ -97,7 +102,9 @@ __all__ = [
     "explained_variance",
     "export_hf_weights",
     "forward_only",
+    "lambda_returns",
     "load_hf_checkpoint",
+    "loss_sum_and_count",
     "pad_responses",
     "param_map",
     "policy_loss",

@@ -10,15 +10,17 @@ backend, swaps reference weights in and out, and snapshots the training state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tandem.lifecycle import MemoryBackend, PinnedHostBackend
 from tandem.megatron.checkpoint import TrainState
-from tandem.megatron.config import Role, WorkerConfig
+from tandem.megatron.choices import Role
+from tandem.megatron.config import WorkerConfig
 from tandem.megatron.hf_config import ModelSpec
 from tandem.megatron.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
 
@@ -43,7 +45,10 @@ class Trainee:
         device: where the model lives.
         backend: the memory backend whose regions hold the weights and optimizer state.
         reference: host copies of the reference weights, one per parameter of
-            `chunks[0].module`, in `parameters()` order; None without a KL loss.
+            `chunks[0].module`, in `parameters()` order (pinned on the GPU); None
+            without a KL loss.
+        spare: host buffers of the same shapes that receive the trained weights
+            while the reference weights are in the model (`reference_weights`).
     """
 
     role: Role
@@ -54,6 +59,7 @@ class Trainee:
     device: torch.device
     backend: MemoryBackend
     reference: list[torch.Tensor] | None = None
+    spare: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -119,16 +125,45 @@ class Trainee:
         return [b for c in self.chunks for b in c.buffers + c.expert_parallel_buffers]
 
     # --- reference weights -----------------------------------------------------------------
+    @contextmanager
+    def reference_weights(self) -> Iterator[None]:
+        """The reference weights in the model for the duration of the block; the trained ones after."""
+        self._swap_reference()
+        try:
+            yield
+        finally:
+            self._swap_reference()
+
     @torch.no_grad()
-    def swap_reference(self) -> None:
-        """Exchange the model's weights with the host-side reference weights (call twice to undo)."""
+    def _swap_reference(self) -> None:
+        """Exchange the model's weights with the host-side reference weights.
+
+        The model's weights go to the spare host buffers and the reference weights
+        come in, both on a side stream into retained (pinned, on the GPU) buffers;
+        then the two host sets trade names. Nothing is allocated per swap.
+        """
         if self.reference is None:
-            raise RuntimeError("swap_reference: this model keeps no reference weights (use_kl_loss is off)")
-        for param, host in zip(self.parameters(), self.reference, strict=True):
-            current = param.detach().to("cpu", copy=True)
-            # Blocking: `host` is overwritten right after, so the copy out of it must have finished.
-            param.copy_(host)
-            host.copy_(current)
+            raise RuntimeError(
+                "reference_weights: this model keeps no reference weights (use_kl_loss is off)"
+            )
+        if not self.spare:
+            self.spare = [torch.empty_like(t, pin_memory=t.is_pinned()) for t in self.reference]
+        params = self.parameters()
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(device=self.device)
+            # The optimizer's last writes to the weights happen on the current stream.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for param, host, spare in zip(params, self.reference, self.spare, strict=True):
+                    # In stream order: each weight is out before the reference overwrites it.
+                    spare.copy_(param, non_blocking=True)
+                    param.copy_(host, non_blocking=True)
+            stream.synchronize()
+        else:
+            for param, host, spare in zip(params, self.reference, self.spare, strict=True):
+                spare.copy_(param)
+                param.copy_(host)
+        self.reference, self.spare = self.spare, self.reference
 
     # --- state -------------------------------------------------------------------------------
     def train_state(self) -> TrainState:
@@ -155,18 +190,9 @@ class Trainee:
         return out
 
 
-def build_trainee(
-    config: WorkerConfig,
-    role: Role,
-    backend: MemoryBackend,
-    *,
-    on_gpu: bool,
-    load_hf: Callable[[torch.nn.Module, ModelSpec, str, Role], Any],
-) -> Trainee:
-    """Build, load and wrap `role`'s model on this rank; weights and optimizer in their memory regions.
-
-    `load_hf(model, spec, hf_dir, role)` loads a Hugging Face folder into the model.
-    """
+def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, on_gpu: bool) -> Trainee:
+    """Build, load and wrap `role`'s model on this rank; weights and optimizer in their memory regions."""
+    from tandem.megatron.hf_weights import load_hf_checkpoint as load_hf
     from tandem.megatron.models import build_model
 
     spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))

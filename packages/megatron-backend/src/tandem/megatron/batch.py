@@ -1,10 +1,12 @@
-"""The rollout batch a train worker receives, and padding helpers for the PPO math.
+"""The rollout batch a train worker receives, with the per-token targets the train step adds to it.
 
-One `RolloutBatch` holds the samples of one data-parallel rank. Per-token
-tensors of the response (log-probs, values, loss mask) are kept as lists of
-1-D tensors of each sample's response length; the PPO math works on padded
-`(batch, max_response_len)` tensors with masked positions 0
-(`pad_responses` / `unpad_responses`).
+One `RolloutBatch` holds the samples of one data-parallel rank. What the
+rollout produced is kept per sample (token ids, loss masks: lists of 1-D
+tensors). What the train step computes per response token (old and reference
+log-probs, old values, advantages, returns) is kept padded, shape
+`(n, max_response_len)` with 0 past each response, because the PPO math works
+on padded tensors; `select` slices those with the samples, so a micro-batch
+carries its own targets.
 
 Alignment: position `t` of a response tensor belongs to response token `t`;
 its log-prob is `log p(token_t | tokens before it)` and its value is the
@@ -14,15 +16,20 @@ predicts token `t`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+TARGETS = ("old_log_probs", "ref_log_probs", "old_values", "advantages", "returns")
+"""The padded per-token fields that the train step fills in (`with_targets`)."""
 
 
 @dataclass
 class RolloutBatch:
-    """The samples of one data-parallel rank for one rollout.
+    """The samples of one data-parallel rank for one rollout, and the train step's per-token targets.
 
     Attributes:
         tokens: prompt + response token ids of each sample, int64, shape `(prompt_len_i + response_len_i,)`.
@@ -31,6 +38,12 @@ class RolloutBatch:
         rewards: one scalar reward per sample, float32, shape `(n,)`.
         sample_indices: each sample's index in the whole rollout (used to route values by sample).
         rollout_log_probs: log-probs the rollout engine reported, when it did (diagnostics only).
+        old_log_probs: actor: log-probs under the weights the rollout's training started
+            from. Shape `(n, max_response_len)`, 0 past each response; None until computed.
+        ref_log_probs: actor with a KL loss: log-probs under the reference weights. Same shape.
+        old_values: critic: values under the weights its training started from. Same shape.
+        advantages: actor: GAE advantages (whitened when configured). Same shape.
+        returns: critic: GAE (λ-)returns, the value loss's targets. Same shape.
     """
 
     tokens: list[torch.Tensor]
@@ -39,6 +52,11 @@ class RolloutBatch:
     rewards: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
     rollout_log_probs: list[torch.Tensor] | None = None
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -67,21 +85,54 @@ class RolloutBatch:
                 raise ValueError(
                     f"RolloutBatch: sample {i} has loss_mask of {mask.numel()} entries, expected {rlen}"
                 )
+        shape = (n, self.max_response_length)
+        for name in TARGETS:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"RolloutBatch: `{name}` has shape {tuple(value.shape)}, expected {shape} "
+                    "(samples, longest response), padded with 0"
+                )
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def max_response_length(self) -> int:
+        """The longest response of the batch: the width of its padded per-token tensors."""
+        return max(self.response_lengths, default=0)
+
+    def padded_loss_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The loss masks as `(n, max_response_len)`, 0 past each response."""
+        mask = pad_responses(self.loss_masks)
+        return mask if device is None else mask.to(device)
+
+    def with_targets(self, **targets: torch.Tensor | None) -> RolloutBatch:
+        """A copy of this batch with the given `TARGETS` fields set (checked like the constructor's)."""
+        unknown = set(targets) - set(TARGETS)
+        if unknown:
+            raise ValueError(f"with_targets: {sorted(unknown)} are not targets; choose among {TARGETS}")
+        fields: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return RolloutBatch(**{**fields, **targets})
+
     def select(self, indices: Sequence[int]) -> RolloutBatch:
-        """A batch of the samples at `indices` (positions in this batch), in that order."""
+        """A batch of the samples at `indices` (positions in this batch), in that order, with their targets."""
+        rows = list(indices)
+        width = max((self.response_lengths[i] for i in rows), default=0)
+        targets: dict[str, Any] = {}
+        for name in TARGETS:
+            value = getattr(self, name)
+            targets[name] = None if value is None else value[rows, :width]
         return RolloutBatch(
-            tokens=[self.tokens[i] for i in indices],
-            response_lengths=[self.response_lengths[i] for i in indices],
-            loss_masks=[self.loss_masks[i] for i in indices],
-            rewards=self.rewards[list(indices)],
-            sample_indices=[self.sample_indices[i] for i in indices],
+            tokens=[self.tokens[i] for i in rows],
+            response_lengths=[self.response_lengths[i] for i in rows],
+            loss_masks=[self.loss_masks[i] for i in rows],
+            rewards=self.rewards[rows],
+            sample_indices=[self.sample_indices[i] for i in rows],
             rollout_log_probs=None
             if self.rollout_log_probs is None
-            else [self.rollout_log_probs[i] for i in indices],
+            else [self.rollout_log_probs[i] for i in rows],
+            **targets,
         )
 
 
@@ -93,3 +144,32 @@ def pad_responses(per_sample: Sequence[torch.Tensor], fill: float = 0.0) -> torc
 def unpad_responses(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     """Inverse of `pad_responses`: row `i` cut to `lengths[i]`."""
     return [padded[i, :n] for i, n in enumerate(lengths)]
+
+
+def resolve_batch(data: Any, *, dp_rank: int, dp_size: int) -> RolloutBatch:
+    """This rank's `RolloutBatch` from any of the forms `TrainWorker.train` accepts.
+
+    `data` is a `RolloutBatch`, an ObjectRef or `Box` of one, or a list with one
+    of those per data-parallel rank (this rank, `dp_rank` of `dp_size`, takes its own).
+    """
+    from tandem.value_transfer import Box
+
+    if isinstance(data, list | tuple):
+        if len(data) != dp_size:
+            raise ValueError(
+                f"data_ref: got {len(data)} per-rank batches for {dp_size} data-parallel ranks; "
+                "split the rollout into one batch per data-parallel rank"
+            )
+        data = data[dp_rank]
+    if isinstance(data, Box):
+        data = data.get()
+    if not isinstance(data, RolloutBatch):
+        import ray
+
+        if isinstance(data, ray.ObjectRef):
+            data = ray.get(data)
+    if not isinstance(data, RolloutBatch):
+        raise TypeError(
+            f"data_ref: expected a RolloutBatch (or a ref, Box or per-rank list of one), got {data!r}"
+        )
+    return data

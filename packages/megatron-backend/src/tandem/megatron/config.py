@@ -16,25 +16,35 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal
 
-Role = Literal["actor", "critic"]
-ROLES: tuple[Role, ...] = ("actor", "critic")
+from tandem.megatron.choices import (
+    DEVICES,
+    KL_KINDS,
+    LOSS_AGGREGATIONS,
+    LR_DECAY_STYLES,
+    OFFLOAD_BACKENDS,
+    PARAMS_DTYPES,
+    ROLES,
+    Device,
+    KlKind,
+    LossAggregation,
+    LrDecayStyle,
+    OffloadBackend,
+    ParamsDtype,
+    Role,
+    check_role,
+)
 
-_KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
-_LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-_DEVICES = ("auto", "cuda", "cpu")
-_BACKENDS = ("torch_memory_saver", "pinned_host", "none")
-_DTYPES = ("float32", "bfloat16")
-_AGGREGATIONS = ("sample_mean", "token_mean")
+__all__ = ["ROLES", "Role", "WorkerConfig"]
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """Hyper-parameters and paths of the actor and critic train workers.
 
-    Derived sizes (data-parallel size, optimizer steps per rollout, gradient
-    accumulation) are methods, computed in one place from these fields.
+    The one derived size, `samples_per_rollout`, is a property; the sizes that
+    depend on the data-parallel size are computed by the train step
+    (`train_step.minibatch_size`), the one place that uses them.
     """
 
     # --- weights and checkpoints -------------------------------------------------
@@ -91,6 +101,21 @@ class WorkerConfig:
     """Samples per forward/backward pass on one rank; gradients accumulate over
     `global_batch_size / (micro_batch_size * data_parallel_size)` micro-batches."""
 
+    ppo_epochs: int = 1
+    """Passes over each rollout (cleanrl's `update_epochs`): every pass takes
+    `samples_per_rollout / global_batch_size` optimizer steps against the same old
+    log-probs, old values and targets, computed once before the first pass."""
+
+    shuffle_minibatches: bool = False
+    """Shuffle each rank's samples before each pass, so that each optimizer step sees
+    another mix of them; the order is seeded by `seed`, the rollout id and the pass,
+    so a resumed or repeated step shuffles the same way. False: one pass in rollout order."""
+
+    use_sequence_packing: bool = False
+    """Pack each micro-batch's samples into one row with no padding between them
+    (THD) for the training forward and backward passes, instead of padding every
+    sample to the micro-batch's longest one."""
+
     # --- optimizer and learning-rate schedule --------------------------------------
     lr: float = 1e-6
     """Actor's peak learning rate."""
@@ -101,7 +126,7 @@ class WorkerConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay (both roles, capped at the role's peak)."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
+    lr_decay_style: LrDecayStyle = "constant"
     """Shape of the decay after warm-up (Megatron's OptimizerParamScheduler)."""
 
     lr_warmup_steps: int = 0
@@ -125,7 +150,7 @@ class WorkerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (over all ranks of the model); 0 turns clipping off."""
 
-    params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    params_dtype: ParamsDtype = "bfloat16"
     """Dtype of every model weight (norms and the critic head included); bfloat16 keeps
     fp32 main weights in the optimizer (GPU only). The critic head computes and
     outputs fp32 either way."""
@@ -160,7 +185,7 @@ class WorkerConfig:
     kl_loss_coef: float = 0.0
     """Weight of the KL penalty in the policy loss (with `use_kl_loss`)."""
 
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: KlKind = "low_var_kl"
     """KL estimator of the KL loss."""
 
     entropy_coef: float = 0.0
@@ -169,7 +194,7 @@ class WorkerConfig:
     normalize_advantages: bool = False
     """Whiten advantages over the masked tokens of the whole data-parallel group."""
 
-    loss_aggregation: Literal["sample_mean", "token_mean"] = "sample_mean"
+    loss_aggregation: LossAggregation = "sample_mean"
     """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
     mean over the whole global batch."""
 
@@ -177,10 +202,10 @@ class WorkerConfig:
     """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
 
     # --- device, memory, system -------------------------------------------------
-    device: Literal["auto", "cuda", "cpu"] = "auto"
+    device: Device = "auto"
     """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
 
-    offload_backend: Literal["torch_memory_saver", "pinned_host", "none"] = "pinned_host"
+    offload_backend: OffloadBackend = "pinned_host"
     """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on
     the GPU; pinned_host or none on the CPU."""
 
@@ -204,11 +229,6 @@ class WorkerConfig:
         """Samples in one rollout, over all data-parallel ranks."""
         return self.rollout_batch_size * self.n_samples_per_prompt
 
-    @property
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps each role takes per rollout."""
-        return self.samples_per_rollout // self.global_batch_size
-
     def topology(self, role: Role) -> tuple[int, int]:
         """(tensor-parallel size, pipeline-parallel size) of `role`."""
         _check_role(role)
@@ -218,17 +238,6 @@ class WorkerConfig:
                 self.critic_pipeline_model_parallel_size or self.pipeline_model_parallel_size,
             )
         return self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Data-parallel size on `world_size` ranks; see `check_world` for the rules."""
-        self.check_world(world_size)
-        tp, pp = self.topology("actor")
-        return world_size // (tp * pp)
-
-    def grad_accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on one rank."""
-        dp = self.data_parallel_size(world_size)
-        return self.global_batch_size // (self.micro_batch_size * dp)
 
     def lr_of(self, role: Role) -> float:
         """Peak learning rate of `role`."""
@@ -293,6 +302,7 @@ class WorkerConfig:
         for name in (
             "rollout_batch_size",
             "global_batch_size",
+            "ppo_epochs",
             "n_samples_per_prompt",
             "micro_batch_size",
             "tensor_model_parallel_size",
@@ -316,17 +326,20 @@ class WorkerConfig:
 
     def _check_choices(self) -> None:
         choices: dict[str, tuple[str, ...]] = {
-            "lr_decay_style": _LR_DECAY_STYLES,
-            "params_dtype": _DTYPES,
-            "kl_loss_type": _KL_KINDS,
-            "loss_aggregation": _AGGREGATIONS,
-            "device": _DEVICES,
-            "offload_backend": _BACKENDS,
+            "lr_decay_style": LR_DECAY_STYLES,
+            "params_dtype": PARAMS_DTYPES,
+            "kl_loss_type": KL_KINDS,
+            "loss_aggregation": LOSS_AGGREGATIONS,
+            "device": DEVICES,
+            "offload_backend": OFFLOAD_BACKENDS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
+        for name in ("shuffle_minibatches", "use_sequence_packing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: got {getattr(self, name)!r}; it must be True or False")
         if self.device == "cpu" and self.offload_backend == "torch_memory_saver":
             raise ValueError(
                 "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "
@@ -368,7 +381,7 @@ class WorkerConfig:
                 raise ValueError(f"{name}: got {value}; it must be a finite number > 0")
         if self.value_clip is not None and not (math.isfinite(self.value_clip) and self.value_clip > 0):
             raise ValueError(f"value_clip: got {self.value_clip}; it must be > 0, or None for no clipping")
-        if self.eps_clip is not None and not self.eps_clip < 1:
+        if not self.eps_clip < 1:
             raise ValueError(
                 f"eps_clip: got {self.eps_clip}; the ratio's lower bound 1 - eps_clip must stay > 0"
             )
@@ -442,5 +455,4 @@ def _same_path(a: str | None, b: str | None) -> bool:
 
 
 def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise ValueError(f"role: got {role!r}; choose 'actor' or 'critic'")
+    check_role(role)

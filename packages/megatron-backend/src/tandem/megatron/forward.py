@@ -3,7 +3,9 @@
 Each micro-batch is right-padded to its own longest sample (causal attention
 means padding at the end never changes the real tokens, and positions start
 at 0 for every sample as in the rollout engine). On pipeline-last-stage ranks
-the model output is cut down to each sample's response positions:
+the model output is cut down to each sample's response positions and padded
+to the micro-batch's longest response, `(b, max_response_len)`, 0 past each
+response:
 
 - actor: `log_probs[t] = log softmax(logits / temperature)[token_t]` taken from
   the position that predicts response token `t`, computed vocab-parallel
@@ -12,8 +14,8 @@ the model output is cut down to each sample's response positions:
 - critic: `values[t]` = the value head at that position (never divided by the
   temperature), fp32.
 
-`run_micro_batches` hands those per-sample tensors (with autograd when not
-forward-only) to a `loss_fn`; `forward_only` returns them.
+`run_micro_batches` hands those (with autograd when `backward`) to a
+`loss_fn` in Megatron's per-token-loss form; `forward_only` returns them.
 """
 
 from __future__ import annotations
@@ -21,21 +23,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandem.megatron._cpu_compat import enable_cpu_compat
-from tandem.megatron.batch import RolloutBatch
+from tandem.megatron.batch import RolloutBatch, pad_responses
+from tandem.megatron.choices import ROLES, Role
+from tandem.megatron.entropy import entropy_of_shifted
 
-Role = Literal["actor", "critic"]
-LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, Mapping[str, Any]]]
+LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
+"""`loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`: Megatron's per-token-loss form."""
 
 
 @dataclass
 class ResponseOutputs:
-    """Per-sample response tensors of one micro-batch (each of shape `(response_len_i,)`).
+    """The model's response tensors of one micro-batch, each `(b, max_response_len)`, 0 past each response.
 
     Attributes:
         log_probs: actor only: log-probs of the response tokens under `logits / temperature`.
@@ -45,11 +49,11 @@ class ResponseOutputs:
     Also readable as a mapping (`outputs["log_probs"]`).
     """
 
-    log_probs: list[torch.Tensor] | None = None
-    entropy: list[torch.Tensor] | None = None
-    values: list[torch.Tensor] | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
-    def __getitem__(self, key: str) -> list[torch.Tensor]:
+    def __getitem__(self, key: str) -> torch.Tensor:
         value = getattr(self, key, None) if key in ("log_probs", "entropy", "values") else None
         if value is None:
             raise KeyError(key)
@@ -109,8 +113,7 @@ def vocab_parallel_log_probs(
     log_probs = reduce_from_tensor_model_parallel_region(picked) - log_z
     if not with_entropy:
         return log_probs, None
-    expected = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1)) / sum_exp
-    return log_probs, log_z - expected
+    return log_probs, entropy_of_shifted(shifted, exp, sum_exp, reduce_from_tensor_model_parallel_region)
 
 
 def _response_outputs(
@@ -126,37 +129,38 @@ def _response_outputs(
     lengths = [end - begin for _, begin, end in rows]
     if role == "critic":
         values = torch.cat([output[i, begin:end, 0] for i, begin, end in rows]).float()
-        return ResponseOutputs(values=list(values.split(lengths)))
+        return ResponseOutputs(values=pad_responses(values.split(lengths)))
     # Only the positions that predict response tokens: prompts never reach the softmax.
     logits = torch.cat([output[i, begin:end] for i, begin, end in rows]).float() / temperature
     targets = torch.cat([tokens[i, begin + 1 : end + 1] for i, begin, end in rows])
     log_probs, entropy = vocab_parallel_log_probs(logits, targets, with_entropy=with_entropy)
     return ResponseOutputs(
-        log_probs=list(log_probs.split(lengths)),
-        entropy=None if entropy is None else list(entropy.split(lengths)),
+        log_probs=pad_responses(log_probs.split(lengths)),
+        entropy=None if entropy is None else pad_responses(entropy.split(lengths)),
     )
 
 
 def run_micro_batches(
     model: torch.nn.Module | Sequence[torch.nn.Module],
-    micro_batches: Sequence[RolloutBatch],
+    batches: Sequence[RolloutBatch],
     *,
     role: Role,
     temperature: float = 1.0,
-    forward_only: bool,
+    backward: bool = False,
     loss_fn: LossFn | None = None,
     with_entropy: bool = False,
 ) -> list[Mapping[str, Any]]:
-    """Run Megatron's forward(-backward) schedule over `micro_batches`; return each one's metrics.
+    """Run Megatron's forward(-backward) schedule over the micro-batches `batches`; return each one's metrics.
 
     On pipeline-last-stage ranks, each micro-batch's `ResponseOutputs` go to
-    `loss_fn(micro_batch, outputs) -> (loss, metrics)`. When not
-    `forward_only`, Megatron back-propagates the losses and gradients
-    accumulate in the parameters as the SUM over micro-batches of the
-    `loss` values returned (we undo the schedule's division by the number of
-    micro-batches), so normalise inside `loss_fn` (e.g. divide by the number
-    of samples of the whole step). Gradient reduction across data-parallel
-    ranks (DDP, `config.finalize_model_grads_func`) is the caller's set-up.
+    `loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`, Megatron's
+    per-token-loss form (`TransformerConfig.calculate_per_token_loss`, which
+    `models.build_model` turns on): the schedule back-propagates each
+    `loss_sum` as it is, adds up the counts, and Megatron's gradient
+    finalisation (`finalize_model_grads`, set up by `optimizer.wrap_ddp`)
+    sums the gradients over the data-parallel ranks and divides them by the
+    count of the whole step. Without DDP the gradients stay the plain sum of
+    the `loss_sum`s.
 
     All ranks of the model (every TP and PP rank of a data-parallel group)
     must call this with the same micro-batches. Returns the metrics dicts,
@@ -164,39 +168,46 @@ def run_micro_batches(
 
     Args:
         model: this rank's stage (possibly DDP-wrapped), or a one-element list of it.
-        micro_batches: from `micro_batches(batch, size)`.
+        batches: the micro-batches, from `micro_batches(batch, size)`.
         role: "actor" (log-probs, entropy) or "critic" (values).
         temperature: the sampling temperature; actor logits are divided by it.
-        forward_only: no backward pass (outputs then carry no autograd graph).
-        loss_fn: required unless `forward_only`; `None` in forward-only mode gives empty metrics.
+        backward: also run the backward pass (else outputs carry no autograd graph).
+        loss_fn: required with `backward`; `None` without it gives empty metrics.
         with_entropy: also compute the actor's per-token entropy.
     """
-    if role not in ("actor", "critic"):
-        raise ValueError(f"run_micro_batches: role {role!r} is not 'actor' or 'critic'")
+    if role not in ROLES:
+        raise ValueError(f"run_micro_batches: role {role!r} is not one of {ROLES}")
     if temperature <= 0:
         raise ValueError(f"run_micro_batches: temperature is {temperature}; it must be positive")
-    if not forward_only and loss_fn is None:
-        raise ValueError("run_micro_batches: a loss_fn is required when forward_only=False")
+    if backward and loss_fn is None:
+        raise ValueError("run_micro_batches: a loss_fn is required when backward=True")
     if with_entropy and role != "actor":
         raise ValueError("run_micro_batches: with_entropy applies to the actor only")
-    if not micro_batches:
+    if not batches:
         return []
     enable_cpu_compat()
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from tandem.megatron.models import unwrap_model
 
     chunks = list(model) if isinstance(model, Sequence) else [model]
+    if backward and not unwrap_model(chunks).config.calculate_per_token_loss:
+        raise ValueError(
+            "run_micro_batches: the model's config has calculate_per_token_loss=False, so Megatron would "
+            "divide each loss_sum by its count and the number of micro-batches; build it with build_model"
+        )
     device = next(chunks[0].parameters()).device
-    num_micro_batches = len(micro_batches)
 
-    def loss_func(mb: RolloutBatch, tokens: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def loss_func(
+        mb: RolloutBatch, tokens: torch.Tensor, output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         outputs = _response_outputs(
             mb, tokens, output, role=role, temperature=temperature, with_entropy=with_entropy
         )
         if loss_fn is None:
-            return output.new_zeros(()), {}
-        loss, metrics = loss_fn(mb, outputs)
-        # Megatron divides a (loss, metrics) pair by the number of micro-batches; undo it.
-        return loss * num_micro_batches, metrics
+            return output.new_zeros(()), torch.zeros((), dtype=torch.int64), {}
+        loss_sum, count, metrics = loss_fn(mb, outputs)
+        # The schedule adds the counts up in an int32 tensor of its own.
+        return loss_sum, count.to(torch.int64), metrics
 
     def forward_step(data_iterator: Iterator[RolloutBatch], stage: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data_iterator)
@@ -208,12 +219,12 @@ def run_micro_batches(
     forward_backward = get_forward_backward_func()
     result = forward_backward(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=iter(batches),
         model=chunks,
-        num_microbatches=num_micro_batches,
-        seq_length=max(int(t.numel()) for mb in micro_batches for t in mb.tokens),
-        micro_batch_size=max(len(mb) for mb in micro_batches),
-        forward_only=forward_only,
+        num_microbatches=len(batches),
+        seq_length=max(int(t.numel()) for mb in batches for t in mb.tokens),
+        micro_batch_size=max(len(mb) for mb in batches),
+        forward_only=not backward,
     )
     return list(result or [])
 
@@ -225,10 +236,10 @@ def forward_only(
     role: Role,
     temperature: float = 1.0,
     micro_batch_size: int = 1,
-) -> list[torch.Tensor] | None:
-    """Per-sample response log-probs (actor) or values (critic), without gradients.
+) -> torch.Tensor | None:
+    """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 
-    Returns one `(response_len_i,)` tensor per sample of `batch` on
+    Returns `(len(batch), batch.max_response_length)`, 0 past each response, on
     pipeline-last-stage ranks (log-probs of `logits / temperature` for the
     actor; fp32 values, never divided by the temperature, for the critic),
     and None on other stages. Every rank of the model must call it.
@@ -236,11 +247,14 @@ def forward_only(
     from megatron.core import parallel_state as mpu
 
     key = "log_probs" if role == "actor" else "values"
-    collected: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
 
-    def keep(mb: RolloutBatch, outputs: ResponseOutputs) -> tuple[torch.Tensor, Mapping[str, Any]]:
-        collected.extend(t.detach() for t in outputs[key])
-        return torch.zeros(()), {}
+    def keep(
+        mb: RolloutBatch, outputs: ResponseOutputs
+    ) -> tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]:
+        padded = outputs[key].detach()
+        rows.extend(padded[i, :n] for i, n in enumerate(mb.response_lengths))
+        return padded.new_zeros(()), torch.zeros((), dtype=torch.int64), {}
 
     with torch.no_grad():
         run_micro_batches(
@@ -248,9 +262,8 @@ def forward_only(
             micro_batches(batch, micro_batch_size),
             role=role,
             temperature=temperature,
-            forward_only=True,
             loss_fn=keep,
         )
     if not mpu.is_pipeline_last_stage():
         return None
-    return collected
+    return pad_responses(rows)

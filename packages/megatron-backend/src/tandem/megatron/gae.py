@@ -20,10 +20,78 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_gae"]
+__all__ = ["compute_gae", "lambda_returns"]
 
 
 @torch.no_grad()
+def _checked(
+    fn: str, rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs checked and brought to one dtype and device: (rewards, values, mask)."""
+    if values.dim() != 2:
+        raise ValueError(f"{fn}: `values` must have shape (batch, response_len), got {tuple(values.shape)}")
+    if loss_mask.shape != values.shape:
+        raise ValueError(
+            f"{fn}: `loss_mask` has shape {tuple(loss_mask.shape)} but `values` has "
+            f"{tuple(values.shape)}; pad both to (batch, response_len)"
+        )
+    if rewards.shape != values.shape[:1]:
+        raise ValueError(
+            f"{fn}: `rewards` must have shape (batch,) = {tuple(values.shape[:1])}, "
+            f"got {tuple(rewards.shape)}; pass one scalar reward per response"
+        )
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"{fn}: `gamma` must be in [0, 1], got {gamma}")
+    if not 0.0 <= lambd <= 1.0:
+        raise ValueError(f"{fn}: `lambd` must be in [0, 1], got {lambd}")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    values = values.detach().to(dtype)
+    rewards = rewards.detach().to(device=values.device, dtype=dtype)
+    mask = loss_mask.detach().to(values.device) != 0
+    return rewards, values, mask
+
+
+def _token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The scalar reward of each response at its last trainable token, 0 elsewhere."""
+    # The last trainable token is the trainable token with no trainable token after it.
+    trainable_at_or_after = mask.flip(-1).cumsum(-1).flip(-1)
+    is_last = mask & (trainable_at_or_after == 1)
+    return torch.where(is_last, rewards[:, None], torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+
+
+@torch.no_grad()
+def lambda_returns(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> torch.Tensor:
+    """The critic's targets alone: `compute_gae`'s returns, without computing advantages.
+
+    The λ-return recursion (Sutton & Barto, 2nd ed., eq. 12.18 in recursive form):
+    `G_t = r_t + γ((1 − λ) V_{t+1} + λ G_{t+1})`, with `V` and `G` after the last
+    trainable token 0 and masked tokens skipped as in `compute_gae`. It equals
+    `A_t + V_t` of GAE term by term (`A_t + V_t = r_t + γ V_{t+1} + γλ A_{t+1}`
+    and `A_{t+1} = G_{t+1} − V_{t+1}`).
+
+    Args and shapes as `compute_gae`. Returns the returns, shape `(batch, response_len)`,
+    0 at masked positions.
+    """
+    rewards, values, mask = _checked("lambda_returns", rewards, values, loss_mask, gamma, lambd)
+    token_rewards = _token_rewards(rewards, mask)
+    returns = torch.zeros_like(values)
+    next_value = values.new_zeros(values.shape[0])
+    next_return = values.new_zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        trainable = mask[:, t]
+        g = token_rewards[:, t] + gamma * ((1.0 - lambd) * next_value + lambd * next_return)
+        returns[:, t] = torch.where(trainable, g, 0.0)
+        next_value = torch.where(trainable, values[:, t], next_value)
+        next_return = torch.where(trainable, g, next_return)
+    return returns
+
+
 def compute_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -49,35 +117,9 @@ def compute_gae(
     Returns:
         `(advantages, returns)`, each of shape `(batch, response_len)`, 0 at masked positions.
     """
-    if values.dim() != 2:
-        raise ValueError(
-            f"compute_gae: `values` must have shape (batch, response_len), got {tuple(values.shape)}"
-        )
-    if loss_mask.shape != values.shape:
-        raise ValueError(
-            f"compute_gae: `loss_mask` has shape {tuple(loss_mask.shape)} but `values` has "
-            f"{tuple(values.shape)}; pad both to (batch, response_len)"
-        )
-    if rewards.shape != values.shape[:1]:
-        raise ValueError(
-            f"compute_gae: `rewards` must have shape (batch,) = {tuple(values.shape[:1])}, "
-            f"got {tuple(rewards.shape)}; pass one scalar reward per response"
-        )
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"compute_gae: `gamma` must be in [0, 1], got {gamma}")
-    if not 0.0 <= lambd <= 1.0:
-        raise ValueError(f"compute_gae: `lambd` must be in [0, 1], got {lambd}")
-
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    values = values.detach().to(dtype)
-    rewards = rewards.detach().to(device=values.device, dtype=dtype)
-    mask = loss_mask.detach().to(values.device) != 0
+    rewards, values, mask = _checked("compute_gae", rewards, values, loss_mask, gamma, lambd)
     batch, response_len = values.shape
-
-    # The last trainable token is the trainable token with no trainable token after it.
-    trainable_at_or_after = mask.flip(-1).cumsum(-1).flip(-1)
-    is_last = mask & (trainable_at_or_after == 1)
-    token_rewards = torch.where(is_last, rewards[:, None], torch.zeros((), dtype=dtype, device=values.device))
+    token_rewards = _token_rewards(rewards, mask)
 
     advantages = torch.zeros_like(values)
     # Carried across masked tokens unchanged, so a hole is not a step.

@@ -20,7 +20,7 @@ A tied output head is not exported (the engine ties it to `model.embed_tokens.we
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.choices import Role
 from tandem.megatron.conversion import (
     ParamMap,
     hf_shape,
@@ -39,7 +40,7 @@ from tandem.megatron.conversion import (
     unshard,
 )
 from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.models import Role, ValueHead, unwrap_model
+from tandem.megatron.models import ValueHead, unwrap_model
 
 
 class SafetensorsReader:
@@ -220,3 +221,19 @@ def export_hf_weights(
             size += nbytes
     if chunk:
         yield chunk
+
+
+def send_chunk(target: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Hand one chunk of `export_hf_weights` to an engine's `update_weights_from_tensors`.
+
+    A local object gets the tensors as they are; a Ray actor handle gets CPU
+    copies, and the call is waited for, so chunks arrive one at a time and in order.
+    """
+    method = target.update_weights_from_tensors
+    remote: Callable[..., Any] | None = getattr(method, "remote", None)
+    if remote is None:
+        method(named)
+        return
+    import ray
+
+    ray.get(remote([(name, t.detach().to("cpu")) for name, t in named]))

@@ -15,16 +15,12 @@ Masked positions, where both inputs are 0, give 0 for every kind.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 
+from tandem.megatron.choices import KL_KINDS
+from tandem.megatron.choices import KlKind as KLKind
+
 __all__ = ["KL_KINDS", "KLKind", "approx_kl"]
-
-KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
-"""The names of the KL estimators `approx_kl` knows."""
-
-KL_KINDS: tuple[str, ...] = get_args(KLKind)
 
 LOW_VAR_KL_BOUND = 10.0
 """`low_var_kl` is clamped to ±this."""

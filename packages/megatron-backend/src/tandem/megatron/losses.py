@@ -16,12 +16,11 @@ micro-batching and data parallelism).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 import torch.distributed as dist
 
 from tandem.megatron.advantages import masked_mean_var
+from tandem.megatron.choices import LOSS_AGGREGATIONS, LossAggregation
 
 __all__ = [
     "LOG_RATIO_LIMIT",
@@ -29,7 +28,7 @@ __all__ = [
     "LossAggregation",
     "aggregate_loss",
     "explained_variance",
-    "loss_denominator",
+    "loss_sum_and_count",
     "policy_loss",
     "value_loss",
     "value_loss_and_metrics",
@@ -38,11 +37,6 @@ __all__ = [
 LOG_RATIO_LIMIT = 20.0
 """`log π − log π_old` is clamped to ±this before `exp`, so the ratio stays finite
 (e^20 ≈ 4.9e8) and a masked position's 0 advantage always gives a 0 loss."""
-
-LossAggregation = Literal["sample_mean", "token_mean"]
-"""How per-token losses become one scalar (see `aggregate_loss`)."""
-
-LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 def _check_same_shape(fn: str, reference: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -152,9 +146,9 @@ def value_loss_and_metrics(
     `v_loss_unclipped = (V − R)²`, `v_loss_clipped = (V_old + clip(V − V_old, ±value_clip) − R)²`,
     loss = `0.5 · max(v_loss_unclipped, v_loss_clipped)`.
 
-    The factor 0.5 (as in cleanrl, torchtune and verl) makes the gradient with
-    respect to `V` equal to `V − R` where unclipped, so `value_loss_coef`
-    values carry over from those codebases. DESIGN.md's formula is this without the 0.5.
+    The factor 0.5 (as in cleanrl, OpenRLHF and verl; DESIGN.md, "PPO math
+    conventions") makes the gradient with respect to `V` equal to `V − R`
+    where unclipped, so critic learning rates carry over from those codebases.
 
     Masked positions are 0 when `values`, `old_values` and `returns` are 0
     there; in any case `aggregate_loss` ignores them.
@@ -202,27 +196,6 @@ def value_loss(
     return value_loss_and_metrics(values, old_values, returns, value_clip)[0]
 
 
-def loss_denominator(loss_mask: torch.Tensor, mode: LossAggregation = "sample_mean") -> torch.Tensor:
-    """This micro-batch's share of `aggregate_loss`'s denominator, to be summed into `global_count`.
-
-    "token_mean": the number of trainable tokens. "sample_mean": the number of
-    samples with at least one trainable token (a sample without any carries no
-    loss and does not dilute the mean).
-
-    Args:
-        loss_mask: 1 (or True) for trainable tokens. Shape `(batch, response_len)`.
-        mode: one of `LOSS_AGGREGATIONS`.
-
-    Returns:
-        A float32 scalar on `loss_mask`'s device (ready for `all_reduce`).
-    """
-    _check_mode(mode)
-    mask = loss_mask.detach() != 0
-    if mode == "token_mean":
-        return mask.sum().to(torch.float32)
-    return mask.any(dim=-1).sum().to(torch.float32)
-
-
 def _check_mode(mode: str) -> None:
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(
@@ -230,46 +203,34 @@ def _check_mode(mode: str) -> None:
         )
 
 
-def aggregate_loss(
+def loss_sum_and_count(
     per_token_loss: torch.Tensor,
     loss_mask: torch.Tensor,
     mode: LossAggregation = "sample_mean",
-    *,
-    global_count: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss (or metric) to one scalar over the trainable tokens.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-token loss (or metric) as a numerator and a count whose ratio is its aggregate.
 
-    Modes:
-    - "sample_mean" (default): each sample's mean over its trainable tokens,
-      then the mean over samples. Every sample weighs the same, however long.
-      Samples without a trainable token are left out of both sums.
-    - "token_mean": the mean over all trainable tokens of the batch. Every token
-      weighs the same, so long samples weigh more.
+    The form Megatron's `calculate_per_token_loss` takes from a loss function:
+    the schedule and the gradient finalisation add the numerators and the counts
+    of every micro-batch of an optimizer step and of every data-parallel rank,
+    and divide the gradients by the total count once. The ratio of the totals
+    is then the exact mean of the whole step, for both modes:
 
-    Denominators under micro-batching and data parallelism: by default the
-    denominator is this call's own (`loss_denominator(loss_mask, mode)`), which
-    is exact only when the whole step is one micro-batch on one rank; with
-    several, averaging micro-batch means weighs a micro-batch of few tokens (or
-    samples) as much as a large one. For the exact mean of the whole step pass
-    `global_count`: the sum of `loss_denominator` over every micro-batch of the
-    optimizer step and every data-parallel rank (one `all_reduce` over the DP
-    group before the step). Then the plain sum of the returned values over
-    micro-batches and ranks is the exact step mean. Megatron-core divides each
-    micro-batch's loss by the number of micro-batches (a two-output `loss_func`)
-    and its DDP averages gradients over the DP ranks, so a caller there returns
-    `aggregate_loss(..., global_count=N) * num_microbatches * dp_size` to
-    undo both.
+    - "token_mean": numerator = Σ loss over trainable tokens; count = number of
+      trainable tokens.
+    - "sample_mean": numerator = Σ over samples of that sample's mean over its
+      trainable tokens; count = number of samples with at least one trainable
+      token. Megatron calls the count "tokens", but only divides by it, so a
+      count of samples gives the mean over samples just as exactly.
 
     Args:
         per_token_loss: shape `(batch, response_len)`; masked positions may hold anything finite.
         loss_mask: 1 (or True) for trainable tokens. Same shape.
         mode: one of `LOSS_AGGREGATIONS`.
-        global_count: the denominator to use instead of this call's own (a count;
-            a count of 0 means nothing was trainable and gives 0).
 
     Returns:
-        A scalar tensor with `per_token_loss`'s dtype, differentiable; 0 (still
-        connected to the graph) when nothing is trainable.
+        `(numerator, count)`: a differentiable scalar in `per_token_loss`'s dtype,
+        and an int64 scalar on its device.
     """
     _check_mode(mode)
     if loss_mask.shape != per_token_loss.shape or per_token_loss.dim() != 2:
@@ -281,16 +242,41 @@ def aggregate_loss(
     # `where`, not multiplication: a non-finite value at a masked position must not leak.
     masked = torch.where(mask, per_token_loss, 0.0)
     if mode == "token_mean":
-        total = masked.sum()
-    else:
-        tokens_per_sample = mask.sum(dim=-1).clamp(min=1).to(per_token_loss.dtype)
-        total = (masked.sum(dim=-1) / tokens_per_sample).sum()
-    denominator = loss_denominator(mask, mode) if global_count is None else global_count
-    if isinstance(denominator, torch.Tensor):
-        denominator = denominator.to(device=total.device, dtype=total.dtype).clamp(min=1.0)
-    else:
-        denominator = max(float(denominator), 1.0)
-    return total / denominator
+        return masked.sum(), mask.sum()
+    tokens_per_sample = mask.sum(dim=-1).clamp(min=1).to(per_token_loss.dtype)
+    return (masked.sum(dim=-1) / tokens_per_sample).sum(), mask.any(dim=-1).sum()
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: LossAggregation = "sample_mean",
+) -> torch.Tensor:
+    """Reduce a per-token loss (or metric) to one scalar over the trainable tokens of one batch.
+
+    Modes:
+    - "sample_mean" (default): each sample's mean over its trainable tokens,
+      then the mean over samples. Every sample weighs the same, however long.
+      Samples without a trainable token are left out of both sums.
+    - "token_mean": the mean over all trainable tokens of the batch. Every token
+      weighs the same, so long samples weigh more.
+
+    This is `numerator / count` of `loss_sum_and_count`. Under micro-batching
+    and data parallelism the mean of the whole step is the ratio of the summed
+    numerators and counts, not a mean of these per-batch figures: the train
+    step hands the pairs to Megatron (`calculate_per_token_loss`).
+
+    Args:
+        per_token_loss: shape `(batch, response_len)`; masked positions may hold anything finite.
+        loss_mask: 1 (or True) for trainable tokens. Same shape.
+        mode: one of `LOSS_AGGREGATIONS`.
+
+    Returns:
+        A scalar tensor with `per_token_loss`'s dtype, differentiable; 0 (still
+        connected to the graph) when nothing is trainable.
+    """
+    total, count = loss_sum_and_count(per_token_loss, loss_mask, mode)
+    return total / count.clamp(min=1).to(total.dtype)
 
 
 @torch.no_grad()

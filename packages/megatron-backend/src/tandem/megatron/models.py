@@ -18,18 +18,17 @@ exported weights allocates that dtype.
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.choices import ROLES, Role
 from tandem.megatron.hf_config import ModelSpec
 
-Role = Literal["actor", "critic"]
 Attention = Literal["sdpa", "local"]
-_ROLES = ("actor", "critic")
-_ATTENTIONS = ("sdpa", "local")
+_ATTENTIONS: tuple[str, ...] = get_args(Attention)
 
 
 @cache
@@ -151,10 +150,11 @@ def build_model(
         seed: seed of the critic head's init (equal on all ranks).
         attention: "sdpa" (torch's fused causal attention) or "local" (Megatron's
             unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores).
-        config_overrides: extra `TransformerConfig` fields (e.g. `recompute_granularity`).
+        config_overrides: extra `TransformerConfig` fields (e.g. `recompute_granularity`);
+            `calculate_per_token_loss` defaults to True (the train step's loss form).
     """
-    if role not in _ROLES:
-        raise ValueError(f"build_model: role {role!r} is not one of {_ROLES}")
+    if role not in ROLES:
+        raise ValueError(f"build_model: role {role!r} is not one of {ROLES}")
     if attention not in _ATTENTIONS:
         raise ValueError(f"build_model: attention {attention!r} is not one of {_ATTENTIONS}")
     enable_cpu_compat()
@@ -171,6 +171,8 @@ def build_model(
         raise ValueError(
             "build_model: Megatron's parallel state is not initialised; call init_distributed first"
         )
+    # Loss functions return (sum, count, metrics): see forward.run_micro_batches.
+    config_overrides.setdefault("calculate_per_token_loss", True)
     config = spec.transformer_config(
         tensor_parallel_size=mpu.get_tensor_model_parallel_world_size(),
         pipeline_parallel_size=mpu.get_pipeline_model_parallel_world_size(),

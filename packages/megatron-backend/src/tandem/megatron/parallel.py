@@ -1,6 +1,7 @@
 """Start and stop torch.distributed plus Megatron's parallel state in one train worker process.
 
-One call per process: `init_distributed` joins the default process group
+One call per process: `init_distributed` (on the address and `free_port` that
+rank 0 picked) joins the default process group
 (gloo on CPU, NCCL on GPU), builds Megatron's tensor/pipeline/data-parallel
 groups (data-parallel size = world_size / (TP × PP)) and seeds the RNG
 tracker; `destroy_distributed` undoes both.
@@ -9,12 +10,21 @@ tracker; `destroy_distributed` undoes both.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tandem.megatron._cpu_compat import cpu_compat_active, enable_cpu_compat
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now (rank 0's rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def init_distributed(

@@ -1,23 +1,25 @@
-"""The PPO training loops of the two roles on one rank (DESIGN.md, "One PPO step", steps 3 and 4).
+"""One rank's PPO training of the critic and of the actor (DESIGN.md, "One PPO step", steps 3 and 4).
 
-Critic: old values (forward only) -> returns by GAE -> value-loss training ->
-the old values handed to the actor. Actor: old (and reference) log-probs ->
-the critic's values -> advantages by GAE (whitened when asked) -> policy-loss
-training with the KL loss and entropy bonus as configured.
+Both roles follow the same numbered stages, in this order (`train_critic`, `train_actor`):
 
-Each rank's share of a rollout is cut into optimizer steps of
-`global_batch_size / dp` samples, each step into micro-batches of
-`micro_batch_size`. Losses are exact means over the whole global batch: the
-denominator (`loss_denominator`) is summed over the step's micro-batches and
-all-reduced over the data-parallel group before the step, and the loss is
-scaled by the data-parallel size because Megatron's DDP averages gradients
-over it. Every metric is aggregated the same way, so the reported figure of a
-step is its exact mean; a rollout's figure is the mean over its steps.
+1. Forward only, with the weights the rollout's training starts from: the
+   old values (critic); the old log-probs and, with a KL loss, the reference
+   log-probs with the reference weights swapped in (actor).
+2. Targets, pure functions of those (`critic_targets`, `actor_targets`),
+   stored in the batch as padded per-token fields so that every micro-batch
+   carries its own: critic: old values → λ-returns (`gae.lambda_returns`, no
+   advantages); actor: the critic's values (0 without a critic) → GAE
+   advantages → whitening over the data-parallel group when asked.
+3. The train step (`train_step.train_step`): `ppo_epochs` passes of
+   minibatches, each an optimizer step on the role's loss (`critic_loss`,
+   `actor_loss`, pure, in Megatron's per-token form).
+4. Metrics, the same on every rank (`train_step.reduce_metrics`); the
+   critic's pipeline-last-stage ranks add their old values (a `Box`) for the actor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,293 +27,212 @@ import torch
 from tandem.megatron._trainee import Trainee
 from tandem.megatron.advantages import masked_mean_var, whiten_advantages
 from tandem.megatron.batch import RolloutBatch, pad_responses, unpad_responses
-from tandem.megatron.forward import ResponseOutputs, forward_only, micro_batches, run_micro_batches
-from tandem.megatron.gae import compute_gae
+from tandem.megatron.config import WorkerConfig
+from tandem.megatron.forward import ResponseOutputs, forward_only
+from tandem.megatron.gae import compute_gae, lambda_returns
 from tandem.megatron.kl import approx_kl
 from tandem.megatron.losses import (
-    aggregate_loss,
     explained_variance,
-    loss_denominator,
+    loss_sum_and_count,
     policy_loss,
     value_loss_and_metrics,
 )
+from tandem.megatron.train_step import reduce_metrics, train_step
 
-# Metrics of the loss, exact means over each step (summed over micro-batches and data-parallel ranks).
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
+"""Exact means over each optimizer step of the critic."""
 ACTOR_STEP_METRICS = ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "kl_loss", "entropy")
-# Metrics of the rollout computed once over the data-parallel group (same on every last-stage rank).
+"""Exact means over each optimizer step of the actor (`kl_loss`, `entropy` only when configured)."""
 CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance")
+"""Figures of the rollout's targets, over the data-parallel group."""
 ACTOR_ROLLOUT_METRICS = ("log_prob", "advantages_mean", "values_mean", "returns_mean")
-# Same on every rank.
-OPTIMIZER_METRICS = ("grad_norm", "lr")
+"""Figures of the rollout's targets, over the data-parallel group (advantages before whitening)."""
 
-LossOf = Callable[[RolloutBatch, ResponseOutputs, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
-def train_critic(trainee: Trainee, batch: RolloutBatch, group: Any) -> dict[str, Any]:
+# --- 2. targets -------------------------------------------------------------------------------------
+def critic_targets(
+    batch: RolloutBatch, old_values: torch.Tensor, config: WorkerConfig, *, dp_group: Any = None
+) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
+    """The critic's targets: returns from its old values; (batch with `old_values`, `returns`; rollout figures)."""
+    mask = batch.padded_loss_mask(old_values.device)
+    returns = lambda_returns(batch.rewards, old_values, mask, config.gamma, config.lambd)
+    figures = {
+        "values_mean": masked_mean_var(old_values, mask, group=dp_group)[0],
+        "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
+        "explained_variance": explained_variance(old_values, returns, mask, group=dp_group),
+    }
+    return batch.with_targets(old_values=old_values, returns=returns), figures
+
+
+def actor_targets(
+    batch: RolloutBatch,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor | None,
+    values: torch.Tensor,
+    config: WorkerConfig,
+    *,
+    dp_group: Any = None,
+) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
+    """The actor's targets: GAE advantages on the critic's values, whitened when configured.
+
+    Returns the batch with `old_log_probs`, `ref_log_probs` and `advantages`, and
+    the rollout figures (advantages before whitening).
+    """
+    mask = batch.padded_loss_mask(old_log_probs.device)
+    values = values.to(old_log_probs.device)
+    advantages, returns = compute_gae(batch.rewards, values, mask, config.gamma, config.lambd)
+    figures = {
+        "log_prob": masked_mean_var(old_log_probs, mask, group=dp_group)[0],
+        "advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0],
+        "values_mean": masked_mean_var(values, mask, group=dp_group)[0],
+        "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
+    }
+    if config.normalize_advantages:
+        advantages = whiten_advantages(advantages, mask, group=dp_group)
+    targets = batch.with_targets(
+        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages
+    )
+    return targets, figures
+
+
+# --- 3. losses ----------------------------------------------------------------------------------------
+def critic_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
+    """The clipped value loss of a micro-batch as (sum, count, metric numerators) (`losses.loss_sum_and_count`)."""
+    assert mb.old_values is not None and mb.returns is not None, "critic_targets fills them"
+    values = outputs["values"]
+    mask = mb.padded_loss_mask(values.device)
+    per_token, token_metrics = value_loss_and_metrics(values, mb.old_values, mb.returns, config.value_clip)
+    loss_sum, count = loss_sum_and_count(per_token, mask, config.loss_aggregation)
+    clip_sum, _ = loss_sum_and_count(token_metrics["value_clip_frac"], mask, config.loss_aggregation)
+    return loss_sum, count, {"value_loss": loss_sum.detach(), "value_clip_frac": clip_sum}
+
+
+def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
+    """Policy loss + KL loss − entropy bonus of a micro-batch as (sum, count, metric numerators).
+
+    All terms share the loss mask and aggregation mode, hence one count.
+    """
+    assert mb.old_log_probs is not None and mb.advantages is not None, "actor_targets fills them"
+    log_probs = outputs["log_probs"]
+    mask = mb.padded_loss_mask(log_probs.device)
+    mode = config.loss_aggregation
+    per_token, token_metrics = policy_loss(
+        log_probs, mb.old_log_probs, mb.advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c
+    )
+    pg_sum, count = loss_sum_and_count(per_token, mask, mode)
+    loss_sum = pg_sum
+    metrics = {"pg_loss": pg_sum.detach()}
+    for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
+        metrics[name] = loss_sum_and_count(token_metrics[name], mask, mode)[0]
+    if config.use_kl_loss:
+        assert mb.ref_log_probs is not None, "actor_targets fills them with use_kl_loss"
+        kl_sum, _ = loss_sum_and_count(
+            approx_kl(log_probs, mb.ref_log_probs, config.kl_loss_type), mask, mode
+        )
+        loss_sum = loss_sum + config.kl_loss_coef * kl_sum
+        metrics["kl_loss"] = kl_sum.detach()
+    if config.entropy_coef > 0:
+        entropy_sum, _ = loss_sum_and_count(outputs["entropy"], mask, mode)
+        loss_sum = loss_sum - config.entropy_coef * entropy_sum
+        metrics["entropy"] = entropy_sum.detach()
+    return loss_sum, count, metrics
+
+
+# --- the two roles, stage by stage ------------------------------------------------------------------
+def train_critic(trainee: Trainee, batch: RolloutBatch, group: Any, *, rollout_id: int) -> dict[str, Any]:
     """Step 3 on one critic rank: returns `{"metrics": ...}`, plus `"values"` (a Box) on last-stage ranks."""
     from megatron.core import parallel_state as mpu
     from tandem.value_transfer import pack_values
 
-    config, device = trainee.config, trainee.device
+    config = trainee.config
     last = mpu.is_pipeline_last_stage()
+    # 1. old values
     old_values = forward_only(trainee.chunks, batch, role="critic", micro_batch_size=config.micro_batch_size)
-    rollout: dict[str, torch.Tensor] = {}
-    targets: dict[str, list[torch.Tensor]] = {}
-    if last:
-        assert old_values is not None, "forward_only returns values on the last stage"
-        mask = pad_responses(batch.loss_masks).to(device)
-        old = pad_responses(old_values)
-        _, returns = compute_gae(batch.rewards.to(device), old, mask, config.gamma, config.lambd)
-        dp_group = mpu.get_data_parallel_group()
-        rollout = {
-            "values_mean": masked_mean_var(old, mask, group=dp_group)[0],
-            "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
-            "explained_variance": explained_variance(old, returns, mask, group=dp_group),
-        }
-        targets = {"old_values": old_values, "returns": unpad_responses(returns, batch.response_lengths)}
-
-    def loss_of(
-        mb: RolloutBatch, outputs: ResponseOutputs, count: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = pad_responses(mb.loss_masks).to(device)
-        values = pad_responses(outputs["values"])
-        old, ret = (pad_responses(_pick(targets[k], batch, mb)) for k in ("old_values", "returns"))
-        per_token, token_metrics = value_loss_and_metrics(values, old, ret, config.value_clip)
-        loss = aggregate_loss(per_token, mask, config.loss_aggregation, global_count=count)
-        metrics = {
-            "value_loss": loss.detach(),
-            "value_clip_frac": _aggregate(token_metrics["value_clip_frac"], mask, config, count),
-        }
-        return loss, metrics
-
-    step_sums, optimizer = _optimize(trainee, batch, loss_of, role="critic")
-    metrics = _reduce_metrics(
+    # 2. targets
+    figures: dict[str, torch.Tensor] = {}
+    if old_values is not None:
+        batch, figures = critic_targets(batch, old_values, config, dp_group=mpu.get_data_parallel_group())
+    # 3. train step
+    sums = train_step(trainee, batch, lambda mb, out: critic_loss(config, mb, out), rollout_id=rollout_id)
+    # 4. metrics, and the old values for the actor
+    metrics = reduce_metrics(
         group,
-        exact={k: step_sums.get(k) for k in CRITIC_STEP_METRICS},
-        replicated_last={k: rollout.get(k) for k in CRITIC_ROLLOUT_METRICS},
-        replicated_all=optimizer,
+        sums,
+        step_metrics=CRITIC_STEP_METRICS,
+        rollout={k: figures.get(k) for k in CRITIC_ROLLOUT_METRICS},
         last=last,
     )
     result: dict[str, Any] = {"metrics": metrics}
-    if last:
-        assert old_values is not None
-        result["values"] = pack_values(old_values)
+    if old_values is not None:
+        result["values"] = pack_values(unpad_responses(old_values, batch.response_lengths))
     return result
 
 
 def train_actor(
-    trainee: Trainee, batch: RolloutBatch, external_data: Any, group: Any, *, rank: int
+    trainee: Trainee, batch: RolloutBatch, external_data: Any, group: Any, *, rank: int, rollout_id: int
 ) -> dict[str, Any]:
     """Step 4 on one actor rank: returns `{"metrics": ...}`."""
     from megatron.core import parallel_state as mpu
 
-    config, device = trainee.config, trainee.device
+    config = trainee.config
     last = mpu.is_pipeline_last_stage()
-    old_log_probs = forward_only(
-        trainee.chunks,
-        batch,
-        role="actor",
-        temperature=config.temperature,
-        micro_batch_size=config.micro_batch_size,
-    )
+
+    def log_probs() -> torch.Tensor | None:
+        return forward_only(
+            trainee.chunks,
+            batch,
+            role="actor",
+            temperature=config.temperature,
+            micro_batch_size=config.micro_batch_size,
+        )
+
+    # 1. old log-probs, and reference log-probs with the reference weights swapped in
+    old_log_probs = log_probs()
     ref_log_probs = None
     if config.use_kl_loss:
-        trainee.swap_reference()
-        try:
-            ref_log_probs = forward_only(
-                trainee.chunks,
-                batch,
-                role="actor",
-                temperature=config.temperature,
-                micro_batch_size=config.micro_batch_size,
-            )
-        finally:
-            trainee.swap_reference()
-    values = _critic_values(external_data, batch, rank=rank, last=last, device=device)
-    rollout: dict[str, torch.Tensor] = {}
-    targets: dict[str, list[torch.Tensor]] = {}
-    if last:
-        assert old_log_probs is not None, "forward_only returns log-probs on the last stage"
-        mask = pad_responses(batch.loss_masks).to(device)
-        padded_values = pad_responses(values).to(device)
-        advantages, returns = compute_gae(
-            batch.rewards.to(device), padded_values, mask, config.gamma, config.lambd
+        with trainee.reference_weights():
+            ref_log_probs = log_probs()
+    # 2. targets, on the critic's values
+    figures: dict[str, torch.Tensor] = {}
+    if old_log_probs is not None:
+        values = _critic_values(external_data, batch, rank=rank, device=old_log_probs.device)
+        batch, figures = actor_targets(
+            batch, old_log_probs, ref_log_probs, values, config, dp_group=mpu.get_data_parallel_group()
         )
-        dp_group = mpu.get_data_parallel_group()
-        rollout = {
-            "log_prob": masked_mean_var(pad_responses(old_log_probs), mask, group=dp_group)[0],
-            "advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0],
-            "values_mean": masked_mean_var(padded_values, mask, group=dp_group)[0],
-            "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
-        }
-        if config.normalize_advantages:
-            advantages = whiten_advantages(advantages, mask, group=dp_group)
-        targets = {
-            "old_log_probs": old_log_probs,
-            "advantages": unpad_responses(advantages, batch.response_lengths),
-        }
-        if ref_log_probs is not None:
-            targets["ref_log_probs"] = ref_log_probs
-
-    def loss_of(
-        mb: RolloutBatch, outputs: ResponseOutputs, count: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = pad_responses(mb.loss_masks).to(device)
-        log_probs = pad_responses(outputs["log_probs"])
-        old = pad_responses(_pick(targets["old_log_probs"], batch, mb))
-        advantages = pad_responses(_pick(targets["advantages"], batch, mb))
-        per_token, token_metrics = policy_loss(
-            log_probs, old, advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c
-        )
-        pg_loss = aggregate_loss(per_token, mask, config.loss_aggregation, global_count=count)
-        loss = pg_loss
-        metrics = {"pg_loss": pg_loss.detach()}
-        for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
-            metrics[name] = _aggregate(token_metrics[name], mask, config, count)
-        if "ref_log_probs" in targets:
-            ref = pad_responses(_pick(targets["ref_log_probs"], batch, mb))
-            kl = aggregate_loss(
-                approx_kl(log_probs, ref, config.kl_loss_type),
-                mask,
-                config.loss_aggregation,
-                global_count=count,
-            )
-            loss = loss + config.kl_loss_coef * kl
-            metrics["kl_loss"] = kl.detach()
-        if config.entropy_coef > 0:
-            entropy = aggregate_loss(
-                pad_responses(outputs["entropy"]), mask, config.loss_aggregation, global_count=count
-            )
-            loss = loss - config.entropy_coef * entropy
-            metrics["entropy"] = entropy.detach()
-        return loss, metrics
-
-    step_sums, optimizer = _optimize(trainee, batch, loss_of, role="actor")
-    metrics = _reduce_metrics(
+    # 3. train step
+    sums = train_step(
+        trainee,
+        batch,
+        lambda mb, out: actor_loss(config, mb, out),
+        rollout_id=rollout_id,
+        with_entropy=config.entropy_coef > 0,
+    )
+    # 4. metrics
+    skip = ({"kl_loss"} if not config.use_kl_loss else set()) | (
+        {"entropy"} if config.entropy_coef <= 0 else set()
+    )
+    metrics = reduce_metrics(
         group,
-        exact={k: step_sums.get(k) for k in _actor_step_metrics(trainee)},
-        replicated_last={k: rollout.get(k) for k in ACTOR_ROLLOUT_METRICS},
-        replicated_all=optimizer,
+        sums,
+        step_metrics=[k for k in ACTOR_STEP_METRICS if k not in skip],
+        rollout={k: figures.get(k) for k in ACTOR_ROLLOUT_METRICS},
         last=last,
     )
     return {"metrics": metrics}
 
 
-def _actor_step_metrics(trainee: Trainee) -> tuple[str, ...]:
-    config = trainee.config
-    skip = {"kl_loss"} if not config.use_kl_loss else set()
-    if config.entropy_coef <= 0:
-        skip.add("entropy")
-    return tuple(k for k in ACTOR_STEP_METRICS if k not in skip)
-
-
 def _critic_values(
-    external_data: Any, batch: RolloutBatch, *, rank: int, last: bool, device: torch.device
-) -> list[torch.Tensor]:
-    """The critic's old values for this rank's samples; zeros when the run has no critic."""
+    external_data: Any, batch: RolloutBatch, *, rank: int, device: torch.device
+) -> torch.Tensor:
+    """The critic's old values for this last-stage rank's samples, padded; zeros when the run has no critic."""
     from tandem.value_transfer import unpack_values, values_for_rank
 
     if external_data is None:
-        return [torch.zeros(n, dtype=torch.float32, device=device) for n in batch.response_lengths]
+        return torch.zeros(len(batch), batch.max_response_length, device=device)
     payload = external_data.get("values") if isinstance(external_data, Mapping) else external_data
-    payload = values_for_rank(payload, rank=rank, is_pipeline_last_stage=last)
-    if payload is None:
-        return []  # not the last stage: values are not used here
-    return unpack_values(payload, device, sample_indices=batch.sample_indices)
-
-
-def _pick(per_sample: list[torch.Tensor], batch: RolloutBatch, mb: RolloutBatch) -> list[torch.Tensor]:
-    """The entries of `per_sample` (in `batch`'s order) for the samples of micro-batch `mb`."""
-    position = {index: i for i, index in enumerate(batch.sample_indices)}
-    return [per_sample[position[index]] for index in mb.sample_indices]
-
-
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: Any, count: torch.Tensor) -> torch.Tensor:
-    return aggregate_loss(per_token, mask, config.loss_aggregation, global_count=count).detach()
-
-
-def _optimize(
-    trainee: Trainee, batch: RolloutBatch, loss_of: LossOf, *, role: str
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Optimizer steps over `batch`; (per-metric sums over micro-batches, mean over steps; grad norm and lr)."""
-    from megatron.core import parallel_state as mpu
-
-    config, device = trainee.config, trainee.device
-    dp, dp_group = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group()
-    per_step = config.global_batch_size // dp
-    if len(batch) % per_step:
-        raise ValueError(
-            f"global_batch_size: this rank got {len(batch)} samples, not a multiple of global_batch_size / "
-            f"data-parallel size = {per_step}; split each rollout evenly over the data-parallel ranks"
-        )
-    sums: dict[str, float] = {}
-    norms: list[float] = []
-    lr = trainee.optim.lr
-    steps = len(batch) // per_step
-    for step in range(steps):
-        step_batch = batch.select(range(step * per_step, (step + 1) * per_step))
-        mbs = micro_batches(step_batch, config.micro_batch_size)
-        count = torch.stack(
-            [loss_denominator(pad_responses(mb.loss_masks), config.loss_aggregation) for mb in mbs]
-        ).sum()
-        count = count.to(device)
-        torch.distributed.all_reduce(count, group=dp_group)
-
-        def loss_fn(
-            mb: RolloutBatch, outputs: ResponseOutputs, count: torch.Tensor = count
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss, metrics = loss_of(mb, outputs, count)
-            # DDP averages gradients over the data-parallel ranks; the loss is already the global mean.
-            return loss * dp, metrics
-
-        trainee.optim.zero_grad(trainee.chunks)
-        results = run_micro_batches(
-            trainee.chunks,
-            mbs,
-            role=role,  # type: ignore[arg-type]
-            temperature=config.temperature,
-            forward_only=False,
-            loss_fn=loss_fn,
-            with_entropy=role == "actor" and config.entropy_coef > 0,
-        )
-        for metrics in results:
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) / steps
-        norm, lr = trainee.optimizer_step()
-        norms.append(norm)
-    return sums, {"grad_norm": sum(norms) / max(len(norms), 1), "lr": lr}
-
-
-def _reduce_metrics(
-    group: Any,
-    *,
-    exact: Mapping[str, float | None],
-    replicated_last: Mapping[str, torch.Tensor | float | None],
-    replicated_all: Mapping[str, float],
-    last: bool,
-) -> dict[str, float]:
-    """One all-reduce over the role's world turning each rank's parts into the same figures everywhere.
-
-    `exact`: this rank's share of a sum over data-parallel ranks (last stage only;
-    TP ranks hold copies). `replicated_last`: a figure every last-stage rank holds
-    already. `replicated_all`: a figure every rank holds.
-    """
-    from megatron.core import parallel_state as mpu
-
-    world = torch.distributed.get_world_size(group)
-    tp = mpu.get_tensor_model_parallel_world_size()
-    dp = mpu.get_data_parallel_world_size()
-    keys = [*exact, *replicated_last, *replicated_all]
-    parts: list[float] = []
-    for key in exact:
-        parts.append(float(exact[key] or 0.0) / tp if last else 0.0)
-    for key in replicated_last:
-        value = replicated_last[key]
-        parts.append(float(value) / (tp * dp) if last and value is not None else 0.0)
-    for key in replicated_all:
-        parts.append(float(replicated_all[key]) / world)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    vector = torch.tensor(parts, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(vector, group=group)
-    return dict(zip(keys, vector.tolist(), strict=True))
+    # Raises, naming the rank, when a last-stage rank got no values.
+    payload = values_for_rank(payload, rank=rank, is_pipeline_last_stage=True)
+    assert payload is not None
+    return pad_responses(unpack_values(payload, device, sample_indices=batch.sample_indices))

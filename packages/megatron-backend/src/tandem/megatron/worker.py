@@ -1,35 +1,47 @@
-"""The train worker: one rank of the actor or of the critic, run as a Ray actor.
+"""The train worker, process side: one rank of the actor or of the critic, inside its Ray actor process.
 
 `TrainWorker` owns the mechanism (DESIGN.md, "The driver owns the plan"):
 `train` wakes the model when it is asleep and never sleeps afterwards,
 `save_model` never sleeps or wakes, and `sleep` / `wake_up` run the lifecycle
-that the driver asks for. Actor and critic are separate torch.distributed
-worlds; `create_train_group` starts one role's workers on placement-group
-bundles (fractional GPUs, so both roles share the same bundles) and agrees on
-the rendezvous address through rank 0.
+that the driver asks for. This module imports Megatron: only worker processes
+import it. The driver starts workers through `group.create_train_group`, which
+never does (`TrainGroup`, `create_train_group` are re-exported here for old
+imports, at the price of Megatron's import).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import ray
 import torch
+import torch.storage
 
-from tandem.megatron._worker_support import (
-    device_used_bytes,
-    free_port,
-    keep_tensor_pickles_portable,
-    load_hf,
-    process_gpu_bytes,
-    resolve_batch,
-    resolve_device,
-    send_chunk,
+from megatron.core import parallel_state as mpu
+from tandem.lifecycle import (
+    Lifecycle,
+    clear_torch_caches,
+    destroy_all,
+    forget_all,
+    make_backend,
+    reload_all,
+    reloadable_groups,
 )
-from tandem.megatron.config import Role, WorkerConfig
+from tandem.megatron import roles
+from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron._trainee import WEIGHTS, Trainee, build_trainee
+from tandem.megatron.batch import resolve_batch
+from tandem.megatron.checkpoint import load_checkpoint, save_checkpoint
+from tandem.megatron.choices import Role
+from tandem.megatron.config import WorkerConfig
+from tandem.megatron.gpu_memory import device_used_bytes, process_gpu_bytes
+from tandem.megatron.group import TrainGroup, create_train_group
+from tandem.megatron.hf_weights import export_hf_weights, send_chunk
+from tandem.megatron.parallel import destroy_distributed, free_port, init_distributed
+
+__all__ = ["TrainGroup", "TrainWorker", "WeightReceiver", "create_train_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +68,11 @@ class TrainWorker:
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
+        # Once per process: a Ray actor runs every method in the thread that built it.
+        enable_cpu_compat()
         self.rank = rank
         self.world_size = world_size
-        self._trainee: Any = None
+        self._trainee: Trainee | None = None
         self._lifecycle: Any = None
         self._group: Any = None
         self._gpu_start: dict[str, int | None] = {}
@@ -66,8 +80,6 @@ class TrainWorker:
     # --- setup ---------------------------------------------------------------------------
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0's rendezvous store."""
-        import ray
-
         return ray.util.get_node_ip_address(), free_port()
 
     def init(self, config: WorkerConfig, role: Role, master_addr: str, master_port: int) -> int:
@@ -75,23 +87,10 @@ class TrainWorker:
 
         Returns the rollout id to start from: the loaded checkpoint's plus one, else 0.
         """
-        from tandem.lifecycle import (
-            Lifecycle,
-            clear_torch_caches,
-            destroy_all,
-            make_backend,
-            reload_all,
-            reloadable_groups,
-        )
-        from tandem.megatron._cpu_compat import enable_cpu_compat
-        from tandem.megatron._trainee import build_trainee
-        from tandem.megatron.parallel import init_distributed
-
         config.check_role(role)
         config.check_world(self.world_size)
-        on_gpu = resolve_device(config) == "cuda"
+        on_gpu = _resolve_device(config) == "cuda"
         device_before_context = device_used_bytes() if on_gpu else None
-        enable_cpu_compat()
         self.config, self.role = config, role
         tp, pp = config.topology(role)
         backend = make_backend(config.offload_backend)
@@ -117,8 +116,8 @@ class TrainWorker:
                 if after is None or device_before_context is None
                 else after - device_before_context,
             }
-        self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu, load_hf=load_hf)
-        keep_tensor_pickles_portable()
+        self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu)
+        _keep_tensor_pickles_portable()
         tags = self._trainee.register(backend)
         # A full collection here walks ~0.5 M objects (torch, Megatron, Ray): freezing the
         # survivors keeps each sleep's and wake's collection to what was made since.
@@ -139,7 +138,7 @@ class TrainWorker:
         """Train on this rank's share of a rollout; wakes the model first if asleep, never sleeps after.
 
         Args:
-            rollout_id: the rollout being trained on (for logs).
+            rollout_id: the rollout being trained on (logs; seeds the minibatch shuffling).
             data_ref: this rank's `RolloutBatch`, an ObjectRef or `Box` of it, or a
                 list with one of those per data-parallel rank (this rank takes its own).
             external_data: actor only: the critic's payload for this rank (a `Box`
@@ -150,20 +149,20 @@ class TrainWorker:
             `{"metrics": {...}}`, the same on every rank; the critic's
             pipeline-last-stage ranks add `"values"`: a `Box` of the old values.
         """
-        from tandem.megatron import roles
-        from tandem.megatron._cpu_compat import enable_cpu_compat
-
-        enable_cpu_compat()
-        self._require_init()
+        trainee = self._require_init()
         if self._lifecycle.asleep:
             self._lifecycle.wake_up()
-        batch = resolve_batch(data_ref)
+        batch = resolve_batch(
+            data_ref, dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size()
+        )
         logger.info(
             "rank %d: %s trains on rollout %d (%d samples)", self.rank, self.role, rollout_id, len(batch)
         )
         if self.role == "critic":
-            return roles.train_critic(self._trainee, batch, self._group)
-        return roles.train_actor(self._trainee, batch, external_data, self._group, rank=self.rank)
+            return roles.train_critic(trainee, batch, self._group, rollout_id=rollout_id)
+        return roles.train_actor(
+            trainee, batch, external_data, self._group, rank=self.rank, rollout_id=rollout_id
+        )
 
     # --- lifecycle ---------------------------------------------------------------------------
     def sleep(self) -> dict[str, float]:
@@ -194,11 +193,7 @@ class TrainWorker:
     # --- checkpoints -------------------------------------------------------------------------
     def save_model(self, rollout_id: int) -> None:
         """Save a checkpoint of rollout `rollout_id` into the role's save folder; never sleeps or wakes."""
-        from tandem.megatron._cpu_compat import enable_cpu_compat
-        from tandem.megatron.checkpoint import save_checkpoint
-
-        enable_cpu_compat()
-        self._require_init()
+        trainee = self._require_init()
         folder = self.config.save_of(self.role)
         if folder is None:
             raise ValueError(
@@ -209,18 +204,14 @@ class TrainWorker:
                 "save_model: the model is asleep and saving never wakes it; the driver wakes it first "
                 "(OffloadPlan.wake_up_before_save)"
             )
-        save_checkpoint(folder, rollout_id, self._trainee.train_state(), barrier=self._barrier)
+        save_checkpoint(folder, rollout_id, trainee.train_state(), barrier=self._barrier)
 
     def load_model(self) -> int | None:
         """Load the newest complete checkpoint of the role's load folder; its rollout id, or None if none."""
-        from tandem.megatron._cpu_compat import enable_cpu_compat
-        from tandem.megatron.checkpoint import load_checkpoint
-
-        enable_cpu_compat()
-        self._require_init()
+        trainee = self._require_init()
         if self._lifecycle.asleep:
             raise RuntimeError("load_model: the model is asleep; wake it up first")
-        return load_checkpoint(self.config.load_of(self.role), self._trainee.train_state())
+        return load_checkpoint(self.config.load_of(self.role), trainee.train_state())
 
     # --- weights to the rollout engine ---------------------------------------------------------
     def update_weights(self, engine: Any) -> int:
@@ -230,10 +221,6 @@ class TrainWorker:
         While asleep only the weights come back, over temporary process groups
         that are torn down again afterwards. Returns the number of chunks sent.
         """
-        from tandem.megatron._cpu_compat import enable_cpu_compat
-        from tandem.megatron._trainee import WEIGHTS
-
-        enable_cpu_compat()
         self._require_init()
         if self.role != "actor":
             raise ValueError("update_weights: only the actor's weights go to the rollout engine")
@@ -248,12 +235,9 @@ class TrainWorker:
             self._lifecycle.sleep([WEIGHTS])
 
     def _send_weights(self, engines: list[Any]) -> int:
-        from tandem.megatron.hf_weights import export_hf_weights
-
+        trainee = self._require_init()
         chunks = 0
-        for named in export_hf_weights(
-            self._trainee.module, self._trainee.spec, self.config.update_weights_chunk_bytes
-        ):
+        for named in export_hf_weights(trainee.module, trainee.spec, self.config.update_weights_chunk_bytes):
             if self.rank == 0:
                 for target in engines:
                     send_chunk(target, named)
@@ -264,19 +248,17 @@ class TrainWorker:
     # --- introspection -------------------------------------------------------------------------
     def state_snapshot(self) -> dict[str, torch.Tensor]:
         """CPU copies of this rank's weights, optimizer state and schedule position (tests, debugging)."""
-        self._require_init()
+        trainee = self._require_init()
         if self._lifecycle.asleep:
             raise RuntimeError("state_snapshot: the model is asleep; wake it up first")
-        snapshot: dict[str, torch.Tensor] = self._trainee.snapshot()
-        return snapshot
+        return trainee.snapshot()
 
     def state_nbytes(self) -> dict[str, int]:
         """Bytes of the training state that sleep moves, by memory tag (weights, grads, optimizer)."""
-        self._require_init()
+        trainee = self._require_init()
         if self._lifecycle.asleep:
             raise RuntimeError("state_nbytes: the model is asleep; wake it up first")
-        nbytes: dict[str, int] = self._trainee.state_nbytes()
-        return nbytes
+        return trainee.state_nbytes()
 
     def gpu_memory(self) -> dict[str, int | None]:
         """This worker's GPU memory now and at start-up, in bytes, as nvidia-smi reports it.
@@ -295,9 +277,6 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         """Leave the process groups (before the actor is killed)."""
-        from tandem.lifecycle import forget_all
-        from tandem.megatron.parallel import destroy_distributed
-
         destroy_distributed()
         forget_all()
 
@@ -305,95 +284,42 @@ class TrainWorker:
     def _barrier(self) -> None:
         torch.distributed.barrier(group=self._group)
 
-    def _require_init(self) -> None:
+    def _require_init(self) -> Trainee:
         if self._trainee is None:
             raise RuntimeError("TrainWorker: call init(config, role, master_addr, master_port) first")
+        return self._trainee
 
 
-@dataclass
-class TrainGroup:
-    """The Ray actors of one role, in rank order, initialised and ready to train.
+def _resolve_device(config: WorkerConfig) -> str:
+    """ "cuda" or "cpu" for this worker, checked against what it sees (`device`)."""
+    has_cuda = torch.cuda.is_available()
+    if config.device == "cuda" and not has_cuda:
+        raise ValueError("device: 'cuda' but this worker sees no GPU; give it a GPU or use device='auto'")
+    if config.device == "cpu" and has_cuda:
+        raise ValueError(
+            "device: 'cpu' on a worker that sees a GPU; Megatron's CPU path runs only without CUDA "
+            "(start the worker with num_gpus=0) or use device='auto'"
+        )
+    return "cuda" if has_cuda else "cpu"
 
-    Attributes:
-        role: "actor" or "critic".
-        workers: the `TrainWorker` actor handles, rank `i` at index `i`.
-        start_rollout_id: the rollout to start from (after a loaded checkpoint, else 0).
+
+def _keep_tensor_pickles_portable() -> None:
+    """Make tensors this process pickles loadable by processes that never import Megatron.
+
+    Importing megatron.core replaces `torch.storage._load_from_bytes` (what a pickled
+    CPU storage names as its loader) with its own safe loader, so every tensor this
+    worker returns through Ray would name `megatron.core.safe_globals` and make the
+    receiver (driver, rollout engine) import Megatron to unpickle it. A loader that
+    calls the same safe function but carries torch's own name keeps loading safe
+    here and makes pickles name `torch.storage._load_from_bytes` again.
     """
+    current = torch.storage._load_from_bytes
+    if getattr(current, "__module__", "") == "torch.storage":
+        return
 
-    role: Role
-    workers: list[Any]
-    start_rollout_id: int
+    def _load_from_bytes(b: bytes) -> Any:
+        return current(b)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` on every worker; the ObjectRefs, in rank order."""
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-
-    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` on every worker and wait; the results, in rank order."""
-        import ray
-
-        return list(ray.get(self.call(method, *args, **kwargs)))
-
-    def train(self, rollout_id: int, data_refs: Any, external_data: Any = None) -> list[Any]:
-        """Start `train` on every rank, routing `external_data` per rank (`route_per_rank`); the refs."""
-        from tandem.value_transfer import route_per_rank
-
-        payloads = route_per_rank(external_data, len(self.workers))
-        return [
-            w.train.remote(rollout_id, data_refs, payload)
-            for w, payload in zip(self.workers, payloads, strict=True)
-        ]
-
-    def kill(self) -> None:
-        """Kill every worker process (no cleanup; for shutdown and crash tests)."""
-        import ray
-
-        for w in self.workers:
-            ray.kill(w)
-
-
-def create_train_group(
-    config: WorkerConfig,
-    role: Role,
-    placement_group: Any,
-    bundle_indices: Sequence[int],
-    *,
-    num_gpus_per_worker: float,
-    num_cpus_per_worker: float = 0.5,
-    env_vars: dict[str, str] | None = None,
-) -> TrainGroup:
-    """Start and initialise `role`'s workers, rank `i` on bundle `bundle_indices[i]` of `placement_group`.
-
-    The bundles come from tandem.placement (a `Slot`'s `pg` and `bundle_indices`);
-    give actor and critic the same ones, each with a fraction of the bundle's GPU
-    (`num_gpus_per_worker`, e.g. 0.4). Rank 0 picks the rendezvous address and
-    port; every rank then joins the role's own world. With the
-    torch_memory_saver backend the workers start with its LD_PRELOAD hook.
-    """
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    config.check_role(role)
-    config.check_world(len(bundle_indices))
-    env = dict(env_vars or {})
-    if config.offload_backend == "torch_memory_saver":
-        from tandem.lifecycle import torch_memory_saver_env
-
-        env = {**torch_memory_saver_env(), **env}
-    remote_cls = ray.remote(TrainWorker)
-    workers: list[Any] = [
-        remote_cls.options(
-            num_cpus=num_cpus_per_worker,
-            num_gpus=num_gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=index
-            ),
-            runtime_env={"env_vars": env} if env else None,
-        ).remote(rank, len(bundle_indices))
-        for rank, index in enumerate(bundle_indices)
-    ]
-    master_addr, master_port = ray.get(workers[0].master_address.remote())
-    starts = ray.get([w.init.remote(config, role, master_addr, master_port) for w in workers])
-    if len(set(starts)) != 1:
-        raise RuntimeError(f"{role} ranks resumed from different rollouts: {starts}")
-    return TrainGroup(role, workers, starts[0])
+    _load_from_bytes.__module__ = "torch.storage"
+    _load_from_bytes.__qualname__ = "_load_from_bytes"
+    torch.storage._load_from_bytes = _load_from_bytes

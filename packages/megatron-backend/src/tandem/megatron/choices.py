@@ -1,0 +1,45 @@
+"""The closed sets of choices of the backend, one `Literal` each; their tuples come from `get_args`.
+
+Every module that needs a role, a KL estimator or an aggregation mode imports
+it from here, so a choice is spelled once and the validation messages list
+exactly what the type admits.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Role = Literal["actor", "critic"]
+"""Which network a train worker trains: the policy or the value model."""
+
+KlKind = Literal["k1", "k2", "k3", "low_var_kl"]
+"""KL estimators (`kl.approx_kl`)."""
+
+LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+"""Shapes of Megatron's learning-rate decay."""
+
+Device = Literal["auto", "cuda", "cpu"]
+"""Where a worker trains."""
+
+OffloadBackend = Literal["torch_memory_saver", "pinned_host", "none"]
+"""How `sleep()` hands GPU memory back (tandem-lifecycle's backends)."""
+
+ParamsDtype = Literal["float32", "bfloat16"]
+"""Dtype of every model weight."""
+
+LossAggregation = Literal["sample_mean", "token_mean"]
+"""How per-token losses become one scalar (`losses.aggregate_loss`)."""
+
+ROLES: tuple[Role, ...] = get_args(Role)
+KL_KINDS: tuple[str, ...] = get_args(KlKind)
+LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
+DEVICES: tuple[str, ...] = get_args(Device)
+OFFLOAD_BACKENDS: tuple[str, ...] = get_args(OffloadBackend)
+PARAMS_DTYPES: tuple[str, ...] = get_args(ParamsDtype)
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+
+
+def check_role(role: str, where: str = "role") -> None:
+    """ValueError unless `role` is one of `ROLES`."""
+    if role not in ROLES:
+        raise ValueError(f"{where}: got {role!r}; choose one of {', '.join(ROLES)}")

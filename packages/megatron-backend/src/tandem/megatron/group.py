@@ -1,0 +1,211 @@
+"""The train worker, driver side: start one role's workers on placement-group bundles, and call them.
+
+Nothing here imports Megatron (30 s on a small CPU machine): the Ray actors
+are `_WorkerHost`s, which import `worker.TrainWorker` in their own process and
+pass every call through. Actor and critic are separate torch.distributed
+worlds; `create_train_group` starts one role's workers on the bundles of a
+placement group (fractional GPUs, so both roles share the same bundles) and
+agrees on the rendezvous address through rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from tandem.megatron.choices import Role
+from tandem.megatron.config import WorkerConfig
+
+__all__ = ["ShareLedger", "TrainGroup", "create_train_group"]
+
+
+class ShareLedger(Protocol):
+    """What `create_train_group` needs of tandem-placement's `GpuShares`: claim and release a bundle share.
+
+    `slot` is anything with the placement group as `pg` and the bundle indices
+    as `bundle_indices` (a `tandem.placement.Slot`, or the group's own view).
+    """
+
+    def claim(
+        self, slot: Any, index: int, *, role: str, num_gpus: float, num_cpus: float | None = None
+    ) -> None:
+        """Record `role`'s share of bundle `index`; ValueError when the bundle's shares pass one GPU."""
+        ...
+
+    def release(self, slot: Any, index: int, role: str) -> None:
+        """Give `role`'s share of bundle `index` back."""
+        ...
+
+
+class _Bundles(NamedTuple):
+    """A group's bundles in the form `ShareLedger` takes (the fields of tandem-placement's `Slot`)."""
+
+    pg: Any
+    bundle_indices: tuple[int, ...]
+
+
+class _WorkerHost:
+    """The Ray actor of one rank: builds a `worker.TrainWorker` in its own process and passes calls through.
+
+    Its methods are `TrainWorker`'s public methods, one to one (a test checks it).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        from tandem.megatron.worker import TrainWorker
+
+        self._worker = TrainWorker(rank, world_size)
+
+    def master_address(self) -> tuple[str, int]:
+        return self._worker.master_address()
+
+    def init(self, config: WorkerConfig, role: Role, master_addr: str, master_port: int) -> int:
+        return self._worker.init(config, role, master_addr, master_port)
+
+    def train(self, rollout_id: int, data_ref: Any, external_data: Any = None) -> dict[str, Any]:
+        return self._worker.train(rollout_id, data_ref, external_data)
+
+    def sleep(self) -> dict[str, float]:
+        return self._worker.sleep()
+
+    def wake_up(self) -> dict[str, float]:
+        return self._worker.wake_up()
+
+    def asleep(self) -> bool:
+        return self._worker.asleep()
+
+    def save_model(self, rollout_id: int) -> None:
+        self._worker.save_model(rollout_id)
+
+    def load_model(self) -> int | None:
+        return self._worker.load_model()
+
+    def update_weights(self, engine: Any) -> int:
+        return self._worker.update_weights(engine)
+
+    def state_snapshot(self) -> dict[str, Any]:
+        return self._worker.state_snapshot()
+
+    def state_nbytes(self) -> dict[str, int]:
+        return self._worker.state_nbytes()
+
+    def gpu_memory(self) -> dict[str, int | None]:
+        return self._worker.gpu_memory()
+
+    def shutdown(self) -> None:
+        self._worker.shutdown()
+
+
+@dataclass
+class TrainGroup:
+    """The Ray actors of one role, in rank order, initialised and ready to train.
+
+    Attributes:
+        role: "actor" or "critic".
+        workers: the worker actor handles, rank `i` at index `i`; each has
+            `TrainWorker`'s methods (`w.train.remote(...)`).
+        start_rollout_id: the rollout to start from (after a loaded checkpoint, else 0).
+        shares: the ledger that holds this group's GPU shares (released by `kill`), if any.
+        bundles: the placement group and bundle indices the workers run on.
+    """
+
+    role: Role
+    workers: list[Any]
+    start_rollout_id: int
+    shares: ShareLedger | None = None
+    bundles: Any = field(default=None, repr=False)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every worker; the ObjectRefs, in rank order."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every worker and wait; the results, in rank order."""
+        import ray
+
+        return list(ray.get(self.call(method, *args, **kwargs)))
+
+    def train(self, rollout_id: int, data_refs: Any, external_data: Any = None) -> list[Any]:
+        """Start `train` on every rank, routing `external_data` per rank (`route_per_rank`); the refs."""
+        from tandem.value_transfer import route_per_rank
+
+        payloads = route_per_rank(external_data, len(self.workers))
+        return [
+            w.train.remote(rollout_id, data_refs, payload)
+            for w, payload in zip(self.workers, payloads, strict=True)
+        ]
+
+    def kill(self) -> None:
+        """Kill every worker process (no cleanup; for shutdown and crash tests); give the GPU shares back."""
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        if self.shares is not None and self.bundles is not None:
+            for index in range(len(self.bundles.bundle_indices)):
+                self.shares.release(self.bundles, index, self.role)
+            self.shares = None
+
+
+def create_train_group(
+    config: WorkerConfig,
+    role: Role,
+    placement_group: Any,
+    bundle_indices: Sequence[int],
+    *,
+    num_gpus_per_worker: float,
+    num_cpus_per_worker: float = 0.5,
+    env_vars: dict[str, str] | None = None,
+    shares: ShareLedger | None = None,
+) -> TrainGroup:
+    """Start and initialise `role`'s workers, rank `i` on bundle `bundle_indices[i]` of `placement_group`.
+
+    The bundles come from tandem.placement (a `Slot`'s `pg` and `bundle_indices`);
+    give actor and critic the same ones, each with a fraction of the bundle's GPU
+    (`num_gpus_per_worker`, e.g. 0.4). With `shares` (tandem-placement's
+    `GpuShares`, the one ledger of the run) each worker's share is claimed first
+    under the role's name, so that actor + critic + engine on one GPU are
+    refused with a ValueError when they add up to more than 1, instead of Ray
+    leaving a worker pending forever. Rank 0 picks the rendezvous address and
+    port; every rank then joins the role's own world. With the
+    torch_memory_saver backend the workers start with its LD_PRELOAD hook.
+    """
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    config.check_role(role)
+    config.check_world(len(bundle_indices))
+    bundles = _Bundles(placement_group, tuple(bundle_indices))
+    if shares is not None:
+        for index in range(len(bundles.bundle_indices)):
+            shares.claim(
+                bundles, index, role=role, num_gpus=num_gpus_per_worker, num_cpus=num_cpus_per_worker
+            )
+    env = dict(env_vars or {})
+    if config.offload_backend == "torch_memory_saver":
+        from tandem.lifecycle import torch_memory_saver_env
+
+        env = {**torch_memory_saver_env(), **env}
+    remote_cls = ray.remote(_WorkerHost)
+    workers: list[Any] = [
+        remote_cls.options(
+            num_cpus=num_cpus_per_worker,
+            num_gpus=num_gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=index
+            ),
+            runtime_env={"env_vars": env} if env else None,
+        ).remote(rank, len(bundle_indices))
+        for rank, index in enumerate(bundle_indices)
+    ]
+    group = TrainGroup(role, workers, 0, shares, bundles)
+    try:
+        master_addr, master_port = ray.get(workers[0].master_address.remote())
+        starts = ray.get([w.init.remote(config, role, master_addr, master_port) for w in workers])
+        if len(set(starts)) != 1:
+            raise RuntimeError(f"{role} ranks resumed from different rollouts: {starts}")
+    except BaseException:
+        group.kill()
+        raise
+    group.start_rollout_id = starts[0]
+    return group

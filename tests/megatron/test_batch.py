@@ -1,0 +1,80 @@
+"""RolloutBatch's padded per-token targets, the forms `train` accepts, and the order of the PPO passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.megatron.batch import RolloutBatch, resolve_batch
+from tandem.megatron.train_step import minibatch_size, pass_order
+
+
+def make(response_lengths: list[int]) -> RolloutBatch:
+    return RolloutBatch(
+        tokens=[torch.arange(r + 2) for r in response_lengths],
+        response_lengths=response_lengths,
+        loss_masks=[torch.ones(r) for r in response_lengths],
+        rewards=torch.arange(len(response_lengths), dtype=torch.float32),
+        sample_indices=[10 + i for i in range(len(response_lengths))],
+    )
+
+
+def test_select_carries_each_samples_targets_cut_to_its_longest_response() -> None:
+    batch = make([3, 1, 2])
+    # Row i holds 10*i + t at response position t, 0 past the response.
+    advantages = torch.tensor([[0.0, 1.0, 2.0], [10.0, 0.0, 0.0], [20.0, 21.0, 0.0]])
+    batch = batch.with_targets(advantages=advantages, returns=-advantages)
+    picked = batch.select([2, 1])
+    assert picked.sample_indices == [12, 11]
+    assert picked.advantages is not None and picked.returns is not None
+    # The longest of the two responses is 2: the third column goes.
+    torch.testing.assert_close(picked.advantages, torch.tensor([[20.0, 21.0], [10.0, 0.0]]))
+    torch.testing.assert_close(picked.returns, -picked.advantages)
+    assert picked.old_log_probs is None
+    torch.testing.assert_close(picked.padded_loss_mask(), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+
+
+def test_targets_of_the_wrong_shape_or_name_are_refused() -> None:
+    batch = make([3, 1])
+    with pytest.raises(ValueError, match=r"`advantages` has shape \(2, 2\), expected \(2, 3\)"):
+        batch.with_targets(advantages=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="not targets"):
+        batch.with_targets(rewards=torch.zeros(2))
+
+
+def test_resolve_batch_takes_this_ranks_share() -> None:
+    a, b = make([1]), make([2])
+    assert resolve_batch([a, b], dp_rank=1, dp_size=2) is b
+    assert resolve_batch(a, dp_rank=0, dp_size=2) is a
+    with pytest.raises(ValueError, match="got 2 per-rank batches for 3 data-parallel ranks"):
+        resolve_batch([a, b], dp_rank=0, dp_size=3)
+    with pytest.raises(TypeError, match="expected a RolloutBatch"):
+        resolve_batch("not a batch", dp_rank=0, dp_size=1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 10**6), st.integers(0, 50), st.integers(0, 4), st.integers(0, 7))
+def test_pass_order_is_a_seeded_permutation(n: int, seed: int, rollout: int, epoch: int, rank: int) -> None:
+    kwargs = {"seed": seed, "rollout_id": rollout, "epoch": epoch, "dp_rank": rank}
+    order = pass_order(n, shuffle=True, **kwargs)
+    assert sorted(order) == list(range(n))
+    assert pass_order(n, shuffle=True, **kwargs) == order  # reproducible (a retried step)
+    assert pass_order(n, shuffle=False, **kwargs) == list(range(n))
+
+
+def test_pass_order_changes_with_the_pass_and_the_rollout() -> None:
+    base = {"seed": 1234, "rollout_id": 3, "epoch": 0, "dp_rank": 0}
+    orders = {
+        tuple(pass_order(16, shuffle=True, **{**base, key: base[key] + 1}))
+        for key in ("seed", "rollout_id", "epoch", "dp_rank")
+    }
+    orders.add(tuple(pass_order(16, shuffle=True, **base)))
+    assert len(orders) == 5  # 16! orders: a collision here means the seed ignores an input
+
+
+def test_minibatch_size_names_the_field() -> None:
+    assert minibatch_size(8, 2, 12) == 4
+    with pytest.raises(ValueError, match="global_batch_size: this rank got 6 samples"):
+        minibatch_size(8, 2, 6)

@@ -1,0 +1,533 @@
+"""The embedded rollout engine: a Hugging Face transformers model driven by a static-cache decode loop.
+
+The model code is transformers' own; the engine owns the loop around it:
+
+- prompts are left-padded into one batch; the prefill writes a `StaticKVCache`;
+- each decode step is one forward pass of the last tokens with explicit
+  positions and a ready 4D mask, on CUDA replayed from a CUDA graph captured per
+  (batch bucket, KV-length bucket), reading only the key positions written so far
+  (rounded up to `kv_block`);
+- sampling runs on the device with a seeded generator; the host syncs only every
+  `sync_every` steps, to stop when all sequences are done and to pack the
+  unfinished ones into a smaller batch bucket (finished sequences are dropped);
+- release/resume: the weights go to retained host buffers through tandem.lifecycle
+  (`PinnedHostBackend`) and the KV cache, CUDA graphs and their memory pool are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._kv_cache import StaticKVCache, register_attention
+from ._options import EngineOptions
+from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
+from ._sampling import sample
+from ._weights import as_named_tensors
+
+logger = logging.getLogger(__name__)
+
+_MIN_BUCKET = 8
+
+
+class EngineMemoryReleasedError(RuntimeError):
+    """The engine was asked to work while some of its memory is released."""
+
+
+class EmbeddedEngine:
+    """A rollout engine on Hugging Face transformers (CPU or one CUDA device); see the module docstring.
+
+    Args:
+        hf_dir: a Hugging Face model folder (config + weights) of a causal LM.
+        options: engine options; None: the defaults.
+        memory_backend: where released weights go; None: built from `options.offload_backend`.
+            Must offer `register(tag, tensors)` like tandem.lifecycle's `PinnedHostBackend`
+            (tests pass one that fails on demand).
+    """
+
+    def __init__(
+        self, hf_dir: str, options: EngineOptions | None = None, *, memory_backend: Any = None
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
+
+        self.options = options = options or EngineOptions()
+        self.device = _pick_device(options.device)
+        self.dtype = _pick_dtype(options.dtype, self.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=self.dtype)
+        model.set_attn_implementation(register_attention())
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        _own_storages(self.model)
+        config = self.model.config
+        self._vocab = int(config.vocab_size)
+        self._num_layers = int(config.num_hidden_layers)
+        self._kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self._head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        config_len = getattr(config, "max_position_embeddings", None)
+        limit = options.max_context_len or config_len
+        if limit is None:
+            raise ValueError(
+                f"{hf_dir}: the model config has no max_position_embeddings; set EngineOptions.max_context_len"
+            )
+        self._max_context_len = int(limit)
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+        window = getattr(config, "sliding_window", None)
+        if sliding and window is not None and self._max_context_len > window:
+            raise ValueError(
+                f"{hf_dir}: the model has sliding-window layers (window {window}), which the embedded engine's "
+                f"mask does not model; set EngineOptions.max_context_len <= {window}"
+            )
+        self._eos_ids = _eos_ids(self.model)
+        self._params_by_name: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+
+        if memory_backend is None:
+            if options.offload_backend == "none":
+                memory_backend = NoopBackend()
+            else:
+                memory_backend = PinnedHostBackend(self.device)
+        if hasattr(memory_backend, "register"):
+            memory_backend.register("weights", self._weight_tensors)
+        self._lifecycle = Lifecycle(memory_backend, tags=["weights"])
+        self._kv_released = False
+        self._lock = threading.RLock()
+
+        self._cache: StaticKVCache | None = None
+        self._last_cache_shape: tuple[int, int] | None = None
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._graph_pool: Any = None
+        self._decode_fn: Callable[[int, int], torch.Tensor] = self._decode_forward
+        if options.compile:
+            self._decode_fn = torch.compile(self._decode_forward, dynamic=False)
+        # Static inputs of the decode step (CUDA graphs read these very tensors).
+        self._ids = torch.zeros(0, 1, dtype=torch.long, device=self.device)
+        self._start = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._arange = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    # -- facts -------------------------------------------------------------------------------------
+
+    def max_context_len(self) -> int:
+        """Longest prompt + response in tokens."""
+        return self._max_context_len
+
+    def health(self) -> bool:
+        """True: the engine is alive and can serve once its memory is resumed."""
+        return True
+
+    def released_tags(self) -> list[MemoryTag]:
+        """The memory tags released right now."""
+        tags: list[MemoryTag] = []
+        if self._lifecycle.asleep:
+            tags.append("weights")
+        if self._kv_released:
+            tags.append("kv_cache")
+        return tags
+
+    def memory_stats(self) -> dict[str, float]:
+        """GiB held on the device by this process's torch allocator, and the KV cache's size."""
+        stats = {"kv_cache_gib": (self._cache.nbytes() if self._cache is not None else 0) / 2**30}
+        if self.device.type == "cuda":
+            stats["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
+            stats["reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
+        return stats
+
+    # -- memory ------------------------------------------------------------------------------------
+
+    def release_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
+        """Free the KV cache and/or put the weights on the host; returns once the memory is free. Idempotent."""
+        chosen = _check_tags(tags)
+        with self._lock:
+            if "kv_cache" in chosen and not self._kv_released:
+                self._drop_cache()
+                self._kv_released = True
+            if "weights" in chosen and not self._lifecycle.asleep:
+                self._drop_graphs()  # they point at the weights' storages, which move
+                self._lifecycle.sleep(["weights"])
+            self._empty_device_cache()
+
+    def resume_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
+        """Bring the weights back (as they were) and/or re-allocate the KV cache. Idempotent."""
+        chosen = _check_tags(tags)
+        with self._lock:
+            if "weights" in chosen and self._lifecycle.asleep:
+                self._lifecycle.wake_up(["weights"])
+            if "kv_cache" in chosen and self._kv_released:
+                self._kv_released = False
+                if self._last_cache_shape is not None:
+                    rows, length = self._last_cache_shape
+                    self._ensure_cache(rows, length)
+
+    def flush_cache(self) -> None:
+        """Nothing cached across requests (no prefix cache): every generate starts from its prompts."""
+
+    def shutdown(self) -> None:
+        """Free the KV cache and CUDA graphs before the actor goes away."""
+        with self._lock:
+            self._drop_cache()
+            self._empty_device_cache()
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def update_weights_from_tensors(self, named_tensors: Any) -> None:
+        """Copy HF-named full tensors (list of (name, tensor), a dict, or an `IpcPayload`) into the model."""
+        with self._lock:
+            if self._lifecycle.asleep:
+                raise EngineMemoryReleasedError(
+                    "update_weights_from_tensors: the engine's weights are released; "
+                    "call resume_memory(['weights']) first (sync order: weights, sync, kv_cache)"
+                )
+            named, opened = as_named_tensors(named_tensors, self.device)
+            unknown = [n for n, _ in named if n not in self._params_by_name]
+            if unknown:
+                raise ValueError(
+                    f"update_weights_from_tensors: {len(unknown)} names are not in the model, e.g. {unknown[:5]}"
+                )
+            with torch.no_grad():
+                for name, tensor in named:
+                    target = self._params_by_name[name]
+                    if tuple(target.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
+                            f"the model's is {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            del named, opened
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.ipc_collect()
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """One response per prompt, in input order; see `SamplingParams` and `Generation`."""
+        with self._lock:
+            released = self.released_tags()
+            if released:
+                raise EngineMemoryReleasedError(
+                    f"generate: the engine's {released} memory is released; call resume_memory() first"
+                )
+            token_lists = self._check_prompts(prompts)
+            _check_params(params)
+            if not token_lists:
+                return []
+            if params.max_new_tokens == 0:
+                return [Generation([], [], "length") for _ in token_lists]
+            seed = params.seed if params.seed is not None else secrets.randbits(62)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            results: list[Generation] = []
+            with torch.no_grad():
+                for lo, hi in self._waves(token_lists, params):
+                    results.extend(self._generate_wave(token_lists[lo:hi], params, generator))
+            return results
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        token_lists = []
+        for i, prompt in enumerate(prompts):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(ids) > self._max_context_len:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens, longer than the engine's context of "
+                    f"{self._max_context_len} tokens (EngineOptions.max_context_len)"
+                )
+            bad = [t for t in ids if not 0 <= t < self._vocab]
+            if bad:
+                raise ValueError(
+                    f"prompt {i} has token ids outside the vocabulary [0, {self._vocab}): {bad[:5]}"
+                )
+            token_lists.append(ids)
+        return token_lists
+
+    def _waves(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[int, int]]:
+        """Contiguous slices of the batch whose KV cache fits the memory budget (CUDA), else one slice."""
+        n = len(prompts)
+        if self.device.type != "cuda":
+            return [(0, n)]
+        length = self._cache_length(max(len(p) for p in prompts), params.max_new_tokens)
+        per_row = StaticKVCache.bytes_per_row(
+            num_layers=self._num_layers,
+            kv_heads=self._kv_heads,
+            length=length,
+            head_dim=self._head_dim,
+            dtype=self.dtype,
+        )
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        rows = max(1, int(self.options.kv_cache_memory_fraction * total) // per_row)
+        return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
+
+    def _cache_length(self, prompt_len: int, max_new_tokens: int) -> int:
+        block = self.options.kv_block
+        return -(-(prompt_len + max_new_tokens) // block) * block
+
+    def _generate_wave(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Generation]:
+        dev = self.device
+        rows = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        prompt_len = int(lens.max())
+        # A response ends at max_new_tokens or at the context limit, whichever comes first.
+        budget_host = torch.clamp(self._max_context_len - lens, max=params.max_new_tokens)
+        steps = int(budget_host.max())
+        if steps <= 0:
+            return [Generation([], [], "length") for _ in prompts]
+        length = self._cache_length(prompt_len, steps)
+        cache = self._ensure_cache(rows, length)
+
+        ids = torch.zeros(rows, prompt_len, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(dev, non_blocking=True)
+        start = (prompt_len - lens).to(dev)
+        budget = budget_host.to(dev)
+
+        logits = self._prefill(ids, start, cache)
+        stop_ids = self._stop_ids(params)
+
+        out_tokens = torch.zeros(rows, steps, dtype=torch.long, device=dev)
+        out_logps = torch.zeros(rows, steps, dtype=torch.float32, device=dev)
+        out_len = budget.clone()
+        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
+        # Cache row c holds the sequence of original row `orig[c]`; rows past the active ones are fillers.
+        orig = torch.arange(rows, device=dev)
+        done = budget <= 0
+        active = rows
+        self._ids[:rows].zero_()
+        self._start[:rows].copy_(start)
+
+        for t in range(steps):
+            if t > 0:
+                self._pos.fill_(prompt_len + t - 1)
+                kv_len = min(
+                    cache.length, -(-(prompt_len + t) // self.options.kv_block) * self.options.kv_block
+                )
+                logits = self._decode(active, kv_len)
+            tokens, logps = sample(
+                logits,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                generator=generator,
+            )
+            out_tokens[orig, t] = tokens
+            out_logps[orig, t] = logps
+            is_stop = ~done & torch.isin(tokens, stop_ids) if stop_ids.numel() else torch.zeros_like(done)
+            out_len[orig] = torch.where(is_stop, t + 1, out_len[orig])
+            stopped[orig] = stopped[orig] | is_stop
+            done = done | is_stop | (t + 1 >= budget)
+            self._ids[:active, 0] = tokens
+            if t + 1 == steps:
+                break
+            if (t + 1) % self.options.sync_every == 0:
+                alive = int((~done).sum())
+                if alive == 0:
+                    break
+                bucket = _bucket(alive, active)
+                if bucket < active:
+                    # Drop finished sequences: pack the unfinished ones (stable order) into the first rows.
+                    order = torch.argsort(done.to(torch.int8), stable=True)[:bucket]
+                    cache.reorder_rows(order)
+                    self._ids[:bucket].copy_(self._ids[:active].index_select(0, order))
+                    self._start[:bucket].copy_(self._start[:active].index_select(0, order))
+                    orig, done, budget = orig[order], done[order], budget[order]
+                    active = bucket
+
+        tokens_host = out_tokens.cpu()
+        logps_host = out_logps.cpu()
+        len_host = out_len.cpu().tolist()
+        stopped_host = stopped.cpu().tolist()
+        results = []
+        for i in range(rows):
+            n = int(len_host[i])
+            reason: FinishReason = "stop" if stopped_host[i] else "length"
+            results.append(Generation(tokens_host[i, :n].tolist(), logps_host[i, :n].tolist(), reason))
+        return results
+
+    def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= set(self._eos_ids)
+        return torch.tensor(sorted(ids), dtype=torch.long, device=self.device)
+
+    # -- forward passes ------------------------------------------------------------------------------
+
+    def _prefill(self, ids: torch.Tensor, start: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """The prompts' forward pass, writing cache positions [0, prompt_len); the last position's logits."""
+        rows, prompt_len = ids.shape
+        pos = torch.arange(prompt_len, device=self.device)
+        position_ids = (pos[None, :] - start[:, None]).clamp(min=0)
+        query, key = pos[:, None], pos[None, :]
+        # A pad query attends to itself only (finite values, never read by a real query).
+        allowed = ((key >= start[:, None, None]) & (key <= query)) | (key == query)
+        mask = self._additive(allowed[:, None])
+        cache.bind(rows=rows, kv_len=prompt_len, write_pos=pos)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def _decode_forward(self, rows: int, kv_len: int) -> torch.Tensor:
+        """One decode step over the static inputs: rows [:rows], keys [:kv_len]; returns fp32 logits."""
+        assert self._cache is not None
+        start = self._start[:rows]
+        position_ids = (self._pos - start)[:, None]
+        allowed = (self._arange[None, :kv_len] >= start[:, None]) & (self._arange[None, :kv_len] <= self._pos)
+        mask = self._additive(allowed[:, None, None])
+        self._cache.bind(rows=rows, kv_len=kv_len, write_pos=self._pos)
+        out = self.model(
+            input_ids=self._ids[:rows],
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def _decode(self, rows: int, kv_len: int) -> torch.Tensor:
+        if self.device.type != "cuda" or not self.options.cuda_graph:
+            return self._decode_fn(rows, kv_len)
+        entry = self._graphs.get((rows, kv_len))
+        if entry is None:
+            entry = self._capture(rows, kv_len)
+        graph, logits = entry
+        graph.replay()
+        return logits
+
+    def _capture(self, rows: int, kv_len: int) -> tuple[Any, torch.Tensor]:
+        # Warm up on a side stream (lazy inits must not be captured). The warm-up step computes
+        # exactly what the replay will (same inputs, same cache writes), so it is harmless.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._decode_fn(rows, kv_len)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._decode_fn(rows, kv_len)
+        self._graphs[(rows, kv_len)] = (graph, logits)
+        return graph, logits
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+
+    # -- cache and graphs ----------------------------------------------------------------------------
+
+    def _ensure_cache(self, rows: int, length: int) -> StaticKVCache:
+        cache = self._cache
+        if cache is not None and cache.rows >= rows and cache.length >= length:
+            return cache
+        if cache is not None:
+            rows, length = max(rows, cache.rows), max(length, cache.length)
+            self._drop_cache()
+        self._cache = StaticKVCache(
+            num_layers=self._num_layers,
+            rows=rows,
+            kv_heads=self._kv_heads,
+            length=length,
+            head_dim=self._head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._last_cache_shape = (rows, length)
+        self._ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self._start = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._arange = torch.arange(length, device=self.device)
+        return self._cache
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._graph_pool = None
+
+    def _drop_cache(self) -> None:
+        self._drop_graphs()
+        self._cache = None
+        self._ids = self._ids[:0].clone()
+        self._start = self._start[:0].clone()
+        self._arange = self._arange[:0].clone()
+
+    def _empty_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+
+def _own_storages(model: torch.nn.Module) -> None:
+    """Give every weight a storage of its own that can be freed (CPU weights may map the checkpoint file)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
+
+
+def _bucket(alive: int, current: int) -> int:
+    """The batch bucket for `alive` sequences: the next power of two (at least 8), never above `current`."""
+    bucket = _MIN_BUCKET
+    while bucket < alive:
+        bucket *= 2
+    return min(bucket, current)
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("EngineOptions.device='cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def _eos_ids(model: Any) -> list[int]:
+    """The model's EOS token ids (generation config first, then the model config)."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+    return []
+
+
+def _check_tags(tags: Sequence[str]) -> list[str]:
+    if isinstance(tags, str):
+        tags = [tags]
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"memory tags {unknown}: choose among {list(MEMORY_TAGS)}")
+    return list(tags)
+
+
+def _check_params(params: SamplingParams) -> None:
+    if params.max_new_tokens < 0:
+        raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens}: must be >= 0")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature={params.temperature}: must be >= 0 (0 is greedy)")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"SamplingParams.top_p={params.top_p}: must be in (0, 1]")

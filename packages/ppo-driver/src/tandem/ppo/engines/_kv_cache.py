@@ -1,0 +1,129 @@
+"""The embedded engine's static KV cache and its grouped-query decode attention, plugged into transformers.
+
+The model code stays transformers' own: the engine passes this cache as
+`past_key_values` (the model calls only `update(key, value, layer_idx)` when it
+gets explicit `position_ids` and a ready 4D mask), and registers one attention
+function through transformers' `AttentionInterface`. That function differs from
+transformers' SDPA path only for a one-token decode step of a grouped-query
+model: with a mask, transformers repeats every KV head `groups` times before
+SDPA (7x the KV bytes for Qwen2.5-0.5B); here the query heads of a group become
+SDPA's query rows against their one KV head, so the cache is read once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "tandem_gqa_decode"
+
+
+class StaticKVCache:
+    """Preallocated keys and values of every layer, `(rows, kv_heads, length, head_dim)` per layer.
+
+    `bind` says which rows and key positions the next forward pass sees and where it
+    writes: a CUDA graph captured after `bind` keeps reading the same views, so the
+    buffers must never be re-allocated while graphs over them live.
+    """
+
+    is_compileable = True
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (rows, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.rows = rows
+        self.length = length
+        self._view_rows = rows
+        self._view_len = length
+        self._write_pos: torch.Tensor | None = None
+
+    @staticmethod
+    def bytes_per_row(
+        *, num_layers: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one row (one sequence) of `length` positions takes, keys and values of every layer."""
+        return 2 * num_layers * kv_heads * length * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def bind(self, *, rows: int, kv_len: int, write_pos: torch.Tensor) -> None:
+        """Let the next forward pass read rows `[:rows]`, positions `[:kv_len]`, and write at `write_pos` (1D)."""
+        assert rows <= self.rows and kv_len <= self.length, (rows, kv_len, self.rows, self.length)
+        self._view_rows, self._view_len, self._write_pos = rows, kv_len, write_pos
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys and values at the bound positions; return the bound views (transformers' API)."""
+        assert self._write_pos is not None, "bind() before a forward pass"
+        keys = self.keys[layer_idx][: self._view_rows]
+        values = self.values[layer_idx][: self._view_rows]
+        keys.index_copy_(2, self._write_pos, key_states.to(keys.dtype))
+        values.index_copy_(2, self._write_pos, value_states.to(values.dtype))
+        return keys[:, :, : self._view_len], values[:, :, : self._view_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Not used: the engine always passes `position_ids` (transformers asks only without them)."""
+        return 0
+
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        """Move rows `order` to the front (`rows[:len(order)] = rows[order]`), for dropping finished sequences."""
+        n = order.numel()
+        for buf in (*self.keys, *self.values):
+            buf[:n].copy_(buf.index_select(0, order))
+
+
+def gqa_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except a one-token step of a grouped-query model reads each KV head once.
+
+    Shapes: query `(b, heads, q, d)`, key/value `(b, kv_heads, kv_len, d)`, mask
+    `(b, 1, q, kv_len)` additive; returns `(b, q, heads, d)`.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, q_len, d = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or heads == kv_heads:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # Head h uses KV head h // groups (transformers' repeat_kv), so the groups are contiguous.
+    grouped = query.reshape(b, kv_heads, heads // kv_heads, d)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Register `gqa_decode_attention` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, gqa_decode_attention)
+    return ATTENTION_NAME

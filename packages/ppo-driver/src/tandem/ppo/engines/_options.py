@@ -1,0 +1,97 @@
+"""How an engine is built and run: one frozen, documented set of options for every engine kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EngineDtype = Literal["auto", "float32", "bfloat16"]
+EngineDevice = Literal["auto", "cpu", "cuda"]
+EngineOffload = Literal["pinned_host", "none"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Options of a rollout engine; the embedded engine reads the first block, SGLang the `sglang_*` fields."""
+
+    dtype: EngineDtype = "auto"
+    """Weights and KV-cache dtype of the embedded engine; "auto": bfloat16 on CUDA, float32 on CPU."""
+
+    device: EngineDevice = "auto"
+    """Where the embedded engine runs; "auto": the actor's CUDA device when there is one, else the CPU."""
+
+    max_context_len: int | None = None
+    """Longest prompt + response, in tokens; None: the model config's `max_position_embeddings`.
+    A longer prompt is refused (ValueError naming its index); a response stops (`length`) at the limit."""
+
+    cuda_graph: bool = True
+    """Capture the decode step as CUDA graphs (one per batch bucket and KV-length bucket); CUDA only."""
+
+    compile: bool = False
+    """Compile the decode step with `torch.compile` (no CUDA graphs of its own; `cuda_graph` still
+    captures it). Costs a compilation per batch/KV-length bucket; off by default."""
+
+    kv_cache_memory_fraction: float = 0.3
+    """At most this fraction of the device's total memory holds the KV cache; a batch that needs more
+    is generated in successive waves. CUDA only (on CPU a batch is one wave)."""
+
+    kv_block: int = 128
+    """Decode attends over the KV cache in buckets of this many positions (a CUDA graph per bucket),
+    so a step reads only about the keys written so far."""
+
+    sync_every: int = 8
+    """Decode steps between the host's checks for finished sequences (the only host syncs of the loop):
+    when all are done, generation ends; when few are left, they are packed into a smaller batch."""
+
+    offload_backend: EngineOffload = "pinned_host"
+    """Where released weights go: "pinned_host" (tandem.lifecycle's retained host buffers, back at
+    link speed) or "none" (weights stay resident; only the KV cache is freed)."""
+
+    request_timeout_s: float = 600.0
+    """Seconds the group waits for an engine's answer (a generate, a weight update, a release) before
+    raising an `EngineError` naming its rank."""
+
+    startup_timeout_s: float = 900.0
+    """Seconds the group waits for an engine to load its model (or an SGLang server to answer /health)."""
+
+    sglang_urls: tuple[str, ...] = ()
+    """SGLang: attach to these running servers (one per rollout bundle, in rank order) instead of
+    launching them."""
+
+    sglang_launch_args: tuple[str, ...] = ()
+    """SGLang: extra arguments of `python -m sglang.launch_server` (e.g. "--mem-fraction-static", "0.3")."""
+
+    sglang_base_port: int = 30000
+    """SGLang: engine rank r's launched server listens on 127.0.0.1:(sglang_base_port + r)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"EngineOptions.dtype={self.dtype!r}: choose 'auto', 'float32' or 'bfloat16'")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"EngineOptions.device={self.device!r}: choose 'auto', 'cpu' or 'cuda'")
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ValueError(
+                f"EngineOptions.max_context_len={self.max_context_len}: must be at least 2 or None"
+            )
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"EngineOptions.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: must be in (0, 1]"
+            )
+        if self.kv_block < 1 or self.sync_every < 1:
+            raise ValueError(
+                f"EngineOptions.kv_block={self.kv_block}, sync_every={self.sync_every}: both must be >= 1"
+            )
+        if self.offload_backend not in ("pinned_host", "none"):
+            raise ValueError(
+                f"EngineOptions.offload_backend={self.offload_backend!r}: choose 'pinned_host' or 'none' "
+                "(torch_memory_saver is not supported by the embedded engine)"
+            )
+        if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError(
+                f"EngineOptions.request_timeout_s={self.request_timeout_s}, "
+                f"startup_timeout_s={self.startup_timeout_s}: both must be positive"
+            )
+        if isinstance(self.sglang_urls, str) or isinstance(self.sglang_launch_args, str):
+            raise ValueError(
+                "EngineOptions.sglang_urls / sglang_launch_args: give a tuple of strings, not a str"
+            )

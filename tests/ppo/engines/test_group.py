@@ -1,0 +1,152 @@
+"""The engine group on a local Ray with logical GPUs: input order, seeds, bad prompts, dead and stuck engines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tandem.ppo.engines import (
+    EmbeddedEngine,
+    EngineError,
+    EngineGroup,
+    EngineOptions,
+    SamplingParams,
+    create_engine_group,
+    derive_seed,
+    split_contiguous,
+)
+
+from .conftest import random_prompts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_start: Callable[[Callable[[], Any]], Any]) -> Iterator[Any]:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray_start(lambda: ray.init(num_gpus=2, num_cpus=2, include_dashboard=False, log_to_driver=False))
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * 2, strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    try:
+        yield pg
+    finally:
+        remove_placement_group(pg)
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster: Any, tiny_llama_dir: str) -> Iterator[EngineGroup]:
+    options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
+    engines = create_engine_group(
+        tiny_llama_dir,
+        ray_cluster,
+        [0, 1],
+        num_gpus_per_engine=0.5,
+        num_cpus_per_engine=0.25,
+        options=options,
+    )
+    try:
+        yield engines
+    finally:
+        engines.shutdown()
+
+
+def test_split_is_contiguous_and_balanced() -> None:
+    assert split_contiguous(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert split_contiguous(1, 2) == [(0, 1), (1, 1)]
+    assert derive_seed(5, 0) != derive_seed(5, 1)
+
+
+def test_results_come_back_in_input_order(group: EngineGroup, tiny_llama_dir: str) -> None:
+    assert len(group.handles) == 2 and group.max_context_len == 32
+    prompts = random_prompts(21, seed=20)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    gens = group.generate(prompts, params)
+    # Each prompt's greedy response, computed alone by a local engine, is the one at its index.
+    local = EmbeddedEngine(tiny_llama_dir, EngineOptions(device="cpu"))
+    expected = [local.generate([p], params)[0].token_ids for p in prompts]
+    assert [g.token_ids for g in gens] == expected
+
+
+def test_a_seed_reproduces_the_group_samples(group: EngineGroup, tiny_llama_dir: str) -> None:
+    prompts = random_prompts(10, seed=21)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=77, ignore_eos=True)
+    first = group.generate(prompts, params)
+    assert [g.token_ids for g in group.generate(prompts, params)] == [g.token_ids for g in first]
+    # Engine r samples its chunk with derive_seed(seed, r).
+    local = EmbeddedEngine(tiny_llama_dir, EngineOptions(device="cpu"))
+    second_chunk = local.generate(
+        prompts[5:], SamplingParams(max_new_tokens=6, seed=derive_seed(77, 1), ignore_eos=True)
+    )
+    assert [g.token_ids for g in first[5:]] == [g.token_ids for g in second_chunk]
+
+
+def test_memory_weights_and_health_through_the_group(group: EngineGroup, tiny_llama_dir: str) -> None:
+    prompts = random_prompts(6, seed=22)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    before = group.generate(prompts, params)
+    group.release_memory()
+    group.release_memory()  # idempotent
+    with pytest.raises(EngineError, match=r"rank 0.*released"):
+        group.generate(prompts, params)
+    group.resume_memory(["weights"])
+    group.flush_cache()
+    group.resume_memory(["kv_cache"])
+    assert [g.token_ids for g in group.generate(prompts, params)] == [g.token_ids for g in before]
+    assert group.health() == [True, True]
+
+
+def test_a_too_long_prompt_names_its_index_and_the_limit(group: EngineGroup) -> None:
+    prompts = [[2] * 4, [3] * 4, [4] * 33]
+    with pytest.raises(ValueError, match=r"prompt 2 has 33 tokens.*context of 32"):
+        group.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+class _StuckEngine:
+    """Answers health at once and never finishes a generate."""
+
+    def max_context_len(self) -> int:
+        return 64
+
+    def health(self) -> bool:
+        return True
+
+    def generate(self, prompts: Any, params: Any) -> list[Any]:
+        time.sleep(3600)
+        return []
+
+
+def test_a_stuck_engine_is_named_within_the_timeout(ray_cluster: Any) -> None:
+    import ray
+
+    stuck: Any = ray.remote(_StuckEngine).options(num_cpus=0)
+    handles = [stuck.remote(), stuck.remote()]
+    try:
+        group = EngineGroup(handles, max_context_len=64, timeout_s=2.0)
+        with pytest.raises(EngineError, match=r"rank 0: generate did not answer within 2 s.*\[0, 1\]"):
+            group.generate([[2], [3]], SamplingParams(max_new_tokens=1))
+        assert group.health() == [False, False]  # queued behind the stuck generate
+    finally:
+        for h in handles:
+            ray.kill(h)
+
+
+def test_a_dead_engine_is_named(ray_cluster: Any, tiny_llama_dir: str) -> None:
+    import ray
+
+    options = EngineOptions(device="cpu", request_timeout_s=60)
+    engines = create_engine_group(
+        tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options
+    )
+    try:
+        ray.kill(engines.handles[1])
+        with pytest.raises(EngineError, match="rank 1: generate failed: the engine's actor died"):
+            engines.generate(random_prompts(4, seed=23), SamplingParams(max_new_tokens=2))
+        assert engines.health() == [True, False]
+    finally:
+        engines.shutdown()

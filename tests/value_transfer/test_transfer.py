@@ -295,7 +295,7 @@ def test_rank_lists_that_lose_samples_are_refused(local_ray: None) -> None:
     packed = pack_split([1, 1], [[0], [1]])
     with pytest.raises(ValueError, match=r"critic data-parallel ranks \[1\] returned no values"):
         route_by_sample([packed[0], None], [[0, 1]], critic_dp_ranks=[0, 1])
-    with pytest.raises(ValueError, match=r"critic ranks 0 and 1 are both in data-parallel rank 0"):
+    with pytest.raises(ValueError, match=r"critic ranks 0 and 1 in data-parallel rank 0"):
         route_by_sample(packed, [[0, 1]], critic_dp_ranks=[0, 0])
     with pytest.raises(ValueError, match=r"actor_dp_ranks has no rank in data-parallel ranks \[1\]"):
         route_by_sample(packed, [[0], [1]], actor_dp_ranks=[0, 0])

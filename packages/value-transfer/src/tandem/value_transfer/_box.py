@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import ray
 from ray import ObjectRef
 
+from tandem.value_transfer import _arguments as arguments
+
 
 @dataclass(frozen=True, slots=True)
 class Box[T]:
@@ -35,6 +37,6 @@ class Box[T]:
         return cls(ray.put(value))
 
     def get(self, *, timeout: float | None = None) -> T:
-        """Fetch the boxed value (one `ray.get`)."""
-        value: T = ray.get(self.ref, timeout=timeout)
+        """Fetch the boxed value (one `ray.get`); `timeout` in seconds, None to wait forever."""
+        value: T = ray.get(self.ref, timeout=arguments.timeout("timeout", timeout))
         return value

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tandem.value_transfer._arguments import tensor_list, type_name
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PackedValues:
@@ -31,9 +33,21 @@ class PackedValues:
     shapes: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8 or self.data.ndim != 1:
+            raise TypeError(f"PackedValues.data must be a flat uint8 numpy array, got {_describe(self.data)}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"PackedValues.dtype must be a torch.dtype, got {type_name(self.dtype)}")
+        if not isinstance(self.shapes, tuple) or not all(
+            isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)
+            for shape in self.shapes
+        ):
+            raise TypeError("PackedValues.shapes must be a tuple of shapes, each a tuple of ints >= 0")
         expected = sum(math.prod(s) for s in self.shapes) * _itemsize(self.dtype)
-        assert self.data.dtype == np.uint8 and self.data.ndim == 1, "data must be a flat uint8 array"
-        assert self.data.size == expected, f"{self.data.size} bytes for shapes needing {expected}"
+        if self.data.size != expected:
+            raise ValueError(
+                f"PackedValues.data has {self.data.size} bytes but shapes need {expected}; "
+                "build it with PackedValues.from_tensors (or pack_values)"
+            )
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -41,17 +55,32 @@ class PackedValues:
     @classmethod
     def from_tensors(cls, values: Sequence[Tensor]) -> PackedValues:
         """Detach `values`, concatenate them on their device and move them to CPU in one copy."""
+        values = tensor_list("values", values)
+        for i, v in enumerate(values):
+            if v.layout != torch.strided or v.device.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"values[{i}] is a {v.layout} tensor on {v.device}; pack dense tensors on CPU or CUDA"
+                )
+        devices = sorted({str(v.device) for v in values})
+        if len(devices) > 1:
+            raise ValueError(f"values: all tensors must be on one device, got {devices}; move them first")
         dtypes = {v.dtype for v in values}
         if len(dtypes) > 1:
             names = sorted(str(d) for d in dtypes)
             raise ValueError(f"values: all tensors must share one dtype, got {names}; cast them first")
         dtype = dtypes.pop() if dtypes else torch.float32
         shapes = tuple(tuple(v.shape) for v in values)
-        if values:
+        if len(values):  # not `if values`: a one-element tensor has a truth value
             flat = torch.cat([v.detach().reshape(-1) for v in values]).to("cpu")
         else:
             flat = torch.empty(0, dtype=dtype)
         return cls(data=flat.view(torch.uint8).numpy(), dtype=dtype, shapes=shapes)
+
+
+def _describe(data: object) -> str:
+    if isinstance(data, np.ndarray):
+        return f"an array of dtype {data.dtype} and shape {data.shape}"
+    return type_name(data)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

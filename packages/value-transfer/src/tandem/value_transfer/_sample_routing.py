@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.value_transfer import _arguments as arguments
 from tandem.value_transfer._box import Box
 from tandem.value_transfer._packed import PackedValues
 
@@ -40,6 +41,14 @@ class IndexedValues:
     values: Box[PackedValues]
     sample_indices: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.values, Box):
+            raise TypeError(
+                f"IndexedValues.values must be a Box from pack_values, got {arguments.type_name(self.values)}"
+            )
+        indices = arguments.index_list("IndexedValues.sample_indices", self.sample_indices, unique=True)
+        object.__setattr__(self, "sample_indices", indices)
+
 
 @dataclass(frozen=True, slots=True)
 class SampleGather:
@@ -55,6 +64,27 @@ class SampleGather:
     sources: tuple[Box[PackedValues], ...]
     picks: tuple[tuple[int, int], ...]
     sample_indices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sources, tuple) or not all(isinstance(b, Box) for b in self.sources):
+            raise TypeError("SampleGather.sources must be a tuple of Box; build it with route_by_sample")
+        if not isinstance(self.picks, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 for p in self.picks
+        ):
+            raise TypeError("SampleGather.picks must be a tuple of (source, position) pairs")
+        for i, (source, position) in enumerate(self.picks):
+            arguments.index(f"SampleGather.picks[{i}] position", position)
+            if arguments.index(f"SampleGather.picks[{i}] source", source) >= len(self.sources):
+                raise ValueError(
+                    f"SampleGather.picks[{i}] names source {source} but sources holds {len(self.sources)} boxes; "
+                    "build it with route_by_sample"
+                )
+        indices = arguments.index_list("SampleGather.sample_indices", self.sample_indices, unique=True)
+        if len(indices) != len(self.picks):
+            raise ValueError(
+                f"SampleGather.sample_indices has {len(indices)} entries but picks has {len(self.picks)}"
+            )
+        object.__setattr__(self, "sample_indices", indices)
 
 
 def _listed(indices: Sequence[int]) -> str:
@@ -88,13 +118,13 @@ def _critic_sources(
             chosen[dp] = (rank, v)
         elif chosen[dp][1].sample_indices != v.sample_indices:
             raise ValueError(
-                f"critic ranks {chosen[dp][0]} and {rank} are both in data-parallel rank {dp} "
-                "but return different sample indices; ranks of one DP group must hold the same samples"
+                f"critic_dp_ranks puts critic ranks {chosen[dp][0]} and {rank} in data-parallel rank {dp} "
+                "but they return different sample indices; ranks of one DP group must hold the same samples"
             )
     missing = sorted(set(critic_dp_ranks) - set(chosen))
     if missing:
         raise ValueError(
-            f"critic data-parallel ranks {missing} returned no values (all their entries in "
+            f"critic_dp_ranks: critic data-parallel ranks {missing} returned no values (all their entries in "
             "critic_values are None); each DP group's pipeline-last-stage ranks must return IndexedValues"
         )
     return [chosen[dp] for dp in sorted(chosen)]
@@ -131,6 +161,9 @@ def route_by_sample(
             a sample some actor rank owns that no critic rank returned, a critic value
             that no actor rank owns, or inconsistent rank lists; the message names them.
     """
+    critic_values, actor_sample_indices, critic_dp_ranks, actor_dp_ranks = _checked(
+        critic_values, actor_sample_indices, critic_dp_ranks, actor_dp_ranks
+    )
     sources = _critic_sources(critic_values, critic_dp_ranks)
     where: dict[int, tuple[int, int]] = {}  # sample index -> (source, position)
     for s, (rank, v) in enumerate(sources):
@@ -157,14 +190,14 @@ def route_by_sample(
     if missing:
         raise ValueError(
             f"actor_sample_indices: samples {_listed(missing)} are owned by actor ranks but no "
-            f"critic rank returned values for them ({len(where)} returned, {len(owner)} owned)"
+            f"critic rank returned values for them in critic_values ({len(where)} returned, {len(owner)} owned)"
         )
     unowned = [i for i in where if i not in owner]
     if unowned:
         raise ValueError(
             f"critic_values: values for samples {_listed(unowned)} are owned by no actor rank and "
-            f"would be lost ({len(where)} returned, {len(owner)} owned); the actor's split must "
-            "cover the critic's samples"
+            f"would be lost ({len(where)} returned, {len(owner)} owned); the actor's split "
+            "(actor_sample_indices) must cover the critic's samples"
         )
 
     per_dp = [_gather_for(indices, where, sources) for indices in actor_sample_indices]
@@ -182,6 +215,39 @@ def route_by_sample(
             f"actor_dp_ranks has no rank in data-parallel ranks {unserved}; their samples would be lost"
         )
     return [per_dp[dp] for dp in actor_dp_ranks]
+
+
+def _checked(
+    critic_values: object, actor_sample_indices: object, critic_dp_ranks: object, actor_dp_ranks: object
+) -> tuple[list[IndexedValues | None], list[tuple[int, ...]], tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The arguments of `route_by_sample`, type-checked; TypeError or ValueError naming the one at fault."""
+    if not isinstance(critic_values, list | tuple):
+        raise TypeError(
+            "critic_values must be a list with one entry per critic rank (IndexedValues or None), "
+            f"got {arguments.type_name(critic_values)}"
+        )
+    for rank, v in enumerate(critic_values):
+        if isinstance(v, Box):
+            raise TypeError(
+                f"critic_values[{rank}] is a Box (from pack_values) without sample indices; route_by_sample "
+                "needs pack_indexed_values(values, sample_indices) from each critic rank"
+            )
+        if v is not None and not isinstance(v, IndexedValues):
+            raise TypeError(
+                f"critic_values[{rank}] is a {arguments.type_name(v)}; give IndexedValues "
+                "(from pack_indexed_values) or None"
+            )
+    if isinstance(actor_sample_indices, str | bytes) or not isinstance(actor_sample_indices, Sequence):
+        raise TypeError(
+            "actor_sample_indices must be a list with one list of sample indices per actor DP rank, "
+            f"got {arguments.type_name(actor_sample_indices)}"
+        )
+    actor = [
+        arguments.index_list(f"actor_sample_indices[{dp}]", v) for dp, v in enumerate(actor_sample_indices)
+    ]
+    critic_dp = None if critic_dp_ranks is None else arguments.index_list("critic_dp_ranks", critic_dp_ranks)
+    actor_dp = None if actor_dp_ranks is None else arguments.index_list("actor_dp_ranks", actor_dp_ranks)
+    return list(critic_values), actor, critic_dp, actor_dp
 
 
 def _gather_for(

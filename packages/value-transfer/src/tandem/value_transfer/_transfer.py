@@ -8,6 +8,7 @@ import ray
 import torch
 from torch import Tensor
 
+from tandem.value_transfer import _arguments as arguments
 from tandem.value_transfer._box import Box
 from tandem.value_transfer._packed import PackedValues, assemble
 from tandem.value_transfer._sample_routing import IndexedValues, SampleGather
@@ -25,12 +26,14 @@ def pack_values(values: Sequence[Tensor]) -> Box[PackedValues]:
 
 def pack_indexed_values(values: Sequence[Tensor], sample_indices: Sequence[int]) -> IndexedValues:
     """`pack_values`, keyed by the global sample index of each value (for `route_by_sample`)."""
+    values = arguments.tensor_list("values", values)
+    indices = arguments.index_list("sample_indices", sample_indices, unique=True)
     if len(values) != len(sample_indices):
         raise ValueError(
             f"values has {len(values)} tensors but sample_indices has {len(sample_indices)} "
             "entries; give one global sample index per value"
         )
-    return IndexedValues(values=pack_values(values), sample_indices=tuple(int(i) for i in sample_indices))
+    return IndexedValues(values=pack_values(values), sample_indices=indices)
 
 
 def unpack_values(
@@ -55,9 +58,18 @@ def unpack_values(
         The values in the payload's order; tensors share one buffer on `device`.
 
     Raises:
-        ValueError: `sample_indices` does not match the payload.
+        ValueError: `sample_indices` does not match the payload, or `device` is not
+            'cpu' or an available CUDA device.
+        TypeError: an argument (or the boxed object) has the wrong type.
     """
-    device = torch.device(device)
+    if not isinstance(payload, Box | SampleGather):
+        raise TypeError(
+            f"payload must be a Box (from pack_values) or a SampleGather (from route_by_sample), "
+            f"got {arguments.type_name(payload)}"
+        )
+    device = arguments.device("device", device)
+    if sample_indices is not None:
+        sample_indices = arguments.index_list("sample_indices", sample_indices)
     if isinstance(payload, SampleGather):
         if sample_indices is not None and tuple(sample_indices) != payload.sample_indices:
             raise ValueError(
@@ -68,13 +80,18 @@ def unpack_values(
         sources = ray.get([box.ref for box in payload.sources]) if payload.sources else []
         for packed in sources:
             _check_packed(packed)
+        for i, (s, p) in enumerate(payload.picks):
+            if p >= len(sources[s]):
+                raise ValueError(
+                    f"payload: pick {i} asks for sample {p} of source {s}, which holds {len(sources[s])}; "
+                    "build the SampleGather with route_by_sample"
+                )
         return assemble(sources, payload.picks, device)
-    if not isinstance(payload, Box):
-        raise TypeError(f"payload must be a Box or a SampleGather, got {type(payload).__name__}")
 
     content = payload.get()
     if isinstance(content, list | tuple):  # a Box of plain CPU tensors
-        values = [t.to(device, non_blocking=True) for t in content]
+        tensors = arguments.tensor_list("payload (the boxed list)", content)
+        values = [t.to(device, non_blocking=True) for t in tensors]
     else:
         _check_packed(content)
         values = assemble([content], [(0, p) for p in range(len(content))], device)
@@ -90,5 +107,5 @@ def unpack_values(
 def _check_packed(content: object) -> None:
     if not isinstance(content, PackedValues):
         raise TypeError(
-            f"the boxed object is a {type(content).__name__}, not PackedValues; box values with pack_values"
+            f"payload: the boxed object is a {type(content).__name__}, not PackedValues; box values with pack_values"
         )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.placement import (
     BUNDLE,
     STRATEGY,
+    ClusterTooSmallError,
     GpuShares,
     PlacementSpec,
     PlacementTimeoutError,
@@ -78,13 +81,26 @@ def test_three_roles_share_one_bundle_and_a_fourth_is_refused(local_ray: int) ->
         placements.remove()
 
 
-def test_not_enough_gpus_says_how_many_were_asked_and_how_many_exist(local_ray: int) -> None:
+def test_a_cluster_too_small_fails_at_once_with_the_numbers(local_ray: int) -> None:
+    spec = PlacementSpec(actor_num_gpus_per_node=local_ray, rollout_num_gpus=2)
+    before = set(ray.util.placement_group_table())
+    started = time.monotonic()
+    with pytest.raises(ClusterTooSmallError, match=f"asked for {local_ray + 2} GPUs") as raised:
+        create_placement_groups(spec, timeout_s=600)
+    assert time.monotonic() - started < 30, "it waited instead of failing at once"
+    assert f"the cluster has {local_ray} GPUs and {local_ray} CPUs in all" in str(raised.value)
+    assert "rollout_num_gpus" in str(raised.value)  # the fix names the flags
+    assert set(ray.util.placement_group_table()) == before  # no group was even asked for
+
+
+def test_without_the_check_it_waits_and_says_how_many_were_asked_and_how_many_exist(local_ray: int) -> None:
+    """With an autoscaler the cluster may grow: `check_resources=False` waits, then times out clearly."""
     spec = PlacementSpec(actor_num_gpus_per_node=local_ray, rollout_num_gpus=2)
     before = set(ray.util.placement_group_table())
     with pytest.raises(PlacementTimeoutError, match=f"asked for {local_ray + 2} GPUs") as raised:
-        create_placement_groups(spec, timeout_s=1)
+        create_placement_groups(spec, timeout_s=1, check_resources=False)
     assert f"the cluster has {local_ray} GPUs" in str(raised.value)
-    assert "rollout_num_gpus" in str(raised.value)  # the fix names the flags
+    assert "rollout_num_gpus" in str(raised.value)
     # The pending group was removed rather than left to grab GPUs later.
     new = {pg_id: info for pg_id, info in ray.util.placement_group_table().items() if pg_id not in before}
     assert [info["state"] for info in new.values()] == ["REMOVED"]

@@ -10,7 +10,7 @@ from importlib.metadata import version as _version
 
 from ._bundles import BundleLocation, order_bundles
 from ._colocation import GpuShares, colocation_options, scheduling_options
-from ._errors import PlacementTimeoutError
+from ._errors import ClusterTooSmallError, PlacementTimeoutError
 from ._groups import BUNDLE, STRATEGY, Placements, Slot, create_placement_groups
 from ._layout import Layout, LayoutCase, compute_layout
 from ._spec import PlacementSpec
@@ -24,6 +24,7 @@ __all__ = [
     "BUNDLE",
     "STRATEGY",
     "BundleLocation",
+    "ClusterTooSmallError",
     "GpuShares",
     "Layout",
     "LayoutCase",

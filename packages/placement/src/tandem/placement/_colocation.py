@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from . import _arguments as arguments
+from ._arguments import instance
 from ._groups import Slot
 
 # Ray represents fractional resources in units of 1/10000; counting in those units
@@ -63,9 +65,11 @@ class GpuShares:
         self, slot: Slot, index: int, *, role: str, num_gpus: float, num_cpus: float | None = None
     ) -> None:
         """Record `role`'s share of bundle `index`; ValueError if the bundle's shares would pass 1 GPU or 1 CPU."""
+        role = arguments.role(role)
         gpu = _units("num_gpus", num_gpus)
         cpu = _units("num_cpus", num_gpus if num_cpus is None else num_cpus)
-        key = (slot.pg, _bundle_index(slot, index))
+        bundle = _bundle_index(slot, index)  # checks slot first
+        key = (slot.pg, bundle)
         roles = self._claims.get(key, {})
         if role in roles:
             raise ValueError(
@@ -85,15 +89,20 @@ class GpuShares:
 
     def release(self, slot: Slot, index: int, role: str) -> None:
         """Give `role`'s share of bundle `index` back (after its actor was killed)."""
-        key = (slot.pg, _bundle_index(slot, index))
+        bundle = _bundle_index(slot, index)  # checks slot first
+        key = (slot.pg, bundle)
+        role = arguments.role(role)
         roles = self._claims.get(key, {})
         if role not in roles:
-            raise ValueError(f"role {role!r} holds no share of bundle {key[1]}; nothing to release")
+            raise ValueError(
+                f"role {role!r} holds no share of bundle {key[1]} (index {index} of the slot); nothing to release"
+            )
         self._claims[key] = {r: u for r, u in roles.items() if r != role}
 
     def shares(self, slot: Slot, index: int) -> dict[str, float]:
         """GPU share of each role on bundle `index`."""
-        roles = self._claims.get((slot.pg, _bundle_index(slot, index)), {})
+        bundle = _bundle_index(slot, index)  # checks slot first
+        roles = self._claims.get((slot.pg, bundle), {})
         return {role: units[0] / _UNITS for role, units in roles.items()}
 
 
@@ -102,11 +111,30 @@ def colocation_options(slot: Slot, index: int, num_gpus: Mapping[str, float]) ->
 
     ValueError, naming the roles and fractions, when they add up to more than one GPU.
     """
+    if not isinstance(num_gpus, Mapping):
+        raise TypeError(
+            "num_gpus must map each role to its share of the GPU, e.g. {'actor': 0.4, 'critic': 0.4, "
+            f"'engine': 0.2}}, got {arguments.type_name(num_gpus)}"
+        )
     shares = GpuShares()
-    return {role: shares.options(slot, index, role=role, num_gpus=share) for role, share in num_gpus.items()}
+    options = {}
+    for role, share in num_gpus.items():
+        try:
+            options[role] = shares.options(slot, index, role=role, num_gpus=share)
+        except (TypeError, ValueError) as err:
+            if "num_gpus" in str(err) or "slot" in str(err) or "index" in str(err):
+                raise
+            raise type(err)(f"num_gpus: {err}") from None
+    return options
 
 
 def _bundle_index(slot: Slot, index: int) -> int:
+    instance("slot", slot, Slot, "use a slot of create_placement_groups(...), e.g. placements.actor")
+    if not slot.bundle_indices:
+        raise ValueError(
+            f"index={index!r}: this slot has no bundles (its role got no GPUs in the layout); "
+            "check the spec's GPU counts, or do not start actors for this role"
+        )
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(slot.bundle_indices):
         raise ValueError(
             f"index={index!r} is not a position in this slot of {len(slot.bundle_indices)} bundles; "
@@ -116,7 +144,7 @@ def _bundle_index(slot: Slot, index: int) -> int:
 
 
 def _units(name: str, value: float) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:  # NaN fails too
         raise ValueError(f"{name}={value!r} must be a share of one bundle, between 0 and 1")
     units = round(value * _UNITS)
     if abs(units - value * _UNITS) > 1e-6:

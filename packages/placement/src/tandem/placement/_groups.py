@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
+from ._arguments import count, instance, timeout, type_name
 from ._bundles import BundleLocation, order_bundles
-from ._errors import PlacementTimeoutError
+from ._errors import ClusterTooSmallError, PlacementTimeoutError
 from ._layout import Layout, compute_layout
 from ._spec import PlacementSpec
 
@@ -41,6 +42,18 @@ class Slot:
     """Node IP of each bundle, same order (empty when not probed)."""
 
     def __post_init__(self) -> None:
+        for name in ("bundle_indices", "gpu_ids", "node_ips"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                raise TypeError(f"Slot.{name} must be a tuple, got {type_name(value)}")
+        for name in ("bundle_indices", "gpu_ids"):
+            for i, value in enumerate(getattr(self, name)):
+                count(f"Slot.{name}[{i}]", value)
+        for i, ip in enumerate(self.node_ips):
+            if not isinstance(ip, str) or not ip:
+                raise TypeError(f"Slot.node_ips[{i}]={ip!r} must be a node's IP address (a string)")
+        if len(set(self.bundle_indices)) != len(self.bundle_indices):
+            raise ValueError(f"Slot.bundle_indices={self.bundle_indices} lists a bundle twice")
         if len(self.gpu_ids) != len(self.bundle_indices):
             raise ValueError(
                 f"gpu_ids has {len(self.gpu_ids)} entries but bundle_indices has {len(self.bundle_indices)}; "
@@ -91,6 +104,13 @@ class Placements:
     eval: Slot = field(default=_EMPTY)
     """Evaluation-engine bundles, positions `layout.eval_gpus`."""
 
+    def __post_init__(self) -> None:
+        instance("layout", self.layout, Layout, "make it with compute_layout(spec)")
+        for name in ("actor", "rollout", "eval"):
+            instance(name, getattr(self, name), Slot)
+        if self.critic is not None:
+            instance("critic", self.critic, Slot)
+
     def remove(self) -> None:
         """Remove the placement group (frees its GPUs; actors still in it are killed by Ray)."""
         if self.pg is None:
@@ -117,7 +137,11 @@ class Placements:
 
 
 def create_placement_groups(
-    spec: PlacementSpec, *, timeout_s: float | None = DEFAULT_TIMEOUT_S, name: str = ""
+    spec: PlacementSpec,
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    name: str = "",
+    check_resources: bool = True,
 ) -> Placements:
     """Reserve the run's GPUs in one Ray placement group and cut it into per-role slots.
 
@@ -126,11 +150,21 @@ def create_placement_groups(
     bundles are ordered by (node IP as numbers, GPU id), so consecutive ranks share
     nodes. A layout of zero GPUs creates no group at all. Needs `ray.init()` first.
 
+    Before waiting, the cluster's total resources are compared with what the group
+    needs: a cluster with fewer GPUs or CPUs in all raises `ClusterTooSmallError`
+    (a `ValueError`) at once, with both numbers. Pass `check_resources=False` on a
+    cluster whose autoscaler adds nodes on demand, to wait for them instead.
+
     Raises `PlacementTimeoutError` (a `TimeoutError`) when the group is not ready
     within `timeout_s` seconds (None: wait forever), saying how many GPUs were asked
     for and how many the cluster has, or when the probes then take longer than
     `timeout_s` again; the group is removed first.
     """
+    instance("spec", spec, PlacementSpec, "build one with PlacementSpec(...)")
+    timeout_s = timeout("timeout_s", timeout_s)
+    instance("name", name, str)
+    if not isinstance(check_resources, bool):
+        raise TypeError(f"check_resources={check_resources!r} must be True or False")
     layout = compute_layout(spec)
     if layout.num_gpus == 0:
         return Placements(layout, None, _EMPTY, _EMPTY if spec.use_critic else None, _EMPTY)
@@ -142,6 +176,8 @@ def create_placement_groups(
 
     if not ray.is_initialized():
         raise RuntimeError("Ray is not running: call ray.init() (or ray.init(address=...)) first")
+    if check_resources:
+        _check_cluster_size(layout)
     pg = placement_group([dict(BUNDLE) for _ in range(layout.num_gpus)], strategy=STRATEGY, name=name)
     try:
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -183,18 +219,42 @@ def _slot(pg: PlacementGroup, ordered: Sequence[BundleLocation], positions: rang
     )
 
 
+def _asked(layout: Layout) -> str:
+    n = layout.num_gpus
+    return (
+        f"asked for {n} GPUs and {n} CPUs ({n} bundles {BUNDLE}, strategy {STRATEGY}, layout {layout.case}: "
+        f"{layout.train_num_gpus} training, {layout.rollout_num_gpus} rollout, {layout.eval_num_gpus} eval)"
+    )
+
+
+_FIX = (
+    "Add GPUs to the cluster, or lower actor_num_nodes, actor_num_gpus_per_node, rollout_num_gpus or "
+    "eval_num_gpus (colocate=True shares the training GPUs)"
+)
+
+
+def _check_cluster_size(layout: Layout) -> None:
+    """Fail at once when the whole cluster has fewer GPUs or CPUs than the group's bundles need."""
+    import ray
+
+    total = ray.cluster_resources()
+    if all(total.get(key, 0.0) >= layout.num_gpus * amount for key, amount in BUNDLE.items()):
+        return
+    raise ClusterTooSmallError(
+        f"the placement group cannot fit: {_asked(layout)}; the cluster has {_count(total, 'GPU')} GPUs and "
+        f"{_count(total, 'CPU')} CPUs in all. {_FIX}; or pass check_resources=False when an autoscaler "
+        "will add nodes"
+    )
+
+
 def _not_ready_message(layout: Layout, timeout_s: float | None) -> str:
     import ray
 
     total, free = ray.cluster_resources(), ray.available_resources()
-    n = layout.num_gpus
     return (
-        f"the placement group was not ready after {timeout_s} s: asked for {n} GPUs and {n} CPUs "
-        f"({n} bundles {BUNDLE}, strategy {STRATEGY}, layout {layout.case}: {layout.train_num_gpus} training, "
-        f"{layout.rollout_num_gpus} rollout, {layout.eval_num_gpus} eval); the cluster has "
+        f"the placement group was not ready after {timeout_s} s: {_asked(layout)}; the cluster has "
         f"{_count(total, 'GPU')} GPUs ({_count(free, 'GPU')} free) and {_count(total, 'CPU')} CPUs "
-        f"({_count(free, 'CPU')} free). Add GPUs to the cluster, or lower actor_num_nodes, "
-        "actor_num_gpus_per_node, rollout_num_gpus or eval_num_gpus (colocate=True shares the training GPUs)"
+        f"({_count(free, 'CPU')} free). {_FIX}"
     )
 
 

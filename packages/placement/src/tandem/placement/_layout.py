@@ -6,8 +6,9 @@ Pure Python on purpose: the driver validates a config (and tests run) without Ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
+from ._arguments import count, type_name
 from ._spec import PlacementSpec
 
 LayoutCase = Literal[
@@ -40,6 +41,20 @@ class Layout:
     """Rollout-engine bundles, at `[rollout_offset, rollout_offset + rollout_num_gpus)`; 0 for none or external."""
     eval_num_gpus: int
     """Evaluation-engine bundles, right after the rollout bundles."""
+
+    def __post_init__(self) -> None:
+        if self.case not in get_args(LayoutCase):
+            raise ValueError(f"case={self.case!r} is not a layout case; one of {list(get_args(LayoutCase))}")
+        for name in ("num_gpus", "rollout_offset", "train_num_gpus", "rollout_num_gpus", "eval_num_gpus"):
+            count(name, getattr(self, name))
+        needed = max(self.train_num_gpus, self.eval_offset + self.eval_num_gpus)
+        if needed > self.num_gpus:
+            raise ValueError(
+                f"num_gpus={self.num_gpus} is fewer bundles than the roles' positions need ({needed}: "
+                f"train_num_gpus={self.train_num_gpus}, rollout_offset={self.rollout_offset} + "
+                f"rollout_num_gpus={self.rollout_num_gpus} + eval_num_gpus={self.eval_num_gpus}); "
+                "make layouts with compute_layout(spec)"
+            )
 
     @property
     def colocated(self) -> bool:
@@ -81,6 +96,9 @@ def compute_layout(spec: PlacementSpec) -> Layout:
 
     with `A = actor_num_nodes × actor_num_gpus_per_node`. `use_critic` changes nothing.
     """
+    if not isinstance(spec, PlacementSpec):
+        hint = "PlacementSpec(**spec)" if isinstance(spec, dict) else "PlacementSpec(...)"
+        raise TypeError(f"spec must be a PlacementSpec, got {type_name(spec)}; build one with {hint}")
     train = spec.train_num_gpus
     if spec.debug_train_only:
         return Layout("debug_train_only", train, 0, train, 0, 0)

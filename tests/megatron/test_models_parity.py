@@ -300,7 +300,7 @@ def _reference_grads(run: dict[str, Any], family: str) -> dict[str, dict[str, to
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_gradients_match_transformers(run: dict[str, Any], family: str, phase: str) -> None:
-    """run_micro_batches(forward_only=False): gradients of the same losses as in transformers.
+    """run_micro_batches(backward=True): gradients of the same losses as in transformers.
 
     The script sums q/k-norm grads over TP and tied-head grads over PP as
     Megatron's finalize_model_grads does (the worker's DDP set-up).

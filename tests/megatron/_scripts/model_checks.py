@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.megatron.batch import RolloutBatch
+from tandem.megatron.batch import RolloutBatch, unpad_responses
 from tandem.megatron.forward import ResponseOutputs, forward_only, micro_batches, run_micro_batches
 from tandem.megatron.hf_config import ModelSpec
 from tandem.megatron.hf_weights import export_hf_weights, load_hf_checkpoint
@@ -140,22 +140,23 @@ def check_family(family_dir: Path, inputs: dict[str, Any], out: Path) -> None:
     load_hf_checkpoint(actor, spec, family_dir, "actor")
     _mark("logits")
     result["logits"] = full_logits(actor, inputs["square_tokens"])
-    result["log_probs"] = forward_only(
-        actor, batch, role="actor", temperature=temperature, micro_batch_size=2
+    result["log_probs"] = per_sample(
+        forward_only(actor, batch, role="actor", temperature=temperature, micro_batch_size=2), batch
     )
     entropies: list[torch.Tensor] = []
 
-    def keep_entropy(mb: RolloutBatch, outputs: ResponseOutputs) -> tuple[torch.Tensor, dict[str, Any]]:
+    def keep_entropy(
+        mb: RolloutBatch, outputs: ResponseOutputs
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         assert outputs.entropy is not None
-        entropies.extend(e.detach() for e in outputs.entropy)
-        return torch.zeros(()), {"n": len(mb)}
+        entropies.extend(unpad_responses(outputs.entropy.detach(), mb.response_lengths))
+        return torch.zeros(()), torch.zeros((), dtype=torch.int64), {"n": len(mb)}
 
     metrics = run_micro_batches(
         actor,
         micro_batches(batch, 2),
         role="actor",
         temperature=temperature,
-        forward_only=True,
         loss_fn=keep_entropy,
         with_entropy=True,
     )
@@ -165,20 +166,21 @@ def check_family(family_dir: Path, inputs: dict[str, Any], out: Path) -> None:
     result["actor_export"], result["actor_chunk_sizes"] = exported(actor, spec)
     _mark("train")
 
-    def actor_loss(mb: RolloutBatch, outputs: ResponseOutputs) -> tuple[torch.Tensor, dict[str, Any]]:
+    def actor_loss(
+        mb: RolloutBatch, outputs: ResponseOutputs
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         assert outputs.log_probs is not None and outputs.entropy is not None
-        loss = sum(
-            ((lp + 0.1 * ent) * m.to(lp.device)).sum()
-            for lp, ent, m in zip(outputs.log_probs, outputs.entropy, mb.loss_masks, strict=True)
-        )
-        return torch.as_tensor(loss), {}
+        # A plain sum: without DDP's finalisation the gradients are those of the returned sums.
+        mask = mb.padded_loss_mask(outputs.log_probs.device)
+        loss = ((outputs.log_probs + 0.1 * outputs.entropy) * mask).sum()
+        return loss, torch.ones((), dtype=torch.int64), {}
 
     run_micro_batches(
         actor,
         micro_batches(batch, 2),
         role="actor",
         temperature=temperature,
-        forward_only=False,
+        backward=True,
         loss_fn=actor_loss,
         with_entropy=True,
     )
@@ -190,7 +192,9 @@ def check_family(family_dir: Path, inputs: dict[str, Any], out: Path) -> None:
     # Critic: values, export (backbone + score head), gradients of a test loss.
     critic = build_model(spec, "critic")
     load_hf_checkpoint(critic, spec, family_dir, "critic")
-    result["values"] = forward_only(critic, batch, role="critic", temperature=temperature, micro_batch_size=2)
+    result["values"] = per_sample(
+        forward_only(critic, batch, role="critic", temperature=temperature, micro_batch_size=2), batch
+    )
     result["critic_export"], _ = exported(critic, spec)
     if mpu.is_pipeline_last_stage():
         head = critic.output_layer
@@ -201,15 +205,14 @@ def check_family(family_dir: Path, inputs: dict[str, Any], out: Path) -> None:
             "is_embedding": any(head.weight is p for n, p in critic.named_parameters() if "embedding" in n),
         }
 
-    def critic_loss(mb: RolloutBatch, outputs: ResponseOutputs) -> tuple[torch.Tensor, dict[str, Any]]:
+    def critic_loss(
+        mb: RolloutBatch, outputs: ResponseOutputs
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         assert outputs.values is not None
-        loss = sum(
-            ((v - 0.5) ** 2 * m.to(v.device)).sum()
-            for v, m in zip(outputs.values, mb.loss_masks, strict=True)
-        )
-        return torch.as_tensor(loss), {}
+        mask = mb.padded_loss_mask(outputs.values.device)
+        return ((outputs.values - 0.5) ** 2 * mask).sum(), torch.ones((), dtype=torch.int64), {}
 
-    run_micro_batches(critic, micro_batches(batch, 2), role="critic", forward_only=False, loss_fn=critic_loss)
+    run_micro_batches(critic, micro_batches(batch, 2), role="critic", backward=True, loss_fn=critic_loss)
     result["critic_grads"] = exported_grads(critic, spec, "critic")
     del critic
 
@@ -224,9 +227,16 @@ def check_family(family_dir: Path, inputs: dict[str, Any], out: Path) -> None:
     dist.barrier()
     reloaded = build_model(spec, "critic", seed=99)
     load_hf_checkpoint(reloaded, spec, saved, "critic")
-    result["reloaded_values"] = forward_only(reloaded, batch, role="critic", micro_batch_size=3)
+    result["reloaded_values"] = per_sample(
+        forward_only(reloaded, batch, role="critic", micro_batch_size=3), batch
+    )
     out.mkdir(parents=True, exist_ok=True)
     torch.save(to_cpu(result), out / f"rank{dist.get_rank()}.pt")
+
+
+def per_sample(padded: torch.Tensor | None, batch: RolloutBatch) -> list[torch.Tensor] | None:
+    """`forward_only`'s padded rows cut to each response (None off the last stage)."""
+    return None if padded is None else unpad_responses(padded, batch.response_lengths)
 
 
 def to_cpu(value: Any) -> Any:

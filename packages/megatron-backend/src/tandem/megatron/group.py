@@ -177,10 +177,17 @@ def create_train_group(
     config.check_world(len(bundle_indices))
     bundles = _Bundles(placement_group, tuple(bundle_indices))
     if shares is not None:
-        for index in range(len(bundles.bundle_indices)):
-            shares.claim(
-                bundles, index, role=role, num_gpus=num_gpus_per_worker, num_cpus=num_cpus_per_worker
-            )
+        claimed = 0
+        try:
+            for index in range(len(bundles.bundle_indices)):
+                shares.claim(
+                    bundles, index, role=role, num_gpus=num_gpus_per_worker, num_cpus=num_cpus_per_worker
+                )
+                claimed += 1
+        except ValueError:
+            for index in range(claimed):
+                shares.release(bundles, index, role)
+            raise
     env = dict(env_vars or {})
     if config.offload_backend == "torch_memory_saver":
         from tandem.lifecycle import torch_memory_saver_env

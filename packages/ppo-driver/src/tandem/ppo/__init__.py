@@ -1,13 +1,36 @@
-"""Tandem's PPO driver: the `ppo-driver` command (for now its `demo` job)."""
+"""Tandem's PPO driver: the run config, the driver loop, rollout engines, rewards, data, and `ppo-driver`.
+
+- `PPOConfig`, `parse_config`: one typed config for a whole run (YAML plus flags), validated before Ray starts.
+- `train(config)`, `PPODriver`: the PPO loop in which actor and critic time-share the GPUs.
+- `build_base_model`, `write_task`: the demo's tiny local model and task (no downloads).
+- `main`: the `ppo-driver` console script.
+
+Rollout engines live in `tandem.ppo.engines`, rewards in `tandem.ppo.rewards`,
+prompt data in `tandem.ppo.data`, metrics and plots in `tandem.ppo.metrics` /
+`tandem.ppo.plot`.
+"""
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from ._demo import build_base_model, write_task
 from .cli import main
+from .config import PPOConfig, parse_config
+from .driver import PPODriver, RunSummary, train
 
 try:
     __version__ = _version("tandem-ppo-driver")
 except PackageNotFoundError:  # source tree on PYTHONPATH (an offline GPU host), not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "main"]
+__all__ = [
+    "PPOConfig",
+    "PPODriver",
+    "RunSummary",
+    "__version__",
+    "build_base_model",
+    "main",
+    "parse_config",
+    "train",
+    "write_task",
+]

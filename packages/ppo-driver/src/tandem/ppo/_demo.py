@@ -58,6 +58,7 @@ def build_base_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     """A tiny random Llama and its character-level tokenizer, saved as a Hugging Face folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from tandem.ppo._tiny import build_tiny_tokenizer
 
@@ -75,7 +76,13 @@ def build_base_model(out_dir: str | Path, *, seed: int = 0) -> Path:
         **MODEL_SHAPE,
     )
     model: Any = LlamaForCausalLM(config)
-    model.save_pretrained(out)
+    progress_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a few kB of weights: no bar on the user's terminal
+    try:
+        model.save_pretrained(out)
+    finally:
+        if progress_was_on:
+            hf_logging.enable_progress_bar()
     return out
 
 

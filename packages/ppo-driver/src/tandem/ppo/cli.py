@@ -165,3 +165,7 @@ def run(argv: Sequence[str]) -> int:
     except (Interrupted, KeyboardInterrupt) as exc:
         print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+
+
+if __name__ == "__main__":
+    main()

@@ -96,6 +96,10 @@ class PPOConfig(WorkerConfig):
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the rollout engine's weights; auto: bfloat16 on a GPU, float32 on the CPU."""
 
+    rollout_kv_cache_memory_fraction: float | None = None
+    """Embedded engine: at most this fraction of the GPU's memory holds the KV cache (a larger batch is
+    generated in waves); None: the engine's default. Lower it when the models stay resident."""
+
     sglang_urls: tuple[str, ...] = ()
     """Attach to these running SGLang servers (one per rollout GPU) instead of launching them."""
 
@@ -289,6 +293,11 @@ class PPOConfig(WorkerConfig):
             raise ValueError(
                 f"--num-critic-only-steps: got {self.num_critic_only_steps}; it must lie in "
                 f"[0, --num-rollout = {self.num_rollout}]"
+            )
+        fraction = self.rollout_kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(
+                f"--rollout-kv-cache-memory-fraction: got {fraction}; it must lie in (0, 1], or unset"
             )
         if not 0 < self.rollout_top_p <= 1:
             raise ValueError(f"--rollout-top-p: got {self.rollout_top_p}; it must lie in (0, 1]")

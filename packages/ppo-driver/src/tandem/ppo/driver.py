@@ -72,7 +72,7 @@ class RunSummary:
         if self.metrics:
             last = self.metrics[-1]
             figures = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "reward/accuracy") if k in last)
-            lines.append(f"last step:    {last.get('step')} ({figures})")
+            lines.append(f"last step:    {self.last_rollout_id} ({figures})")
         return "\n".join(lines)
 
 
@@ -153,6 +153,9 @@ class PPODriver:
 
         if ray.is_initialized():
             return
+        # Workers run this interpreter; under `uv run`, Ray would otherwise ship the project as a
+        # runtime env and start every worker through uv again.
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
         address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if address:
@@ -172,9 +175,12 @@ class PPODriver:
         worker_config = config.worker_config()
         self.placements = create_placement_groups(config.placement_spec())
         actor_slot, rollout_slot = self.placements.actor, self.placements.rollout
-        engine_options = EngineOptions(dtype=config.rollout_dtype)
+        engine_kwargs: dict[str, Any] = {"dtype": config.rollout_dtype}
+        if config.rollout_kv_cache_memory_fraction is not None:
+            engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
+        engine_options = EngineOptions(**engine_kwargs)
         if config.sglang_urls:
-            engine_options = EngineOptions(dtype=config.rollout_dtype, sglang_urls=tuple(config.sglang_urls))
+            engine_options = EngineOptions(**engine_kwargs, sglang_urls=tuple(config.sglang_urls))
 
         def start(role: str) -> Any:
             share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share

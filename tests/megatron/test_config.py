@@ -177,6 +177,11 @@ def test_pass_flags_are_checked_by_name(hf_dir: str, field: str, value: object) 
         make(hf_dir, **{field: value})
 
 
+def test_sequence_packing_is_refused_until_it_exists(hf_dir: str) -> None:
+    with pytest.raises(ValueError, match="use_sequence_packing: sequence packing .* not implemented"):
+        make(hf_dir, use_sequence_packing=True)
+
+
 def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:
     with pytest.raises(
         ValueError, match="loss_aggregation: got 'mean'; choose one of sample_mean, token_mean"

@@ -178,7 +178,7 @@ def test_pass_flags_are_checked_by_name(hf_dir: str, field: str, value: object) 
 
 
 def test_sequence_packing_is_refused_until_it_exists(hf_dir: str) -> None:
-    with pytest.raises(ValueError, match="use_sequence_packing: sequence packing .* not implemented"):
+    with pytest.raises(ValueError, match=r"use_sequence_packing: sequence packing .* not implemented"):
         make(hf_dir, use_sequence_packing=True)
 
 

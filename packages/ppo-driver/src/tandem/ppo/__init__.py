@@ -10,18 +10,49 @@ prompt data in `tandem.ppo.data`, metrics and plots in `tandem.ppo.metrics` /
 `tandem.ppo.plot`.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
-
-from ._demo import build_base_model, write_task
-from .cli import main
-from .config import PPOConfig, parse_config
-from .driver import PPODriver, RunSummary, train
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = _version("tandem-ppo-driver")
 except PackageNotFoundError:  # source tree on PYTHONPATH (an offline GPU host), not installed
     __version__ = "0+unknown"
+
+# Imported on first use: `ppo-driver` sets Ray's environment before anything imports Ray.
+_EXPORTS = {
+    "build_base_model": "_demo",
+    "write_task": "_demo",
+    "main": "cli",
+    "PPOConfig": "config",
+    "parse_config": "config",
+    "PPODriver": "driver",
+    "RunSummary": "driver",
+    "train": "driver",
+}
+
+if TYPE_CHECKING:
+    from ._demo import build_base_model, write_task
+    from .cli import main
+    from .config import PPOConfig, parse_config
+    from .driver import PPODriver, RunSummary, train
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "PPOConfig",

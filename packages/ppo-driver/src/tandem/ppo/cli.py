@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of `ppo-driver`; exits with the command's status."""
+    # Ray reads this when it is imported: workers run this interpreter, instead of Ray shipping
+    # the project as a runtime env and starting every worker through `uv run` again.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     sys.exit(run(sys.argv[1:] if argv is None else argv))
 
 

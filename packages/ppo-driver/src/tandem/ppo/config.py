@@ -103,6 +103,14 @@ class PPOConfig(WorkerConfig):
     sglang_urls: tuple[str, ...] = ()
     """Attach to these running SGLang servers (one per rollout GPU) instead of launching them."""
 
+    dynamic_sampling: bool = False
+    """Drop prompts whose samples all got the same reward (no signal) and draw more prompts until
+    the rollout is full, within `dynamic_sampling_max_rounds` rounds."""
+
+    dynamic_sampling_max_rounds: int = 4
+    """Most rounds of drawing `rollout_batch_size` prompts per step with `dynamic_sampling`; a batch
+    still short after them is filled with dropped prompts (counted in `dynamic/filled_prompts`)."""
+
     # --- rewards ----------------------------------------------------------------------------
     rm_type: str = "exact_match"
     """Built-in reward: `exact_match` (response equals the label) or `math` (final answer
@@ -281,6 +289,7 @@ class PPOConfig(WorkerConfig):
             "actor_num_nodes": self.actor_num_nodes,
             "actor_num_gpus_per_node": self.actor_num_gpus_per_node,
             "n_samples_per_eval_prompt": self.n_samples_per_eval_prompt,
+            "dynamic_sampling_max_rounds": self.dynamic_sampling_max_rounds,
         }
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -298,6 +307,11 @@ class PPOConfig(WorkerConfig):
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(
                 f"--rollout-kv-cache-memory-fraction: got {fraction}; it must lie in (0, 1], or unset"
+            )
+        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
+            raise ValueError(
+                "--dynamic-sampling: needs --n-samples-per-prompt of at least 2 (a prompt's samples are "
+                "compared with each other)"
             )
         if not 0 < self.rollout_top_p <= 1:
             raise ValueError(f"--rollout-top-p: got {self.rollout_top_p}; it must lie in (0, 1]")

@@ -36,7 +36,7 @@ from typing import Any
 from tandem.lifecycle import OffloadPlan
 from tandem.ppo.config import PPOConfig, write_yaml
 from tandem.ppo.engines import SamplingParams
-from tandem.ppo.rollout import Rollout, generate_rollout, to_train_batches
+from tandem.ppo.rollout import Rollout, dynamic_sample, generate_rollout, to_train_batches
 from tandem.ppo.state import DriverState, load_state, save_state
 
 logger = logging.getLogger(__name__)
@@ -153,9 +153,6 @@ class PPODriver:
 
         if ray.is_initialized():
             return
-        # Workers run this interpreter; under `uv run`, Ray would otherwise ship the project as a
-        # runtime env and start every worker through uv again.
-        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
         address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if address:
@@ -295,9 +292,19 @@ class PPODriver:
         critic_only = rollout_id < config.num_critic_only_steps
 
         # 1. rollout: sample, score, split per data-parallel rank
+        sampling_counts: dict[str, float] = {}
         with self._phase("rollout"):
-            prompts = self.dataset.next_batch(config.rollout_batch_size)
-            rollout = self._generate(prompts, seed=config.seed * 1_000_003 + rollout_id)
+            seed = config.seed * 1_000_003 + rollout_id
+            if config.dynamic_sampling:
+                rounds = iter(range(config.dynamic_sampling_max_rounds))
+                rollout, sampling_counts = dynamic_sample(
+                    lambda n: self._generate(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
+                    num_prompts=config.rollout_batch_size,
+                    n_samples_per_prompt=config.n_samples_per_prompt,
+                    max_rounds=config.dynamic_sampling_max_rounds,
+                )
+            else:
+                rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
             data_refs = [ray.put(b) for b in to_train_batches(rollout, config.data_parallel_size)]
         self.phase_seconds.update({f"time/{k}": v for k, v in rollout.seconds.items()})
 
@@ -329,6 +336,7 @@ class PPODriver:
         metrics.update(rollout.metrics(accuracy_threshold=config.accuracy_threshold))
         metrics.update(self._aliases(metrics))
         metrics.update(self.phase_seconds)
+        metrics.update(sampling_counts)
         metrics.update(
             {
                 "time/step": seconds,

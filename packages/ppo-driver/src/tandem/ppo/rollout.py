@@ -11,7 +11,7 @@ the last token as 0 (DESIGN.md, "PPO math conventions").
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,36 @@ class Rollout:
             f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
         }
 
+    def groups(self, n_samples_per_prompt: int) -> list[Rollout]:
+        """The rollout cut into its prompts' groups of `n_samples_per_prompt` consecutive samples."""
+        return [
+            self.select(range(i, i + n_samples_per_prompt)) for i in range(0, len(self), n_samples_per_prompt)
+        ]
+
+    def select(self, indices: Sequence[int]) -> Rollout:
+        """The samples at `indices`, in that order (seconds are not carried over)."""
+        return Rollout(
+            prompts=[self.prompts[i] for i in indices],
+            generations=[self.generations[i] for i in indices],
+            responses=[self.responses[i] for i in indices],
+            rewards=[self.rewards[i] for i in indices],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout]) -> Rollout:
+        """One rollout of `parts` in order; seconds added up."""
+        seconds: dict[str, float] = {}
+        for part in parts:
+            for key, value in part.seconds.items():
+                seconds[key] = seconds.get(key, 0.0) + value
+        return Rollout(
+            prompts=[p for part in parts for p in part.prompts],
+            generations=[g for part in parts for g in part.generations],
+            responses=[r for part in parts for r in part.responses],
+            rewards=[r for part in parts for r in part.rewards],
+            seconds=seconds,
+        )
+
     def response_tokens(self) -> int:
         """Response tokens sampled in this rollout."""
         return sum(len(g.token_ids) for g in self.generations)
@@ -95,6 +125,47 @@ def generate_rollout(
         rewards=rewards,
         seconds={"generate": generated - start, "reward": scored - generated},
     )
+
+
+def has_signal(group: Rollout) -> bool:
+    """Whether a prompt's samples got different rewards (all equal: every advantage is the same)."""
+    return max(group.rewards) != min(group.rewards)
+
+
+def dynamic_sample(
+    draw: Callable[[int], Rollout],
+    *,
+    num_prompts: int,
+    n_samples_per_prompt: int,
+    max_rounds: int,
+) -> tuple[Rollout, dict[str, float]]:
+    """Draw rounds of `num_prompts` prompts, keeping only prompts whose samples' rewards differ.
+
+    Stops once `num_prompts` such prompts are kept, or after `max_rounds` rounds; a batch
+    still short then is filled with dropped prompts (so every step has the same size) and
+    the shortfall is counted. Returns the rollout and its counts.
+    """
+    kept: list[Rollout] = []
+    dropped: list[Rollout] = []
+    rounds = 0
+    parts: list[Rollout] = []
+    while len(kept) < num_prompts and rounds < max_rounds:
+        rounds += 1
+        part = draw(num_prompts)
+        parts.append(part)
+        for group in part.groups(n_samples_per_prompt):
+            (kept if has_signal(group) else dropped).append(group)
+    filled = max(0, num_prompts - len(kept))
+    chosen = kept[:num_prompts] + dropped[:filled]
+    rollout = Rollout.concat(chosen)
+    rollout.seconds = Rollout.concat(parts).seconds
+    counts = {
+        "dynamic/rounds": float(rounds),
+        "dynamic/kept_prompts": float(min(len(kept), num_prompts)),
+        "dynamic/dropped_prompts": float(len(dropped)),
+        "dynamic/filled_prompts": float(filled),
+    }
+    return rollout, counts
 
 
 def to_train_batches(rollout: Rollout, data_parallel_size: int) -> list[RolloutBatch]:

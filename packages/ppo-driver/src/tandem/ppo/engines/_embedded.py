@@ -103,6 +103,7 @@ class EmbeddedEngine:
         self._last_cache_shape: tuple[int, int] | None = None
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._graph_pool: Any = None
+        self._side_stream: Any = None
         self._decode_fn: Callable[[int, int], torch.Tensor] = self._decode_forward
         if options.compile:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False)
@@ -413,7 +414,10 @@ class EmbeddedEngine:
     def _capture(self, rows: int, kv_len: int) -> tuple[Any, torch.Tensor]:
         # Warm up on a side stream (lazy inits must not be captured). The warm-up step computes
         # exactly what the replay will (same inputs, same cache writes), so it is harmless.
-        side = torch.cuda.Stream(self.device)
+        if self._side_stream is None:
+            # One side stream for every capture: cuBLAS keeps a workspace per stream it has seen.
+            self._side_stream = torch.cuda.Stream(self.device)
+        side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._decode_fn(rows, kv_len)
@@ -468,6 +472,10 @@ class EmbeddedEngine:
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # cuBLAS workspaces (one per stream used) live in torch's allocator too; they come back on use.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
 
     def _weight_tensors(self) -> list[torch.Tensor]:

@@ -1,0 +1,148 @@
+"""The embedded engine on a CUDA GPU: CUDA-graph decode, memory really handed back, the IPC weight path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import make_tiny_model, random_prompts, save_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _engines() -> Any:
+    # The GPU host may lack the driver's CLI packages: import the engines subpackage alone if needed.
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[3] / "bench" / "engine_bench.py"
+    spec = importlib.util.spec_from_file_location("engine_bench", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("engine_bench", module)
+    spec.loader.exec_module(module)
+    return module.import_engines()
+
+
+def _medium_model(tmp_path: Any) -> str:
+    """A ~0.2 B Qwen2-shaped random model (big enough that its memory shows), bf16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=1,
+    )
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return save_model(model, tmp_path / "medium")
+
+
+def test_cuda_graph_decode_matches_eager_and_the_argmax(tmp_path: Any) -> None:
+    engines = _engines()
+    model = make_tiny_model("llama")
+    folder = save_model(model, tmp_path / "tiny")
+    model = model.cuda()
+    prompts = random_prompts(40, seed=30)
+    params = engines.SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(5, 7, 11))
+    graphed = engines.EmbeddedEngine(folder, engines.EngineOptions(dtype="float32", sync_every=2))
+    eager = engines.EmbeddedEngine(folder, engines.EngineOptions(dtype="float32", cuda_graph=False))
+    assert graphed.device.type == "cuda"
+    a = graphed.generate(prompts, params)
+    b = eager.generate(prompts, params)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert graphed._graphs, "decode steps ran from captured CUDA graphs"
+    for prompt, gen in zip(prompts, a, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen.token_ids], device="cuda")).logits[0]
+        assert gen.token_ids == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    sampled = engines.SamplingParams(max_new_tokens=12, temperature=1.0, seed=9)
+    assert [g.token_ids for g in graphed.generate(prompts, sampled)] == [
+        g.token_ids for g in graphed.generate(prompts, sampled)
+    ]
+
+
+def test_release_hands_the_memory_back_and_resume_restores_it(tmp_path: Any) -> None:
+    engines = _engines()
+    folder = _medium_model(tmp_path)
+    torch.cuda.init()
+    torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    baseline_used = total - free
+    engine = engines.EmbeddedEngine(folder)
+    prompts = random_prompts(64, seed=31, min_len=16, max_len=64)
+    params = engines.SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    before = engine.generate(prompts, params)
+    awake = torch.cuda.memory_reserved()
+    assert awake > 0.3 * 2**30, "weights, KV cache and graphs are on the GPU"
+    engine.release_memory()
+    engine.release_memory()  # idempotent
+    free, total = torch.cuda.mem_get_info()
+    assert torch.cuda.memory_allocated() < 64 * 2**20
+    assert (total - free) - baseline_used <= 2**30, "asleep, at most 1 GiB beyond the CUDA context"
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache"])
+    after = engine.generate(prompts, params)
+    assert [g.token_ids for g in after] == [g.token_ids for g in before]
+
+
+_SENDER = """
+import pickle, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import engine_bench
+engines = engine_bench.import_engines()
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2]).cuda()
+payload = engines.ipc_payload([(n, t.detach()) for n, t in model.state_dict().items()])
+Path(sys.argv[3] + ".tmp").write_bytes(pickle.dumps(payload))
+Path(sys.argv[3] + ".tmp").rename(sys.argv[3])
+deadline = time.monotonic() + 300
+while not Path(sys.argv[4]).exists() and time.monotonic() < deadline:  # buffers stay alive until then
+    time.sleep(0.05)
+"""
+
+
+def test_weights_arrive_through_cuda_ipc_handles(tmp_path: Any) -> None:
+    import pickle
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    engines = _engines()
+    target = save_model(make_tiny_model("llama", seed=0), tmp_path / "target")
+    source_model = make_tiny_model("llama", seed=51)
+    source = save_model(source_model, tmp_path / "source")
+    engine = engines.EmbeddedEngine(target, engines.EngineOptions(dtype="float32"))
+    bench_dir = str(Path(__file__).resolve().parents[3] / "bench")
+    payload_path, done_path = tmp_path / "payload.pkl", tmp_path / "done"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SENDER, bench_dir, source, str(payload_path), str(done_path)]
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not payload_path.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert payload_path.exists(), f"the sender exited with {proc.poll()} before sending"
+        payload = pickle.loads(payload_path.read_bytes())
+        assert isinstance(payload, engines.IpcPayload) and len(payload.buckets) == 1  # one fp32 flat buffer
+        engine.update_weights_from_tensors(payload)
+    finally:
+        done_path.touch()
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
+    ids = torch.tensor([random_prompts(1, seed=32, min_len=9)[0]])
+    with torch.no_grad():
+        expected = source_model(ids).logits
+        got = engine.model(ids.cuda()).logits.cpu()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

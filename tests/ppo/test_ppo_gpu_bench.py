@@ -1,0 +1,80 @@
+"""bench/ppo_gpu_bench.py --quick on CPU: both modes and the probe run, and the JSON holds their figures.
+
+Nothing is timed here: the figures only have to exist (the real run is on an H200).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "ppo_gpu_bench.py"
+
+SHARED_PHASES = (
+    "rollout",
+    "generate",
+    "reward",
+    "engine_release",
+    "critic_wake",
+    "critic_train",
+    "critic_sleep",
+    "actor_wake",
+    "actor_train",
+    "actor_sleep",
+    "engine_resume_weights",
+    "weight_sync",
+    "engine_resume_kv_cache",
+    "step",
+)
+RESIDENT_PHASES = ("rollout", "generate", "reward", "critic_train", "actor_train", "weight_sync", "step")
+
+
+def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    cmd = [sys.executable, str(BENCH), "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+
+    report = json.loads((out / "ppo_gpu_bench.json").read_text())
+    assert report["quick"] is True
+    assert set(report["modes"]) == {"shared", "resident"}
+    for mode, phases in (("shared", SHARED_PHASES), ("resident", RESIDENT_PHASES)):
+        result = report["modes"][mode]
+        assert result["error"] is None, result["error"]
+        assert [s["step"] for s in result["steps"]] == [0, 1]
+        for step in result["steps"]:
+            missing = [p for p in phases if f"time/{p}" not in step]
+            assert missing == [], (mode, missing)
+            assert step["throughput/tokens_per_s"] > 0
+            assert "reward/mean" in step
+        assert result["step_s_mean"] > 0
+        assert result["tokens_per_s"] > 0
+        assert result["sharing_adds_share"] is not None
+    assert report["modes"]["shared"]["config"]["offload_train"] is True
+    resident = report["modes"]["resident"]["config"]
+    assert resident["offload_train"] is False
+    assert resident["rollout_kv_cache_memory_fraction"] == pytest.approx(0.1)
+    # Same seed and data: the rollouts (and so the rewards) of the two modes agree.
+    assert report["modes"]["shared"]["reward_mean"] == pytest.approx(
+        report["modes"]["resident"]["reward_mean"]
+    )
+    assert report["overhead_of_sharing"] is not None
+    assert report["verl_anchor_s"]["step"] == 66.0
+    assert set(report["goals"]) >= {"shared_step_le_33s", "sharing_adds_le_10pct", "probe_mfu_ge_40pct"}
+
+    probe = report["probe"]
+    assert probe["error"] is None, probe["error"]
+    assert probe["tokens_per_s"] > 0 and probe["mfu_6n"] > 0 and probe["params"] > 0
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "ppo_gpu_bench_reward.png").is_file(), report.get("plot_error")

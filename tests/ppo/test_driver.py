@@ -197,3 +197,41 @@ def test_config_of_the_demo_is_valid(tmp_path: Path) -> None:
     config = demo_config(tmp_path / "run")
     config.validate()
     assert dataclasses.asdict(config)["rollout_max_response_len"] == 1
+
+
+def test_async_overlaps_generation_with_training(
+    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+) -> None:
+    separate = {
+        "colocate": False,
+        "rollout_num_gpus": 1,
+        "local_gpus": 2,
+        "eval_interval": None,
+        "export_hf": False,
+    }
+    config = demo_config(tmp_path / "async", num_rollout=3, async_mode=True, **separate)
+    summary = run(config, ray_start)
+    events = read_jsonl(tmp_path / "async" / "events.jsonl")
+
+    def when(event: str, rollout_id: int, role: str | None = None) -> float:
+        (t,) = [
+            e["t"]
+            for e in events
+            if e["event"] == event and e.get("rollout_id") == rollout_id and e.get("role") == role
+        ]
+        return float(t)
+
+    for k in (0, 1):
+        # Rollout k+1 is under way before the actor has finished training on rollout k.
+        assert when("generate_begin", k + 1) < when("train_end", k, "actor")
+    assert [m["async/staleness"] for m in summary.metrics] == [0.0, 1.0, 1.0]
+
+    # The same seed and data without --async: the first step is the same step.
+    sync = run(demo_config(tmp_path / "sync", num_rollout=1, **separate), ray_start)
+    for key in ("reward/mean", "loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm"):
+        assert sync.metrics[0][key] == pytest.approx(summary.metrics[0][key], rel=1e-6, abs=1e-9), key
+
+
+def test_async_is_refused_with_colocate(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--async.*--no-colocate|--colocate"):
+        demo_config(tmp_path / "run", async_mode=True).validate()

@@ -23,12 +23,15 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "num_rollout": 60,
     "rollout_batch_size": 16,
     "n_samples_per_prompt": 8,
-    "global_batch_size": 64,
+    "global_batch_size": 32,
     "micro_batch_size": 32,
     "rollout_max_response_len": 1,
     "max_prompt_len": 32,
-    "lr": 2e-3,
+    "lr": 3e-3,
     "critic_lr": 5e-3,
+    "lr_decay_style": "linear",
+    "entropy_coef": 0.01,
+    "normalize_advantages": True,
     "clip_grad": 1.0,
     "eps_clip": 0.2,
     "value_clip": None,
@@ -101,6 +104,11 @@ def prepare_demo(values: dict[str, Any]) -> dict[str, Any]:
     """Fill in the model and data the demo builds under RUN_DIR, unless the flags name others."""
     run_dir = Path(values.get("run_dir", DEMO_DEFAULTS["run_dir"]))
     filled = dict(values)
+    if filled.get("lr_decay_steps") is None and filled.get("lr_decay_style", "linear") != "constant":
+        # Decay over the whole run: 4 optimizer steps a rollout with the demo's batch sizes.
+        samples = filled.get("rollout_batch_size", 16) * filled.get("n_samples_per_prompt", 8)
+        steps = filled.get("num_rollout", 60) * max(1, samples // filled.get("global_batch_size", 32))
+        filled["lr_decay_steps"] = max(steps, filled.get("lr_warmup_steps", 0) + 1)
     if not filled.get("hf_checkpoint"):
         filled["hf_checkpoint"] = str(build_base_model(run_dir / "base"))
     if not filled.get("prompt_data"):

@@ -19,16 +19,22 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from tandem.megatron.config import WorkerConfig
 
 BUILTIN_REWARDS = ("exact_match", "math")
 
 
+FLAG_NAMES = {"async_mode": "async"}
+"""Fields whose flag is not their name (`async` is a Python keyword)."""
+
+
 def flag(name: str) -> str:
     """The command-line flag of config field `name` (`global_batch_size` -> `--global-batch-size`)."""
-    return "--" + name.replace("_", "-")
+    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +141,11 @@ class PPOConfig(WorkerConfig):
 
     eval_temperature: float = 0.0
     """Sampling temperature of the eval; 0: greedy."""
+
+    async_mode: Annotated[bool, tyro.conf.arg(name="async")] = False
+    """Generate rollout k+1 while the models train on rollout k (rollout GPUs of their own, so
+    not with `--colocate`); each rollout is then one step off-policy (`async/staleness`), which
+    `--use-tis` can correct. Actor and critic still train one after the other."""
 
     # --- placement and the offload plan ----------------------------------------------------------
     use_critic: bool = True
@@ -353,6 +364,11 @@ class PPOConfig(WorkerConfig):
                 f"--sglang-urls: {len(self.sglang_urls)} URLs for {self.num_engines} rollout GPUs; give one "
                 "URL per rollout GPU (--rollout-num-gpus)"
             )
+        if self.async_mode and self.colocate:
+            raise ValueError(
+                "--async: the next rollout is generated while the models train, so the engines need GPUs "
+                "of their own; pass --no-colocate with --async (and --rollout-num-gpus)"
+            )
         if self.colocate and self.num_engines != self.actor_num_gpus:
             raise ValueError(
                 f"--rollout-num-gpus: {self.num_engines} with --colocate, but the actor has "
@@ -439,7 +455,8 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"--config: {str(path)!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: {str(path)!r} must hold a mapping of field: value")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    fields = {FLAG_NAMES.get(f, f): f for f in config_fields()}
+    return {fields.get(str(k).replace("-", "_"), str(k).replace("-", "_")): v for k, v in data.items()}
 
 
 def write_yaml(config: PPOConfig, path: str | os.PathLike[str]) -> None:
@@ -466,8 +483,6 @@ def parse_config(
     `base` gives defaults below the YAML file (the demo's own settings).
     """
     import argparse
-
-    import tyro
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)

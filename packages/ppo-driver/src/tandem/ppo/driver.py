@@ -28,7 +28,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,26 @@ class EventLog:
         self._file.close()
 
 
+@dataclass
+class Sampled:
+    """A rollout drawn for step `rollout_id`, ready to train on.
+
+    Attributes:
+        data_state: the training data's cursor right after this rollout's prompts (what a
+            checkpoint of this step saves, even when the next rollout is already drawn).
+        weights_version: the step whose weights generated it (`rollout_id` in the sync loop,
+            `rollout_id - 1` in the async one: its staleness).
+    """
+
+    rollout_id: int
+    rollout: Rollout
+    data_refs: list[Any]
+    data_state: dict[str, Any]
+    weights_version: int
+    counts: dict[str, float]
+    seconds: dict[str, float]
+
+
 class PPODriver:
     """One PPO run: setup, the loop, checkpoints, eval, and clean shutdown."""
 
@@ -107,6 +127,7 @@ class PPODriver:
         self.metrics_so_far: list[dict[str, Any]] = []
         self._stop_requested = False
         self._started_ray = False
+        self.weights_version = 0
         self.actor: Any = None
         self.critic: Any = None
         self.engines: Any = None
@@ -226,6 +247,7 @@ class PPODriver:
                 f"actor from rollout {start - 1}; point --load and --critic-load at checkpoints of the same run"
             )
         self.start_rollout_id = start
+        self.weights_version = start
         if start > 0:
             state = load_state(self.run_dir, start - 1)
             self.dataset.load_state_dict(state.data)
@@ -247,26 +269,39 @@ class PPODriver:
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> RunSummary:
-        """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end."""
+        """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end.
+
+        With `--async`, rollout k+1 is generated (on the engines' own GPUs, with the weights
+        of before step k) while the models train on rollout k; the weights reach the engines
+        once that generation is done, so every rollout but the first is one step off-policy.
+        """
         config = self.config
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         last = self.start_rollout_id - 1
         saved = last
+        pending: Future[Sampled] | None = None
         try:
-            for rollout_id in range(self.start_rollout_id, config.num_rollout):
-                metrics = self.step(rollout_id)
-                last = rollout_id
-                final = rollout_id == config.num_rollout - 1
-                if self.eval_dataset is not None and (final or self._due(config.eval_interval, rollout_id)):
-                    metrics.update(self.evaluate())
-                self.metrics_so_far.append(metrics)
-                self.logger.log(rollout_id, metrics)
-                due = final or self._due(config.save_interval, rollout_id)
-                if due or (self._stop_requested and config.save_on_interrupt):
-                    self.save(rollout_id)
-                    saved = rollout_id
-                if self._stop_requested:
-                    raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") as generation:
+                for rollout_id in range(self.start_rollout_id, config.num_rollout):
+                    sampled = pending.result() if pending is not None else self._draw(rollout_id)
+                    pending = None
+                    if config.async_mode and rollout_id + 1 < config.num_rollout:
+                        pending = generation.submit(self._draw, rollout_id + 1)
+                    metrics = self.step(rollout_id, sampled, generating=pending)
+                    last = rollout_id
+                    final = rollout_id == config.num_rollout - 1
+                    if self.eval_dataset is not None and (
+                        final or self._due(config.eval_interval, rollout_id)
+                    ):
+                        metrics.update(self.evaluate())
+                    self.metrics_so_far.append(metrics)
+                    self.logger.log(rollout_id, metrics)
+                    due = final or self._due(config.save_interval, rollout_id)
+                    if due or (self._stop_requested and config.save_on_interrupt):
+                        self.save(rollout_id, sampled.data_state)
+                        saved = rollout_id
+                    if self._stop_requested:
+                        raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
             hf_dir = self.export_hf() if config.export_hf and last >= 0 else None
             return RunSummary(self.run_dir, last, self.metrics_so_far, hf_dir)
         finally:
@@ -282,31 +317,50 @@ class PPODriver:
         self._stop_requested = True
         logger.warning("Ctrl-C: finishing the step under way, then stopping (Ctrl-C again: stop now)")
 
-    def step(self, rollout_id: int) -> dict[str, Any]:
-        """One PPO step (DESIGN.md's six steps); its metrics."""
+    def _draw(self, rollout_id: int) -> Sampled:
+        """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank."""
         import ray
 
+        config = self.config
+        start = time.perf_counter()
+        version = self.weights_version
+        self.events.record("generate_begin", rollout_id=rollout_id, weights_version=version)
+        seed = config.seed * 1_000_003 + rollout_id
+        counts: dict[str, float] = {}
+        if config.dynamic_sampling:
+            rounds = iter(range(config.dynamic_sampling_max_rounds))
+            rollout, counts = dynamic_sample(
+                lambda n: self._generate(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
+                num_prompts=config.rollout_batch_size,
+                n_samples_per_prompt=config.n_samples_per_prompt,
+                max_rounds=config.dynamic_sampling_max_rounds,
+            )
+        else:
+            rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
+        data_state = self.dataset.state_dict()
+        data_refs = [ray.put(b) for b in to_train_batches(rollout, config.data_parallel_size)]
+        self.events.record("generate_end", rollout_id=rollout_id)
+        seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
+        seconds["time/rollout"] = time.perf_counter() - start
+        return Sampled(rollout_id, rollout, data_refs, data_state, version, counts, seconds)
+
+    def step(
+        self, rollout_id: int, sampled: Sampled | None = None, *, generating: Future[Sampled] | None = None
+    ) -> dict[str, Any]:
+        """One PPO step (DESIGN.md's six steps) on `sampled` (drawn now when None); its metrics.
+
+        `generating`: the next rollout under way on the engines (async loop); the weights go to
+        the engines only once it is done.
+        """
         config = self.config
         self.phase_seconds = {}
         step_start = time.perf_counter()
         critic_only = rollout_id < config.num_critic_only_steps
 
         # 1. rollout: sample, score, split per data-parallel rank
-        sampling_counts: dict[str, float] = {}
-        with self._phase("rollout"):
-            seed = config.seed * 1_000_003 + rollout_id
-            if config.dynamic_sampling:
-                rounds = iter(range(config.dynamic_sampling_max_rounds))
-                rollout, sampling_counts = dynamic_sample(
-                    lambda n: self._generate(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
-                    num_prompts=config.rollout_batch_size,
-                    n_samples_per_prompt=config.n_samples_per_prompt,
-                    max_rounds=config.dynamic_sampling_max_rounds,
-                )
-            else:
-                rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
-            data_refs = [ray.put(b) for b in to_train_batches(rollout, config.data_parallel_size)]
-        self.phase_seconds.update({f"time/{k}": v for k, v in rollout.seconds.items()})
+        if sampled is None:
+            sampled = self._draw(rollout_id)
+        data_refs = sampled.data_refs
 
         # 2. the engines hand their GPU memory back
         if self.release_engines:
@@ -326,24 +380,31 @@ class PPODriver:
             metrics.update({f"actor/{k}": v for k, v in actor_out[0]["metrics"].items()})
 
         # 5. weights to the engines (weights back -> sync -> KV cache back)
+        if generating is not None:
+            with self._phase("wait_for_next_rollout"):
+                generating.result()
         if not critic_only:
             self._sync_weights()
+            self.weights_version = rollout_id + 1
         elif self.release_engines:
             with self._phase("engine_resume"):
                 self.engines.resume_memory()
 
         seconds = time.perf_counter() - step_start
+        rollout = sampled.rollout
         metrics.update(rollout.metrics(accuracy_threshold=config.accuracy_threshold))
         metrics.update(self._aliases(metrics))
+        metrics.update(sampled.seconds)
         metrics.update(self.phase_seconds)
-        metrics.update(sampling_counts)
+        metrics.update(sampled.counts)
         metrics.update(
             {
-                "time/step": seconds,
+                "time/step": seconds + (0.0 if config.async_mode else sampled.seconds["time/rollout"]),
                 "throughput/tokens_per_s": rollout.response_tokens() / seconds,
-                "data/epoch": float(self.dataset.epoch),
+                "data/epoch": float(sampled.data_state.get("epoch", 0)),
                 "data/dropped_prompts": float(self.dataset.num_dropped),
                 "step/critic_only": float(critic_only),
+                "async/staleness": float(rollout_id - sampled.weights_version),
             }
         )
         return metrics
@@ -429,12 +490,14 @@ class PPODriver:
             self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
-    def save(self, rollout_id: int) -> None:
-        """The driver's state, then each model: wake -> save -> sleep (as the plan says)."""
+    def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:
+        """The driver's state, then each model: wake -> save -> sleep (as the plan says).
+
+        `data_state`: the data cursor right after this rollout (default: the cursor now).
+        """
+        data = self.dataset.state_dict() if data_state is None else data_state
         with self._phase("save"):
-            save_state(
-                self.run_dir, DriverState.capture(rollout_id, self.dataset.state_dict(), self.metrics_so_far)
-            )
+            save_state(self.run_dir, DriverState.capture(rollout_id, data, self.metrics_so_far))
             for group in self._models():
                 if self.plan.wake_up_before_save:
                     self._wake(group)

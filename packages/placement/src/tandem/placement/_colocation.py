@@ -116,16 +116,11 @@ def colocation_options(slot: Slot, index: int, num_gpus: Mapping[str, float]) ->
             "num_gpus must map each role to its share of the GPU, e.g. {'actor': 0.4, 'critic': 0.4, "
             f"'engine': 0.2}}, got {arguments.type_name(num_gpus)}"
         )
+    for role in num_gpus:
+        if not isinstance(role, str) or not role.strip():
+            raise TypeError(f"num_gpus: the role {role!r} must be a non-empty string, e.g. 'actor'")
     shares = GpuShares()
-    options = {}
-    for role, share in num_gpus.items():
-        try:
-            options[role] = shares.options(slot, index, role=role, num_gpus=share)
-        except (TypeError, ValueError) as err:
-            if "num_gpus" in str(err) or "slot" in str(err) or "index" in str(err):
-                raise
-            raise type(err)(f"num_gpus: {err}") from None
-    return options
+    return {role: shares.options(slot, index, role=role, num_gpus=share) for role, share in num_gpus.items()}
 
 
 def _bundle_index(slot: Slot, index: int) -> int:

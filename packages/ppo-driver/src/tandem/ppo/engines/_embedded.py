@@ -186,25 +186,32 @@ class EmbeddedEngine:
                     "call resume_memory(['weights']) first (sync order: weights, sync, kv_cache)"
                 )
             named, opened = as_named_tensors(named_tensors, self.device)
-            unknown = [n for n, _ in named if n not in self._params_by_name]
-            if unknown:
-                raise ValueError(
-                    f"update_weights_from_tensors: {len(unknown)} names are not in the model, e.g. {unknown[:5]}"
-                )
-            with torch.no_grad():
-                for name, tensor in named:
-                    target = self._params_by_name[name]
-                    if tuple(target.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
-                            f"the model's is {tuple(target.shape)}"
-                        )
-                    target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+            try:
+                self._copy_in(named)
+            finally:
+                # Drop every view of IPC-opened buffers before telling the sender they are free.
+                named.clear()
+                opened.clear()
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            del named, opened
-            if self.device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.ipc_collect()
+
+    def _copy_in(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        unknown = [n for n, _ in named if n not in self._params_by_name]
+        if unknown:
+            raise ValueError(
+                f"update_weights_from_tensors: {len(unknown)} names are not in the model, e.g. {unknown[:5]}"
+            )
+        with torch.no_grad():
+            for name, tensor in named:
+                target = self._params_by_name[name]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
+                        f"the model's is {tuple(target.shape)}"
+                    )
+                target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- generation ---------------------------------------------------------------------------------
 

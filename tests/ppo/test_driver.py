@@ -60,13 +60,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def test_demo_task_learns(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
-    config = demo_config(tmp_path / "run", num_rollout=30, eval_interval=None, save_interval=None)
+    config = demo_config(tmp_path / "run", num_rollout=40, eval_interval=None, save_interval=None)
     summary = run(config, ray_start)
     rewards = [m["reward/mean"] for m in summary.metrics]
-    assert len(rewards) == 30
+    assert len(rewards) == 40
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first <= 0.2, rewards
-    assert last >= first + 0.3, rewards  # learning, not noise: from ~0.02 up by far more than its std
+    # Learning, not noise: a random model scores ~0.05; 40 steps lift it by far more than the
+    # step-to-step spread (about 0.1).
+    assert last >= first + 0.3, rewards
     run_dir = tmp_path / "run"
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 30
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))

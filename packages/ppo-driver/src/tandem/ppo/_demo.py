@@ -23,7 +23,7 @@ from typing import Any
 
 DEMO_DEFAULTS: dict[str, Any] = {
     "run_dir": "runs/demo",
-    "num_rollout": 60,
+    "num_rollout": 80,
     "rollout_batch_size": 16,
     "n_samples_per_prompt": 8,
     "global_batch_size": 32,

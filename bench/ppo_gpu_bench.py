@@ -1,9 +1,12 @@
 """Shared PPO end to end on one GPU: per-phase seconds and peak memory, the cost of sharing, and MFU.
 
 Issue 15's bench. Everything is built here, nothing comes from a hub: a random
-Qwen2.5-0.5B-shaped model (bf16, tied embeddings) with a word-level tokenizer
-over its whole vocabulary ("t0" .. "t151933", so any sampled id decodes), and
-a JSONL of prompts of exactly 128 tokens each.
+Qwen2.5-0.5B-shaped model (bf16, tied embeddings) with a tokenizer of exactly its
+151936 ids (byte-level BPE built the way Qwen2's is, since transformers rebuilds
+a qwen2 folder's tokenizer as `Qwen2Tokenizer`; words "Ġabc" one token each;
+any sampled id decodes), and a JSONL of prompts of exactly 128 tokens each. The
+reward is dense (the fraction of response words starting with a..m), so the
+curves move.
 
 1. **PPO, two modes**, the same seed and data, each its own `PPODriver` in a
    fresh Ray: `shared` (actor, critic and the embedded engine time-share the GPU:
@@ -28,9 +31,12 @@ a JSONL of prompts of exactly 128 tokens each.
 Results go to `OUT/ppo_gpu_bench.json` (rewritten after every step, so a run
 cut short keeps what it measured) and `OUT/ppo_gpu_bench_reward.png` (both
 modes' reward curves; the other metric groups under `OUT/ppo_gpu_bench_plots/`),
-plus each run's metrics.jsonl and events.jsonl. A markdown summary is printed.
+plus each run's metrics.jsonl and events.jsonl under `OUT/ppo_gpu_bench_runs/<mode>/` (where the
+host lacks matplotlib: `ppo-driver plot OUT/ppo_gpu_bench_runs/shared OUT/ppo_gpu_bench_runs/resident
+--out DIR` redraws the curves anywhere). A markdown summary is printed.
 
-GPU host, from the repo root (one device call, about 6-9 minutes):
+GPU host, from the repo root (one device call; `--time-budget-s`, 500 by default, ends a
+mode's steps early, after at least 2, so that the whole bench fits in about that):
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --out "$OUT"
 
@@ -356,12 +362,17 @@ class GpuMemory:
     def _smi_loop(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
+            received = time.time()
             try:
                 stamp, used = (part.strip() for part in line.split(","))
-                t = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                sample = (t, float(used))
+                mib = float(used)
             except ValueError:
                 continue
+            try:
+                t = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            except ValueError:
+                t = received  # an unexpected timestamp format: the time the line arrived
+            sample = (t, mib)
             with self._lock:
                 self.samples.append(sample)
 
@@ -379,6 +390,12 @@ class GpuMemory:
         with self._lock:
             inside = [m for t, m in self.samples if t0 <= t <= t1]
         return max(inside) if inside else None
+
+    def low(self, t0: float, t1: float) -> float | None:
+        """Lowest sample in [t0, t1], MiB; None when none fell there."""
+        with self._lock:
+            inside = [m for t, m in self.samples if t0 <= t <= t1]
+        return min(inside) if inside else None
 
     def stop(self) -> None:
         self._stop.set()
@@ -531,14 +548,22 @@ def summarize_mode(result: dict[str, Any], sampler: GpuMemory, timeline: Timelin
         per_phase[name] = max(per_phase.get(name, 0.0), gib)
         if step is not None:
             per_step.setdefault(step, {})[name] = max(per_step.get(step, {}).get(name) or 0.0, gib)
+    # The floor: the least the GPU held during the steps (CUDA contexts, whatever stays when asleep).
+    # Were the phases' memory not shared, the peak would be the floor plus each big phase's own rise.
+    lows = [sampler.low(t0, t1) for name, t0, t1, _ in timeline.intervals if name == "step_total"]
+    known = [x for x in lows if x is not None]
+    floor = min(known) / 1024 if known else None
+    overall = max(per_phase.values()) if per_phase else None
+    big = [per_phase[p] for p in ("generate", "critic_train", "actor_train") if p in per_phase]
+    unshared = floor + sum(x - floor for x in big) if floor is not None and big else None
     result["gpu_peak_gib"] = {
         "per_phase": per_phase,
         "per_step": {str(k): v for k, v in sorted(per_step.items())},
-        "overall": max(per_phase.values()) if per_phase else None,
-        "largest_train_or_rollout_phase": max(
-            (per_phase.get(p) or 0.0 for p in ("generate", "rollout", "critic_train", "actor_train")),
-            default=None,
-        ),
+        "overall": overall,
+        "floor_during_steps": floor,
+        "largest_big_phase": max(big) if big else None,
+        "floor_plus_big_phase_rises": unshared,
+        "overall_over_floor_plus_rises": overall / unshared if overall and unshared else None,
     }
 
 
@@ -642,9 +667,12 @@ def run_mode(
     result["phase_intervals"] = [
         {"phase": n, "t0": t0 - started, "t1": t1 - started, "step": s} for n, t0, t1, s in timeline.intervals
     ]
+    # OUT/ppo_gpu_bench_runs/<mode>/ is a run dir for `ppo-driver plot` (where the host has no matplotlib).
+    copy = paths["out"] / "ppo_gpu_bench_runs" / mode
+    copy.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "events.jsonl"):
         with contextlib.suppress(Exception):
-            shutil.copy(run_dir / name, paths["out"] / f"ppo_gpu_bench_{mode}_{name}")
+            shutil.copy(run_dir / name, copy / name)
     write_report(report, paths["json"])
     if baseline is not None:
         sampler.wait_settled(baseline + 1024)
@@ -678,7 +706,6 @@ def run_probe(
         "shape": {**shape, "seq_len": seq_len},
         "samples_per_train": args.probe_samples,
         "micro_batch_size": args.probe_micro_batch_size,
-        "use_sequence_packing": args.probe_packing,
         "error": None,
     }
     report["probe"] = result
@@ -701,7 +728,6 @@ def run_probe(
             n_samples_per_prompt=1,
             global_batch_size=args.probe_samples,
             micro_batch_size=args.probe_micro_batch_size,
-            use_sequence_packing=args.probe_packing,
             device="cpu" if args.quick else "cuda",
             params_dtype="float32" if args.quick else "bfloat16",
             offload_backend="pinned_host",
@@ -807,9 +833,11 @@ def compare(report: dict[str, Any]) -> None:
         if shared.get("sharing_adds_share") is None
         else shared["sharing_adds_share"] <= 0.10,
         "probe_mfu_ge_40pct": None if probe.get("mfu_6n") is None else probe["mfu_6n"] >= 0.40,
-        "shared_peak_over_largest_phase": (
-            peaks["overall"] / peaks["largest_train_or_rollout_phase"]
-            if peaks.get("overall") and peaks.get("largest_train_or_rollout_phase")
+        # ~1 / (number of big phases) when the phases share the memory; ~1 when they add up.
+        "shared_peak_over_floor_plus_phase_rises": peaks.get("overall_over_floor_plus_rises"),
+        "shared_peak_over_resident_peak": (
+            peaks["overall"] / (resident.get("gpu_peak_gib") or {})["overall"]
+            if peaks.get("overall") and (resident.get("gpu_peak_gib") or {}).get("overall")
             else None
         ),
     }
@@ -918,7 +946,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--probe-iters", type=int, default=None, help="train() calls, the first not timed (3)"
     )
-    parser.add_argument("--probe-packing", action="store_true", help="use_sequence_packing in the probe")
     parser.add_argument(
         "--time-budget-s",
         type=float,

@@ -80,8 +80,8 @@ class _WorkerHost:
     def load_model(self) -> int | None:
         return self._worker.load_model()
 
-    def update_weights(self, engine: Any) -> int:
-        return self._worker.update_weights(engine)
+    def update_weights(self, engine: Any, pack: Any = None) -> int:
+        return self._worker.update_weights(engine, pack)
 
     def state_snapshot(self) -> dict[str, Any]:
         return self._worker.state_snapshot()

@@ -223,17 +223,26 @@ def export_hf_weights(
         yield chunk
 
 
-def send_chunk(target: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+def send_chunk(
+    target: Any, named: list[tuple[str, torch.Tensor]], pack: Callable[[Any], Any] | None = None
+) -> None:
     """Hand one chunk of `export_hf_weights` to an engine's `update_weights_from_tensors`.
 
     A local object gets the tensors as they are; a Ray actor handle gets CPU
-    copies, and the call is waited for, so chunks arrive one at a time and in order.
+    copies, or `pack(named)` when given (e.g. CUDA IPC handles for an engine on
+    this rank's GPU: no round trip through the host). The call is waited for, so
+    chunks arrive one at a time and in order, and a packed payload outlives its use.
     """
     method = target.update_weights_from_tensors
     remote: Callable[..., Any] | None = getattr(method, "remote", None)
     if remote is None:
-        method(named)
+        method(named if pack is None else pack(named))
         return
     import ray
 
+    if pack is not None:
+        payload = pack(named)
+        ray.get(remote(payload))
+        del payload
+        return
     ray.get(remote([(name, t.detach().to("cpu")) for name, t in named]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import ray
@@ -214,10 +215,13 @@ class TrainWorker:
         return load_checkpoint(self.config.load_of(self.role), trainee.train_state())
 
     # --- weights to the rollout engine ---------------------------------------------------------
-    def update_weights(self, engine: Any) -> int:
+    def update_weights(self, engine: Any, pack: Callable[[Any], Any] | None = None) -> int:
         """Send the model's weights, HF-named and in chunks, to `engine` (or each engine of a list).
 
-        Every rank takes part (tensors are gathered over TP and PP); rank 0 sends.
+        Every rank takes part (tensors are gathered over TP and PP). Without `pack`,
+        rank 0 sends CPU copies to every engine; with `pack` (e.g. the engines'
+        `ipc_payload`, when engine r shares rank r's GPU) rank r sends `pack(chunk)`
+        to engine r, so there must be one engine per rank.
         While asleep only the weights come back, over temporary process groups
         that are torn down again afterwards. Returns the number of chunks sent.
         """
@@ -225,20 +229,27 @@ class TrainWorker:
         if self.role != "actor":
             raise ValueError("update_weights: only the actor's weights go to the rollout engine")
         engines = list(engine) if isinstance(engine, list | tuple) else [engine]
+        if pack is not None and len(engines) != self.world_size:
+            raise ValueError(
+                f"update_weights: pack sends rank r's chunks to engine r, but there are {len(engines)} "
+                f"engines for {self.world_size} ranks; pass one engine per rank, or no pack"
+            )
         if not self._lifecycle.asleep:
-            return self._send_weights(engines)
+            return self._send_weights(engines, pack)
         # Only the weights come back, with the process groups; both go away again afterwards.
         self._lifecycle.wake_up([WEIGHTS])
         try:
-            return self._send_weights(engines)
+            return self._send_weights(engines, pack)
         finally:
             self._lifecycle.sleep([WEIGHTS])
 
-    def _send_weights(self, engines: list[Any]) -> int:
+    def _send_weights(self, engines: list[Any], pack: Callable[[Any], Any] | None = None) -> int:
         trainee = self._require_init()
         chunks = 0
         for named in export_hf_weights(trainee.module, trainee.spec, self.config.update_weights_chunk_bytes):
-            if self.rank == 0:
+            if pack is not None:
+                send_chunk(engines[self.rank], named, pack)
+            elif self.rank == 0:
                 for target in engines:
                     send_chunk(target, named)
             chunks += 1

@@ -106,6 +106,11 @@ class PPOConfig(WorkerConfig):
     """Embedded engine: at most this fraction of the GPU's memory holds the KV cache (a larger batch is
     generated in waves); None: the engine's default. Lower it when the models stay resident."""
 
+    weight_sync: Literal["auto", "ipc", "cpu"] = "auto"
+    """How the actor's weights reach the engines: `ipc`, CUDA IPC handles from actor rank r to the
+    engine on its GPU (no copy through the host; colocated, one engine per actor rank); `cpu`, CPU
+    copies from rank 0 to every engine through Ray; `auto`, `ipc` where it applies, else `cpu`."""
+
     sglang_urls: tuple[str, ...] = ()
     """Attach to these running SGLang servers (one per rollout GPU) instead of launching them."""
 
@@ -221,8 +226,8 @@ class PPOConfig(WorkerConfig):
         return self.actor_num_gpus
 
     @property
-    def data_parallel_size(self) -> int:
-        """Data-parallel size of the actor (and critic)."""
+    def actor_data_parallel_size(self) -> int:
+        """Data-parallel size of the actor."""
         tp, pp = self.topology("actor")
         return self.actor_num_gpus // (tp * pp)
 
@@ -364,6 +369,11 @@ class PPOConfig(WorkerConfig):
                 f"--sglang-urls: {len(self.sglang_urls)} URLs for {self.num_engines} rollout GPUs; give one "
                 "URL per rollout GPU (--rollout-num-gpus)"
             )
+        if self.weight_sync == "ipc" and not (self.colocate and self.num_engines == self.actor_num_gpus):
+            raise ValueError(
+                "--weight-sync: ipc needs each engine on an actor rank's GPU (--colocate, one engine per "
+                "actor GPU); use --weight-sync auto or cpu"
+            )
         if self.async_mode and self.colocate:
             raise ValueError(
                 "--async: the next rollout is generated while the models train, so the engines need GPUs "
@@ -407,7 +417,7 @@ class PPOConfig(WorkerConfig):
             raise ValueError(f"--run-dir: {self.run_dir!r} is a file; it must be a folder (or not exist yet)")
 
     def _check_split(self) -> None:
-        dp = self.data_parallel_size
+        dp = self.actor_data_parallel_size
         samples = self.samples_per_rollout
         if samples % dp:
             raise ValueError(

@@ -128,6 +128,7 @@ class PPODriver:
         self._stop_requested = False
         self._started_ray = False
         self.weights_version = 0
+        self.weight_pack: Any = None
         self.actor: Any = None
         self.critic: Any = None
         self.engines: Any = None
@@ -230,11 +231,28 @@ class PPODriver:
             self.actor = actor.result()
             self.critic = critic.result() if critic is not None else None
             self.engines = engines.result()
+        self.weight_pack = self._weight_pack()
         self.events.record("setup_done")
         if self.plan.sleep_after_train:
             # Both models start awake; the engine needs the GPU first.
             for group in self._models():
                 self._sleep(group)
+
+    def _weight_pack(self) -> Any:
+        """`ipc_payload` when actor rank r and engine r share a GPU (DESIGN: CUDA IPC), else None (CPU copies)."""
+        import torch
+
+        from tandem.ppo.engines import ipc_payload
+
+        config = self.config
+        if config.weight_sync == "cpu":
+            return None
+        shared_gpus = config.colocate and config.num_engines == config.actor_num_gpus
+        if config.weight_sync == "ipc" or (
+            shared_gpus and config.device != "cpu" and torch.cuda.is_available()
+        ):
+            return ipc_payload
+        return None
 
     def _resume(self) -> None:
         from tandem.ppo.metrics import MetricsLogger
@@ -338,7 +356,7 @@ class PPODriver:
         else:
             rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
         data_state = self.dataset.state_dict()
-        data_refs = [ray.put(b) for b in to_train_batches(rollout, config.data_parallel_size)]
+        data_refs = [ray.put(b) for b in to_train_batches(rollout, config.actor_data_parallel_size)]
         self.events.record("generate_end", rollout_id=rollout_id)
         seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
         seconds["time/rollout"] = time.perf_counter() - start
@@ -460,12 +478,19 @@ class PPODriver:
     def _wake(self, group: Any) -> None:
         with self._phase(f"{group.role}_wake"):
             self.events.record("wake", role=group.role)
-            group.run("wake_up")
+            self._record_lifecycle(f"{group.role}_wake", group.run("wake_up"))
 
     def _sleep(self, group: Any) -> None:
         with self._phase(f"{group.role}_sleep"):
-            group.run("sleep")
+            self._record_lifecycle(f"{group.role}_sleep", group.run("sleep"))
             self.events.record("sleep", role=group.role)
+
+    def _record_lifecycle(self, name: str, per_rank: list[dict[str, float]]) -> None:
+        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`."""
+        for timings in per_rank:
+            for step, seconds in (timings or {}).items():
+                key = f"lifecycle/{name}/{step}"
+                self.phase_seconds[key] = max(self.phase_seconds.get(key, 0.0), float(seconds))
 
     def _sync_weights(self) -> None:
         """Engines' weights back -> the actor's weights into them -> KV cache back."""
@@ -473,8 +498,8 @@ class PPODriver:
             with self._phase("engine_resume_weights"):
                 self.engines.resume_memory(["weights"])
         with self._phase("weight_sync"):
-            self.events.record("weight_sync")
-            self.actor.run("update_weights", self.engines.handles)
+            self.events.record("weight_sync", path="ipc" if self.weight_pack is not None else "cpu")
+            self.actor.run("update_weights", self.engines.handles, self.weight_pack)
             self.engines.flush_cache()
         if self.release_engines:
             with self._phase("engine_resume_kv_cache"):

@@ -26,7 +26,6 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -182,21 +181,11 @@ class ReloadableProcessGroup(dist.ProcessGroup):
         object.__setattr__(self, "_rpg_name", inner.group_name)
         object.__setattr__(self, "_rpg_desc", inner.group_desc)
 
-    def _teardown(self, *, abort: bool = False) -> None:
-        """Destroy the inner group through torch.distributed; the wrapper stays in its tables.
-
-        `abort`: abort an NCCL communicator before destroying it. `destroy_process_group`
-        otherwise flushes each one (`ncclCommFinalize`), about 0.1 s a group, 1.9 s for
-        Megatron's groups on one H200; once the device is synchronised no collective is
-        in flight, so aborting loses nothing.
-        """
+    def _teardown(self) -> None:
+        """Destroy the inner group through torch.distributed; the wrapper stays in its tables."""
         inner = self._rpg_inner
         if inner is None:
             return
-        if abort:
-            nccl = _nccl_backend(inner)
-            if nccl is not None:
-                nccl.abort()
         entries = _take_entries(self)
         _put_entries(inner, entries)
         try:
@@ -205,15 +194,6 @@ class ReloadableProcessGroup(dist.ProcessGroup):
             _take_entries(inner)  # whatever a failed destroy left behind
             _put_entries(self, entries)
             object.__setattr__(self, "_rpg_inner", None)
-
-
-def _nccl_backend(group: dist.ProcessGroup) -> Any:
-    """The group's NCCL backend, or None (gloo, or a group with no CUDA backend)."""
-    try:
-        backend = group._get_backend(torch.device("cuda"))
-    except RuntimeError:
-        return None
-    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
 
 
 @dataclass
@@ -295,19 +275,14 @@ def destroy_all() -> None:
     """Tear down every reloadable group of this process, newest first (idempotent).
 
     Every rank must call it (NCCL tears communicators down collectively in some versions).
-    On a GPU the device is synchronised first, so that no collective is in flight, and
-    NCCL communicators are then aborted rather than flushed one by one.
     """
     with _registry.lock:
         calls = [c for c in reversed(_registry.calls) if c.alive]
-        abort = bool(calls) and torch.cuda.is_available() and torch.cuda.is_initialized()
-        if abort:
-            torch.cuda.synchronize()
         for call in calls:
             if call.group is None:
                 call.member_alive = False
             else:
-                call.group._teardown(abort=abort)
+                call.group._teardown()
         if calls:
             logger.info("tore down %d reloadable process groups", len(calls))
 

@@ -66,9 +66,16 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"kl_coef": 0.1}, "kl_coef"),
-        ({"critic_tensor_model_parallel_size": 2}, "critic_tensor_model_parallel_size"),
-        ({"critic_pipeline_model_parallel_size": 2}, "critic_pipeline_model_parallel_size"),
+        ({"kl_coef": -0.1}, "kl_coef"),
+        ({"kl_coef": float("nan")}, "kl_coef"),
+        ({"kl_coef": float("inf")}, "kl_coef"),
+        ({"kl_penalty_type": "k4"}, "kl_penalty_type"),
+        ({"use_tis": 1}, "use_tis"),
+        ({"tis_cap": 0.5}, "tis_cap"),
+        ({"tis_cap": float("inf")}, "tis_cap"),
+        ({"tis_cap": "2"}, "tis_cap"),
+        ({"critic_tensor_model_parallel_size": 0}, "critic_tensor_model_parallel_size"),
+        ({"critic_pipeline_model_parallel_size": 1.5}, "critic_pipeline_model_parallel_size"),
         ({"global_batch_size": 3}, "global_batch_size"),
         ({"micro_batch_size": 8, "global_batch_size": 4}, "micro_batch_size"),
         ({"micro_batch_size": 0}, "micro_batch_size"),
@@ -129,6 +136,37 @@ def test_world_checks(hf_dir: str) -> None:
     with pytest.raises(ValueError, match="global_batch_size"):
         # dp = 8 / 2 = 4 does not divide global_batch_size 4 / micro 2 ... 4 % (2 * 4) != 0
         dataclasses.replace(config, micro_batch_size=2).check_world(8)
+
+
+def test_reward_level_kl_and_tis_are_accepted(hf_dir: str) -> None:
+    # kl_coef != 0 runs the KL-first plan; the actor then keeps reference weights.
+    config = make(hf_dir, kl_coef=0.05, kl_penalty_type="k3", use_tis=True, tis_cap=1.5)
+    assert config.needs_reference and not make(hf_dir).needs_reference
+    assert (config.kl_coef, config.kl_penalty_type, config.use_tis, config.tis_cap) == (0.05, "k3", True, 1.5)
+    assert (make(hf_dir).kl_penalty_type, make(hf_dir).use_tis, make(hf_dir).tis_cap) == ("k1", False, 2.0)
+
+
+def test_the_critic_may_have_its_own_layout_on_the_same_ranks(hf_dir: str) -> None:
+    config = make(hf_dir, tensor_model_parallel_size=2, critic_tensor_model_parallel_size=1)
+    assert config.topology("actor") == (2, 1) and config.topology("critic") == (1, 1)
+    config.check_world(2)
+    config.check_world(2, role="critic")
+    assert (config.data_parallel_size(2, "actor"), config.data_parallel_size(2, "critic")) == (1, 2)
+    # Each layout must cover the same ranks: TP * PP divides the world for each role.
+    odd = make(hf_dir, critic_pipeline_model_parallel_size=3)
+    odd.check_world(2, role="actor")
+    with pytest.raises(ValueError, match=r"critic_tensor_model_parallel_size \* critic_pipeline"):
+        odd.check_world(2, role="critic")
+    with pytest.raises(ValueError, match="critic_pipeline"):
+        odd.check_world(2)
+    # The critic's own data-parallel size must divide the batch, too.
+    wide = make(hf_dir, global_batch_size=2, rollout_batch_size=2, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match=r"global_batch_size: .* critic's data-parallel size"):
+        dataclasses.replace(
+            wide, tensor_model_parallel_size=4, critic_tensor_model_parallel_size=1
+        ).check_world(4)
+    with pytest.raises(ValueError, match="role"):
+        config.check_world(2, role="judge")  # type: ignore[arg-type]
 
 
 @settings(max_examples=60, deadline=None)

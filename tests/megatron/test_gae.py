@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.gae import compute_gae, lambda_returns
+from tandem.megatron.gae import compute_gae, lambda_returns, scalar_at_last_token
 
 
 def reference_gae(
@@ -155,3 +155,62 @@ def test_lambda_returns_by_hand() -> None:
     # G_1 = 3 (last step: reward, nothing after); G_0 = 0 + 0.5 * (0.5 * V_1 + 0.5 * G_1) = 0.5 * 2.5 = 1.25.
     got = lambda_returns(torch.tensor([3.0]), torch.tensor([[1.0, 2.0]]), torch.ones(1, 2), 0.5, 0.5)
     torch.testing.assert_close(got, torch.tensor([[1.25, 3.0]]))
+
+
+def reference_gae_token_rewards(
+    rewards: list[float], values: list[float], mask: list[bool], gamma: float, lambd: float
+) -> tuple[list[float], list[float]]:
+    """GAE of one response with a reward per token: the textbook loop over its trainable steps."""
+    steps = [t for t, m in enumerate(mask) if m]
+    advantages = [0.0] * len(values)
+    returns = [0.0] * len(values)
+    next_value = next_advantage = 0.0
+    for t in reversed(steps):
+        delta = rewards[t] + gamma * next_value - values[t]
+        advantages[t] = delta + gamma * lambd * next_advantage
+        returns[t] = advantages[t] + values[t]
+        next_value, next_advantage = values[t], advantages[t]
+    return advantages, returns
+
+
+@settings(max_examples=100, deadline=None)
+@given(gae_batches(), st.data())
+def test_token_rewards_match_reverse_loop(
+    case: tuple[list[float], list[list[float]], list[list[bool]], float, float], data: st.DataObject
+) -> None:
+    # Token-level rewards (the KL-first plan's KL-folded rewards): every trainable token's own
+    # reward enters its δ; rewards at masked positions are ignored, whatever they hold.
+    _, values, masks, gamma, lambd = case
+    width = len(values[0])
+    token_rewards = [data.draw(st.lists(finite, min_size=width, max_size=width)) for _ in values]
+    garbage = data.draw(st.floats(allow_nan=True, allow_infinity=True))
+    mask = torch.tensor(masks)
+    dirty = torch.where(mask, torch.tensor(token_rewards, dtype=torch.float64), garbage)
+    args = (dirty, torch.tensor(values, dtype=torch.float64), mask.double())
+    advantages, returns = compute_gae(*args, gamma=gamma, lambd=lambd)
+    torch.testing.assert_close(lambda_returns(*args, gamma=gamma, lambd=lambd), returns)
+    for i, (row_rewards, row_values, row_mask) in enumerate(zip(token_rewards, values, masks, strict=True)):
+        expected_adv, expected_ret = reference_gae_token_rewards(
+            row_rewards, row_values, row_mask, gamma, lambd
+        )
+        torch.testing.assert_close(advantages[i], torch.tensor(expected_adv, dtype=torch.float64))
+        torch.testing.assert_close(returns[i], torch.tensor(expected_ret, dtype=torch.float64))
+
+
+@settings(max_examples=50, deadline=None)
+@given(gae_batches())
+def test_scalar_rewards_are_token_rewards_at_the_last_trainable_token(
+    case: tuple[list[float], list[list[float]], list[list[bool]], float, float],
+) -> None:
+    rewards, values, masks, gamma, lambd = case
+    scalar = torch.tensor(rewards, dtype=torch.float64)
+    mask = torch.tensor(masks)
+    placed = scalar_at_last_token(scalar, mask)
+    assert ((placed != 0) <= mask).all()
+    values_t = torch.tensor(values, dtype=torch.float64)
+    for a, b in zip(
+        compute_gae(scalar, values_t, mask, gamma, lambd),
+        compute_gae(placed, values_t, mask, gamma, lambd),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

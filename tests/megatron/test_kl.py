@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.kl import KL_KINDS, approx_kl
+from tandem.megatron.kl import KL_KINDS, approx_kl, kl_penalized_rewards
 
 log_prob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
 
@@ -84,3 +84,23 @@ def test_unknown_kind_lists_the_kinds() -> None:
 def test_shape_mismatch_names_the_argument() -> None:
     with pytest.raises(ValueError, match="`ref_log_probs`"):
         approx_kl(torch.zeros(2, 3), torch.zeros(2, 4), "k1")
+
+
+def test_kl_penalized_rewards_by_hand() -> None:
+    # Two samples; sample 0 has 3 trainable tokens, sample 1 a hole and a masked last token.
+    # k1: KL_t = log π − log π_ref. kl_coef 0.5.
+    log_probs = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]])
+    ref_log_probs = torch.tensor([[-1.5, -2.0, -0.25], [-3.0, -9.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    rewards = torch.tensor([2.0, -1.0])
+    got = kl_penalized_rewards(rewards, log_probs, ref_log_probs, mask, 0.5, "k1")
+    # sample 0: KL = (0.5, 0, −0.25) → −0.5·KL = (−0.25, 0, 0.125), + reward 2 at t = 2.
+    # sample 1: only t = 0 is trainable and last: −0.5·2 + (−1) = −2; masked tokens 0.
+    torch.testing.assert_close(got, torch.tensor([[-0.25, 0.0, 2.125], [-2.0, 0.0, 0.0]]))
+    # kl_coef 0: the scalar rewards at the last trainable token.
+    zero = kl_penalized_rewards(rewards, log_probs, ref_log_probs, mask, 0.0, "k3")
+    torch.testing.assert_close(zero, torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="kl_coef"):
+        kl_penalized_rewards(rewards, log_probs, ref_log_probs, mask, -0.1, "k1")
+    with pytest.raises(ValueError, match="kl_coef"):
+        kl_penalized_rewards(rewards, log_probs, ref_log_probs, mask, math.inf, "k1")

@@ -18,6 +18,7 @@ from tandem.megatron.losses import (
     explained_variance,
     loss_sum_and_count,
     policy_loss,
+    tis_weights,
     value_loss,
     value_loss_and_metrics,
 )
@@ -312,3 +313,17 @@ def test_entropy_over_vocabulary_slices_matches_the_whole(rows: list[list[float]
         entropy.sum().backward()
         expected_grad = full.grad[:, :cut] if rank == 0 else full.grad[:, cut:]
         torch.testing.assert_close(local.grad, expected_grad)
+
+
+def test_tis_weights_by_hand() -> None:
+    # old − rollout = (0, ln 1.5, ln 3, −ln 2): weights 1, 1.5, 3 → cap 2, 0.5 (below 1: kept).
+    old = torch.tensor([[0.0, math.log(1.5), math.log(3.0), -math.log(2.0)]], dtype=torch.float64)
+    weights = tis_weights(old.requires_grad_(), torch.zeros_like(old), cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.5, 2.0, 0.5]], dtype=torch.float64))
+    assert not weights.requires_grad
+    # A huge log-ratio is clamped before exp: the weight is the cap, not inf or NaN.
+    assert tis_weights(torch.tensor([[1e6]]), torch.tensor([[0.0]]), cap=2.0).item() == 2.0
+    with pytest.raises(ValueError, match="cap"):
+        tis_weights(old, old, cap=0.0)
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        tis_weights(old, torch.zeros(1, 3), cap=2.0)

@@ -1,7 +1,7 @@
 """The model one train worker trains: built, loaded, wrapped, and its tensors grouped for sleeping.
 
 `build_trainee` builds this rank's pipeline stage of the actor or critic, loads
-the Hugging Face weights (and, for an actor with a KL loss, keeps the reference
+the Hugging Face weights (and, for an actor with a KL loss or reward-level KL, keeps the reference
 weights on the host), wraps it in Megatron's DDP and builds the optimizer, each
 inside the memory backend's region of its tag so that torch_memory_saver tracks
 them. `Trainee` then says which tensors belong to which tag for the pinned-host
@@ -46,7 +46,7 @@ class Trainee:
         backend: the memory backend whose regions hold the weights and optimizer state.
         reference: host copies of the reference weights, one per parameter of
             `chunks[0].module`, in `parameters()` order (pinned on the GPU); None
-            without a KL loss.
+            without a KL loss or reward-level KL (`WorkerConfig.needs_reference`).
         spare: host buffers of the same shapes that receive the trained weights
             while the reference weights are in the model (`reference_weights`).
     """
@@ -144,7 +144,7 @@ class Trainee:
         """
         if self.reference is None:
             raise RuntimeError(
-                "reference_weights: this model keeps no reference weights (use_kl_loss is off)"
+                "reference_weights: this model keeps no reference weights (use_kl_loss is off and kl_coef is 0)"
             )
         if not self.spare:
             self.spare = [torch.empty_like(t, pin_memory=t.is_pinned()) for t in self.reference]
@@ -200,7 +200,7 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
     with backend.region(WEIGHTS):
         model = build_model(spec, role, params_dtype=_params_dtype(config), seed=config.seed)
         reference = None
-        if role == "actor" and config.use_kl_loss:
+        if role == "actor" and config.needs_reference:
             load_hf(model, spec, config.ref_load or config.hf_checkpoint, role)
             reference = [
                 p.detach().to("cpu", copy=True).pin_memory() if on_gpu else p.detach().clone()

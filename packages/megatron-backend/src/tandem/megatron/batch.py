@@ -37,7 +37,9 @@ class RolloutBatch:
         loss_masks: 1 for trainable response tokens, 0 for the rest, shape `(response_len_i,)`.
         rewards: one scalar reward per sample, float32, shape `(n,)`.
         sample_indices: each sample's index in the whole rollout (used to route values by sample).
-        rollout_log_probs: log-probs the rollout engine reported, when it did (diagnostics only).
+        rollout_log_probs: log-probs the rollout engine reported per response token, when it did
+            (one tensor per sample, its response length); truncated importance sampling
+            (`WorkerConfig.use_tis`) weighs the policy loss with them.
         old_log_probs: actor: log-probs under the weights the rollout's training started
             from. Shape `(n, max_response_len)`, 0 past each response; None until computed.
         ref_log_probs: actor with a KL loss: log-probs under the reference weights. Same shape.

@@ -59,8 +59,9 @@ class WorkerConfig:
     """Samples per optimizer step, over all data-parallel ranks."""
 
     critic_hf_checkpoint: str | None = None
-    """Hugging Face folder with the critic's initial backbone weights; None: `hf_checkpoint`.
-    Must have the same architecture as `hf_checkpoint`."""
+    """Hugging Face folder with the critic's initial backbone weights and architecture; None:
+    `hf_checkpoint`. It may be another size (hidden size, layers, heads) than the actor, e.g. a
+    smaller critic; its tokenizer (vocabulary) must be the actor's, since it reads the same token ids."""
 
     ref_load: str | None = None
     """Hugging Face folder with the reference weights of the KL loss; None: `hf_checkpoint`."""
@@ -87,11 +88,14 @@ class WorkerConfig:
     """Pipeline-parallel size of the actor."""
 
     critic_tensor_model_parallel_size: int | None = None
-    """Tensor-parallel size of the critic; None: the actor's. Must equal the actor's (the
-    critic shares the actor's bundles and hands values rank by rank)."""
+    """Tensor-parallel size of the critic; None: the actor's. It may differ from the actor's:
+    the critic runs on the actor's bundles (the same ranks), so TP * PP must divide the number
+    of ranks for each role (`check_world`); the critic's data-parallel size is then its own, and
+    its values reach the actor's ranks by sample (`TrainGroup.train(..., sample_indices=...)`)."""
 
     critic_pipeline_model_parallel_size: int | None = None
-    """Pipeline-parallel size of the critic; None: the actor's. Must equal the actor's."""
+    """Pipeline-parallel size of the critic; None: the actor's. May differ (see
+    `critic_tensor_model_parallel_size`)."""
 
     # --- batches ----------------------------------------------------------------
     n_samples_per_prompt: int = 1
@@ -177,8 +181,16 @@ class WorkerConfig:
     """GAE lambda."""
 
     kl_coef: float = 0.0
-    """Reward-level KL folded into GAE. Must be 0: with a shared critic the critic trains
-    before reference log-probs exist; use `use_kl_loss` and `kl_loss_coef` instead."""
+    """Weight of reward-level KL (finite, >= 0): each trainable token's reward pays
+    `kl_coef * KL_t` (estimator `kl_penalty_type`) against the reference weights, folded into
+    the rewards of both the critic's returns and the actor's advantages. Whenever it is not 0
+    the driver runs the KL-first plan: the actor computes old and reference log-probs
+    (`TrainWorker.compute_log_probs`) before the critic trains, and both roles get them as
+    `external_data`. The actor then keeps the reference weights on the host."""
+
+    kl_penalty_type: KlKind = "k1"
+    """KL estimator of the reward-level KL (`kl_coef`): k1 (the plain log-ratio, as in
+    InstructGPT / OpenRLHF), k2, k3 or low_var_kl."""
 
     use_kl_loss: bool = False
     """Add a KL penalty against the reference weights to the policy loss (computes
@@ -199,6 +211,16 @@ class WorkerConfig:
     loss_aggregation: LossAggregation = "sample_mean"
     """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
     mean over the whole global batch."""
+
+    use_tis: bool = False
+    """Truncated importance sampling for off-policy rollouts (engine log-probs differ from the
+    trainer's, or the rollout is a step stale): the actor's per-token policy loss is multiplied
+    by `min(exp(old_log_probs - rollout_log_probs), tis_cap)`, detached. Needs
+    `RolloutBatch.rollout_log_probs` from the engine."""
+
+    tis_cap: float = 2.0
+    """Upper bound of the truncated importance weight (with `use_tis`); finite, >= 1 so that an
+    on-policy token (weight 1) is never down-weighted."""
 
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
@@ -221,7 +243,6 @@ class WorkerConfig:
         self._check_positive_ints()
         self._check_choices()
         self._check_ppo()
-        self._check_topology()
         self._check_batches()
         self._check_folders()
 
@@ -230,6 +251,11 @@ class WorkerConfig:
     def samples_per_rollout(self) -> int:
         """Samples in one rollout, over all data-parallel ranks."""
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
+        return self.use_kl_loss or self.kl_coef != 0
 
     def topology(self, role: Role) -> tuple[int, int]:
         """(tensor-parallel size, pipeline-parallel size) of `role`."""
@@ -264,22 +290,42 @@ class WorkerConfig:
         return self.hf_checkpoint
 
     # --- checks that need the world or the role -----------------------------------
-    def check_world(self, world_size: int) -> None:
-        """Check that `world_size` ranks can run this config; ValueError naming the field otherwise."""
-        if world_size < 1:
-            raise ValueError(f"world_size: got {world_size}; a train group needs at least one rank")
-        tp, pp = self.topology("actor")
+    def check_world(self, world_size: int, role: Role | None = None) -> None:
+        """Check that `world_size` ranks can run `role` (None: both roles); ValueError naming the field.
+
+        Actor and critic run on the same ranks (the same bundles), each with its own
+        layout: for each role, TP * PP must divide `world_size`, and the role's
+        data-parallel size must divide `global_batch_size / micro_batch_size`.
+        Both layouts then cover all ranks and every sample of a rollout (each role
+        splits the rollout over its own data-parallel ranks).
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size: got {world_size!r}; a train group needs at least one rank")
+        if role is not None:
+            _check_role(role)
+        for checked in ROLES if role is None else (role,):
+            self._check_layout(world_size, checked)
+
+    def data_parallel_size(self, world_size: int, role: Role) -> int:
+        """`role`'s data-parallel size on `world_size` ranks (after `check_world`)."""
+        tp, pp = self.topology(role)
+        return world_size // (tp * pp)
+
+    def _check_layout(self, world_size: int, role: Role) -> None:
+        tp, pp = self.topology(role)
+        prefix = "critic_" if role == "critic" else ""
         if world_size % (tp * pp):
             raise ValueError(
-                f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp * pp} does not divide "
-                f"the {world_size} ranks of the train group; pick sizes whose product divides it"
+                f"{prefix}tensor_model_parallel_size * {prefix}pipeline_model_parallel_size = {tp * pp} "
+                f"({role}) does not divide the {world_size} ranks of the train group; pick sizes whose "
+                "product divides it"
             )
         dp = world_size // (tp * pp)
         if self.global_batch_size % (self.micro_batch_size * dp):
             raise ValueError(
                 f"global_batch_size: {self.global_batch_size} is not divisible by micro_batch_size "
-                f"({self.micro_batch_size}) * data-parallel size ({dp}); make it a multiple of "
-                f"{self.micro_batch_size * dp}"
+                f"({self.micro_batch_size}) * the {role}'s data-parallel size ({dp}); make it a multiple "
+                f"of {self.micro_batch_size * dp}"
             )
 
     def check_role(self, role: Role) -> None:
@@ -331,6 +377,7 @@ class WorkerConfig:
             "lr_decay_style": LR_DECAY_STYLES,
             "params_dtype": PARAMS_DTYPES,
             "kl_loss_type": KL_KINDS,
+            "kl_penalty_type": KL_KINDS,
             "loss_aggregation": LOSS_AGGREGATIONS,
             "device": DEVICES,
             "offload_backend": OFFLOAD_BACKENDS,
@@ -359,13 +406,8 @@ class WorkerConfig:
             )
 
     def _check_ppo(self) -> None:
-        if self.kl_coef != 0:
-            raise ValueError(
-                f"kl_coef: got {self.kl_coef}; reward-level KL is not supported because the shared critic "
-                "trains before reference log-probs exist. Set kl_coef=0 and use use_kl_loss=True with "
-                "kl_loss_coef for a KL penalty in the policy loss"
-            )
         non_negative = {
+            "kl_coef": self.kl_coef,
             "lr": self.lr,
             "critic_lr": self.critic_lr,
             "min_lr": self.min_lr,
@@ -396,20 +438,19 @@ class WorkerConfig:
             raise ValueError(f"eps_clip_high: got {self.eps_clip_high}; it must be > 0 or None")
         if self.eps_clip_c is not None and not self.eps_clip_c > 1:
             raise ValueError(f"eps_clip_c: got {self.eps_clip_c}; the dual-clip constant must be > 1 or None")
+        if not isinstance(self.use_tis, bool):
+            raise ValueError(f"use_tis: got {self.use_tis!r}; it must be True or False")
+        if isinstance(self.tis_cap, bool) or not isinstance(self.tis_cap, int | float):
+            raise ValueError(f"tis_cap: got {self.tis_cap!r}; it must be a number >= 1 (e.g. 2.0)")
+        if not (math.isfinite(self.tis_cap) and self.tis_cap >= 1):
+            raise ValueError(
+                f"tis_cap: got {self.tis_cap}; it must be a finite number >= 1 (a cap below 1 would "
+                "down-weight even on-policy tokens, whose weight is 1)"
+            )
         for name in ("gamma", "lambd", "adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
-
-    def _check_topology(self) -> None:
-        actor = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
-        critic = self.topology("critic")
-        if critic != actor:
-            raise ValueError(
-                f"critic_tensor_model_parallel_size / critic_pipeline_model_parallel_size: the critic's "
-                f"(TP, PP) = {critic} differs from the actor's {actor}; the critic shares the actor's "
-                "bundles and hands its values rank by rank, so leave them None (same as the actor)"
-            )
 
     def _check_batches(self) -> None:
         if self.samples_per_rollout % self.global_batch_size:

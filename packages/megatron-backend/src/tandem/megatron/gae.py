@@ -9,7 +9,10 @@ Generalized Advantage Estimation", eq. 16) with the conventions of DESIGN.md
   the trainable token before it bootstraps from the value of the trainable
   token after it, and no discount is applied for the hole.
 - The scalar reward of a response is the reward of its last trainable token;
-  every other step has reward 0.
+  every other step has reward 0. Token-level rewards, shape `(batch,
+  response_len)` (e.g. the scalar reward at the last trainable token plus a
+  per-token KL penalty, `kl.kl_penalized_rewards`), are taken as they are at
+  trainable tokens; at masked tokens they are ignored (a hole is not a step).
 - The value after the last trainable token is 0, also for truncated responses.
 - `δ_t = r_t + γ V_{t+1} − V_t`, `A_t = δ_t + γ λ A_{t+1}` (t, t+1 are
   consecutive trainable tokens), `returns = A + V`.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_gae", "lambda_returns"]
+__all__ = ["compute_gae", "lambda_returns", "scalar_at_last_token"]
 
 
 @torch.no_grad()
@@ -35,10 +38,11 @@ def _checked(
             f"{fn}: `loss_mask` has shape {tuple(loss_mask.shape)} but `values` has "
             f"{tuple(values.shape)}; pad both to (batch, response_len)"
         )
-    if rewards.shape != values.shape[:1]:
+    if rewards.shape not in (values.shape[:1], values.shape):
         raise ValueError(
-            f"{fn}: `rewards` must have shape (batch,) = {tuple(values.shape[:1])}, "
-            f"got {tuple(rewards.shape)}; pass one scalar reward per response"
+            f"{fn}: `rewards` must have shape (batch,) = {tuple(values.shape[:1])} (one scalar reward "
+            f"per response) or (batch, response_len) = {tuple(values.shape)} (one reward per token), "
+            f"got {tuple(rewards.shape)}"
         )
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"{fn}: `gamma` must be in [0, 1], got {gamma}")
@@ -51,12 +55,26 @@ def _checked(
     return rewards, values, mask
 
 
-def _token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The scalar reward of each response at its last trainable token, 0 elsewhere."""
+def scalar_at_last_token(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards of scalar rewards: each response's reward at its last trainable token, 0 elsewhere.
+
+    Shapes: `rewards` `(batch,)`, `loss_mask` `(batch, response_len)`; returns
+    `(batch, response_len)` in `rewards`' dtype, on `loss_mask`'s device. A row with
+    no trainable token is all 0.
+    """
+    mask = loss_mask.detach() != 0
+    rewards = rewards.detach().to(mask.device)
     # The last trainable token is the trainable token with no trainable token after it.
     trainable_at_or_after = mask.flip(-1).cumsum(-1).flip(-1)
     is_last = mask & (trainable_at_or_after == 1)
     return torch.where(is_last, rewards[:, None], torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+
+
+def _token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards: scalar rewards placed at the last trainable token, or token rewards as given."""
+    if rewards.dim() == 2:
+        return rewards
+    return scalar_at_last_token(rewards, mask)
 
 
 @torch.no_grad()
@@ -106,7 +124,9 @@ def compute_gae(
     if wider). The loop runs over time steps only (vectorised over the batch).
 
     Args:
-        rewards: one scalar reward per response. Shape `(batch,)`.
+        rewards: one scalar reward per response, shape `(batch,)`, added at its last
+            trainable token; or one reward per token, shape `(batch, response_len)`,
+            used at the trainable tokens (masked positions are ignored).
         values: the critic's value of the state before each response token
             (the old values). Shape `(batch, response_len)`; masked positions are ignored.
         loss_mask: 1 (or True) for trainable tokens, 0 for the rest.

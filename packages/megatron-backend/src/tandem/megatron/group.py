@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
+from tandem.megatron.payloads import route_payloads
 
 __all__ = ["ShareLedger", "TrainGroup", "create_train_group"]
 
@@ -65,6 +66,12 @@ class _WorkerHost:
     def train(self, rollout_id: int, data_ref: Any, external_data: Any = None) -> dict[str, Any]:
         return self._worker.train(rollout_id, data_ref, external_data)
 
+    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> dict[str, Any]:
+        return self._worker.compute_log_probs(rollout_id, data_ref)
+
+    def last_targets(self) -> dict[str, Any]:
+        return self._worker.last_targets()
+
     def sleep(self) -> dict[str, float]:
         return self._worker.sleep()
 
@@ -107,6 +114,8 @@ class TrainGroup:
         start_rollout_id: the rollout to start from (after a loaded checkpoint, else 0).
         shares: the ledger that holds this group's GPU shares (released by `kill`), if any.
         bundles: the placement group and bundle indices the workers run on.
+        layout: the role's (tensor-parallel, pipeline-parallel) sizes, when known
+            (`create_train_group` sets it); lets `train` take sample indices per data-parallel rank.
     """
 
     role: Role
@@ -114,6 +123,14 @@ class TrainGroup:
     start_rollout_id: int
     shares: ShareLedger | None = None
     bundles: Any = field(default=None, repr=False)
+    layout: tuple[int, int] | None = None
+
+    @property
+    def data_parallel_size(self) -> int | None:
+        """The role's data-parallel size (None when `layout` is unknown)."""
+        if self.layout is None:
+            return None
+        return len(self.workers) // (self.layout[0] * self.layout[1])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every worker; the ObjectRefs, in rank order."""
@@ -125,15 +142,46 @@ class TrainGroup:
 
         return list(ray.get(self.call(method, *args, **kwargs)))
 
-    def train(self, rollout_id: int, data_refs: Any, external_data: Any = None) -> list[Any]:
-        """Start `train` on every rank, routing `external_data` per rank (`route_per_rank`); the refs."""
-        from tandem.value_transfer import route_per_rank
+    def train(
+        self,
+        rollout_id: int,
+        data_refs: Any,
+        external_data: Any = None,
+        *,
+        sample_indices: Sequence[Sequence[int]] | None = None,
+    ) -> list[Any]:
+        """Start `train` on every rank with its payload of `external_data`; the refs, in rank order.
 
-        payloads = route_per_rank(external_data, len(self.workers))
+        `external_data`: the other role's per-rank results (the critic's for the
+        actor, merged per rank with the actor's own `compute_log_probs` results in
+        the KL-first plan; the actor's `compute_log_probs` results for the critic),
+        a single payload for every rank, or None. `sample_indices`: this group's
+        samples, one list per rank (or per data-parallel rank), each in its batch's
+        order. Without it, payload `r` goes to rank `r` (`route_per_rank`); with it,
+        the other role's Boxes are routed by sample when they do not line up rank by
+        rank (actor and critic with different layouts), see `payloads.route_payloads`.
+        """
+        payloads = route_payloads(
+            self.role, external_data, len(self.workers), sample_indices=sample_indices, layout=self.layout
+        )
         return [
             w.train.remote(rollout_id, data_refs, payload)
             for w, payload in zip(self.workers, payloads, strict=True)
         ]
+
+    def compute_log_probs(self, rollout_id: int, data_refs: Any) -> list[Any]:
+        """Start the actor's `compute_log_probs` on every rank (the KL-first plan); the refs, in rank order.
+
+        The model must be awake (the driver wakes it). Each last-stage rank's result
+        is `{"log_probs": Box, "ref_log_probs": Box, "actor_sample_indices": ...}`,
+        other ranks' `{}`; pass the list as the critic's `external_data` and, merged
+        per rank with the critic's results, as the actor's.
+        """
+        if self.role != "actor":
+            raise ValueError(
+                "compute_log_probs: only the actor computes log-probs; call it on the actor's group"
+            )
+        return self.call("compute_log_probs", rollout_id, data_refs)
 
     def kill(self) -> None:
         """Kill every worker process (no cleanup; for shutdown and crash tests); give the GPU shares back."""
@@ -174,7 +222,7 @@ def create_train_group(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     config.check_role(role)
-    config.check_world(len(bundle_indices))
+    config.check_world(len(bundle_indices), role=role)
     bundles = _Bundles(placement_group, tuple(bundle_indices))
     if shares is not None:
         claimed = 0
@@ -205,7 +253,7 @@ def create_train_group(
         ).remote(rank, len(bundle_indices))
         for rank, index in enumerate(bundle_indices)
     ]
-    group = TrainGroup(role, workers, 0, shares, bundles)
+    group = TrainGroup(role, workers, 0, shares, bundles, config.topology(role))
     try:
         master_addr, master_port = ray.get(workers[0].master_address.remote())
         starts = ray.get([w.init.remote(config, role, master_addr, master_port) for w in workers])

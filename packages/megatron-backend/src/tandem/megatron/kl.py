@@ -9,18 +9,21 @@ With `r = ref_log_probs − log_probs` = log(π_ref / π) at a sampled token
   which keeps its precision for small `r` where it is ≈ r²/2).
 - `low_var_kl`: `k3` clamped to [−10, 10] (only the upper bound can bind, since k3 ≥ 0).
 
-Used for the KL penalty in the policy loss (`kl_loss_coef`, `use_kl_loss`).
+Used for the KL penalty in the policy loss (`kl_loss_coef`, `use_kl_loss`) and
+for reward-level KL (`kl_coef`, `kl_penalized_rewards`: the KL-first plan).
 Masked positions, where both inputs are 0, give 0 for every kind.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from tandem.megatron.choices import KL_KINDS
 from tandem.megatron.choices import KlKind as KLKind
 
-__all__ = ["KL_KINDS", "KLKind", "approx_kl"]
+__all__ = ["KL_KINDS", "KLKind", "approx_kl", "kl_penalized_rewards"]
 
 LOW_VAR_KL_BOUND = 10.0
 """`low_var_kl` is clamped to ±this."""
@@ -62,3 +65,54 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: KLKind
         return torch.expm1(log_ratio) - log_ratio
     log_ratio = log_ratio.clamp(-_LOW_VAR_KL_LOG_RATIO_LIMIT, _LOW_VAR_KL_LOG_RATIO_LIMIT)
     return (torch.expm1(log_ratio) - log_ratio).clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+
+
+@torch.no_grad()
+def kl_penalized_rewards(
+    rewards: torch.Tensor,
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    kl_coef: float,
+    kind: KLKind = "k1",
+) -> torch.Tensor:
+    """Per-token rewards with reward-level KL: `r_t = −kl_coef · KL_t`, plus the scalar reward at the last trainable token.
+
+    The RLHF reward of Ziegler et al. 2019 ("Fine-Tuning Language Models from
+    Human Preferences", eq. 2) per token, as InstructGPT and OpenRLHF fold it:
+    every trainable token pays `kl_coef` times its KL estimate (`approx_kl` with
+    `kind`) of the policy that sampled it against the reference; the response's
+    scalar reward comes at its last trainable token (DESIGN.md, "PPO math
+    conventions"). `gae.compute_gae` / `gae.lambda_returns` take the result as
+    token-level rewards. Targets: computed under `no_grad`, in at least float32.
+
+    Args:
+        rewards: one scalar reward per response. Shape `(batch,)`.
+        log_probs: the old log-probs (the policy the rollout's training starts from). Shape `(batch, response_len)`.
+        ref_log_probs: the reference log-probs. Same shape.
+        loss_mask: 1 (or True) for trainable tokens. Same shape.
+        kl_coef: the KL weight (finite, ≥ 0); 0 gives the scalar rewards at the last token.
+        kind: the KL estimator (`KL_KINDS`).
+
+    Returns:
+        Token rewards, shape `(batch, response_len)`, 0 at masked positions.
+    """
+    from tandem.megatron.gae import scalar_at_last_token
+
+    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_penalized_rewards: `kl_coef` must be a finite number >= 0, got {kl_coef}")
+    if loss_mask.shape != log_probs.shape:
+        raise ValueError(
+            f"kl_penalized_rewards: `loss_mask` has shape {tuple(loss_mask.shape)} but `log_probs` has "
+            f"{tuple(log_probs.shape)}; pad both to (batch, response_len)"
+        )
+    if rewards.shape != log_probs.shape[:1]:
+        raise ValueError(
+            f"kl_penalized_rewards: `rewards` must have shape (batch,) = {tuple(log_probs.shape[:1])}, "
+            f"got {tuple(rewards.shape)}"
+        )
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    mask = loss_mask.detach().to(log_probs.device) != 0
+    kl = approx_kl(log_probs.detach().to(dtype), ref_log_probs.detach().to(dtype), kind)
+    token_rewards = scalar_at_last_token(rewards.to(device=log_probs.device, dtype=dtype), mask)
+    return torch.where(mask, token_rewards - kl_coef * kl, 0.0)

@@ -30,6 +30,7 @@ __all__ = [
     "explained_variance",
     "loss_sum_and_count",
     "policy_loss",
+    "tis_weights",
     "value_loss",
     "value_loss_and_metrics",
 ]
@@ -133,6 +134,37 @@ def policy_loss(
             "approx_kl": ((ratio - 1.0) - log_ratio).detach(),
         }
     return loss, metrics
+
+
+@torch.no_grad()
+def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights per token, `min(exp(old_log_probs − rollout_log_probs), cap)`, detached.
+
+    The rollout engine sampled the tokens from its own policy (another kernel
+    stack, a stale step in the async loop), not from π_old; the clipped surrogate
+    assumes π_old. Multiplying each token's policy loss by `π_old / π_rollout`
+    corrects the off-policy gap; truncating it at `cap` bounds the variance
+    (Ionides 2008, "Truncated Importance Sampling"; Yao et al. 2025, "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training"). The
+    log-ratio is clamped to ±`LOG_RATIO_LIMIT` before `exp`, as in `policy_loss`.
+
+    Args:
+        old_log_probs: log π_old(token), the trainer's. Shape `(batch, response_len)`.
+        rollout_log_probs: log π_rollout(token), the engine's. Same shape.
+        cap: the truncation, > 0 (WorkerConfig asks for >= 1).
+
+    Returns:
+        The weights, same shape, in `old_log_probs`' dtype (not masked: aggregate with the loss mask).
+    """
+    if not cap > 0:
+        raise ValueError(f"tis_weights: `cap` must be > 0 (e.g. 2.0), got {cap}")
+    _check_same_shape(
+        "tis_weights",
+        "old_log_probs",
+        {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs},
+    )
+    log_ratio = torch.clamp(old_log_probs - rollout_log_probs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
 def value_loss_and_metrics(

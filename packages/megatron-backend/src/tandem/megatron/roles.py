@@ -3,13 +3,17 @@
 Both roles follow the same numbered stages, in this order (`train_critic`, `train_actor`):
 
 1. Forward only, with the weights the rollout's training starts from: the
-   old values (critic); the old log-probs and, with a KL loss, the reference
-   log-probs with the reference weights swapped in (actor).
+   old values (critic); the old log-probs and, with a KL loss or reward-level
+   KL, the reference log-probs with the reference weights swapped in (actor),
+   or those that `compute_log_probs` already returned (the KL-first plan).
 2. Targets, pure functions of those (`critic_targets`, `actor_targets`),
    stored in the batch as padded per-token fields so that every micro-batch
-   carries its own: critic: old values → λ-returns (`gae.lambda_returns`, no
-   advantages); actor: the critic's values (0 without a critic) → GAE
-   advantages → whitening over the data-parallel group when asked.
+   carries its own. The rewards are the scalar rewards, or with `kl_coef != 0`
+   the KL-folded token rewards (`reward_signal`), the same on both roles since
+   both get the actor's old and reference log-probs. Critic: old values →
+   λ-returns (`gae.lambda_returns`, no advantages); actor: the critic's values
+   (0 without a critic) → GAE advantages → whitening over the data-parallel
+   group when asked.
 3. The train step (`train_step.train_step`): `ppo_epochs` passes of
    minibatches, each an optimizer step on the role's loss (`critic_loss`,
    `actor_loss`, pure, in Megatron's per-token form).
@@ -19,7 +23,7 @@ Both roles follow the same numbered stages, in this order (`train_critic`, `trai
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,34 +34,90 @@ from tandem.megatron.batch import RolloutBatch, pad_responses, unpad_responses
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.forward import ResponseOutputs, forward_only
 from tandem.megatron.gae import compute_gae, lambda_returns
-from tandem.megatron.kl import approx_kl
+from tandem.megatron.kl import approx_kl, kl_penalized_rewards
 from tandem.megatron.losses import (
     explained_variance,
     loss_sum_and_count,
     policy_loss,
+    tis_weights,
     value_loss_and_metrics,
+)
+from tandem.megatron.payloads import (
+    ACTOR_SAMPLE_INDICES,
+    CRITIC_SAMPLE_INDICES,
+    LOG_PROBS,
+    REF_LOG_PROBS,
+    VALUES,
 )
 from tandem.megatron.train_step import reduce_metrics, train_step
 
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
 """Exact means over each optimizer step of the critic."""
-ACTOR_STEP_METRICS = ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "kl_loss", "entropy")
-"""Exact means over each optimizer step of the actor (`kl_loss`, `entropy` only when configured)."""
-CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance")
-"""Figures of the rollout's targets, over the data-parallel group."""
-ACTOR_ROLLOUT_METRICS = ("log_prob", "advantages_mean", "values_mean", "returns_mean")
-"""Figures of the rollout's targets, over the data-parallel group (advantages before whitening)."""
+ACTOR_STEP_METRICS = (
+    "pg_loss",
+    "clip_frac",
+    "dual_clip_frac",
+    "approx_kl",
+    "kl_loss",
+    "entropy",
+    "tis_weight",
+)
+"""Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured)."""
+CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance", "reward_kl")
+"""Figures of the rollout's targets, over the data-parallel group (`reward_kl` only with `kl_coef != 0`)."""
+ACTOR_ROLLOUT_METRICS = ("log_prob", "advantages_mean", "values_mean", "returns_mean", "reward_kl")
+"""Figures of the rollout's targets, over the data-parallel group (advantages before whitening;
+`reward_kl`, the mean per-token KL of the reward, only with `kl_coef != 0`)."""
+
 
 LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
 # --- 2. targets -------------------------------------------------------------------------------------
+def reward_signal(
+    batch: RolloutBatch,
+    log_probs: torch.Tensor | None,
+    ref_log_probs: torch.Tensor | None,
+    config: WorkerConfig,
+    *,
+    device: torch.device,
+    dp_group: Any = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The rewards GAE runs on, and their figures: scalar rewards, or the KL-folded token rewards.
+
+    With `kl_coef == 0`: `batch.rewards`, shape `(n,)`, exactly as without the
+    KL-first plan (the log-probs are not read). Otherwise
+    `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
+    `(n, max_response_len)`; critic and actor call this with the same log-probs
+    (the actor's, from `compute_log_probs`), hence the same rewards bit for bit.
+    """
+    if config.kl_coef == 0:
+        return batch.rewards, {}
+    assert log_probs is not None and ref_log_probs is not None, "checked by the caller"
+    mask = batch.padded_loss_mask(device)
+    log_probs, ref_log_probs = log_probs.to(device), ref_log_probs.to(device)
+    rewards = kl_penalized_rewards(
+        batch.rewards, log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
+    )
+    kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
+    return rewards, {"reward_kl": masked_mean_var(kl, mask, group=dp_group)[0]}
+
+
 def critic_targets(
-    batch: RolloutBatch, old_values: torch.Tensor, config: WorkerConfig, *, dp_group: Any = None
+    batch: RolloutBatch,
+    old_values: torch.Tensor,
+    config: WorkerConfig,
+    *,
+    rewards: torch.Tensor | None = None,
+    dp_group: Any = None,
 ) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
-    """The critic's targets: returns from its old values; (batch with `old_values`, `returns`; rollout figures)."""
+    """The critic's targets: returns from its old values; (batch with `old_values`, `returns`; rollout figures).
+
+    `rewards`: what `reward_signal` gives; None: `batch.rewards`.
+    """
     mask = batch.padded_loss_mask(old_values.device)
-    returns = lambda_returns(batch.rewards, old_values, mask, config.gamma, config.lambd)
+    rewards = batch.rewards if rewards is None else rewards
+    returns = lambda_returns(rewards, old_values, mask, config.gamma, config.lambd)
     figures = {
         "values_mean": masked_mean_var(old_values, mask, group=dp_group)[0],
         "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
@@ -73,16 +133,19 @@ def actor_targets(
     values: torch.Tensor,
     config: WorkerConfig,
     *,
+    rewards: torch.Tensor | None = None,
     dp_group: Any = None,
 ) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
     """The actor's targets: GAE advantages on the critic's values, whitened when configured.
 
-    Returns the batch with `old_log_probs`, `ref_log_probs` and `advantages`, and
-    the rollout figures (advantages before whitening).
+    `rewards`: what `reward_signal` gives; None: `batch.rewards`. Returns the batch
+    with `old_log_probs`, `ref_log_probs`, `old_values` (the critic's values it used)
+    and `advantages`, and the rollout figures (advantages before whitening).
     """
     mask = batch.padded_loss_mask(old_log_probs.device)
     values = values.to(old_log_probs.device)
-    advantages, returns = compute_gae(batch.rewards, values, mask, config.gamma, config.lambd)
+    rewards = batch.rewards if rewards is None else rewards
+    advantages, returns = compute_gae(rewards, values, mask, config.gamma, config.lambd)
     figures = {
         "log_prob": masked_mean_var(old_log_probs, mask, group=dp_group)[0],
         "advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0],
@@ -92,7 +155,7 @@ def actor_targets(
     if config.normalize_advantages:
         advantages = whiten_advantages(advantages, mask, group=dp_group)
     targets = batch.with_targets(
-        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages
+        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, old_values=values, advantages=advantages
     )
     return targets, figures
 
@@ -121,9 +184,15 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
     per_token, token_metrics = policy_loss(
         log_probs, mb.old_log_probs, mb.advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c
     )
+    metrics: dict[str, torch.Tensor] = {}
+    if config.use_tis:
+        # Truncated importance sampling: the rollout came from the engine's policy, not from π_old.
+        weights = tis_weights(mb.old_log_probs, _rollout_log_probs(mb, log_probs), config.tis_cap)
+        per_token = per_token * weights
+        metrics["tis_weight"] = loss_sum_and_count(weights, mask, mode)[0]
     pg_sum, count = loss_sum_and_count(per_token, mask, mode)
     loss_sum = pg_sum
-    metrics = {"pg_loss": pg_sum.detach()}
+    metrics["pg_loss"] = pg_sum.detach()
     for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
         metrics[name] = loss_sum_and_count(token_metrics[name], mask, mode)[0]
     if config.use_kl_loss:
@@ -140,67 +209,200 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
     return loss_sum, count, metrics
 
 
+def _rollout_log_probs(mb: RolloutBatch, like: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs of the micro-batch, padded like `like`; ValueError naming `use_tis` if absent."""
+    if mb.rollout_log_probs is None:
+        raise ValueError(
+            "use_tis: the rollout batch has no rollout_log_probs; truncated importance sampling needs the "
+            "engine's per-token log-probs (RolloutBatch.rollout_log_probs), or set use_tis=False"
+        )
+    lengths = [int(lp.numel()) for lp in mb.rollout_log_probs]
+    if lengths != list(mb.response_lengths):
+        raise ValueError(
+            f"use_tis: rollout_log_probs have lengths {lengths[:8]} but the responses {mb.response_lengths[:8]}; "
+            "the engine must report one log-prob per response token"
+        )
+    return pad_responses(mb.rollout_log_probs).to(device=like.device, dtype=like.dtype)
+
+
 # --- the two roles, stage by stage ------------------------------------------------------------------
-def train_critic(trainee: Trainee, batch: RolloutBatch, group: Any, *, rollout_id: int) -> dict[str, Any]:
-    """Step 3 on one critic rank: returns `{"metrics": ...}`, plus `"values"` (a Box) on last-stage ranks."""
+TargetsHook = Callable[[RolloutBatch], None]
+"""Called with the batch once its targets are in (the worker keeps a host copy for `last_targets`)."""
+
+
+def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | None:
+    """Old log-probs of every sample under `temperature` (last stage; None elsewhere). Every rank must call."""
+    config = trainee.config
+    return forward_only(
+        trainee.chunks,
+        batch,
+        role="actor",
+        temperature=config.temperature,
+        micro_batch_size=config.micro_batch_size,
+    )
+
+
+def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> dict[str, Any]:
+    """Stage 1 of the actor alone, for the KL-first plan: old and reference log-probs as Boxes.
+
+    Returns, on pipeline-last-stage ranks, `{"log_probs": Box, "ref_log_probs": Box,
+    "actor_sample_indices": (...)}`, each Box `pack_values` of one tensor per
+    sample (its response length); `ref_log_probs` only when the actor keeps
+    reference weights. `{}` on other stages.
+    """
+    from tandem.value_transfer import pack_values
+
+    old_log_probs = _actor_log_probs(trainee, batch)
+    ref_log_probs = None
+    if trainee.reference is not None:
+        with trainee.reference_weights():
+            ref_log_probs = _actor_log_probs(trainee, batch)
+    if old_log_probs is None:
+        return {}
+    out: dict[str, Any] = {
+        LOG_PROBS: pack_values(unpad_responses(old_log_probs, batch.response_lengths)),
+        ACTOR_SAMPLE_INDICES: tuple(batch.sample_indices),
+    }
+    if ref_log_probs is not None:
+        out[REF_LOG_PROBS] = pack_values(unpad_responses(ref_log_probs, batch.response_lengths))
+    return out
+
+
+def train_critic(
+    trainee: Trainee,
+    batch: RolloutBatch,
+    external_data: Any,
+    group: Any,
+    *,
+    rank: int,
+    rollout_id: int,
+    on_targets: TargetsHook | None = None,
+) -> dict[str, Any]:
+    """Step 3 on one critic rank: returns `{"metrics": ...}`, plus `"values"` (a Box) and
+    `"critic_sample_indices"` on last-stage ranks.
+
+    `external_data`: with `kl_coef != 0`, the actor's `compute_log_probs` payload
+    for this rank (routed by `TrainGroup.train`); ignored otherwise.
+    """
     from megatron.core import parallel_state as mpu
     from tandem.value_transfer import pack_values
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()
+    dp_group = mpu.get_data_parallel_group()
+    # The actor's log-probs, checked on every rank before any collective, so that all fail alike.
+    log_probs = ref_log_probs = None
+    error: Exception | None = None
+    if config.kl_coef != 0 and last:
+        try:
+            log_probs = _external(external_data, LOG_PROBS, batch, rank=rank)
+            ref_log_probs = _external(external_data, REF_LOG_PROBS, batch, rank=rank)
+        except (ValueError, TypeError) as exc:
+            error = exc
+    missing = last and (log_probs is None or ref_log_probs is None)
+    if config.kl_coef != 0:
+        failed, missing = _any_rank([error is not None, missing], group)
+        _raise_if(failed, error)
+        if missing:
+            raise ValueError(
+                f"kl_coef: {config.kl_coef} folds the KL into the rewards, but critic ranks got no actor "
+                "log-probs and reference log-probs; run the actor's compute_log_probs first and pass its "
+                "results as the critic's external_data (the KL-first plan)"
+            )
     # 1. old values
     old_values = forward_only(trainee.chunks, batch, role="critic", micro_batch_size=config.micro_batch_size)
-    # 2. targets
+    # 2. targets, on the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}
     if old_values is not None:
-        batch, figures = critic_targets(batch, old_values, config, dp_group=mpu.get_data_parallel_group())
+        rewards, figures = reward_signal(
+            batch, log_probs, ref_log_probs, config, device=old_values.device, dp_group=dp_group
+        )
+        batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
+        figures |= target_figures
+        if on_targets is not None:
+            on_targets(batch)
     # 3. train step
     sums = train_step(trainee, batch, lambda mb, out: critic_loss(config, mb, out), rollout_id=rollout_id)
     # 4. metrics, and the old values for the actor
+    rollout_metrics = [k for k in CRITIC_ROLLOUT_METRICS if k != "reward_kl" or config.kl_coef != 0]
     metrics = reduce_metrics(
         group,
         sums,
         step_metrics=CRITIC_STEP_METRICS,
-        rollout={k: figures.get(k) for k in CRITIC_ROLLOUT_METRICS},
+        rollout={k: figures.get(k) for k in rollout_metrics},
         last=last,
     )
     result: dict[str, Any] = {"metrics": metrics}
     if old_values is not None:
-        result["values"] = pack_values(unpad_responses(old_values, batch.response_lengths))
+        result[VALUES] = pack_values(unpad_responses(old_values, batch.response_lengths))
+        result[CRITIC_SAMPLE_INDICES] = tuple(batch.sample_indices)
     return result
 
 
 def train_actor(
-    trainee: Trainee, batch: RolloutBatch, external_data: Any, group: Any, *, rank: int, rollout_id: int
+    trainee: Trainee,
+    batch: RolloutBatch,
+    external_data: Any,
+    group: Any,
+    *,
+    rank: int,
+    rollout_id: int,
+    on_targets: TargetsHook | None = None,
 ) -> dict[str, Any]:
-    """Step 4 on one actor rank: returns `{"metrics": ...}`."""
+    """Step 4 on one actor rank: returns `{"metrics": ...}`.
+
+    `external_data`: the critic's values for this rank (a Box, a `SampleGather`,
+    or a dict with `"values"`), None without a critic; in the KL-first plan a dict
+    that also holds this rank's own `compute_log_probs` payload (`"log_probs"`,
+    `"ref_log_probs"`).
+    """
     from megatron.core import parallel_state as mpu
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()
-
-    def log_probs() -> torch.Tensor | None:
-        return forward_only(
-            trainee.chunks,
-            batch,
-            role="actor",
-            temperature=config.temperature,
-            micro_batch_size=config.micro_batch_size,
-        )
-
-    # 1. old log-probs, and reference log-probs with the reference weights swapped in
-    old_log_probs = log_probs()
+    needs_ref = config.use_kl_loss or config.kl_coef != 0
+    # 1. old log-probs, and reference log-probs with the reference weights swapped in. Given ones
+    # (compute_log_probs ran on these very weights, which have not changed since) are reused: on
+    # the CPU they are bit-equal to a recomputation, on the GPU equal up to kernel nondeterminism,
+    # and reusing them is what makes critic and actor fold the very same KL into the rewards.
+    # Every rank of the model must take the same branch (the forward passes are collective).
+    given_old = given_ref = None
+    error: Exception | None = None
+    try:
+        if last:
+            given_old = _external(external_data, LOG_PROBS, batch, rank=rank)
+            given_ref = _external(external_data, REF_LOG_PROBS, batch, rank=rank) if needs_ref else None
+    except (ValueError, TypeError) as exc:
+        error = exc
+    failed, recompute_old, recompute_ref = _any_rank(
+        [error is not None, last and given_old is None, last and needs_ref and given_ref is None], group
+    )
+    _raise_if(failed, error)
+    reuse_old, reuse_ref = not recompute_old, not recompute_ref
+    old_log_probs = given_old if reuse_old else _actor_log_probs(trainee, batch)
     ref_log_probs = None
-    if config.use_kl_loss:
-        with trainee.reference_weights():
-            ref_log_probs = log_probs()
-    # 2. targets, on the critic's values
+    if needs_ref:
+        if reuse_ref:
+            ref_log_probs = given_ref
+        else:
+            with trainee.reference_weights():
+                ref_log_probs = _actor_log_probs(trainee, batch)
+    # 2. targets, on the critic's values and the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}
-    if old_log_probs is not None:
-        values = _critic_values(external_data, batch, rank=rank, device=old_log_probs.device)
-        batch, figures = actor_targets(
-            batch, old_log_probs, ref_log_probs, values, config, dp_group=mpu.get_data_parallel_group()
+    if last:
+        assert old_log_probs is not None, "the last stage computes or is given log-probs"
+        device = old_log_probs.device
+        values = _critic_values(external_data, batch, rank=rank, device=device)
+        dp_group = mpu.get_data_parallel_group()
+        rewards, figures = reward_signal(
+            batch, old_log_probs, ref_log_probs, config, device=device, dp_group=dp_group
         )
+        batch, target_figures = actor_targets(
+            batch, old_log_probs, ref_log_probs, values, config, rewards=rewards, dp_group=dp_group
+        )
+        figures |= target_figures
+        if on_targets is not None:
+            on_targets(batch)
     # 3. train step
     sums = train_step(
         trainee,
@@ -210,29 +412,90 @@ def train_actor(
         with_entropy=config.entropy_coef > 0,
     )
     # 4. metrics
-    skip = ({"kl_loss"} if not config.use_kl_loss else set()) | (
-        {"entropy"} if config.entropy_coef <= 0 else set()
+    skip = (
+        ({"kl_loss"} if not config.use_kl_loss else set())
+        | ({"entropy"} if config.entropy_coef <= 0 else set())
+        | ({"tis_weight"} if not config.use_tis else set())
+        | ({"reward_kl"} if config.kl_coef == 0 else set())
     )
     metrics = reduce_metrics(
         group,
         sums,
         step_metrics=[k for k in ACTOR_STEP_METRICS if k not in skip],
-        rollout={k: figures.get(k) for k in ACTOR_ROLLOUT_METRICS},
+        rollout={k: figures.get(k) for k in ACTOR_ROLLOUT_METRICS if k not in skip},
         last=last,
     )
     return {"metrics": metrics}
+
+
+def _any_rank(flags: list[bool], group: Any) -> list[bool]:
+    """Whether each flag holds on any rank of `group` (one tiny all-reduce; every rank must call)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    vector = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+    torch.distributed.all_reduce(vector, op=torch.distributed.ReduceOp.MAX, group=group)
+    return [bool(v > 0) for v in vector.tolist()]
+
+
+def _raise_if(failed: bool, error: Exception | None) -> None:
+    """Raise this rank's error, or, when only another rank failed, say so (every rank stops alike)."""
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            "external_data: another rank of this group refused its payload; see that rank's error"
+        )
+
+
+def _unpack(payload: Any, batch: RolloutBatch, device: torch.device, what: str) -> torch.Tensor:
+    """A Box or `SampleGather` of per-sample tensors for this rank's samples, padded `(n, max_response_len)`."""
+    from tandem.value_transfer import unpack_values
+
+    tensors = unpack_values(payload, device, sample_indices=batch.sample_indices)
+    lengths = [int(t.numel()) for t in tensors]
+    if lengths != list(batch.response_lengths):
+        raise ValueError(
+            f"external_data[{what!r}]: per-sample lengths {lengths[:8]} do not match this rank's response "
+            f"lengths {list(batch.response_lengths)[:8]}; the payload was made for other samples"
+        )
+    return pad_responses(tensors)
+
+
+def _external(external_data: Any, key: str, batch: RolloutBatch, *, rank: int) -> torch.Tensor | None:
+    """`external_data[key]` (the actor's log-probs) for this rank's samples, padded; None when absent."""
+    if not isinstance(external_data, Mapping) or external_data.get(key) is None:
+        return None
+    indices = external_data.get(ACTOR_SAMPLE_INDICES)
+    if indices is not None and tuple(indices) != tuple(batch.sample_indices):
+        raise ValueError(
+            f"external_data: rank {rank} got {key!r} of samples {list(indices)[:8]} but holds samples "
+            f"{list(batch.sample_indices)[:8]}; route it with TrainGroup.train(..., sample_indices=...)"
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return _unpack(external_data[key], batch, device or torch.device("cpu"), key)
 
 
 def _critic_values(
     external_data: Any, batch: RolloutBatch, *, rank: int, device: torch.device
 ) -> torch.Tensor:
     """The critic's old values for this last-stage rank's samples, padded; zeros when the run has no critic."""
-    from tandem.value_transfer import unpack_values, values_for_rank
+    from tandem.value_transfer import values_for_rank
 
-    if external_data is None:
+    payload = external_data.get(VALUES) if isinstance(external_data, Mapping) else external_data
+    # No critic: the payload is None, or holds only the actor's own log-probs (the KL-first plan).
+    # A critic's result without values (a rank off the last stage) is a routing bug: values_for_rank says so.
+    no_critic = external_data is None or (
+        isinstance(external_data, Mapping) and VALUES not in external_data and "metrics" not in external_data
+    )
+    if no_critic:
         return torch.zeros(len(batch), batch.max_response_length, device=device)
-    payload = external_data.get("values") if isinstance(external_data, Mapping) else external_data
+    indices = external_data.get(CRITIC_SAMPLE_INDICES) if isinstance(external_data, Mapping) else None
+    if indices is not None and tuple(indices) != tuple(batch.sample_indices):
+        raise ValueError(
+            f"external_data: actor rank {rank} got the critic's values of samples {list(indices)[:8]} but "
+            f"holds samples {list(batch.sample_indices)[:8]}; with another critic layout pass "
+            "TrainGroup.train(..., sample_indices=...) so that values are routed by sample"
+        )
     # Raises, naming the rank, when a last-stage rank got no values.
     payload = values_for_rank(payload, rank=rank, is_pipeline_last_stage=True)
     assert payload is not None
-    return pad_responses(unpack_values(payload, device, sample_indices=batch.sample_indices))
+    return _unpack(payload, batch, device, VALUES)

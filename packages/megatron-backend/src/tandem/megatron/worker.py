@@ -33,7 +33,7 @@ from tandem.lifecycle import (
 from tandem.megatron import roles
 from tandem.megatron._cpu_compat import enable_cpu_compat
 from tandem.megatron._trainee import WEIGHTS, Trainee, build_trainee
-from tandem.megatron.batch import resolve_batch
+from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.checkpoint import load_checkpoint, save_checkpoint
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
@@ -77,6 +77,7 @@ class TrainWorker:
         self._lifecycle: Any = None
         self._group: Any = None
         self._gpu_start: dict[str, int | None] = {}
+        self._last_targets: dict[str, Any] = {}
 
     # --- setup ---------------------------------------------------------------------------
     def master_address(self) -> tuple[str, int]:
@@ -89,7 +90,7 @@ class TrainWorker:
         Returns the rollout id to start from: the loaded checkpoint's plus one, else 0.
         """
         config.check_role(role)
-        config.check_world(self.world_size)
+        config.check_world(self.world_size, role=role)
         on_gpu = _resolve_device(config) == "cuda"
         device_before_context = device_used_bytes() if on_gpu else None
         self.config, self.role = config, role
@@ -142,27 +143,87 @@ class TrainWorker:
             rollout_id: the rollout being trained on (logs; seeds the minibatch shuffling).
             data_ref: this rank's `RolloutBatch`, an ObjectRef or `Box` of it, or a
                 list with one of those per data-parallel rank (this rank takes its own).
-            external_data: actor only: the critic's payload for this rank (a `Box`
-                from the critic's `{"values": Box}`, that dict itself, or a
-                `SampleGather`); None when the run has no critic (values are 0).
+            external_data: this rank's payload from the other role (`TrainGroup.train`
+                routes it). Actor: the critic's values (a `Box` from the critic's
+                `{"values": Box}`, that dict itself, or a `SampleGather`), None when the
+                run has no critic (values are 0); in the KL-first plan the dict also holds
+                this rank's `compute_log_probs` results (`"log_probs"`, `"ref_log_probs"`),
+                which are then reused. Critic: with `kl_coef != 0`, the actor's
+                `compute_log_probs` payload for this rank (required); ignored otherwise.
 
         Returns:
             `{"metrics": {...}}`, the same on every rank; the critic's
-            pipeline-last-stage ranks add `"values"`: a `Box` of the old values.
+            pipeline-last-stage ranks add `"values"` (a `Box` of the old values) and
+            `"critic_sample_indices"` (their samples, in order).
         """
         trainee = self._require_init()
         if self._lifecycle.asleep:
             self._lifecycle.wake_up()
-        batch = resolve_batch(
-            data_ref, dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size()
-        )
+        batch = self._batch(data_ref)
         logger.info(
             "rank %d: %s trains on rollout %d (%d samples)", self.rank, self.role, rollout_id, len(batch)
         )
-        if self.role == "critic":
-            return roles.train_critic(trainee, batch, self._group, rollout_id=rollout_id)
-        return roles.train_actor(
-            trainee, batch, external_data, self._group, rank=self.rank, rollout_id=rollout_id
+        self._last_targets = {}
+        train = roles.train_critic if self.role == "critic" else roles.train_actor
+        return train(
+            trainee,
+            batch,
+            external_data,
+            self._group,
+            rank=self.rank,
+            rollout_id=rollout_id,
+            on_targets=self._keep_targets,
+        )
+
+    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> dict[str, Any]:
+        """The actor's old and reference log-probs of this rank's samples, for the KL-first plan.
+
+        Never wakes or sleeps: the driver wakes the actor before (RuntimeError if
+        asleep). Old log-probs under `temperature` with the current weights, and
+        reference log-probs with the reference weights swapped in from the host
+        (kept when `kl_coef != 0` or `use_kl_loss`). Every rank must take part.
+
+        Returns:
+            On pipeline-last-stage ranks `{"log_probs": Box, "ref_log_probs": Box,
+            "actor_sample_indices": (...)}`, each Box `pack_values` of one tensor per
+            sample (its response length; `ref_log_probs` only with reference
+            weights); `{}` elsewhere.
+        """
+        trainee = self._require_init()
+        if self.role != "actor":
+            raise ValueError(
+                "compute_log_probs: only the actor computes log-probs (this worker is the critic)"
+            )
+        if self._lifecycle.asleep:
+            raise RuntimeError(
+                "compute_log_probs: the model is asleep and computing never wakes it; the driver wakes "
+                "the actor first (and puts it back to sleep before the critic trains)"
+            )
+        batch = self._batch(data_ref)
+        logger.info("rank %d: actor log-probs of rollout %d (%d samples)", self.rank, rollout_id, len(batch))
+        return roles.compute_log_probs(trainee, batch)
+
+    def last_targets(self) -> dict[str, Any]:
+        """Host copies of this rank's per-token targets of its last `train` call (tests, debugging).
+
+        On pipeline-last-stage ranks: `sample_indices` and the padded targets that
+        were set (critic: `old_values`, `returns`; actor: `old_log_probs`,
+        `ref_log_probs`, `old_values` (the critic's values it used), `advantages`);
+        `{}` elsewhere or before any `train`.
+        """
+        return dict(self._last_targets)
+
+    def _keep_targets(self, batch: RolloutBatch) -> None:
+        kept: dict[str, Any] = {"sample_indices": list(batch.sample_indices)}
+        for name in TARGETS:
+            value = getattr(batch, name)
+            if value is not None:
+                kept[name] = value.detach().to("cpu", copy=True)
+        self._last_targets = kept
+
+    def _batch(self, data_ref: Any) -> RolloutBatch:
+        return resolve_batch(
+            data_ref, dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size()
         )
 
     # --- lifecycle ---------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""The actor's loss with truncated importance sampling, by hand (no Megatron: `roles.actor_loss` is pure)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.megatron import RolloutBatch, WorkerConfig
+from tandem.megatron.forward import ResponseOutputs
+from tandem.megatron.roles import actor_loss
+
+
+def _config(tmp_path: Path, **overrides: object) -> WorkerConfig:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    fields: dict[str, object] = {
+        "hf_checkpoint": str(tmp_path),
+        "rollout_batch_size": 2,
+        "global_batch_size": 2,
+        "device": "cpu",
+        "params_dtype": "float32",
+        "eps_clip": 0.2,
+    }
+    fields.update(overrides)
+    return WorkerConfig(**fields)  # type: ignore[arg-type]
+
+
+def _micro_batch(rollout_log_probs: list[torch.Tensor] | None) -> RolloutBatch:
+    # Two samples of 2 response tokens; sample 1's last token is masked out.
+    batch = RolloutBatch(
+        tokens=[torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])],
+        response_lengths=[2, 2],
+        loss_masks=[torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])],
+        rewards=torch.zeros(2),
+        rollout_log_probs=rollout_log_probs,
+    )
+    return batch.with_targets(
+        old_log_probs=torch.tensor([[math.log(0.5), math.log(0.5)], [math.log(0.5), math.log(0.5)]]),
+        advantages=torch.tensor([[1.0, -2.0], [3.0, 0.0]]),
+    )
+
+
+def test_tis_multiplies_each_tokens_policy_loss_by_its_truncated_weight(tmp_path: Path) -> None:
+    # The new log-probs equal the old ones: ratio 1, no clipping, per-token loss −A = (−1, 2 | −3, ·).
+    # Engine log-probs: ln 0.5 (weight 1), ln 0.2 (weight 2.5 → cap 2) | ln 1.0 (weight 0.5).
+    rollout = [torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([1.0, 0.3]))]
+    mb = _micro_batch(rollout)
+    assert mb.old_log_probs is not None
+    log_probs = mb.old_log_probs.clone().requires_grad_()
+    outputs = ResponseOutputs(log_probs=log_probs)
+
+    plain_sum, plain_count, plain_metrics = actor_loss(_config(tmp_path), mb, outputs)
+    loss_sum, count, metrics = actor_loss(_config(tmp_path, use_tis=True, tis_cap=2.0), mb, outputs)
+
+    # sample_mean: sample 0 (−1·1 + 2·2) / 2 = 1.5, sample 1: −3·0.5 = −1.5; the sum over samples 0.
+    # Without TIS: (−1 + 2) / 2 + (−3) = −2.5.
+    assert plain_sum.item() == pytest.approx(-2.5)
+    assert loss_sum.item() == pytest.approx(0.0, abs=1e-6)
+    assert count.item() == plain_count.item() == 2
+    # Mean weight per sample, then summed: (1 + 2) / 2 + 0.5 = 2 (numerator over 2 samples: mean 1).
+    assert metrics["tis_weight"].item() == pytest.approx(2.0)
+    assert "tis_weight" not in plain_metrics
+    # The weights are detached: the gradient of token (0, 1) is 2 (weight) · 2 (−A) · ratio / 2 tokens.
+    loss_sum.backward()
+    assert log_probs.grad is not None
+    assert log_probs.grad[0, 1].item() == pytest.approx(2.0 * 2.0 / 2)
+
+
+def test_tis_without_rollout_log_probs_names_the_flag(tmp_path: Path) -> None:
+    mb = _micro_batch(None)
+    assert mb.old_log_probs is not None
+    with pytest.raises(ValueError, match="use_tis"):
+        actor_loss(_config(tmp_path, use_tis=True), mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))

@@ -439,14 +439,16 @@ class PPODriver:
     def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
         config = self.config
         eos = self.tokenizer.eos_token_id
-        stop = tuple(config.rollout_stop_token_ids) + ((eos,) if eos is not None else ())
+        ignore_eos = config.rollout_ignore_eos and not eval_mode
+        # With ignore_eos the responses run to their full length: EOS is then an ordinary token.
+        stop = tuple(config.rollout_stop_token_ids) + ((eos,) if eos is not None and not ignore_eos else ())
         params = SamplingParams(
             max_new_tokens=config.rollout_max_response_len,
             temperature=config.eval_temperature if eval_mode else config.temperature,
             top_p=1.0 if eval_mode else config.rollout_top_p,
             top_k=-1 if eval_mode else config.rollout_top_k,
             stop_token_ids=stop,
-            ignore_eos=config.rollout_ignore_eos and not eval_mode,
+            ignore_eos=ignore_eos,
             seed=seed,
         )
         n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt

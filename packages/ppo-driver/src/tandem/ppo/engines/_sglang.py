@@ -21,7 +21,6 @@ command, while attaching to running servers needs only `requests`.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import os
 import subprocess
@@ -40,14 +39,17 @@ class SGLangUnavailableError(RuntimeError):
     """sglang is not installed, so no server can be launched."""
 
 
-def require_sglang() -> None:
-    """Raise `SGLangUnavailableError` with the install command when sglang cannot be imported."""
-    if importlib.util.find_spec("sglang") is None:
+def require_sglang() -> str:
+    """sglang's version; `SGLangUnavailableError` with the install command when it cannot be imported."""
+    try:
+        import sglang  # the extra `tandem-ppo-driver[sglang]`; the server itself runs as `-m sglang.launch_server`
+    except ImportError as exc:
         raise SGLangUnavailableError(
             "engine='sglang' launches `python -m sglang.launch_server`, but sglang is not installed; "
             f"install the extra with `{INSTALL_HINT}` (GPU hosts only), or pass "
             "EngineOptions.sglang_urls to attach to running servers, or use engine='embedded'"
-        )
+        ) from exc
+    return str(getattr(sglang, "__version__", "unknown"))
 
 
 def sampling_payload(params: SamplingParams) -> dict[str, Any]:

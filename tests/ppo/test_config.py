@@ -86,7 +86,7 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
 BREAKERS: list[tuple[str, Any]] = [
     ("--global-batch-size", lambda v: {**v, "global_batch_size": v["global_batch_size"] * 1000 + 1}),
     ("--micro-batch-size", lambda v: {**v, "micro_batch_size": 0}),
-    ("--kl-coef", lambda v: {**v, "kl_coef": 0.1}),
+    ("--kl-coef", lambda v: {**v, "kl_coef": -0.1}),
     ("--hf-checkpoint", lambda v: {**v, "hf_checkpoint": v["hf_checkpoint"] + "-missing"}),
     ("--prompt-data", lambda v: {**v, "prompt_data": v["prompt_data"] + ".missing"}),
     ("--num-critic-only-steps", lambda v: {**v, "num_critic_only_steps": v["num_rollout"] + 1}),
@@ -140,7 +140,7 @@ SCALARS = {
     "lr": st.floats(-1, 1) | st.just(float("nan")),
     "eps_clip": st.floats(-1, 2) | st.just(float("nan")),
     "gamma": st.floats(-1, 2),
-    "kl_coef": st.sampled_from([0.0, 0.1]),
+    "kl_coef": st.sampled_from([-0.1, 0.0, 0.1]),
     "rollout_top_p": st.floats(-1, 2),
     "rollout_top_k": st.integers(-3, 5),
     "eval_interval": st.none() | st.integers(-1, 3),

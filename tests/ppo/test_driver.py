@@ -237,3 +237,39 @@ def test_async_overlaps_generation_with_training(
 def test_async_is_refused_with_colocate(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^--async: .*--no-colocate"):
         demo_config(tmp_path / "run", async_mode=True).validate()
+
+
+def test_kl_first_plan_with_a_shared_critic(
+    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+) -> None:
+    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None, export_hf=False)
+    summary = run(config, ray_start)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    for k in (0, 1):
+        (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
+        (critic,) = [
+            e["t"]
+            for e in events
+            if e["event"] == "train_begin" and e["role"] == "critic" and e["rollout_id"] == k
+        ]
+        assert logp < critic  # the actor's log-probs exist before the critic trains
+    for m in summary.metrics:
+        assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
+        assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
+    assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
+
+
+def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
+    config = demo_config(
+        tmp_path / "run",
+        num_rollout=1,
+        local_gpus=2,
+        actor_num_gpus_per_node=2,
+        tensor_model_parallel_size=2,  # actor: TP 2, DP 1
+        critic_tensor_model_parallel_size=1,  # critic: TP 1, DP 2
+        micro_batch_size=16,
+        eval_interval=None,
+        export_hf=False,
+    )
+    summary = run(config, ray_start)
+    assert summary.metrics[0]["critic/values_mean"] == pytest.approx(summary.metrics[0]["actor/values_mean"])

@@ -280,7 +280,7 @@ class PPOConfig(WorkerConfig):
         self._check_files()
         try:
             worker = self.worker_config()
-            worker.check_world(self.actor_num_gpus)
+            worker.check_world(self.actor_num_gpus, role=None if self.use_critic else "actor")
             worker.check_role("actor")
             if self.use_critic:
                 worker.check_role("critic")
@@ -417,14 +417,16 @@ class PPOConfig(WorkerConfig):
             raise ValueError(f"--run-dir: {self.run_dir!r} is a file; it must be a folder (or not exist yet)")
 
     def _check_split(self) -> None:
-        dp = self.actor_data_parallel_size
         samples = self.samples_per_rollout
-        if samples % dp:
-            raise ValueError(
-                f"--rollout-batch-size: a rollout's {samples} samples (rollout_batch_size * "
-                f"n_samples_per_prompt) do not split evenly over {dp} data-parallel ranks; make it a "
-                f"multiple of {dp}"
-            )
+        roles: tuple[Any, ...] = ("actor", "critic") if self.use_critic else ("actor",)
+        for role in roles:
+            dp = self.data_parallel_size(self.actor_num_gpus, role)
+            if samples % dp:
+                raise ValueError(
+                    f"--rollout-batch-size: a rollout's {samples} samples (rollout_batch_size * "
+                    f"n_samples_per_prompt) do not split evenly over the {role}'s {dp} data-parallel "
+                    f"ranks; make it a multiple of {dp}"
+                )
 
 
 def _flagged(message: str) -> str:

@@ -107,7 +107,8 @@ class Sampled:
 
     rollout_id: int
     rollout: Rollout
-    data_refs: list[Any]
+    data_refs: dict[str, list[Any]]
+    sample_indices: dict[str, list[list[int]]]
     data_state: dict[str, Any]
     weights_version: int
     counts: dict[str, float]
@@ -129,6 +130,9 @@ class PPODriver:
         self._started_ray = False
         self.weights_version = 0
         self.weight_pack: Any = None
+        worker = config.worker_config()
+        roles: tuple[Any, ...] = ("actor", "critic") if config.use_critic else ("actor",)
+        self.data_parallel_sizes = {r: worker.data_parallel_size(config.actor_num_gpus, r) for r in roles}
         self.actor: Any = None
         self.critic: Any = None
         self.engines: Any = None
@@ -356,11 +360,18 @@ class PPODriver:
         else:
             rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
         data_state = self.dataset.state_dict()
-        data_refs = [ray.put(b) for b in to_train_batches(rollout, config.actor_data_parallel_size)]
+        data_refs: dict[str, list[Any]] = {}
+        sample_indices: dict[str, list[list[int]]] = {}
+        for role, dp in self.data_parallel_sizes.items():
+            # Each role gets the rollout cut in its own data-parallel shares (a critic may have its own layout).
+            batches = to_train_batches(rollout, dp)
+            sample_indices[role] = [b.sample_indices for b in batches]
+            same = next((r for r in data_refs if self.data_parallel_sizes[r] == dp), None)
+            data_refs[role] = data_refs[same] if same is not None else [ray.put(b) for b in batches]
         self.events.record("generate_end", rollout_id=rollout_id)
         seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
         seconds["time/rollout"] = time.perf_counter() - start
-        return Sampled(rollout_id, rollout, data_refs, data_state, version, counts, seconds)
+        return Sampled(rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds)
 
     def step(
         self, rollout_id: int, sampled: Sampled | None = None, *, generating: Future[Sampled] | None = None
@@ -378,23 +389,30 @@ class PPODriver:
         # 1. rollout: sample, score, split per data-parallel rank
         if sampled is None:
             sampled = self._draw(rollout_id)
-        data_refs = sampled.data_refs
 
         # 2. the engines hand their GPU memory back
         if self.release_engines:
             with self._phase("engine_release"):
                 self.engines.release_memory()
 
+        # 2b. KL-first plan (kl_coef != 0): the actor's old and reference log-probs before the
+        #     critic trains, so that both fold the same per-token KL into their rewards
+        log_probs = self._kl_first(rollout_id, sampled) if config.kl_coef != 0 else None
+
         # 3. critic: wake, old values + returns + value loss, sleep
         critic_out = None
         metrics: dict[str, Any] = {}
         if self.critic is not None:
-            critic_out = self._train(self.critic, rollout_id, data_refs)
+            critic_out = self._train(self.critic, rollout_id, sampled, external_data=log_probs)
             metrics.update({f"critic/{k}": v for k, v in critic_out[0]["metrics"].items()})
 
-        # 4. actor: wake, train with the critic's values, sleep
+        # 4. actor: wake, train with the critic's values (and its own log-probs), sleep
         if not critic_only:
-            actor_out = self._train(self.actor, rollout_id, data_refs, external_data=critic_out)
+            external = critic_out
+            if log_probs is not None:
+                critic_parts = critic_out if critic_out is not None else [{}] * len(log_probs)
+                external = [{**c, **a} for c, a in zip(critic_parts, log_probs, strict=True)]
+            actor_out = self._train(self.actor, rollout_id, sampled, external_data=external)
             metrics.update({f"actor/{k}": v for k, v in actor_out[0]["metrics"].items()})
 
         # 5. weights to the engines (weights back -> sync -> KV cache back)
@@ -461,9 +479,21 @@ class PPODriver:
             reward_fn=self.reward_fn,
         )
 
-    def _train(
-        self, group: Any, rollout_id: int, data_refs: list[Any], external_data: Any = None
-    ) -> list[Any]:
+    def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[Any]:
+        """The actor, woken briefly, computes its old and reference log-probs for the rollout."""
+        import ray
+
+        with self._phase("kl_first"):
+            if self.plan.wake_up_before_train:
+                self._wake(self.actor)
+            self.events.record("log_probs_begin", role="actor", rollout_id=rollout_id)
+            out: list[Any] = ray.get(self.actor.compute_log_probs(rollout_id, sampled.data_refs["actor"]))
+            self.events.record("log_probs_end", role="actor", rollout_id=rollout_id)
+            if self.plan.sleep_after_train:
+                self._sleep(self.actor)
+        return out
+
+    def _train(self, group: Any, rollout_id: int, sampled: Sampled, external_data: Any = None) -> list[Any]:
         import ray
 
         role = group.role
@@ -471,7 +501,13 @@ class PPODriver:
             self._wake(group)
         with self._phase(f"{role}_train"):
             self.events.record("train_begin", role=role, rollout_id=rollout_id)
-            out: list[Any] = ray.get(group.train(rollout_id, data_refs, external_data))
+            refs = group.train(
+                rollout_id,
+                sampled.data_refs[role],
+                external_data,
+                sample_indices=sampled.sample_indices[role],
+            )
+            out: list[Any] = ray.get(refs)
             self.events.record("train_end", role=role, rollout_id=rollout_id)
         if self.plan.sleep_after_train:
             self._sleep(group)

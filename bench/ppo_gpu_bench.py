@@ -715,7 +715,7 @@ def run_probe(
         from ray.util.placement_group import placement_group
 
         from tandem.megatron.config import WorkerConfig
-        from tandem.megatron.worker import create_train_group
+        from tandem.megatron.group import create_train_group
 
         hf = paths["work"] / "probe-hf"
         params = build_probe_model(hf, shape, seq_len=seq_len)

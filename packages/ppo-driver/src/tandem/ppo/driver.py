@@ -190,7 +190,7 @@ class PPODriver:
         self._started_ray = True
 
     def _setup_groups(self) -> None:
-        from tandem.megatron.worker import create_train_group
+        from tandem.megatron.group import create_train_group
         from tandem.placement import create_placement_groups
         from tandem.ppo.engines import EngineOptions, create_engine_group
 

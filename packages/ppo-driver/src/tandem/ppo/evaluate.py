@@ -82,7 +82,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     import ray
 
     from tandem.megatron.checkpoint import read_latest
-    from tandem.megatron.worker import create_train_group
+    from tandem.megatron.group import create_train_group
     from tandem.placement import PlacementSpec, create_placement_groups
     from tandem.ppo.config import read_yaml, unvalidated
     from tandem.ppo.export import export_actor

@@ -35,9 +35,16 @@ def demo_config(run_dir: Path, **overrides: Any) -> PPOConfig:
 
 
 def run(
-    config: PPOConfig, ray_start: Callable[[Callable[[], Any]], Any], *, snapshot: bool = False
+    config: PPOConfig,
+    ray_start: Callable[[Callable[[], Any]], Any],
+    *,
+    snapshot: bool = False,
+    after: Callable[[PPODriver], None] | None = None,
 ) -> RunSummary:
-    """Run the driver; with `snapshot`, save each model's final weights and optimizer state to RUN_DIR."""
+    """Run the driver; with `snapshot`, save each model's final weights and optimizer state to RUN_DIR.
+
+    `after(driver)` runs once the run is over, before the workers stop.
+    """
     ray_start(
         lambda: ray.init(num_gpus=config.local_gpus, num_cpus=2, include_dashboard=False, log_to_driver=False)
     )
@@ -49,6 +56,8 @@ def run(
             for group in (driver.actor, driver.critic):
                 group.run("wake_up")
                 torch.save(group.run("state_snapshot")[0], _last_state(Path(config.run_dir), group.role))
+        if after is not None:
+            after(driver)
         return summary
     finally:
         driver.close()
@@ -273,3 +282,52 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callabl
     )
     summary = run(config, ray_start)
     assert summary.metrics[0]["critic/values_mean"] == pytest.approx(summary.metrics[0]["actor/values_mean"])
+
+
+def test_exported_folder_matches_the_actor(
+    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+) -> None:
+    """The run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.value_transfer import unpack_values
+
+    config = demo_config(tmp_path / "run", num_rollout=2, eval_interval=None)
+    got: dict[str, Any] = {}
+
+    def actor_log_probs(driver: PPODriver) -> None:
+        sampled = driver._draw(2)
+        driver.actor.run("wake_up")
+        (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
+        got["batch"] = ray.get(sampled.data_refs["actor"][0])
+        got["log_probs"] = unpack_values(out["log_probs"], "cpu")
+
+    summary = run(config, ray_start, after=actor_log_probs)
+    assert summary.hf_dir is not None
+    model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)
+    base: Any = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=torch.float32)
+    batch = got["batch"]
+    moved = 0.0
+    for tokens, length, actor_lp in zip(batch.tokens, batch.response_lengths, got["log_probs"], strict=True):
+        with torch.no_grad():
+            logits = model(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
+            base_logits = base(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
+        response = tokens[-length:]
+        hf_lp = torch.log_softmax(logits, -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        base_lp = torch.log_softmax(base_logits, -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(hf_lp, actor_lp.float(), rtol=1e-4, atol=1e-4)
+        moved = max(moved, float((hf_lp - base_lp).abs().max()))
+    assert moved > 1e-3  # the export holds the trained weights, not the base model's
+
+
+def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.ppo.cli import run as cli
+
+    config = demo_config(tmp_path / "run")  # builds the base model and the task
+    status = cli(
+        ["eval", config.hf_checkpoint, "--data", str(config.eval_prompt_data), "--max-response-len", "1",
+         "--local-gpus", "1", "--custom-rm-path", "tandem.ppo._demo:digit_reward"]
+    )  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "eval/mean:" in out and "eval/accuracy:" in out

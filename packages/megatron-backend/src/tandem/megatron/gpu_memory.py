@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-__all__ = ["device_used_bytes", "process_gpu_bytes"]
+__all__ = ["all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
 
 
 def _nvidia_smi(*args: str) -> list[str] | None:
@@ -36,3 +36,13 @@ def device_used_bytes() -> int | None:
     device = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     lines = _nvidia_smi("--query-gpu=memory.used", "-i", device)
     return int(lines[0].strip()) * 1024**2 if lines else None
+
+
+def all_devices_used_bytes() -> list[int] | None:
+    """Memory in use on each GPU this process can see, from nvidia-smi; None without GPUs or nvidia-smi."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    args = ["--query-gpu=memory.used"] + (["-i", visible] if visible else [])
+    lines = _nvidia_smi(*args)
+    if not lines:
+        return None
+    return [int(line.strip()) * 1024**2 for line in lines if line.strip()]

@@ -206,6 +206,9 @@ class PPOConfig(WorkerConfig):
     tensorboard: bool = True
     """Write TensorBoard event files under RUN_DIR/tensorboard."""
 
+    gpu_memory_metrics: bool = True
+    """On GPUs, record each phase's device memory in use (`memory/<phase>_gib`, from nvidia-smi)."""
+
     progress: bool = True
     """Show a progress bar with the key figures."""
 

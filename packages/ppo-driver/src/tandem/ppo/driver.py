@@ -130,6 +130,7 @@ class PPODriver:
         self._started_ray = False
         self.weights_version = 0
         self.weight_pack: Any = None
+        self.track_gpu_memory = config.gpu_memory_metrics and config.device != "cpu"
         worker = config.worker_config()
         roles: tuple[Any, ...] = ("actor", "critic") if config.use_critic else ("actor",)
         self.data_parallel_sizes = {r: worker.data_parallel_size(config.actor_num_gpus, r) for r in roles}
@@ -551,6 +552,23 @@ class PPODriver:
         finally:
             key = f"time/{name}"
             self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
+            if self.track_gpu_memory:
+                self._record_gpu_memory(name)
+
+    def _record_gpu_memory(self, phase: str) -> None:
+        """`memory/<phase>_gib`: the most memory in use on any GPU at the end of the phase.
+
+        nvidia-smi's figure includes what torch's caching allocators keep, so it is close
+        to the phase's peak; on a machine without GPUs this turns itself off.
+        """
+        from tandem.megatron.gpu_memory import all_devices_used_bytes
+
+        used = all_devices_used_bytes()
+        if used is None:
+            self.track_gpu_memory = False
+            return
+        key = f"memory/{phase}_gib"
+        self.phase_seconds[key] = max(self.phase_seconds.get(key, 0.0), max(used) / 1024**3)
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
     def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:

@@ -79,7 +79,7 @@ def test_demo_task_learns(tmp_path: Path, ray_start: Callable[[Callable[[], Any]
     # step-to-step spread (about 0.1).
     assert last >= first + 0.3, rewards
     run_dir = tmp_path / "run"
-    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 30
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 40
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert (run_dir / "hf" / "config.json").is_file()
 

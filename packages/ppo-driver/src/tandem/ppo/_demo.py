@@ -96,7 +96,9 @@ def digit_reward(samples: list[Any]) -> list[float]:
     scores = []
     for sample in samples:
         answer = sample.response.strip()
-        scores.append(1.0 if answer == str(sample.label) else 0.1 if len(answer) == 1 and answer.isdigit() else 0.0)
+        scores.append(
+            1.0 if answer == str(sample.label) else 0.1 if len(answer) == 1 and answer.isdigit() else 0.0
+        )
     return scores
 
 

@@ -187,7 +187,8 @@ class PPODriver:
         else:
             if self.config.local_gpus is not None:
                 kwargs["num_gpus"] = self.config.local_gpus
-            ray.init(**kwargs)
+            # "local": a cluster of our own, even where `ray start` left one running on this machine.
+            ray.init(address="local", **kwargs)
         self._started_ray = True
 
     def _setup_groups(self) -> None:

@@ -43,7 +43,7 @@ def evaluate_model(args: Any) -> dict[str, float]:
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if args.local_gpus is not None:
             kwargs["num_gpus"] = args.local_gpus
-        ray.init(**kwargs)
+        ray.init(address="local", **kwargs)
     try:
         spec = PlacementSpec(actor_num_gpus_per_node=1, rollout_num_gpus=1, debug_rollout_only=True)
         with create_placement_groups(spec) as placements:
@@ -101,7 +101,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if config.local_gpus is not None:
             kwargs["num_gpus"] = config.local_gpus
-        ray.init(**kwargs)
+        ray.init(address="local", **kwargs)
     try:
         spec = PlacementSpec(
             actor_num_nodes=config.actor_num_nodes,

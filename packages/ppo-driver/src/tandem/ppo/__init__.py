@@ -30,7 +30,7 @@ _EXPORTS = {
     "PPOConfig": "config",
     "parse_config": "config",
     "PPODriver": "driver",
-    "RunSummary": "driver",
+    "RunSummary": "run_log",
     "train": "driver",
 }
 
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from ._demo import build_base_model, write_task
     from .cli import main
     from .config import PPOConfig, parse_config
-    from .driver import PPODriver, RunSummary, train
+    from .driver import PPODriver, train
+    from .run_log import RunSummary
 
 
 def __getattr__(name: str) -> Any:

@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def run(argv: Sequence[str]) -> int:
     """Run one subcommand; its exit status (0 ok, 2 bad input, 130 interrupted)."""
-    from tandem.ppo.driver import INTERRUPTED_EXIT_CODE, Interrupted
+    from tandem.ppo.run_log import INTERRUPTED_EXIT_CODE, Interrupted
 
     parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
     parser.add_argument("--version", action="version", version=_version())

@@ -22,76 +22,24 @@ so the same run can be compared with both models resident.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tandem.lifecycle import OffloadPlan
+from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.config import PPOConfig, write_yaml
 from tandem.ppo.engines import SamplingParams
 from tandem.ppo.rollout import Rollout, dynamic_sample, generate_rollout, to_train_batches
+from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state, save_state
 
 logger = logging.getLogger(__name__)
-
-INTERRUPTED_EXIT_CODE = 130
-
-
-class Interrupted(Exception):
-    """Ctrl-C stopped the run (after the step under way, and its save when configured)."""
-
-
-@dataclass
-class RunSummary:
-    """Where a finished (or interrupted) run put its results."""
-
-    run_dir: Path
-    last_rollout_id: int
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    hf_dir: Path | None = None
-    interrupted: bool = False
-
-    def describe(self) -> str:
-        """The lines printed at the end of a run."""
-        lines = [
-            f"run dir:      {self.run_dir}",
-            f"metrics:      {self.run_dir / 'metrics.jsonl'}",
-            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
-            f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
-            f"checkpoints:  {self.run_dir / 'actor'}, {self.run_dir / 'critic'}",
-        ]
-        if self.hf_dir is not None:
-            lines.append(f"hf model:     {self.hf_dir}")
-        if self.metrics:
-            last = self.metrics[-1]
-            figures = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "reward/accuracy") if k in last)
-            lines.append(f"last step:    {self.last_rollout_id} ({figures})")
-        return "\n".join(lines)
-
-
-class EventLog:
-    """Timestamped driver events (`RUN_DIR/events.jsonl`): phases, sleeps and wakes, in order."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
-
-    def record(self, event: str, **fields: Any) -> None:
-        """Append one event."""
-        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        """Close the file."""
-        self._file.close()
 
 
 @dataclass
@@ -124,13 +72,12 @@ class PPODriver:
         self.run_dir = Path(config.run_dir)
         self.plan = OffloadPlan.time_shared() if config.offload_train else OffloadPlan.resident()
         self.release_engines = config.colocate and config.offload_train
-        self.phase_seconds: dict[str, float] = {}
         self.metrics_so_far: list[dict[str, Any]] = []
         self._stop_requested = False
         self._started_ray = False
         self.weights_version = 0
         self.weight_pack: Any = None
-        self.track_gpu_memory = config.gpu_memory_metrics and config.device != "cpu"
+        self.clock = PhaseClock(track_gpu_memory=config.gpu_memory_metrics and config.device != "cpu")
         worker = config.worker_config()
         roles: tuple[Any, ...] = ("actor", "critic") if config.use_critic else ("actor",)
         self.data_parallel_sizes = {r: worker.data_parallel_size(config.actor_num_gpus, r) for r in roles}
@@ -176,89 +123,17 @@ class PPODriver:
         self._resume()
 
     def _setup_ray(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            return
-        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            if self.config.local_gpus is not None:
-                kwargs["num_gpus"] = self.config.local_gpus
-            # "local": a cluster of our own, even where `ray start` left one running on this machine.
-            ray.init(address="local", **kwargs)
-        self._started_ray = True
+        self._started_ray = start_ray(self.config)
 
     def _setup_groups(self) -> None:
-        from tandem.megatron.group import create_train_group
-        from tandem.placement import create_placement_groups
-        from tandem.ppo.engines import EngineOptions, create_engine_group
-
-        config = self.config
-        worker_config = config.worker_config()
-        self.placements = create_placement_groups(config.placement_spec())
-        actor_slot, rollout_slot = self.placements.actor, self.placements.rollout
-        engine_kwargs: dict[str, Any] = {"dtype": config.rollout_dtype}
-        if config.rollout_kv_cache_memory_fraction is not None:
-            engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
-        engine_options = EngineOptions(**engine_kwargs)
-        if config.sglang_urls:
-            engine_options = EngineOptions(**engine_kwargs, sglang_urls=tuple(config.sglang_urls))
-
-        def start(role: str) -> Any:
-            share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
-            return create_train_group(
-                worker_config,
-                role,  # type: ignore[arg-type]
-                actor_slot.pg,
-                actor_slot.bundle_indices,
-                num_gpus_per_worker=share,
-                num_cpus_per_worker=share,
-            )
-
-        def start_engines() -> Any:
-            return create_engine_group(
-                config.hf_checkpoint,
-                rollout_slot.pg,
-                rollout_slot.bundle_indices,
-                num_gpus_per_engine=config.engine_gpu_share if config.colocate else 1.0,
-                num_cpus_per_engine=config.engine_gpu_share if config.colocate else 1.0,
-                engine=config.rollout_engine,
-                options=engine_options,
-            )
-
-        # The three groups do not depend on each other: they start at once.
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            actor = pool.submit(start, "actor")
-            critic = pool.submit(start, "critic") if config.use_critic else None
-            engines = pool.submit(start_engines)
-            self.actor = actor.result()
-            self.critic = critic.result() if critic is not None else None
-            self.engines = engines.result()
-        self.weight_pack = self._weight_pack()
+        started = start_groups(self.config)
+        self.placements, self.actor, self.critic, self.engines = started
+        self.weight_pack = weight_pack(self.config)
         self.events.record("setup_done")
         if self.plan.sleep_after_train:
             # Both models start awake; the engine needs the GPU first.
             for group in self._models():
                 self._sleep(group)
-
-    def _weight_pack(self) -> Any:
-        """`ipc_payload` when actor rank r and engine r share a GPU (DESIGN: CUDA IPC), else None (CPU copies)."""
-        import torch
-
-        from tandem.ppo.engines import ipc_payload
-
-        config = self.config
-        if config.weight_sync == "cpu":
-            return None
-        shared_gpus = config.colocate and config.num_engines == config.actor_num_gpus
-        if config.weight_sync == "ipc" or (
-            shared_gpus and config.device != "cpu" and torch.cuda.is_available()
-        ):
-            return ipc_payload
-        return None
 
     def _resume(self) -> None:
         from tandem.ppo.metrics import MetricsLogger
@@ -384,7 +259,7 @@ class PPODriver:
         the engines only once it is done.
         """
         config = self.config
-        self.phase_seconds = {}
+        self.clock.reset()
         step_start = time.perf_counter()
         critic_only = rollout_id < config.num_critic_only_steps
 
@@ -433,7 +308,7 @@ class PPODriver:
         metrics.update(rollout.metrics(accuracy_threshold=config.accuracy_threshold))
         metrics.update(self._aliases(metrics))
         metrics.update(sampled.seconds)
-        metrics.update(self.phase_seconds)
+        metrics.update(self.clock.values)
         metrics.update(sampled.counts)
         metrics.update(
             {
@@ -518,19 +393,12 @@ class PPODriver:
     def _wake(self, group: Any) -> None:
         with self._phase(f"{group.role}_wake"):
             self.events.record("wake", role=group.role)
-            self._record_lifecycle(f"{group.role}_wake", group.run("wake_up"))
+            self.clock.record_lifecycle(f"{group.role}_wake", group.run("wake_up"))
 
     def _sleep(self, group: Any) -> None:
         with self._phase(f"{group.role}_sleep"):
-            self._record_lifecycle(f"{group.role}_sleep", group.run("sleep"))
+            self.clock.record_lifecycle(f"{group.role}_sleep", group.run("sleep"))
             self.events.record("sleep", role=group.role)
-
-    def _record_lifecycle(self, name: str, per_rank: list[dict[str, float]]) -> None:
-        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`."""
-        for timings in per_rank:
-            for step, seconds in (timings or {}).items():
-                key = f"lifecycle/{name}/{step}"
-                self.phase_seconds[key] = max(self.phase_seconds.get(key, 0.0), float(seconds))
 
     def _sync_weights(self) -> None:
         """Engines' weights back -> the actor's weights into them -> KV cache back."""
@@ -547,29 +415,8 @@ class PPODriver:
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
+        with self.clock.phase(name):
             yield
-        finally:
-            key = f"time/{name}"
-            self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
-            if self.track_gpu_memory:
-                self._record_gpu_memory(name)
-
-    def _record_gpu_memory(self, phase: str) -> None:
-        """`memory/<phase>_gib`: the most memory in use on any GPU at the end of the phase.
-
-        nvidia-smi's figure includes what torch's caching allocators keep, so it is close
-        to the phase's peak; on a machine without GPUs this turns itself off.
-        """
-        from tandem.megatron.gpu_memory import all_devices_used_bytes
-
-        used = all_devices_used_bytes()
-        if used is None:
-            self.track_gpu_memory = False
-            return
-        key = f"memory/{phase}_gib"
-        self.phase_seconds[key] = max(self.phase_seconds.get(key, 0.0), max(used) / 1024**3)
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
     def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:

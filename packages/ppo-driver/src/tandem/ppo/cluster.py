@@ -1,0 +1,95 @@
+"""Where a run's processes come from: Ray, the placement groups, the train groups and the engines.
+
+The driver owns the plan; this module only starts things. Actor and critic
+train groups go on the same bundles with fractional GPU shares, the engines on
+the rollout slot, all three at once.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tandem.ppo.config import PPOConfig
+
+__all__ = ["start_groups", "start_ray", "weight_pack"]
+
+
+def start_ray(config: PPOConfig) -> bool:
+    """Join `--ray-address` (or `RAY_ADDRESS`), else start a local cluster; whether we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        if config.local_gpus is not None:
+            kwargs["num_gpus"] = config.local_gpus
+        # "local": a cluster of our own, even where `ray start` left one running on this machine.
+        ray.init(address="local", **kwargs)
+    return True
+
+
+def start_groups(config: PPOConfig) -> tuple[Any, Any, Any, Any]:
+    """(placements, actor group, critic group or None, engine group), started concurrently."""
+    from tandem.megatron.group import create_train_group
+    from tandem.placement import create_placement_groups
+    from tandem.ppo.engines import EngineOptions, create_engine_group
+
+    worker_config = config.worker_config()
+    placements = create_placement_groups(config.placement_spec())
+    actor_slot, rollout_slot = placements.actor, placements.rollout
+    engine_kwargs: dict[str, Any] = {"dtype": config.rollout_dtype}
+    if config.rollout_kv_cache_memory_fraction is not None:
+        engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
+    if config.sglang_urls:
+        engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
+    engine_options = EngineOptions(**engine_kwargs)
+
+    def start(role: str) -> Any:
+        share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
+        return create_train_group(
+            worker_config,
+            role,  # type: ignore[arg-type]
+            actor_slot.pg,
+            actor_slot.bundle_indices,
+            num_gpus_per_worker=share,
+            num_cpus_per_worker=share,
+        )
+
+    def start_engines() -> Any:
+        share = config.engine_gpu_share if config.colocate else 1.0
+        return create_engine_group(
+            config.hf_checkpoint,
+            rollout_slot.pg,
+            rollout_slot.bundle_indices,
+            num_gpus_per_engine=share,
+            num_cpus_per_engine=share,
+            engine=config.rollout_engine,
+            options=engine_options,
+        )
+
+    # The three groups do not depend on each other: they start at once.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        actor = pool.submit(start, "actor")
+        critic = pool.submit(start, "critic") if config.use_critic else None
+        engines = pool.submit(start_engines)
+        return placements, actor.result(), critic.result() if critic is not None else None, engines.result()
+
+
+def weight_pack(config: PPOConfig) -> Any:
+    """`ipc_payload` when actor rank r and engine r share a GPU (CUDA IPC), else None (CPU copies)."""
+    import torch
+
+    from tandem.ppo.engines import ipc_payload
+
+    if config.weight_sync == "cpu":
+        return None
+    shared_gpus = config.colocate and config.num_engines == config.actor_num_gpus
+    if config.weight_sync == "ipc" or (shared_gpus and config.device != "cpu" and torch.cuda.is_available()):
+        return ipc_payload
+    return None

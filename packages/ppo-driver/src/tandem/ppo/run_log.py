@@ -1,0 +1,112 @@
+"""What a run records: its events, each phase's seconds and memory, its end summary, and how Ctrl-C ends it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INTERRUPTED_EXIT_CODE", "EventLog", "Interrupted", "PhaseClock", "RunSummary"]
+
+INTERRUPTED_EXIT_CODE = 130
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the run (after the step under way, and its save when configured)."""
+
+
+@dataclass
+class RunSummary:
+    """Where a finished (or interrupted) run put its results."""
+
+    run_dir: Path
+    last_rollout_id: int
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    hf_dir: Path | None = None
+    interrupted: bool = False
+
+    def describe(self) -> str:
+        """The lines printed at the end of a run."""
+        lines = [
+            f"run dir:      {self.run_dir}",
+            f"metrics:      {self.run_dir / 'metrics.jsonl'}",
+            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
+            f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
+            f"checkpoints:  {self.run_dir / 'actor'}, {self.run_dir / 'critic'}",
+        ]
+        if self.hf_dir is not None:
+            lines.append(f"hf model:     {self.hf_dir}")
+        if self.metrics:
+            last = self.metrics[-1]
+            figures = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "reward/accuracy") if k in last)
+            lines.append(f"last step:    {self.last_rollout_id} ({figures})")
+        return "\n".join(lines)
+
+
+class EventLog:
+    """Timestamped driver events (`RUN_DIR/events.jsonl`): phases, sleeps and wakes, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Append one event."""
+        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+class PhaseClock:
+    """Seconds of each phase of a step (`time/<phase>`, added up when a phase recurs) and, on GPUs,
+    the device memory in use at its end (`memory/<phase>_gib`); lifecycle steps' seconds too."""
+
+    def __init__(self, *, track_gpu_memory: bool) -> None:
+        self.track_gpu_memory = track_gpu_memory
+        self.values: dict[str, float] = {}
+
+    def reset(self) -> None:
+        """Forget the last step's figures."""
+        self.values = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the `with` block as phase `name`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{name}"
+            self.values[key] = self.values.get(key, 0.0) + time.perf_counter() - start
+            if self.track_gpu_memory:
+                self._record_gpu_memory(name)
+
+    def record_lifecycle(self, name: str, per_rank: list[dict[str, float]]) -> None:
+        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`."""
+        for timings in per_rank:
+            for step, seconds in (timings or {}).items():
+                key = f"lifecycle/{name}/{step}"
+                self.values[key] = max(self.values.get(key, 0.0), float(seconds))
+
+    def _record_gpu_memory(self, phase: str) -> None:
+        """`memory/<phase>_gib`: the most memory in use on any GPU at the end of the phase.
+
+        nvidia-smi's figure includes what torch's caching allocators keep, so it is close
+        to the phase's peak; on a machine without GPUs this turns itself off.
+        """
+        from tandem.megatron.gpu_memory import all_devices_used_bytes
+
+        used = all_devices_used_bytes()
+        if used is None:
+            self.track_gpu_memory = False
+            return
+        key = f"memory/{phase}_gib"
+        self.values[key] = max(self.values.get(key, 0.0), max(used) / 1024**3)

@@ -3,7 +3,7 @@
 # benchmarks, logs and JSON under $OUT (default ./gpu-results).
 #
 #   source .gpu-kit/setup.sh && bash bench/gpu_suite.sh [pytest -k expression]
-# (tests/ppo and the workspace tests need no GPU and packages the host lacks.)
+# (the other tests need no GPU; tests/ppo/engines falls back to the engines alone where the host lacks the driver's packages.)
 #
 # Each step runs even when an earlier one failed; the exit status is the worst one.
 set -uo pipefail
@@ -21,11 +21,11 @@ step() {  # name, command...
   [ "$rc" -gt "$status" ] && status=$rc
   return 0
 }
-step tests python3 -m pytest tests/lifecycle tests/value_transfer tests/megatron -m gpu -p no:cacheprovider -q -rA ${1:+-k "$1"}
+step tests python3 -m pytest tests/lifecycle tests/value_transfer tests/megatron tests/ppo/engines -m gpu -p no:cacheprovider -q -rA ${1:+-k "$1"}
 [ -n "${SKIP_BENCH:-}" ] && exit $status
 step lifecycle python3 bench/lifecycle_bench.py --gib 8 --out "$OUT/lifecycle.json"
 step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$OUT/value_transfer.json"
-if [ -f bench/worker_gpu_bench.py ]; then
-  step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
-fi
+step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
+step engine python3 bench/engine_bench.py --out "$OUT/engine.json"
+step ppo python3 bench/ppo_gpu_bench.py --out "$OUT"
 exit $status

@@ -319,6 +319,16 @@ def test_exported_folder_matches_the_actor(
         moved = max(moved, float((hf_lp - base_lp).abs().max()))
     assert moved > 1e-3  # the export holds the trained weights, not the base model's
 
+    # `ppo-driver export` writes the same folder from the run's last checkpoint.
+    from safetensors.torch import load_file
+
+    from tandem.ppo.evaluate import export_run
+
+    again = Path(export_run(str(tmp_path / "run"), str(tmp_path / "exported")))
+    written = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
+    at_end = {k: v for f in sorted(summary.hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert written.keys() == at_end.keys() and all(torch.equal(written[k], at_end[k]) for k in written)
+
 
 def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.ppo.cli import run as cli

@@ -16,19 +16,20 @@ from tandem.ppo.config import PPOConfig
 __all__ = ["start_groups", "start_ray", "weight_pack"]
 
 
-def start_ray(config: PPOConfig) -> bool:
-    """Join `--ray-address` (or `RAY_ADDRESS`), else start a local cluster; whether we started it."""
+def start_ray(address: str | None = None, local_gpus: int | None = None) -> bool:
+    """Join `address` (or `RAY_ADDRESS`), else start a local cluster with `local_gpus` logical GPUs
+    (None: what Ray detects); whether this call started Ray (False when it was running already)."""
     import ray
 
     if ray.is_initialized():
         return False
-    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if address:
         ray.init(address=address, **kwargs)
     else:
-        if config.local_gpus is not None:
-            kwargs["num_gpus"] = config.local_gpus
+        if local_gpus is not None:
+            kwargs["num_gpus"] = local_gpus
         # "local": a cluster of our own, even where `ray start` left one running on this machine.
         ray.init(address="local", **kwargs)
     return True

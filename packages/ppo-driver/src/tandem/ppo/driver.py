@@ -123,7 +123,7 @@ class PPODriver:
         self._resume()
 
     def _setup_ray(self) -> None:
-        self._started_ray = start_ray(self.config)
+        self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus)
 
     def _setup_groups(self) -> None:
         started = start_groups(self.config)

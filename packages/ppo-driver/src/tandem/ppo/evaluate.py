@@ -25,6 +25,7 @@ def evaluate_model(args: Any) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from tandem.placement import PlacementSpec, create_placement_groups
+    from tandem.ppo.cluster import start_ray
     from tandem.ppo.data import PromptDataset, read_prompts
     from tandem.ppo.engines import SamplingParams, create_engine_group
     from tandem.ppo.rewards import load_reward
@@ -38,12 +39,7 @@ def evaluate_model(args: Any) -> dict[str, float]:
     dataset = PromptDataset(
         read_prompts(args.data), tokenizer, max_prompt_len=args.max_prompt_len, seed=args.seed
     )
-    started = not ray.is_initialized()
-    if started:
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-        if args.local_gpus is not None:
-            kwargs["num_gpus"] = args.local_gpus
-        ray.init(address="local", **kwargs)
+    started = start_ray(None, args.local_gpus)
     try:
         spec = PlacementSpec(actor_num_gpus_per_node=1, rollout_num_gpus=1, debug_rollout_only=True)
         with create_placement_groups(spec) as placements:
@@ -84,6 +80,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     from tandem.megatron.checkpoint import read_latest
     from tandem.megatron.group import create_train_group
     from tandem.placement import PlacementSpec, create_placement_groups
+    from tandem.ppo.cluster import start_ray
     from tandem.ppo.config import read_yaml, unvalidated
     from tandem.ppo.export import export_actor
 
@@ -96,12 +93,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     if read_latest(config.actor_save) is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
     worker_config = dataclasses.replace(config.worker_config(), load=config.actor_save, use_kl_loss=False)
-    started = not ray.is_initialized()
-    if started:
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-        if config.local_gpus is not None:
-            kwargs["num_gpus"] = config.local_gpus
-        ray.init(address="local", **kwargs)
+    started = start_ray(None, config.local_gpus)
     try:
         spec = PlacementSpec(
             actor_num_nodes=config.actor_num_nodes,

@@ -23,7 +23,7 @@ Both roles follow the same numbered stages, in this order (`train_critic`, `trai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from tandem.megatron.payloads import (
     REF_LOG_PROBS,
     VALUES,
 )
+from tandem.megatron.received import any_rank, critic_values, external, raise_if
 from tandem.megatron.train_step import reduce_metrics, train_step
 
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
@@ -295,14 +296,14 @@ def train_critic(
     error: Exception | None = None
     if config.kl_coef != 0 and last:
         try:
-            log_probs = _external(external_data, LOG_PROBS, batch, rank=rank)
-            ref_log_probs = _external(external_data, REF_LOG_PROBS, batch, rank=rank)
+            log_probs = external(external_data, LOG_PROBS, batch, rank=rank)
+            ref_log_probs = external(external_data, REF_LOG_PROBS, batch, rank=rank)
         except (ValueError, TypeError) as exc:
             error = exc
     missing = last and (log_probs is None or ref_log_probs is None)
     if config.kl_coef != 0:
-        failed, missing = _any_rank([error is not None, missing], group)
-        _raise_if(failed, error)
+        failed, missing = any_rank([error is not None, missing], group)
+        raise_if(failed, error)
         if missing:
             raise ValueError(
                 f"kl_coef: {config.kl_coef} folds the KL into the rewards, but critic ranks got no actor "
@@ -370,14 +371,14 @@ def train_actor(
     error: Exception | None = None
     try:
         if last:
-            given_old = _external(external_data, LOG_PROBS, batch, rank=rank)
-            given_ref = _external(external_data, REF_LOG_PROBS, batch, rank=rank) if needs_ref else None
+            given_old = external(external_data, LOG_PROBS, batch, rank=rank)
+            given_ref = external(external_data, REF_LOG_PROBS, batch, rank=rank) if needs_ref else None
     except (ValueError, TypeError) as exc:
         error = exc
-    failed, recompute_old, recompute_ref = _any_rank(
+    failed, recompute_old, recompute_ref = any_rank(
         [error is not None, last and given_old is None, last and needs_ref and given_ref is None], group
     )
-    _raise_if(failed, error)
+    raise_if(failed, error)
     reuse_old, reuse_ref = not recompute_old, not recompute_ref
     old_log_probs = given_old if reuse_old else _actor_log_probs(trainee, batch)
     ref_log_probs = None
@@ -392,7 +393,7 @@ def train_actor(
     if last:
         assert old_log_probs is not None, "the last stage computes or is given log-probs"
         device = old_log_probs.device
-        values = _critic_values(external_data, batch, rank=rank, device=device)
+        values = critic_values(external_data, batch, rank=rank, device=device)
         dp_group = mpu.get_data_parallel_group()
         rewards, figures = reward_signal(
             batch, old_log_probs, ref_log_probs, config, device=device, dp_group=dp_group
@@ -426,76 +427,3 @@ def train_actor(
         last=last,
     )
     return {"metrics": metrics}
-
-
-def _any_rank(flags: list[bool], group: Any) -> list[bool]:
-    """Whether each flag holds on any rank of `group` (one tiny all-reduce; every rank must call)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    vector = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
-    torch.distributed.all_reduce(vector, op=torch.distributed.ReduceOp.MAX, group=group)
-    return [bool(v > 0) for v in vector.tolist()]
-
-
-def _raise_if(failed: bool, error: Exception | None) -> None:
-    """Raise this rank's error, or, when only another rank failed, say so (every rank stops alike)."""
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(
-            "external_data: another rank of this group refused its payload; see that rank's error"
-        )
-
-
-def _unpack(payload: Any, batch: RolloutBatch, device: torch.device, what: str) -> torch.Tensor:
-    """A Box or `SampleGather` of per-sample tensors for this rank's samples, padded `(n, max_response_len)`."""
-    from tandem.value_transfer import unpack_values
-
-    tensors = unpack_values(payload, device, sample_indices=batch.sample_indices)
-    lengths = [int(t.numel()) for t in tensors]
-    if lengths != list(batch.response_lengths):
-        raise ValueError(
-            f"external_data[{what!r}]: per-sample lengths {lengths[:8]} do not match this rank's response "
-            f"lengths {list(batch.response_lengths)[:8]}; the payload was made for other samples"
-        )
-    return pad_responses(tensors)
-
-
-def _external(external_data: Any, key: str, batch: RolloutBatch, *, rank: int) -> torch.Tensor | None:
-    """`external_data[key]` (the actor's log-probs) for this rank's samples, padded; None when absent."""
-    if not isinstance(external_data, Mapping) or external_data.get(key) is None:
-        return None
-    indices = external_data.get(ACTOR_SAMPLE_INDICES)
-    if indices is not None and tuple(indices) != tuple(batch.sample_indices):
-        raise ValueError(
-            f"external_data: rank {rank} got {key!r} of samples {list(indices)[:8]} but holds samples "
-            f"{list(batch.sample_indices)[:8]}; route it with TrainGroup.train(..., sample_indices=...)"
-        )
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    return _unpack(external_data[key], batch, device or torch.device("cpu"), key)
-
-
-def _critic_values(
-    external_data: Any, batch: RolloutBatch, *, rank: int, device: torch.device
-) -> torch.Tensor:
-    """The critic's old values for this last-stage rank's samples, padded; zeros when the run has no critic."""
-    from tandem.value_transfer import values_for_rank
-
-    payload = external_data.get(VALUES) if isinstance(external_data, Mapping) else external_data
-    # No critic: the payload is None, or holds only the actor's own log-probs (the KL-first plan).
-    # A critic's result without values (a rank off the last stage) is a routing bug: values_for_rank says so.
-    no_critic = external_data is None or (
-        isinstance(external_data, Mapping) and VALUES not in external_data and "metrics" not in external_data
-    )
-    if no_critic:
-        return torch.zeros(len(batch), batch.max_response_length, device=device)
-    indices = external_data.get(CRITIC_SAMPLE_INDICES) if isinstance(external_data, Mapping) else None
-    if indices is not None and tuple(indices) != tuple(batch.sample_indices):
-        raise ValueError(
-            f"external_data: actor rank {rank} got the critic's values of samples {list(indices)[:8]} but "
-            f"holds samples {list(batch.sample_indices)[:8]}; with another critic layout pass "
-            "TrainGroup.train(..., sample_indices=...) so that values are routed by sample"
-        )
-    # Raises, naming the rank, when a last-stage rank got no values.
-    payload = values_for_rank(payload, rank=rank, is_pipeline_last_stage=True)
-    assert payload is not None
-    return _unpack(payload, batch, device, VALUES)

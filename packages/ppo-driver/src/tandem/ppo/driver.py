@@ -151,7 +151,7 @@ class PPODriver:
             state = load_state(self.run_dir, start - 1)
             self.dataset.load_state_dict(state.data)
             state.restore_rng()
-            self.metrics_so_far = [m for m in state.metrics if m.get("step", 0) < start]
+            self.metrics_so_far = list(state.metrics)  # steps 0 .. start - 1, saved with the state
             # The engines start from the HF folder: they need the resumed actor's weights.
             self._sync_weights()
             logger.info("resumed after rollout %d", start - 1)

@@ -595,7 +595,7 @@ def run_mode(
     """One PPO run in a fresh Ray; its figures (or its error) go into `report["modes"][mode]`."""
     import ray
 
-    from tandem.ppo.config import unvalidated
+    from tandem.ppo.config_file import unvalidated
 
     run_dir = paths["work"] / f"run-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)

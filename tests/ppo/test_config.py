@@ -22,7 +22,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.ppo.config import PPOConfig, config_fields, flag, parse_config, unvalidated
+from tandem.ppo.config import PPOConfig, flag
+from tandem.ppo.config_file import config_fields, parse_config, unvalidated
 
 FLAGS = {flag(name) for name in config_fields()}
 

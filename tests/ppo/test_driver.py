@@ -23,7 +23,8 @@ import ray
 import torch
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
-from tandem.ppo.config import PPOConfig, unvalidated
+from tandem.ppo.config import PPOConfig
+from tandem.ppo.config_file import unvalidated
 from tandem.ppo.driver import PPODriver, RunSummary
 
 pytestmark = pytest.mark.slow

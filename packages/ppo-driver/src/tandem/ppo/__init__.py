@@ -28,7 +28,7 @@ _EXPORTS = {
     "write_task": "_demo",
     "main": "cli",
     "PPOConfig": "config",
-    "parse_config": "config",
+    "parse_config": "config_file",
     "PPODriver": "driver",
     "RunSummary": "run_log",
     "train": "driver",
@@ -37,7 +37,8 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from ._demo import build_base_model, write_task
     from .cli import main
-    from .config import PPOConfig, parse_config
+    from .config import PPOConfig
+    from .config_file import parse_config
     from .driver import PPODriver, train
     from .run_log import RunSummary
 

@@ -72,7 +72,7 @@ class PlotArgs:
 
 
 def _train(argv: Sequence[str]) -> int:
-    from tandem.ppo.config import parse_config
+    from tandem.ppo.config_file import parse_config
     from tandem.ppo.driver import train
 
     config = parse_config(argv, prog=f"{PROG} train")
@@ -82,7 +82,7 @@ def _train(argv: Sequence[str]) -> int:
 
 def _demo(argv: Sequence[str]) -> int:
     from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
-    from tandem.ppo.config import parse_config, unvalidated
+    from tandem.ppo.config_file import parse_config, unvalidated
     from tandem.ppo.driver import train
 
     parsed = parse_config(argv, prog=f"{PROG} demo", base=DEMO_DEFAULTS, validate=False)

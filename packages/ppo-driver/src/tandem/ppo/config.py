@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import re
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -438,84 +436,3 @@ def _flagged(message: str) -> str:
     if match is None:
         return message
     return flag(match.group(1)) + message[len(match.group(1)) :]
-
-
-# --- reading a config ------------------------------------------------------------------------
-def config_fields() -> dict[str, dataclasses.Field[Any]]:
-    """The config's fields by name."""
-    return {f.name: f for f in dataclasses.fields(PPOConfig)}
-
-
-def unvalidated(values: Mapping[str, Any]) -> PPOConfig:
-    """A config from field values (defaults for the rest), not yet validated; unknown keys refused."""
-    known = config_fields()
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        names = ", ".join(unknown)
-        raise ValueError(f"config: unknown field(s) {names}; see `ppo-driver train --help` for the fields")
-    coerced: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return PPOConfig(**coerced)
-
-
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The fields of a YAML config file (keys may use `-` or `_`)."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config: file {str(path)!r} does not exist; fix the path")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--config: {str(path)!r} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config: {str(path)!r} must hold a mapping of field: value")
-    fields = {FLAG_NAMES.get(f, f): f for f in config_fields()}
-    return {fields.get(str(k).replace("-", "_"), str(k).replace("-", "_")): v for k, v in data.items()}
-
-
-def write_yaml(config: PPOConfig, path: str | os.PathLike[str]) -> None:
-    """Write the resolved config (every field) as YAML, atomically."""
-    import yaml
-
-    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(values, sort_keys=False))
-    os.replace(tmp, p)
-
-
-def parse_config(
-    argv: Sequence[str],
-    *,
-    prog: str = "ppo-driver train",
-    base: Mapping[str, Any] | None = None,
-    validate: bool = True,
-) -> PPOConfig:
-    """`--config FILE` (YAML) merged under the other flags of `argv`; validated unless told not to.
-
-    `base` gives defaults below the YAML file (the demo's own settings).
-    """
-    import argparse
-
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(list(argv))
-    values: dict[str, Any] = dict(base or {})
-    if known.config is not None:
-        values.update(read_yaml(known.config))
-    default = unvalidated(values)
-    config: PPOConfig = tyro.cli(
-        PPOConfig,
-        args=rest,
-        default=default,
-        prog=prog,
-        description=(
-            "Train a model with PPO. --config FILE reads any of these fields from YAML "
-            "(keys as below without the dashes' prefix); flags given here override it."
-        ),
-    )
-    if validate:
-        config.validate()
-    return config

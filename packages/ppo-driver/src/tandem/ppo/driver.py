@@ -33,7 +33,8 @@ from typing import Any
 
 from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
-from tandem.ppo.config import PPOConfig, write_yaml
+from tandem.ppo.config import PPOConfig
+from tandem.ppo.config_file import write_yaml
 from tandem.ppo.engines import SamplingParams
 from tandem.ppo.rollout import Rollout, dynamic_sample, generate_rollout, to_train_batches
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary

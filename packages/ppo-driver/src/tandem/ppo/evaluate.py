@@ -81,7 +81,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     from tandem.megatron.group import create_train_group
     from tandem.placement import PlacementSpec, create_placement_groups
     from tandem.ppo.cluster import start_ray
-    from tandem.ppo.config import read_yaml, unvalidated
+    from tandem.ppo.config_file import read_yaml, unvalidated
     from tandem.ppo.export import export_actor
 
     config_file = Path(run_dir) / "config.yaml"

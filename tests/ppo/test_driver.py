@@ -283,6 +283,9 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callabl
     )
     summary = run(config, ray_start)
     assert summary.metrics[0]["critic/values_mean"] == pytest.approx(summary.metrics[0]["actor/values_mean"])
+    # The weights reached both engines (one per GPU): equal fingerprints after the sync.
+    received = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "weights_received"]
+    assert received and all(e["agree"] and len(e["digests"]) == 2 for e in received), received
 
 
 def test_exported_folder_matches_the_actor(

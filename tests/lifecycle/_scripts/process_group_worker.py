@@ -84,7 +84,7 @@ def main() -> None:
     check_collectives(direct, rank, world, 0.5)
 
     for cycle in range(CYCLES):
-        destroy_all()
+        destroy_all(concurrent=cycle % 2 == 0)  # both ways: on threads at once, one after the other
         destroy_all()  # idempotent
         assert not tp.alive and not direct.alive
         try:

@@ -202,6 +202,20 @@ def test_a_weight_update_shows_in_the_next_generation(tiny_llama_dir: str) -> No
     assert [g.token_ids for g in after] != [g.token_ids for g in before]
 
 
+def test_the_weights_digest_follows_the_weights(tiny_llama_dir: str) -> None:
+    engine = EmbeddedEngine(tiny_llama_dir, EngineOptions(device="cpu"))
+    source = make_tiny_model("llama", seed=44)
+    engine.update_weights_from_tensors(_hf_state(source))
+    params = {id(p): p.detach().double() for p in engine.model.parameters()}.values()
+    expected = [sum(float(p.sum()) for p in params), sum(float((p * p).sum()) for p in params)]
+    assert engine.weights_digest() == pytest.approx(expected, rel=1e-12)
+    engine.update_weights_from_tensors([("model.norm.weight", torch.full((32,), 2.0))])
+    assert engine.weights_digest()[0] != pytest.approx(expected[0], rel=1e-12)
+    engine.release_memory(["weights"])
+    with pytest.raises(EngineMemoryReleasedError, match="weights_digest"):
+        engine.weights_digest()
+
+
 def test_weight_update_errors_name_the_problem(tiny_llama_dir: str) -> None:
     engine = EmbeddedEngine(tiny_llama_dir, EngineOptions(device="cpu"))
     with pytest.raises(ValueError, match=r"not in the model.*model.nope"):

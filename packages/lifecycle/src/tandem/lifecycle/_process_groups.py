@@ -15,6 +15,12 @@ and the other functions accept it as they are, without patching them.
 or not. The registry therefore records every `new_group` call it wraps on this
 rank, including those this rank is not a member of, and `reload_all()` replays
 them in the original order on every rank.
+
+Tearing a communicator down is mostly waiting (NCCL finalises, the group's
+watchdog thread winds down), so `destroy_all()` shuts the inner groups down on
+a few threads at once, then unregisters them from torch.distributed's tables in
+order on the calling thread; `concurrent=False` does it one group at a time
+(bench/process_group_bench.py measures both).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,13 +278,35 @@ def reloadable_groups(*, skip_backends: Collection[str] = ("gloo",)) -> Iterator
             _registry.patch_depth -= 1
 
 
-def destroy_all() -> None:
+_TEARDOWN_THREADS = 8
+
+
+def _shut_down_concurrently(groups: list[ReloadableProcessGroup]) -> None:
+    """Shut the groups' inner groups down on several threads at once (the slow, waiting part).
+
+    torch releases the GIL in `ProcessGroup.shutdown`, so the waits overlap; a
+    second `shutdown` (from `destroy_process_group` afterwards) finds nothing left to do.
+    """
+    inners = [g._rpg_inner for g in groups if g._rpg_inner is not None]
+    if len(inners) < 2:
+        return
+    with ThreadPoolExecutor(min(_TEARDOWN_THREADS, len(inners)), thread_name_prefix="pg-teardown") as pool:
+        for future in [pool.submit(inner.shutdown) for inner in inners]:
+            future.result()
+
+
+def destroy_all(*, concurrent: bool = True) -> None:
     """Tear down every reloadable group of this process, newest first (idempotent).
 
-    Every rank must call it (NCCL tears communicators down collectively in some versions).
+    Every rank must call it (NCCL tears communicators down collectively in some
+    versions). `concurrent`: shut the communicators down on several threads at
+    once before unregistering each group (False: one group after the other).
     """
     with _registry.lock:
         calls = [c for c in reversed(_registry.calls) if c.alive]
+        members = [c.group for c in calls if c.group is not None]
+        if concurrent:
+            _shut_down_concurrently(members)
         for call in calls:
             if call.group is None:
                 call.member_alive = False

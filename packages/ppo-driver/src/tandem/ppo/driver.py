@@ -410,9 +410,20 @@ class PPODriver:
             self.events.record("weight_sync", path="ipc" if self.weight_pack is not None else "cpu")
             self.actor.run("update_weights", self.engines.handles, self.weight_pack)
             self.engines.flush_cache()
+            self._check_engines_agree()
         if self.release_engines:
             with self._phase("engine_resume_kv_cache"):
                 self.engines.resume_memory(["kv_cache"])
+
+    def _check_engines_agree(self) -> None:
+        """Every engine's weight fingerprints, into events.jsonl; a warning when they differ."""
+        digests = self.engines.weights_digest()
+        if digests is None:
+            return
+        agree = all(d == digests[0] for d in digests)
+        self.events.record("weights_received", digests=digests, agree=agree)
+        if not agree:
+            logger.warning("after the weight sync the engines hold different weights: %s", digests)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:

@@ -195,6 +195,21 @@ class EmbeddedEngine:
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()
 
+    def weights_digest(self) -> list[float]:
+        """Two fingerprints of the weights now (sum and sum of squares, in float64).
+
+        Equal on every engine once a weight sync reached them all; the driver logs them.
+        """
+        with self._lock, torch.no_grad():
+            if self._lifecycle.asleep:
+                raise EngineMemoryReleasedError("weights_digest: the engine's weights are released")
+            total = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for tensor in self._params_by_name.values():
+                flat = tensor.detach().reshape(-1).double()
+                total[0] += flat.sum()
+                total[1] += flat.dot(flat)
+            return [float(x) for x in total.cpu()]
+
     def _copy_in(self, named: list[tuple[str, torch.Tensor]]) -> None:
         unknown = [n for n, _ in named if n not in self._params_by_name]
         if unknown:

@@ -106,6 +106,14 @@ class EngineGroup:
             [(r, h.update_weights_from_tensors.remote(ref)) for r, h in enumerate(self.handles)], "update"
         )
 
+    def weights_digest(self) -> list[list[float]] | None:
+        """Per rank, the engine's `weights_digest()`; None when the engines have none (e.g. SGLang's)."""
+        if not all(hasattr(h, "weights_digest") for h in self.handles):
+            return None
+        return self._wait(
+            [(r, h.weights_digest.remote()) for r, h in enumerate(self.handles)], "weights_digest"
+        )
+
     def flush_cache(self) -> None:
         """Every engine drops its cached prefixes."""
         self._all("flush_cache")

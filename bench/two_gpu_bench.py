@@ -46,6 +46,7 @@ CPU smoke run (tiny model, gloo, two logical GPUs; the memcpy row is skipped):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_gpu_bench as single  # noqa: E402  (the model, tokenizer, prompts and reward builders)
+import ppo_gpu_bench as single  # the model, tokenizer, prompts and reward builders
 
 GIB = 1024**3
 
@@ -187,10 +188,7 @@ def copy_reference(nbytes: int, repeats: int = 5) -> dict[str, float] | None:
         torch.cuda.synchronize(0)
         dst.copy_(host, non_blocking=True)
 
-    result = {"device_to_device_s": best(lambda: dst.copy_(src)), "via_pinned_host_s": best(via_host)}
-    del src, dst, host
-    torch.cuda.empty_cache()
-    return result
+    return {"device_to_device_s": best(lambda: dst.copy_(src)), "via_pinned_host_s": best(via_host)}
 
 
 # --- reading a run ------------------------------------------------------------------------------------------
@@ -201,7 +199,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def median_of(rows: list[dict[str, Any]], prefix: str) -> dict[str, float]:
-    keys = sorted({k for r in rows for k, v in r.items() if k.startswith(prefix) and isinstance(v, int | float)})
+    keys = sorted(
+        {k for r in rows for k, v in r.items() if k.startswith(prefix) and isinstance(v, int | float)}
+    )
     # The first step pays one-off costs (first NCCL use, CUDA graphs, host buffers): medians of the rest.
     steady = rows[1:] or rows
     return {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
@@ -227,7 +227,7 @@ def summarize_run(result: dict[str, Any], run_dir: Path) -> None:
         "syncs": len(received),
         "engines": len(received[0]["digests"]) if received else 0,
         "all_engines_agree": bool(received) and all(e["agree"] for e in received),
-        "changed_every_sync": all(a != b for a, b in zip(digests, digests[1:])),
+        "changed_every_sync": all(a != b for a, b in itertools.pairwise(digests)),
     }
     result["metrics_rows"] = rows
 
@@ -248,7 +248,12 @@ def compare_weights(a: Path, b: Path) -> dict[str, Any]:
         return {"identical": False, "why": f"tensor names differ or none ({len(ta)} vs {len(tb)})"}
     differing = [k for k in ta if not torch.equal(ta[k], tb[k])]
     max_diff = max((float((ta[k].float() - tb[k].float()).abs().max()) for k in differing), default=0.0)
-    return {"identical": not differing, "tensors": len(ta), "differing": len(differing), "max_abs_diff": max_diff}
+    return {
+        "identical": not differing,
+        "tensors": len(ta),
+        "differing": len(differing),
+        "max_abs_diff": max_diff,
+    }
 
 
 def compare_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
@@ -257,12 +262,16 @@ def compare_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[st
     differing = sorted(
         {
             k
-            for ra, rb in zip(a, b)
+            for ra, rb in zip(a, b, strict=False)
             for k, v in ra.items()
             if isinstance(v, int | float) and not k.startswith(skip) and rb.get(k) != v and v == v
         }
     )
-    return {"steps": min(len(a), len(b)), "identical": not differing and len(a) == len(b), "differing": differing}
+    return {
+        "steps": min(len(a), len(b)),
+        "identical": not differing and len(a) == len(b),
+        "differing": differing,
+    }
 
 
 # --- the bench ----------------------------------------------------------------------------------------------
@@ -306,18 +315,26 @@ def analyse(report: dict[str, Any], paths: dict[str, Path]) -> None:
         if twin is not None and not name.endswith("_resident") and result.get("steps") and twin.get("steps"):
             result["vs_resident"] = {
                 "metrics": compare_metrics(result["metrics_rows"], twin["metrics_rows"]),
-                "weights": compare_weights(paths["work"] / name / "hf", paths["work"] / f"{name}_resident" / "hf"),
+                "weights": compare_weights(
+                    paths["work"] / name / "hf", paths["work"] / f"{name}_resident" / "hf"
+                ),
             }
         asleep = result.get("memory_gib", {}).get("memory/actor_sleep_gib")
         before = result.get("gpu_used_before_gib")
         colocated = LAYOUTS[name.partition("_resident")[0]].get("colocate", True)
-        if asleep is not None and before and context is not None and colocated and not name.endswith("_resident"):
+        if (
+            asleep is not None
+            and before
+            and context is not None
+            and colocated
+            and not name.endswith("_resident")
+        ):
             beyond = asleep - max(before) - PROCESSES_PER_GPU * context
             result["asleep_beyond_contexts_gib_per_process"] = beyond / PROCESSES_PER_GPU
         reference = runs.get("one_gpu", {}).get("curves")
         if reference and result.get("curves") and name != "one_gpu":
             result["vs_one_gpu"] = {
-                k: [None if a is None or b is None else a - b for a, b in zip(v, reference[k])]
+                k: [None if a is None or b is None else a - b for a, b in zip(v, reference[k], strict=False)]
                 for k, v in result["curves"].items()
             }
     split = runs.get("split")
@@ -333,9 +350,15 @@ def fmt(x: Any, spec: str = ".2f") -> str:
 
 
 def print_summary(report: dict[str, Any]) -> None:
-    print(f"\n{report['shape']}; {report.get('gpu')}; bare CUDA context {fmt(report.get('cuda_context_gib'))} GiB\n")
+    print(
+        f"\n{report['shape']}; {report.get('gpu')}; bare CUDA context {fmt(report.get('cuda_context_gib'))} GiB\n"
+    )
     phases = ("generate", "critic_train", "actor_train", "weight_sync", "critic_sleep", "actor_sleep", "step")
-    print("| run | exit | " + " | ".join(f"{p} s" for p in phases) + " | peak GiB | asleep GiB/proc | same as resident |")
+    print(
+        "| run | exit | "
+        + " | ".join(f"{p} s" for p in phases)
+        + " | peak GiB | asleep GiB/proc | same as resident |"
+    )
     print("|---|---|" + "---:|" * len(phases) + "---:|---:|---|")
     for name, r in report["runs"].items():
         t = r.get("time", {})
@@ -372,14 +395,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=None, help="default 8; --quick 4")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--critic-lr", type=float, default=1e-5)
-    p.add_argument("--kv-fraction", type=float, default=0.3, help="engine KV-cache budget (same in every run)")
+    p.add_argument(
+        "--kv-fraction", type=float, default=0.3, help="engine KV-cache budget (same in every run)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-timeout-s", type=float, default=400)
     p.add_argument("--time-budget-s", type=float, default=560, help="skip runs that would end after this")
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args(argv)
     defaults = (2, 8, 8, 8, 4) if args.quick else (4, 64, 128, 128, 8)
-    for name, default in zip(("steps", "prompts", "prompt_len", "response_len", "micro_batch_size"), defaults):
+    for name, default in zip(
+        ("steps", "prompts", "prompt_len", "response_len", "micro_batch_size"), defaults, strict=True
+    ):
         if getattr(args, name) is None:
             setattr(args, name, default)
     unknown = set(args.runs.split(",")) - set(RUNS)
@@ -411,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         slim = {
             **report,
-            "runs": {n: {k: v for k, v in r.items() if k != "metrics_rows"} for n, r in report["runs"].items()},
+            "runs": {
+                n: {k: v for k, v in r.items() if k != "metrics_rows"} for n, r in report["runs"].items()
+            },
         }
         paths["json"].write_text(json.dumps(slim, indent=2, default=str))
 
@@ -419,16 +448,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shape = single.QUICK_MODEL if args.quick else single.QWEN_05B
         paths["hf"] = work / "policy-hf"
-        params = single.build_policy(paths["hf"], shape, dtype="float32" if args.quick else "bfloat16", seed=args.seed)
+        params = single.build_policy(
+            paths["hf"], shape, dtype="float32" if args.quick else "bfloat16", seed=args.seed
+        )
         report["model"] = {"family": "qwen2", **shape, "params": params}
         report["weight_bytes"] = params * (4 if args.quick else 2)
         paths["data"] = work / "prompts.jsonl"
-        single.write_prompts(paths["data"], paths["hf"], n=args.prompts * args.steps, prompt_len=args.prompt_len, seed=0)
+        single.write_prompts(
+            paths["data"], paths["hf"], n=args.prompts * args.steps, prompt_len=args.prompt_len, seed=0
+        )
         paths["reward"] = work / "bench_reward.py"
         paths["reward"].write_text(single.REWARD_SOURCE)
         if not args.quick:
             report["cuda_context_gib"] = cuda_context_gib()
             report["copy_reference"] = copy_reference(report["weight_bytes"])
+            import torch
+
+            torch.cuda.empty_cache()
         save()
         durations: list[float] = []
         for name in args.runs.split(","):

@@ -215,9 +215,11 @@ def test_pass_flags_are_checked_by_name(hf_dir: str, field: str, value: object) 
         make(hf_dir, **{field: value})
 
 
-def test_sequence_packing_is_refused_until_it_exists(hf_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"use_sequence_packing: sequence packing .* not implemented"):
-        make(hf_dir, use_sequence_packing=True)
+def test_sequence_packing_is_accepted_with_any_batch_and_parallel_shape(hf_dir: str) -> None:
+    # Packing changes only the layout of a micro-batch (tests/megatron/test_packing.py): it needs
+    # nothing of the other fields, whatever the micro-batch size or parallelism.
+    for extra in ({}, {"micro_batch_size": 2}, {"tensor_model_parallel_size": 2}):
+        assert make(hf_dir, use_sequence_packing=True, **extra).use_sequence_packing is True
 
 
 def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:

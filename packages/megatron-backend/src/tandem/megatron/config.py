@@ -117,10 +117,9 @@ class WorkerConfig:
 
     use_sequence_packing: bool = False
     """Pack each micro-batch's samples into one row with no padding between them
-    (THD) for the training forward and backward passes, instead of padding every
-    sample to the micro-batch's longest one. Not implemented yet: True is refused
-    (it needs per-sample RoPE positions and block-diagonal attention in our SDPA
-    core attention)."""
+    (Megatron's THD layout; positions restart and attention stops at every sample)
+    for every forward and backward pass of both roles, instead of padding every
+    sample to the micro-batch's longest one. Same outputs and losses, fewer tokens."""
 
     # --- optimizer and learning-rate schedule --------------------------------------
     lr: float = 1e-6
@@ -389,11 +388,6 @@ class WorkerConfig:
         for name in ("shuffle_minibatches", "use_sequence_packing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: got {getattr(self, name)!r}; it must be True or False")
-        if self.use_sequence_packing:
-            raise ValueError(
-                "use_sequence_packing: sequence packing (THD) is not implemented yet; leave it False "
-                "(micro-batches are padded to their longest sample)"
-            )
         if self.device == "cpu" and self.offload_backend == "torch_memory_saver":
             raise ValueError(
                 "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "

@@ -2,10 +2,15 @@
 
 Each micro-batch is right-padded to its own longest sample (causal attention
 means padding at the end never changes the real tokens, and positions start
-at 0 for every sample as in the rollout engine). On pipeline-last-stage ranks
+at 0 for every sample as in the rollout engine), or, with `packed=True`
+(`WorkerConfig.use_sequence_packing`), its samples are concatenated into one
+row with no padding between them (`packing.py`): positions restart at every
+sample and attention never crosses a boundary (Megatron's THD
+`PackedSeqParams`; `attention.py` says how our core attentions honour it), so
+each sample's outputs are the padded path's. On pipeline-last-stage ranks
 the model output is cut down to each sample's response positions and padded
 to the micro-batch's longest response, `(b, max_response_len)`, 0 past each
-response:
+response (the same in both layouts):
 
 - actor: `log_probs[t] = log softmax(logits / temperature)[token_t]` taken from
   the position that predicts response token `t`, computed vocab-parallel
@@ -32,6 +37,7 @@ from tandem.megatron._cpu_compat import enable_cpu_compat
 from tandem.megatron.batch import RolloutBatch, pad_responses
 from tandem.megatron.choices import ROLES, Role
 from tandem.megatron.entropy import entropy_of_shifted
+from tandem.megatron.packing import PackedRow, pack_lengths, pack_tokens, packed_seq_params, position_ids
 
 LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
 """`loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`: Megatron's per-token-loss form."""
@@ -74,12 +80,21 @@ def _padded_tokens(mb: RolloutBatch, device: torch.device) -> torch.Tensor:
     return padded.to(device=device, dtype=torch.long)
 
 
-def _response_rows(mb: RolloutBatch) -> list[tuple[int, int, int]]:
-    """(sample, first position, last position + 1) of the positions that predict each response."""
+def _packed_row(mb: RolloutBatch, multiple: int) -> PackedRow:
+    """Where the micro-batch's samples lie in its packed row (a multiple of `multiple` tokens)."""
+    return pack_lengths([int(t.numel()) for t in mb.tokens], multiple)
+
+
+def _response_rows(mb: RolloutBatch, packed: PackedRow | None = None) -> list[tuple[int, int, int]]:
+    """(row, first position, last position + 1) of the positions that predict each sample's response.
+
+    Padded: sample `i` is row `i`, from position 0. Packed: every sample is in row 0, from its offset.
+    """
     rows = []
-    for i, (toks, rlen) in enumerate(zip(mb.tokens, mb.response_lengths, strict=True)):
-        total = int(toks.numel())
-        rows.append((i, total - rlen - 1, total - 1))
+    offsets = packed.offsets if packed is not None else (0,) * len(mb)
+    for i, (toks, rlen, offset) in enumerate(zip(mb.tokens, mb.response_lengths, offsets, strict=True)):
+        end = offset + int(toks.numel())
+        rows.append((0 if packed is not None else i, end - rlen - 1, end - 1))
     return rows
 
 
@@ -124,8 +139,11 @@ def _response_outputs(
     role: Role,
     temperature: float,
     with_entropy: bool,
+    packed: PackedRow | None = None,
 ) -> ResponseOutputs:
-    rows = _response_rows(mb)
+    """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
+    `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row."""
+    rows = _response_rows(mb, packed)
     lengths = [end - begin for _, begin, end in rows]
     if role == "critic":
         values = torch.cat([output[i, begin:end, 0] for i, begin, end in rows]).float()
@@ -149,6 +167,7 @@ def run_micro_batches(
     backward: bool = False,
     loss_fn: LossFn | None = None,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> list[Mapping[str, Any]]:
     """Run Megatron's forward(-backward) schedule over the micro-batches `batches`; return each one's metrics.
 
@@ -174,6 +193,7 @@ def run_micro_batches(
         backward: also run the backward pass (else outputs carry no autograd graph).
         loss_fn: required with `backward`; `None` without it gives empty metrics.
         with_entropy: also compute the actor's per-token entropy.
+        packed: each micro-batch as one packed row instead of padded rows (module docstring).
     """
     if role not in ROLES:
         raise ValueError(f"run_micro_batches: role {role!r} is not one of {ROLES}")
@@ -190,18 +210,21 @@ def run_micro_batches(
     from tandem.megatron.models import unwrap_model
 
     chunks = list(model) if isinstance(model, Sequence) else [model]
-    if backward and not unwrap_model(chunks).config.calculate_per_token_loss:
+    model_config = unwrap_model(chunks).config
+    if backward and not model_config.calculate_per_token_loss:
         raise ValueError(
             "run_micro_batches: the model's config has calculate_per_token_loss=False, so Megatron would "
             "divide each loss_sum by its count and the number of micro-batches; build it with build_model"
         )
     device = next(chunks[0].parameters()).device
+    # Sequence parallelism splits the row over the tensor-parallel ranks: it must divide evenly.
+    multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
 
     def loss_func(
-        mb: RolloutBatch, tokens: torch.Tensor, output: torch.Tensor
+        mb: RolloutBatch, tokens: torch.Tensor, row: PackedRow | None, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         outputs = _response_outputs(
-            mb, tokens, output, role=role, temperature=temperature, with_entropy=with_entropy
+            mb, tokens, output, role=role, temperature=temperature, with_entropy=with_entropy, packed=row
         )
         if loss_fn is None:
             return output.new_zeros(()), torch.zeros((), dtype=torch.int64), {}
@@ -211,19 +234,35 @@ def run_micro_batches(
 
     def forward_step(data_iterator: Iterator[RolloutBatch], stage: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data_iterator)
+        if packed:
+            # One row [1, t]; RoPE positions restart per sample from cu_seqlens (the attention
+            # layer's THD path), the position ids say the same for any other reader.
+            row = _packed_row(mb, multiple)
+            tokens = pack_tokens(mb.tokens, row).to(device=device, dtype=torch.long).unsqueeze(0)
+            positions = position_ids(row).to(device).unsqueeze(0)
+            output = stage(tokens, positions, None, packed_seq_params=packed_seq_params(row, device))
+            return output, partial(loss_func, mb, tokens, row)
         tokens = _padded_tokens(mb, device)
-        position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-        output = stage(tokens, position_ids, None)
-        return output, partial(loss_func, mb, tokens)
+        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        output = stage(tokens, positions, None)
+        return output, partial(loss_func, mb, tokens, None)
 
+    # Stages exchange each activation's shape first (variable_seq_lengths, see hf_config), so
+    # rows of any length pass; these two only bound them.
+    if packed:
+        seq_length = max(_packed_row(mb, multiple).total for mb in batches)
+        micro_batch_size = 1
+    else:
+        seq_length = max(int(t.numel()) for mb in batches for t in mb.tokens)
+        micro_batch_size = max(len(mb) for mb in batches)
     forward_backward = get_forward_backward_func()
     result = forward_backward(
         forward_step_func=forward_step,
         data_iterator=iter(batches),
         model=chunks,
         num_microbatches=len(batches),
-        seq_length=max(int(t.numel()) for mb in batches for t in mb.tokens),
-        micro_batch_size=max(len(mb) for mb in batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
         forward_only=not backward,
     )
     return list(result or [])
@@ -236,13 +275,15 @@ def forward_only(
     role: Role,
     temperature: float = 1.0,
     micro_batch_size: int = 1,
+    packed: bool = False,
 ) -> torch.Tensor | None:
     """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 
     Returns `(len(batch), batch.max_response_length)`, 0 past each response, on
     pipeline-last-stage ranks (log-probs of `logits / temperature` for the
     actor; fp32 values, never divided by the temperature, for the critic),
-    and None on other stages. Every rank of the model must call it.
+    and None on other stages. Every rank of the model must call it. `packed`:
+    each micro-batch as one packed row (`run_micro_batches`).
     """
     from megatron.core import parallel_state as mpu
 
@@ -263,6 +304,7 @@ def forward_only(
             role=role,
             temperature=temperature,
             loss_fn=keep,
+            packed=packed,
         )
     if not mpu.is_pipeline_last_stage():
         return None

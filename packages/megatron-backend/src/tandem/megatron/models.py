@@ -17,68 +17,18 @@ exported weights allocates that dtype.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.attention import local_attention, sdpa_attention
 from tandem.megatron.choices import ROLES, Role
 from tandem.megatron.hf_config import ModelSpec
 
 Attention = Literal["sdpa", "local"]
 _ATTENTIONS: tuple[str, ...] = get_args(Attention)
-
-
-@cache
-def _sdpa_attention() -> type:
-    """Megatron's local core attention with the causal case on `torch.nn.functional.scaled_dot_product_attention`.
-
-    The local `DotProductAttention` materialises `[b, heads, s, s]` scores and
-    keeps them for backward; SDPA picks a flash / memory-efficient kernel on GPU
-    (and the exact math kernel on CPU). Anything but plain causal attention
-    without a mask falls back to Megatron's implementation.
-    """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
-    class SdpaDotProductAttention(DotProductAttention):
-        def forward(
-            self,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            attention_mask: torch.Tensor | None,
-            attn_mask_type: Any = None,
-            attention_bias: Any = None,
-            packed_seq_params: Any = None,
-        ) -> torch.Tensor:
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            plain_causal = (
-                attention_mask is None
-                and attention_bias is None
-                and packed_seq_params is None
-                and mask_type == AttnMaskType.causal
-                and self.softmax_offset is None
-                and query.shape[0] == key.shape[0]
-                and (not self.training or self.attention_dropout.p == 0.0)
-            )
-            if not plain_causal:
-                return super().forward(
-                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-                )
-            # [s, b, heads, d] -> [b, heads, s, d]
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            context = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
-            # [b, heads, s, d] -> [s, b, heads * d]
-            return context.permute(2, 0, 1, 3).reshape(
-                query.shape[0], query.shape[1], self.hidden_size_per_partition
-            )
-
-    return SdpaDotProductAttention
 
 
 class ValueHead(nn.Module):
@@ -149,7 +99,8 @@ def build_model(
         params_dtype: dtype of every parameter (the critic head computes in fp32 anyway).
         seed: seed of the critic head's init (equal on all ranks).
         attention: "sdpa" (torch's fused causal attention) or "local" (Megatron's
-            unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores).
+            unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores); both
+            also run packed micro-batches (`attention.py`).
         config_overrides: extra `TransformerConfig` fields (e.g. `recompute_granularity`);
             `calculate_per_token_loss` defaults to True (the train step's loss form).
     """
@@ -180,8 +131,9 @@ def build_model(
         **config_overrides,
     )
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if attention == "sdpa":
-        layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_attention()
+    # Both core attentions also take packed samples (THD PackedSeqParams): see attention.py.
+    core_attention = sdpa_attention() if attention == "sdpa" else local_attention()
+    layer_spec.submodules.self_attention.submodules.core_attention = core_attention
     # Spelled out so that the final norm is torch's RMSNorm on every host (Megatron
     # would pick Apex or Transformer Engine norms when installed).
     block_spec = TransformerBlockSubmodules(

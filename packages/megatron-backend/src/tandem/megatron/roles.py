@@ -240,6 +240,7 @@ def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | No
         role="actor",
         temperature=config.temperature,
         micro_batch_size=config.micro_batch_size,
+        packed=config.use_sequence_packing,
     )
 
 
@@ -311,7 +312,13 @@ def train_critic(
                 "results as the critic's external_data (the KL-first plan)"
             )
     # 1. old values
-    old_values = forward_only(trainee.chunks, batch, role="critic", micro_batch_size=config.micro_batch_size)
+    old_values = forward_only(
+        trainee.chunks,
+        batch,
+        role="critic",
+        micro_batch_size=config.micro_batch_size,
+        packed=config.use_sequence_packing,
+    )
     # 2. targets, on the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}
     if old_values is not None:

@@ -8,10 +8,11 @@ rollout whose per-token targets are already in the batch (`roles`), and:
    data-parallel rank (`shuffle_minibatches`);
 2. cuts each pass into minibatches of `global_batch_size / dp` samples, one
    optimizer step each (`minibatch_size`);
-3. runs each minibatch's micro-batches through Megatron's schedule with the
-   role's loss in the per-token form, `(loss_sum, count, metrics)`: Megatron
-   sums the gradients over micro-batches and data-parallel ranks and divides
-   them once by the step's total count, so the gradient is that of the exact
+3. runs each minibatch's micro-batches (padded, or packed with
+   `use_sequence_packing`) through Megatron's schedule with the role's loss
+   in the per-token form, `(loss_sum, count, metrics)`: Megatron sums the
+   gradients over micro-batches and data-parallel ranks and divides them
+   once by the step's total count, so the gradient is that of the exact
    mean of the step (`losses.loss_sum_and_count`, both aggregation modes);
 4. takes the optimizer step (clipping, learning-rate schedule);
 5. keeps each step's metric numerators and count, which `reduce_metrics`
@@ -130,6 +131,7 @@ def train_step(
                 backward=True,
                 loss_fn=counted,
                 with_entropy=with_entropy,
+                packed=config.use_sequence_packing,
             )
             # 4. the optimizer step
             norm, sums.lr = trainee.optimizer_step()

@@ -1,0 +1,141 @@
+"""The core attention of our layer spec (Megatron's local, non-Transformer-Engine spec), packed samples included.
+
+`models.build_model` uses Megatron's local layer spec, which runs on every host
+(CPU included). Its core attention, Megatron's `DotProductAttention`, refuses
+packed sequences (`PackedSeqParams`): with Transformer Engine's spec,
+`TEDotProductAttention` would take Megatron's THD layout natively (flash
+attention over `cu_seqlens`), but that spec is not available here. Megatron's
+attention *layer* does handle THD for any core attention: it squeezes the
+batch dimension and applies RoPE block by block from `cu_seqlens` (so positions
+restart at every sample). Only the core attention has to keep the blocks apart,
+and the two classes here do, so that sequence packing runs through the very
+same `PackedSeqParams` interface with either choice of `models.Attention`:
+
+- "sdpa" (`sdpa_attention`): causal `scaled_dot_product_attention` one block at
+  a time: the flash / memory-efficient kernel on GPU, the exact math kernel
+  on CPU, and no `t x t` mask anywhere;
+- "local" (`local_attention`): Megatron's unfused attention over one packed row
+  with an explicit block-diagonal causal mask (`packing.block_causal_mask`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+from tandem.megatron.packing import PackedRow, block_causal_mask, segments_of
+
+
+@cache
+def sdpa_attention() -> type:
+    """Megatron's local core attention with the causal case on `torch.nn.functional.scaled_dot_product_attention`.
+
+    The local `DotProductAttention` materialises `[b, heads, s, s]` scores and
+    keeps them for backward; SDPA picks a flash / memory-efficient kernel on GPU
+    (and the exact math kernel on CPU). Packed samples (THD `PackedSeqParams`)
+    run block by block, each causal. Anything else but plain causal attention
+    without a mask falls back to Megatron's implementation.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SdpaDotProductAttention(DotProductAttention):
+        def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            """Causal attention of `[b, heads, s, d]` tensors."""
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: Any = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            plain_causal = (
+                attention_mask is None
+                and attention_bias is None
+                and mask_type == AttnMaskType.causal
+                and self.softmax_offset is None
+                and query.shape[0] == key.shape[0]
+                and (not self.training or self.attention_dropout.p == 0.0)
+            )
+            if packed_seq_params is not None:
+                if not plain_causal:
+                    raise ValueError(
+                        "use_sequence_packing: packed samples need plain causal attention "
+                        "(no mask or bias of the caller's, no attention dropout, no softmax offset)"
+                    )
+                # THD: query [t, heads, d]; each block is one sample, attending causally to itself.
+                blocks = []
+                for q, k, v in zip(
+                    *(t.split(segments_of(packed_seq_params)) for t in (query, key, value)), strict=True
+                ):
+                    # [n, heads, d] -> [1, heads, n, d]
+                    blocks.append(self._sdpa(*(t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))))
+                # [1, heads, n, d] -> [n, heads * d], blocks back in row order: [t, heads * d]
+                return torch.cat([b[0].permute(1, 0, 2) for b in blocks]).reshape(
+                    query.shape[0], self.hidden_size_per_partition
+                )
+            if not plain_causal:
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
+            # [s, b, heads, d] -> [b, heads, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            context = self._sdpa(q, k, v)
+            # [b, heads, s, d] -> [s, b, heads * d]
+            return context.permute(2, 0, 1, 3).reshape(
+                query.shape[0], query.shape[1], self.hidden_size_per_partition
+            )
+
+    return SdpaDotProductAttention
+
+
+@cache
+def local_attention() -> type:
+    """Megatron's unfused `DotProductAttention`, also over packed samples (THD) through a block-diagonal mask.
+
+    Unpacked input goes to Megatron's implementation unchanged. Packed input
+    `[t, heads, d]` becomes one row `[t, 1, heads, d]` whose mask lets each token
+    attend only to the earlier tokens of its own sample (RoPE was already
+    applied per sample by the attention layer).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: Any = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if packed_seq_params is None:
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
+            if attention_mask is not None or self.config.masked_softmax_fusion:
+                # The fused causal softmax kernel ignores any mask it is given.
+                raise ValueError(
+                    "use_sequence_packing: the local attention keeps packed samples apart with a mask, "
+                    "which needs masked_softmax_fusion=False and no mask of the caller's"
+                )
+            mask = block_causal_mask(PackedRow(tuple(segments_of(packed_seq_params))), query.device)
+            # [t, heads, d] -> [t, 1, heads, d]; mask [1, 1, t, t]
+            q, k, v = (t.unsqueeze(1) for t in (query, key, value))
+            context = super().forward(q, k, v, mask[None, None], attn_mask_type, attention_bias, None)
+            # [t, 1, heads * d] -> [t, heads * d]
+            return context.squeeze(1)
+
+    return PackedDotProductAttention

@@ -18,7 +18,7 @@ them in the original order on every rank.
 
 Tearing a communicator down is mostly waiting (NCCL finalises, the group's
 watchdog thread winds down), so `destroy_all()` shuts the inner groups down on
-a few threads at once, then unregisters them from torch.distributed's tables in
+one thread per group, then unregisters them from torch.distributed's tables in
 order on the calling thread; `concurrent=False` does it one group at a time
 (bench/process_group_bench.py measures both).
 """
@@ -278,11 +278,11 @@ def reloadable_groups(*, skip_backends: Collection[str] = ("gloo",)) -> Iterator
             _registry.patch_depth -= 1
 
 
-_TEARDOWN_THREADS = 8
+_TEARDOWN_THREADS = 64
 
 
 def _shut_down_concurrently(groups: list[ReloadableProcessGroup]) -> None:
-    """Shut the groups' inner groups down on several threads at once (the slow, waiting part).
+    """Shut the groups' inner groups down on one thread each (the slow, waiting part).
 
     torch releases the GIL in `ProcessGroup.shutdown`, so the waits overlap; a
     second `shutdown` (from `destroy_process_group` afterwards) finds nothing left to do.

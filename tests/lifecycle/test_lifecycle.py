@@ -196,3 +196,23 @@ def test_choosing_tags_needs_a_lifecycle_with_tags() -> None:
         Recorder().lifecycle(["weights"]).sleep(["grads"])
     with pytest.raises(ValueError, match="choose among"):
         Recorder().lifecycle(["weights"]).sleep("weights")  # type: ignore[arg-type]
+
+
+def test_process_groups_false_moves_memory_and_leaves_the_groups_as_they_are() -> None:
+    r = Recorder()
+    lc = r.lifecycle(tags=["weights", "optimizer"])
+    lc.sleep()
+    r.log.clear()
+    lc.wake_up(["weights"], process_groups=False)  # a weight export that needs no collective
+    assert r.log == ["resume:weights", "clear"]
+    assert "reload_process_groups" not in lc.last_timings
+    r.log.clear()
+    lc.sleep(["weights"], process_groups=False)
+    assert r.log == ["clear", "pause:weights"]
+    assert "destroy_process_groups" not in lc.last_timings
+    r.log.clear()
+    lc.wake_up()  # the default brings the groups back with the memory
+    assert r.log == ["resume:weights", "resume:optimizer", "clear", "reload"]
+    r.log.clear()
+    lc.wake_up(process_groups=False)  # awake already: nothing at all
+    assert r.log == []

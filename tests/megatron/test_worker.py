@@ -308,7 +308,9 @@ def test_update_weights_asleep_and_awake_send_the_same_hf_tensors(workers: Worke
     asleep_engine, awake_engine = engine_cls.remote(), engine_cls.remote()
     actor.run("sleep")
     chunk_counts = actor.run("update_weights", asleep_engine)
-    assert actor.run("asleep") == [True, True]  # temporary groups and weights only; still asleep
+    assert actor.run("asleep") == [True, True]  # the weights only; still asleep
+    # TP = PP = 1: every rank holds every weight, so the process groups stayed torn down.
+    assert all("destroy_process_groups" not in t for t in actor.run("lifecycle_timings"))
     actor.run("wake_up")
     actor.run("update_weights", awake_engine)
     chunks, sent = ray.get(asleep_engine.received.remote())
@@ -378,6 +380,8 @@ def test_pipeline_weight_export_gathers_both_stages(workers: Workers) -> None:
     engine = engine_cls.remote()
     actor.run("sleep")
     actor.run("update_weights", engine)
+    # PP = 2: the stages broadcast their tensors over groups that came back for the export.
+    assert all("destroy_process_groups" in t for t in actor.run("lifecycle_timings"))
     _, sent = ray.get(engine.received.remote())
     assert sent.keys() == initial.keys()
     assert all(sent[k].shape == initial[k].shape for k in initial)

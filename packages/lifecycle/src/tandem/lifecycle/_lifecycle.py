@@ -104,11 +104,13 @@ class Lifecycle:
         """The memory backend this lifecycle drives."""
         return self._backend
 
-    def sleep(self, tags: Sequence[str] | None = None) -> None:
+    def sleep(self, tags: Sequence[str] | None = None, *, process_groups: bool = True) -> None:
         """Clear caches, destroy process groups, pause memory. Returns at once when already asleep.
 
         `tags` (a subset of the lifecycle's tags) puts only those away, e.g. the
         optimizer state while the weights stay for a weight export; None means all.
+        `process_groups=False` leaves the process groups as they are (e.g. they were
+        never brought back for a weight export that needs no collective).
         """
         with self._lock:
             todo = [t for t in self._chosen(tags) if t not in self._paused]
@@ -119,27 +121,30 @@ class Lifecycle:
             with self._timed("total"):
                 with self._timed("clear_caches"):
                     self._clear_caches()
-                with self._timed("destroy_process_groups"):
-                    self._destroy_process_groups()
+                if process_groups:
+                    with self._timed("destroy_process_groups"):
+                        self._destroy_process_groups()
                 for tag in todo:
                     with self._timed(_step("pause", tag)):
                         self._backend.pause(tag)
                     self._paused.add(tag)
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+    def wake_up(self, tags: Sequence[str] | None = None, *, process_groups: bool = True) -> None:
         """Resume memory, clear caches, reload process groups. When awake, only reload process groups.
 
         `tags` (a subset of the lifecycle's tags) brings only those back, e.g. the
-        weights for a weight export while asleep; None means all.
+        weights for a weight export while asleep; None means all. `process_groups=False`
+        brings the memory back and leaves the process groups torn down.
         """
         with self._lock:
             todo = [t for t in self._chosen(tags) if t in self._paused]
             self._timings = {}
             with self._timed("total"):
                 if not todo:
-                    logger.info("wake_up(): already awake, reloading process groups only")
-                    with self._timed("reload_process_groups"):
-                        self._reload_process_groups()
+                    if process_groups:
+                        logger.info("wake_up(): already awake, reloading process groups only")
+                        with self._timed("reload_process_groups"):
+                            self._reload_process_groups()
                     return
                 for tag in todo:
                     with self._timed(_step("resume", tag)):
@@ -147,8 +152,9 @@ class Lifecycle:
                     self._paused.discard(tag)
                 with self._timed("clear_caches"):
                     self._clear_caches()
-                with self._timed("reload_process_groups"):
-                    self._reload_process_groups()
+                if process_groups:
+                    with self._timed("reload_process_groups"):
+                        self._reload_process_groups()
 
     def _chosen(self, tags: Sequence[str] | None) -> list[str | None]:
         if tags is None:

@@ -99,6 +99,9 @@ class _WorkerHost:
     def gpu_memory(self) -> dict[str, int | None]:
         return self._worker.gpu_memory()
 
+    def lifecycle_timings(self) -> dict[str, float]:
+        return self._worker.lifecycle_timings()
+
     def shutdown(self) -> None:
         self._worker.shutdown()
 

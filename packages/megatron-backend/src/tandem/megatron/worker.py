@@ -297,14 +297,24 @@ class TrainWorker:
             )
         if not self._lifecycle.asleep:
             return self._send_weights(engines, pack)
-        # Only the weights come back, with the process groups; both go away again afterwards.
-        self._lifecycle.wake_up([WEIGHTS])
+        # Only the weights come back, and the process groups only where the export gathers
+        # over TP or PP (each rebuild and teardown costs a communicator setup and shutdown):
+        # a rank of a TP = PP = 1 model holds every weight already.
+        tp, pp = self.config.topology(self.role)
+        collectives = tp * pp > 1
+        self._lifecycle.wake_up([WEIGHTS], process_groups=collectives)
         try:
-            return self._send_weights(engines, pack)
+            return self._send_weights(engines, pack, barrier=collectives)
         finally:
-            self._lifecycle.sleep([WEIGHTS])
+            self._lifecycle.sleep([WEIGHTS], process_groups=collectives)
 
-    def _send_weights(self, engines: list[Any], pack: Callable[[Any], Any] | None = None) -> int:
+    def lifecycle_timings(self) -> dict[str, float]:
+        """Seconds of each step of this worker's last sleep or wake (that of a weight export included)."""
+        return dict(self._lifecycle.last_timings) if self._lifecycle is not None else {}
+
+    def _send_weights(
+        self, engines: list[Any], pack: Callable[[Any], Any] | None = None, *, barrier: bool = True
+    ) -> int:
         trainee = self._require_init()
         chunks = 0
         for named in export_hf_weights(trainee.module, trainee.spec, self.config.update_weights_chunk_bytes):
@@ -314,7 +324,8 @@ class TrainWorker:
                 for target in engines:
                     send_chunk(target, named)
             chunks += 1
-        self._barrier()
+        if barrier:  # without it the caller's wait for every rank's answer is the barrier
+            self._barrier()
         return chunks
 
     # --- introspection -------------------------------------------------------------------------

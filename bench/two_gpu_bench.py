@@ -207,7 +207,7 @@ def median_of(rows: list[dict[str, Any]], prefix: str) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
 
 
-CURVE_KEYS = ("reward/mean", "actor/pg_loss", "critic/value_loss", "actor/kl_loss", "actor/entropy")
+CURVE_KEYS = ("reward/mean", "actor/pg_loss", "critic/value_loss", "actor/kl_loss")
 
 
 def summarize_run(result: dict[str, Any], run_dir: Path) -> None:
@@ -312,7 +312,14 @@ def analyse(report: dict[str, Any], paths: dict[str, Path]) -> None:
     context = report.get("cuda_context_gib")
     for name, result in runs.items():
         twin = runs.get(f"{name}_resident")
-        if twin is not None and not name.endswith("_resident") and result.get("steps") and twin.get("steps"):
+        here = paths["work"] / name / "hf"
+        if (
+            twin is not None
+            and not name.endswith("_resident")
+            and result.get("steps")
+            and twin.get("steps")
+            and here.is_dir()
+        ):
             result["vs_resident"] = {
                 "metrics": compare_metrics(result["metrics_rows"], twin["metrics_rows"]),
                 "weights": compare_weights(
@@ -345,6 +352,47 @@ def analyse(report: dict[str, Any], paths: dict[str, Path]) -> None:
         }
 
 
+def plot_curves(report: dict[str, Any], path: Path) -> None:
+    """Reward and losses per step of every run, one panel each (skipped where matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return
+    keys = CURVE_KEYS[:3]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
+    for name, r in report["runs"].items():
+        curves = r.get("curves") or {}
+        style = "--" if name.endswith("_resident") else "-"
+        for ax, key in zip(axes, keys, strict=True):
+            ys = curves.get(key) or []
+            if ys:
+                ax.plot(range(len(ys)), ys, style, marker="o", markersize=3, label=name)
+    for ax, key in zip(axes, keys, strict=True):
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"two_gpu_bench: {report['shape']} ({report.get('gpu') or 'CPU'})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """Several reports of this bench (e.g. one per device call) as one: later runs of a name win."""
+    report = json.loads(paths[0].read_text())
+    for path in paths[1:]:
+        other = json.loads(path.read_text())
+        report["runs"].update({n: r for n, r in other["runs"].items() if r.get("steps")})
+        for key in ("cuda_context_gib", "copy_reference"):
+            report[key] = report.get(key) if report.get(key) is not None else other.get(key)
+    report["runs"] = {n: report["runs"][n] for n in RUNS if n in report["runs"]}
+    return report
+
+
 def fmt(x: Any, spec: str = ".2f") -> str:
     return "–" if x is None else format(x, spec)
 
@@ -370,6 +418,9 @@ def print_summary(report: dict[str, Any]) -> None:
             else f"metrics {'yes' if same['metrics']['identical'] else 'no'}, "
             f"weights {'yes' if same['weights'].get('identical') else 'no'}"
         )
+        if r.get("skipped"):
+            print(f"| {name} | not run: {r['skipped']} |" + " |" * (len(phases) + 3))
+            continue
         cells = " | ".join(fmt(t.get(f"time/{p}")) for p in phases)
         print(
             f"| {name} | {r.get('exit_code')} | {cells} | {fmt(peak)} | "
@@ -402,6 +453,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=400)
     p.add_argument("--time-budget-s", type=float, default=560, help="skip runs that would end after this")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="run nothing: merge these reports (later runs of a name win), print the summary, draw the curves",
+    )
     args = p.parse_args(argv)
     defaults = (2, 8, 8, 8, 4) if args.quick else (4, 64, 128, 128, 8)
     for name, default in zip(
@@ -417,6 +475,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        merged = merge(args.from_json)
+        args.out.mkdir(parents=True, exist_ok=True)
+        analyse(merged, {"work": args.out / "missing"})
+        (args.out / "two_gpu_bench.json").write_text(json.dumps(merged, indent=2, default=str))
+        print_summary(merged)
+        plot_curves(merged, args.out / "two_gpu_bench_curves.png")
+        return 0
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     started = time.time()
@@ -490,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     analyse(report, paths)
     save()
     print_summary(report)
+    plot_curves(report, out / "two_gpu_bench_curves.png")
     print(f"\nJSON: {paths['json']}")
     return status
 

@@ -345,3 +345,16 @@ def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFix
     assert status == 0
     out = capsys.readouterr().out
     assert "eval/mean:" in out and "eval/accuracy:" in out
+
+
+def test_sequence_packing_trains_as_the_padded_run(
+    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+) -> None:
+    """`--use-sequence-packing` through the driver: the first step (same rollout) trains as the padded run."""
+    common = {"num_rollout": 1, "eval_interval": None, "export_hf": False}
+    padded = run(demo_config(tmp_path / "padded", **common), ray_start)
+    packed = run(demo_config(tmp_path / "packed", use_sequence_packing=True, **common), ray_start)
+    a, b = padded.metrics[0], packed.metrics[0]
+    assert b["reward/mean"] == a["reward/mean"]  # the same rollout
+    for key in ("critic/value_loss", "critic/values_mean", "actor/pg_loss", "actor/values_mean"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

@@ -6,9 +6,10 @@ every group it is a member of, so that each NCCL communicator exists (NCCL build
 them lazily, on the first collective, and a model's first step uses them all).
 Then, `--cycles` times each, in one run:
 
-1. `destroy_all(concurrent=False)`: one group after the other (what a sleep did before);
-2. `destroy_all()`: the communicators shut down on several threads at once, then
-   unregistered in order (the default);
+1. `destroy_all(concurrent=False, keep_single_rank=False)`: one group after the other;
+2. `destroy_all(keep_single_rank=False)`: the communicators shut down on one thread
+   each, then unregistered in order;
+3. `destroy_all()` (the default): the same, with the groups of one rank left alive;
 
 each followed by `reload_all()` and the all-reduces again (the wake's share, and
 the first collectives that build the communicators). Times are the slowest rank's,
@@ -93,10 +94,17 @@ def _rank_main(rank: int, world: int, port: int, tp: int, pp: int, cycles: int, 
         return float(seconds)
 
     rows: dict[str, dict[str, list[float]]] = {}
-    for name, concurrent in (("one after the other", False), ("concurrent", True)):
+    variants = (
+        ("one after the other", False, False),
+        ("concurrent", True, False),
+        ("concurrent, one-rank groups kept", True, True),
+    )
+    for name, concurrent, keep in variants:
         row = rows.setdefault(name, {"destroy_s": [], "reload_s": [], "first_collectives_s": []})
         for _ in range(cycles):
-            row["destroy_s"].append(timed(lambda c=concurrent: destroy_all(concurrent=c)))
+            row["destroy_s"].append(
+                timed(lambda c=concurrent, k=keep: destroy_all(concurrent=c, keep_single_rank=k))
+            )
             row["reload_s"].append(timed(reload_all))
             row["first_collectives_s"].append(timed(lambda: _touch_all(groups, device, 1.0)))
     if rank == 0:
@@ -106,6 +114,7 @@ def _rank_main(rank: int, world: int, port: int, tp: int, pp: int, cycles: int, 
             "pipeline_parallel_size": pp,
             "backend": "nccl" if on_gpu else "gloo",
             "groups_per_rank": len(groups),
+            "one_rank_groups_per_rank": sum(g.size() == 1 for g in groups),
             "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
             "torch": torch.__version__,
             "cycles": cycles,
@@ -120,7 +129,7 @@ def _rank_main(rank: int, world: int, port: int, tp: int, pp: int, cycles: int, 
 
 def print_table(result: dict[str, Any]) -> None:
     print(
-        f"\n{result['groups_per_rank']} reloadable groups per rank, world {result['world_size']} "
+        f"\n{result['groups_per_rank']} reloadable groups per rank ({result['one_rank_groups_per_rank']} of one rank), world {result['world_size']} "
         f"(TP {result['tensor_parallel_size']}, PP {result['pipeline_parallel_size']}), "
         f"{result['backend']}, {result['gpu'] or 'CPU'}, median of {result['cycles']}\n"
     )

@@ -63,5 +63,6 @@ def test_the_process_group_bench_tears_down_both_ways(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     assert result["backend"] == "gloo" and result["groups_per_rank"] > 1
-    assert set(result["rows"]) == {"one after the other", "concurrent"}
+    assert set(result["rows"]) == {"one after the other", "concurrent", "concurrent, one-rank groups kept"}
+    assert 0 < result["one_rank_groups_per_rank"] < result["groups_per_rank"]
     assert all(len(row["all"]["destroy_s"]) == 2 for row in result["rows"].values())

@@ -84,9 +84,11 @@ def main() -> None:
     check_collectives(direct, rank, world, 0.5)
 
     for cycle in range(CYCLES):
-        destroy_all(concurrent=cycle % 2 == 0)  # both ways: on threads at once, one after the other
-        destroy_all()  # idempotent
+        keep = cycle % 3 != 0  # one-rank groups kept (the default) or torn down too
+        destroy_all(concurrent=cycle % 2 == 0, keep_single_rank=keep)  # threads at once, or one by one
+        destroy_all(keep_single_rank=keep)  # idempotent
         assert not tp.alive and not direct.alive
+        assert dp.alive == keep, (cycle, dp)
         try:
             dist.all_reduce(torch.zeros(1), group=layer.tp_group)
         except ProcessGroupTornDownError:

@@ -19,8 +19,9 @@ them in the original order on every rank.
 Tearing a communicator down is mostly waiting (NCCL finalises, the group's
 watchdog thread winds down), so `destroy_all()` shuts the inner groups down on
 one thread per group, then unregisters them from torch.distributed's tables in
-order on the calling thread; `concurrent=False` does it one group at a time
-(bench/process_group_bench.py measures both).
+order on the calling thread; `concurrent=False` does it one group at a time.
+Groups of one rank stay alive unless `keep_single_rank=False`
+(bench/process_group_bench.py measures all three).
 """
 
 from __future__ import annotations
@@ -216,6 +217,12 @@ class _Call:
     def alive(self) -> bool:
         return self.member_alive if self.group is None else self.group.alive
 
+    @property
+    def single_rank(self) -> bool:
+        """The group has one rank (known on every rank from the call's arguments)."""
+        ranks = self.kwargs.get("ranks", self.args[0] if self.args else None)
+        return ranks is not None and len(ranks) == 1
+
 
 @dataclass
 class _Registry:
@@ -295,15 +302,19 @@ def _shut_down_concurrently(groups: list[ReloadableProcessGroup]) -> None:
             future.result()
 
 
-def destroy_all(*, concurrent: bool = True) -> None:
+def destroy_all(*, concurrent: bool = True, keep_single_rank: bool = True) -> None:
     """Tear down every reloadable group of this process, newest first (idempotent).
 
     Every rank must call it (NCCL tears communicators down collectively in some
     versions). `concurrent`: shut the communicators down on several threads at
     once before unregistering each group (False: one group after the other).
+    `keep_single_rank`: leave groups of one rank alive (every rank decides alike,
+    from the recorded `ranks`, so `reload_all` replays the same calls everywhere):
+    a one-rank communicator has no peers and so no peer buffers, and tearing it
+    down and building it again costs as much as any other.
     """
     with _registry.lock:
-        calls = [c for c in reversed(_registry.calls) if c.alive]
+        calls = [c for c in reversed(_registry.calls) if c.alive and not (keep_single_rank and c.single_rank)]
         members = [c.group for c in calls if c.group is not None]
         if concurrent:
             _shut_down_concurrently(members)

@@ -12,6 +12,9 @@ The model code is transformers' own; the engine owns the loop around it:
   unfinished ones into a smaller batch bucket (finished sequences are dropped);
 - release/resume: the weights go to retained host buffers through tandem.lifecycle
   (`PinnedHostBackend`) and the KV cache, CUDA graphs and their memory pool are freed.
+
+The forward passes, the cache and the CUDA graphs are in `_forward.py`, the weight
+updates in `_weight_updates.py` (mixins of `EmbeddedEngine`).
 """
 
 from __future__ import annotations
@@ -24,22 +27,20 @@ from typing import Any
 
 import torch
 
+from ._errors import EngineMemoryReleasedError
+from ._forward import ForwardPasses
 from ._kv_cache import StaticKVCache, register_attention
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
 from ._sampling import sample
-from ._weights import as_named_tensors
+from ._weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
 _MIN_BUCKET = 8
 
 
-class EngineMemoryReleasedError(RuntimeError):
-    """The engine was asked to work while some of its memory is released."""
-
-
-class EmbeddedEngine:
+class EmbeddedEngine(WeightUpdates, ForwardPasses):
     """A rollout engine on Hugging Face transformers (CPU or one CUDA device); see the module docstring.
 
     Args:
@@ -174,59 +175,6 @@ class EmbeddedEngine:
         with self._lock:
             self._drop_cache()
             self._empty_device_cache()
-
-    # -- weights -----------------------------------------------------------------------------------
-
-    def update_weights_from_tensors(self, named_tensors: Any) -> None:
-        """Copy HF-named full tensors (list of (name, tensor), a dict, or an `IpcPayload`) into the model."""
-        with self._lock:
-            if self._lifecycle.asleep:
-                raise EngineMemoryReleasedError(
-                    "update_weights_from_tensors: the engine's weights are released; "
-                    "call resume_memory(['weights']) first (sync order: weights, sync, kv_cache)"
-                )
-            named, opened = as_named_tensors(named_tensors, self.device)
-            try:
-                self._copy_in(named)
-            finally:
-                # Drop every view of IPC-opened buffers before telling the sender they are free.
-                named.clear()
-                opened.clear()
-            if self.device.type == "cuda":
-                torch.cuda.ipc_collect()
-
-    def weights_digest(self) -> list[float]:
-        """Two fingerprints of the weights now (sum and sum of squares, in float64).
-
-        Equal on every engine once a weight sync reached them all; the driver logs them.
-        """
-        with self._lock, torch.no_grad():
-            if self._lifecycle.asleep:
-                raise EngineMemoryReleasedError("weights_digest: the engine's weights are released")
-            total = torch.zeros(2, dtype=torch.float64, device=self.device)
-            for tensor in self._params_by_name.values():
-                flat = tensor.detach().reshape(-1).double()
-                total[0] += flat.sum()
-                total[1] += flat.dot(flat)
-            return [float(x) for x in total.cpu()]
-
-    def _copy_in(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        unknown = [n for n, _ in named if n not in self._params_by_name]
-        if unknown:
-            raise ValueError(
-                f"update_weights_from_tensors: {len(unknown)} names are not in the model, e.g. {unknown[:5]}"
-            )
-        with torch.no_grad():
-            for name, tensor in named:
-                target = self._params_by_name[name]
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
-                        f"the model's is {tuple(target.shape)}"
-                    )
-                target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -383,113 +331,7 @@ class EmbeddedEngine:
             ids |= set(self._eos_ids)
         return torch.tensor(sorted(ids), dtype=torch.long, device=self.device)
 
-    # -- forward passes ------------------------------------------------------------------------------
-
-    def _prefill(self, ids: torch.Tensor, start: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        """The prompts' forward pass, writing cache positions [0, prompt_len); the last position's logits."""
-        rows, prompt_len = ids.shape
-        pos = torch.arange(prompt_len, device=self.device)
-        position_ids = (pos[None, :] - start[:, None]).clamp(min=0)
-        query, key = pos[:, None], pos[None, :]
-        # A pad query attends to itself only (finite values, never read by a real query).
-        allowed = ((key >= start[:, None, None]) & (key <= query)) | (key == query)
-        mask = self._additive(allowed[:, None])
-        cache.bind(rows=rows, kv_len=prompt_len, write_pos=pos)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1].float()
-
-    def _decode_forward(self, rows: int, kv_len: int) -> torch.Tensor:
-        """One decode step over the static inputs: rows [:rows], keys [:kv_len]; returns fp32 logits."""
-        assert self._cache is not None
-        start = self._start[:rows]
-        position_ids = (self._pos - start)[:, None]
-        allowed = (self._arange[None, :kv_len] >= start[:, None]) & (self._arange[None, :kv_len] <= self._pos)
-        mask = self._additive(allowed[:, None, None])
-        self._cache.bind(rows=rows, kv_len=kv_len, write_pos=self._pos)
-        out = self.model(
-            input_ids=self._ids[:rows],
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=self._cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1].float()
-
-    def _decode(self, rows: int, kv_len: int) -> torch.Tensor:
-        if self.device.type != "cuda" or not self.options.cuda_graph:
-            return self._decode_fn(rows, kv_len)
-        entry = self._graphs.get((rows, kv_len))
-        if entry is None:
-            entry = self._capture(rows, kv_len)
-        graph, logits = entry
-        graph.replay()
-        return logits
-
-    def _capture(self, rows: int, kv_len: int) -> tuple[Any, torch.Tensor]:
-        # Warm up on a side stream (lazy inits must not be captured). The warm-up step computes
-        # exactly what the replay will (same inputs, same cache writes), so it is harmless.
-        if self._side_stream is None:
-            # One side stream for every capture: cuBLAS keeps a workspace per stream it has seen.
-            self._side_stream = torch.cuda.Stream(self.device)
-        side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._decode_fn(rows, kv_len)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._decode_fn(rows, kv_len)
-        self._graphs[(rows, kv_len)] = (graph, logits)
-        return graph, logits
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
-
-    # -- cache and graphs ----------------------------------------------------------------------------
-
-    def _ensure_cache(self, rows: int, length: int) -> StaticKVCache:
-        cache = self._cache
-        if cache is not None and cache.rows >= rows and cache.length >= length:
-            return cache
-        if cache is not None:
-            rows, length = max(rows, cache.rows), max(length, cache.length)
-            self._drop_cache()
-        self._cache = StaticKVCache(
-            num_layers=self._num_layers,
-            rows=rows,
-            kv_heads=self._kv_heads,
-            length=length,
-            head_dim=self._head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self._last_cache_shape = (rows, length)
-        self._ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        self._start = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self._arange = torch.arange(length, device=self.device)
-        return self._cache
-
-    def _drop_graphs(self) -> None:
-        self._graphs.clear()
-        self._graph_pool = None
-
-    def _drop_cache(self) -> None:
-        self._drop_graphs()
-        self._cache = None
-        self._ids = self._ids[:0].clone()
-        self._start = self._start[:0].clone()
-        self._arange = self._arange[:0].clone()
+    # -- device memory -------------------------------------------------------------------------------
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":

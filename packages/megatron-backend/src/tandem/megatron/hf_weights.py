@@ -40,6 +40,7 @@ from tandem.megatron.conversion import (
     unshard,
 )
 from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.host_tensors import zero_copy
 from tandem.megatron.models import ValueHead, unwrap_model
 
 
@@ -229,7 +230,8 @@ def send_chunk(
     """Hand one chunk of `export_hf_weights` to an engine's `update_weights_from_tensors`.
 
     A local object gets the tensors as they are; a Ray actor handle gets CPU
-    copies, or `pack(named)` when given (e.g. CUDA IPC handles for an engine on
+    copies (as `host_tensors.zero_copy` objects, which arrive as read-only CPU
+    tensors), or `pack(named)` when given (e.g. CUDA IPC handles for an engine on
     this rank's GPU: no round trip through the host). The call is waited for, so
     chunks arrive one at a time and in order, and a packed payload outlives its use.
     """
@@ -245,4 +247,5 @@ def send_chunk(
         ray.get(remote(payload))
         del payload
         return
-    ray.get(remote([(name, t.detach().to("cpu")) for name, t in named]))
+    # CPU copies that Ray passes through its object store without pickling their bytes.
+    ray.get(remote([(name, zero_copy(t.detach().to("cpu"))) for name, t in named]))

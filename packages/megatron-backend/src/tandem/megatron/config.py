@@ -13,17 +13,16 @@ Every check raises a `ValueError` naming the field and the fix.
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
+from tandem.megatron._config_checks import (
+    check_batches,
+    check_choices,
+    check_folders,
+    check_positive_ints,
+    check_ppo,
+)
 from tandem.megatron.choices import (
-    DEVICES,
-    KL_KINDS,
-    LOSS_AGGREGATIONS,
-    LR_DECAY_STYLES,
-    OFFLOAD_BACKENDS,
-    PARAMS_DTYPES,
     ROLES,
     Device,
     KlKind,
@@ -239,11 +238,11 @@ class WorkerConfig:
     """Seed of torch and of Megatron's RNG tracker (each rank derives its own)."""
 
     def __post_init__(self) -> None:
-        self._check_positive_ints()
-        self._check_choices()
-        self._check_ppo()
-        self._check_batches()
-        self._check_folders()
+        check_positive_ints(self)
+        check_choices(self)
+        check_ppo(self)
+        check_batches(self)
+        check_folders(self)
 
     # --- derived sizes -------------------------------------------------------------
     @property
@@ -343,157 +342,6 @@ class WorkerConfig:
                 "critic's own folder (usually the same as critic_save) so a resumed critic never loads "
                 "the actor's weights"
             )
-
-    # --- construction-time checks --------------------------------------------------
-    def _check_positive_ints(self) -> None:
-        for name in (
-            "rollout_batch_size",
-            "global_batch_size",
-            "ppo_epochs",
-            "n_samples_per_prompt",
-            "micro_batch_size",
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "update_weights_chunk_bytes",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: got {value!r}; it must be a positive integer")
-        for name in ("critic_tensor_model_parallel_size", "critic_pipeline_model_parallel_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"lr_warmup_steps: got {self.lr_warmup_steps}; it must be >= 0")
-        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
-            raise ValueError(
-                f"lr_decay_steps: got {self.lr_decay_steps}, which must exceed lr_warmup_steps "
-                f"({self.lr_warmup_steps}); raise it or set it to None for no decay"
-            )
-
-    def _check_choices(self) -> None:
-        choices: dict[str, tuple[str, ...]] = {
-            "lr_decay_style": LR_DECAY_STYLES,
-            "params_dtype": PARAMS_DTYPES,
-            "kl_loss_type": KL_KINDS,
-            "kl_penalty_type": KL_KINDS,
-            "loss_aggregation": LOSS_AGGREGATIONS,
-            "device": DEVICES,
-            "offload_backend": OFFLOAD_BACKENDS,
-        }
-        for name, allowed in choices.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
-        for name in ("shuffle_minibatches", "use_sequence_packing"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: got {getattr(self, name)!r}; it must be True or False")
-        if self.device == "cpu" and self.offload_backend == "torch_memory_saver":
-            raise ValueError(
-                "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "
-                "use offload_backend='pinned_host' or 'none' on the CPU"
-            )
-        if self.device == "cpu" and self.params_dtype != "float32":
-            raise ValueError(
-                "params_dtype: the CPU path trains in float32 (Megatron's mixed-precision optimizer "
-                "is GPU-only); set params_dtype='float32' with device='cpu'"
-            )
-
-    def _check_ppo(self) -> None:
-        non_negative = {
-            "kl_coef": self.kl_coef,
-            "lr": self.lr,
-            "critic_lr": self.critic_lr,
-            "min_lr": self.min_lr,
-            "weight_decay": self.weight_decay,
-            "clip_grad": self.clip_grad,
-            "kl_loss_coef": self.kl_loss_coef,
-            "entropy_coef": self.entropy_coef,
-        }
-        for name, value in non_negative.items():
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name}: got {value}; it must be a finite number >= 0")
-        if self.min_lr > min(self.lr, self.critic_lr):
-            raise ValueError(
-                f"min_lr: {self.min_lr} exceeds a peak learning rate (lr={self.lr}, critic_lr="
-                f"{self.critic_lr}); lower min_lr"
-            )
-        for name in ("eps_clip", "temperature", "adam_eps"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}: got {value}; it must be a finite number > 0")
-        if self.value_clip is not None and not (math.isfinite(self.value_clip) and self.value_clip > 0):
-            raise ValueError(f"value_clip: got {self.value_clip}; it must be > 0, or None for no clipping")
-        if not self.eps_clip < 1:
-            raise ValueError(
-                f"eps_clip: got {self.eps_clip}; the ratio's lower bound 1 - eps_clip must stay > 0"
-            )
-        if self.eps_clip_high is not None and not self.eps_clip_high > 0:
-            raise ValueError(f"eps_clip_high: got {self.eps_clip_high}; it must be > 0 or None")
-        if self.eps_clip_c is not None and not self.eps_clip_c > 1:
-            raise ValueError(f"eps_clip_c: got {self.eps_clip_c}; the dual-clip constant must be > 1 or None")
-        if not isinstance(self.use_tis, bool):
-            raise ValueError(f"use_tis: got {self.use_tis!r}; it must be True or False")
-        if isinstance(self.tis_cap, bool) or not isinstance(self.tis_cap, int | float):
-            raise ValueError(f"tis_cap: got {self.tis_cap!r}; it must be a number >= 1 (e.g. 2.0)")
-        if not (math.isfinite(self.tis_cap) and self.tis_cap >= 1):
-            raise ValueError(
-                f"tis_cap: got {self.tis_cap}; it must be a finite number >= 1 (a cap below 1 would "
-                "down-weight even on-policy tokens, whose weight is 1)"
-            )
-        for name in ("gamma", "lambd", "adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
-
-    def _check_batches(self) -> None:
-        if self.samples_per_rollout % self.global_batch_size:
-            raise ValueError(
-                f"global_batch_size: {self.global_batch_size} does not divide the "
-                f"{self.samples_per_rollout} samples of a rollout (rollout_batch_size * "
-                "n_samples_per_prompt); pick a divisor so each rollout is a whole number of steps"
-            )
-        if self.micro_batch_size > self.global_batch_size:
-            raise ValueError(
-                f"micro_batch_size: {self.micro_batch_size} exceeds global_batch_size "
-                f"({self.global_batch_size}); lower it"
-            )
-
-    def _check_folders(self) -> None:
-        for name in ("hf_checkpoint", "critic_hf_checkpoint", "ref_load"):
-            path = getattr(self, name)
-            if path is None:
-                continue
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise ValueError(
-                    f"{name}: {path!r} is not a Hugging Face checkpoint folder (no config.json); "
-                    "point it at a folder written by save_pretrained"
-                )
-        pairs = (("load", "save"), ("critic_load", "critic_save"))
-        for load_name, save_name in pairs:
-            load, save = getattr(self, load_name), getattr(self, save_name)
-            if load is None:
-                continue
-            if os.path.exists(load) and not os.path.isdir(load):
-                raise ValueError(f"{load_name}: {load!r} is a file; it must be a checkpoint folder")
-            if not os.path.exists(load) and not _same_path(load, save):
-                raise ValueError(
-                    f"{load_name}: folder {load!r} does not exist; fix the path, or set it equal to "
-                    f"{save_name} for the first run of a resumable job"
-                )
-        for actor_name, critic_name in (("load", "critic_load"), ("save", "critic_save")):
-            actor_path, critic_path = getattr(self, actor_name), getattr(self, critic_name)
-            if actor_path is not None and critic_path is not None and _same_path(actor_path, critic_path):
-                raise ValueError(
-                    f"{critic_name}: {critic_path!r} is the actor's `{actor_name}` folder; give the critic "
-                    "a folder of its own"
-                )
-
-
-def _same_path(a: str | None, b: str | None) -> bool:
-    if a is None or b is None:
-        return False
-    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _check_role(role: str) -> None:

@@ -1,0 +1,182 @@
+"""The checks that `WorkerConfig` runs at construction; each raises a ValueError naming the field and the fix.
+
+Each function takes the `WorkerConfig` being built (typed `Any`: config.py imports
+this module, not the other way round). The checks that need the number of ranks or
+the role are `WorkerConfig.check_world` and `WorkerConfig.check_role`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from tandem.megatron.choices import (
+    DEVICES,
+    KL_KINDS,
+    LOSS_AGGREGATIONS,
+    LR_DECAY_STYLES,
+    OFFLOAD_BACKENDS,
+    PARAMS_DTYPES,
+)
+
+
+def check_positive_ints(config: Any) -> None:
+    """Sizes and counts are positive integers; the warm-up and decay steps fit together."""
+    for name in (
+        "rollout_batch_size",
+        "global_batch_size",
+        "ppo_epochs",
+        "n_samples_per_prompt",
+        "micro_batch_size",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "update_weights_chunk_bytes",
+    ):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: got {value!r}; it must be a positive integer")
+    for name in ("critic_tensor_model_parallel_size", "critic_pipeline_model_parallel_size"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
+    if config.lr_warmup_steps < 0:
+        raise ValueError(f"lr_warmup_steps: got {config.lr_warmup_steps}; it must be >= 0")
+    if config.lr_decay_steps is not None and config.lr_decay_steps <= config.lr_warmup_steps:
+        raise ValueError(
+            f"lr_decay_steps: got {config.lr_decay_steps}, which must exceed lr_warmup_steps "
+            f"({config.lr_warmup_steps}); raise it or set it to None for no decay"
+        )
+
+
+def check_choices(config: Any) -> None:
+    """Every closed-set field holds one of its choices, flags are booleans; the CPU admits the backend and dtype."""
+    choices: dict[str, tuple[str, ...]] = {
+        "lr_decay_style": LR_DECAY_STYLES,
+        "params_dtype": PARAMS_DTYPES,
+        "kl_loss_type": KL_KINDS,
+        "kl_penalty_type": KL_KINDS,
+        "loss_aggregation": LOSS_AGGREGATIONS,
+        "device": DEVICES,
+        "offload_backend": OFFLOAD_BACKENDS,
+    }
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if value not in allowed:
+            raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
+    for name in ("shuffle_minibatches", "use_sequence_packing"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")
+    if config.device == "cpu" and config.offload_backend == "torch_memory_saver":
+        raise ValueError(
+            "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "
+            "use offload_backend='pinned_host' or 'none' on the CPU"
+        )
+    if config.device == "cpu" and config.params_dtype != "float32":
+        raise ValueError(
+            "params_dtype: the CPU path trains in float32 (Megatron's mixed-precision optimizer "
+            "is GPU-only); set params_dtype='float32' with device='cpu'"
+        )
+
+
+def check_ppo(config: Any) -> None:
+    """Learning rates, loss coefficients, clip ranges, GAE and Adam constants are finite and in range."""
+    non_negative = {
+        "kl_coef": config.kl_coef,
+        "lr": config.lr,
+        "critic_lr": config.critic_lr,
+        "min_lr": config.min_lr,
+        "weight_decay": config.weight_decay,
+        "clip_grad": config.clip_grad,
+        "kl_loss_coef": config.kl_loss_coef,
+        "entropy_coef": config.entropy_coef,
+    }
+    for name, value in non_negative.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}: got {value}; it must be a finite number >= 0")
+    if config.min_lr > min(config.lr, config.critic_lr):
+        raise ValueError(
+            f"min_lr: {config.min_lr} exceeds a peak learning rate (lr={config.lr}, critic_lr="
+            f"{config.critic_lr}); lower min_lr"
+        )
+    for name in ("eps_clip", "temperature", "adam_eps"):
+        value = getattr(config, name)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}: got {value}; it must be a finite number > 0")
+    if config.value_clip is not None and not (math.isfinite(config.value_clip) and config.value_clip > 0):
+        raise ValueError(f"value_clip: got {config.value_clip}; it must be > 0, or None for no clipping")
+    if not config.eps_clip < 1:
+        raise ValueError(
+            f"eps_clip: got {config.eps_clip}; the ratio's lower bound 1 - eps_clip must stay > 0"
+        )
+    if config.eps_clip_high is not None and not config.eps_clip_high > 0:
+        raise ValueError(f"eps_clip_high: got {config.eps_clip_high}; it must be > 0 or None")
+    if config.eps_clip_c is not None and not config.eps_clip_c > 1:
+        raise ValueError(f"eps_clip_c: got {config.eps_clip_c}; the dual-clip constant must be > 1 or None")
+    if not isinstance(config.use_tis, bool):
+        raise ValueError(f"use_tis: got {config.use_tis!r}; it must be True or False")
+    if isinstance(config.tis_cap, bool) or not isinstance(config.tis_cap, int | float):
+        raise ValueError(f"tis_cap: got {config.tis_cap!r}; it must be a number >= 1 (e.g. 2.0)")
+    if not (math.isfinite(config.tis_cap) and config.tis_cap >= 1):
+        raise ValueError(
+            f"tis_cap: got {config.tis_cap}; it must be a finite number >= 1 (a cap below 1 would "
+            "down-weight even on-policy tokens, whose weight is 1)"
+        )
+    for name in ("gamma", "lambd", "adam_beta1", "adam_beta2"):
+        value = getattr(config, name)
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
+
+
+def check_batches(config: Any) -> None:
+    """A rollout is a whole number of global batches, each at least one micro-batch."""
+    if config.samples_per_rollout % config.global_batch_size:
+        raise ValueError(
+            f"global_batch_size: {config.global_batch_size} does not divide the "
+            f"{config.samples_per_rollout} samples of a rollout (rollout_batch_size * "
+            "n_samples_per_prompt); pick a divisor so each rollout is a whole number of steps"
+        )
+    if config.micro_batch_size > config.global_batch_size:
+        raise ValueError(
+            f"micro_batch_size: {config.micro_batch_size} exceeds global_batch_size "
+            f"({config.global_batch_size}); lower it"
+        )
+
+
+def check_folders(config: Any) -> None:
+    """Hugging Face folders hold a config.json; load folders exist (or are the save folder); the critic's are its own."""
+    for name in ("hf_checkpoint", "critic_hf_checkpoint", "ref_load"):
+        path = getattr(config, name)
+        if path is None:
+            continue
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"{name}: {path!r} is not a Hugging Face checkpoint folder (no config.json); "
+                "point it at a folder written by save_pretrained"
+            )
+    pairs = (("load", "save"), ("critic_load", "critic_save"))
+    for load_name, save_name in pairs:
+        load, save = getattr(config, load_name), getattr(config, save_name)
+        if load is None:
+            continue
+        if os.path.exists(load) and not os.path.isdir(load):
+            raise ValueError(f"{load_name}: {load!r} is a file; it must be a checkpoint folder")
+        if not os.path.exists(load) and not same_path(load, save):
+            raise ValueError(
+                f"{load_name}: folder {load!r} does not exist; fix the path, or set it equal to "
+                f"{save_name} for the first run of a resumable job"
+            )
+    for actor_name, critic_name in (("load", "critic_load"), ("save", "critic_save")):
+        actor_path, critic_path = getattr(config, actor_name), getattr(config, critic_name)
+        if actor_path is not None and critic_path is not None and same_path(actor_path, critic_path):
+            raise ValueError(
+                f"{critic_name}: {critic_path!r} is the actor's `{actor_name}` folder; give the critic "
+                "a folder of its own"
+            )
+
+
+def same_path(a: str | None, b: str | None) -> bool:
+    """Whether `a` and `b` are both set and name the same path."""
+    if a is None or b is None:
+        return False
+    return os.path.abspath(a) == os.path.abspath(b)

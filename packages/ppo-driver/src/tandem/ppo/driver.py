@@ -27,7 +27,6 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,33 +34,18 @@ from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.config_file import write_yaml
-from tandem.ppo.engines import SamplingParams
-from tandem.ppo.rollout import Rollout, dynamic_sample, generate_rollout, to_train_batches
+from tandem.ppo.rollout import (
+    Rollout,
+    Sampled,
+    dynamic_sample,
+    generate_rollout,
+    sampling_params,
+    shard_per_role,
+)
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state, save_state
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Sampled:
-    """A rollout drawn for step `rollout_id`, ready to train on.
-
-    Attributes:
-        data_state: the training data's cursor right after this rollout's prompts (what a
-            checkpoint of this step saves, even when the next rollout is already drawn).
-        weights_version: the step whose weights generated it (`rollout_id` in the sync loop,
-            `rollout_id - 1` in the async one: its staleness).
-    """
-
-    rollout_id: int
-    rollout: Rollout
-    data_refs: dict[str, list[Any]]
-    sample_indices: dict[str, list[list[int]]]
-    data_state: dict[str, Any]
-    weights_version: int
-    counts: dict[str, float]
-    seconds: dict[str, float]
 
 
 class PPODriver:
@@ -219,8 +203,6 @@ class PPODriver:
 
     def _draw(self, rollout_id: int) -> Sampled:
         """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank."""
-        import ray
-
         config = self.config
         start = time.perf_counter()
         version = self.weights_version
@@ -238,14 +220,7 @@ class PPODriver:
         else:
             rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
         data_state = self.dataset.state_dict()
-        data_refs: dict[str, list[Any]] = {}
-        sample_indices: dict[str, list[list[int]]] = {}
-        for role, dp in self.data_parallel_sizes.items():
-            # Each role gets the rollout cut in its own data-parallel shares (a critic may have its own layout).
-            batches = to_train_batches(rollout, dp)
-            sample_indices[role] = [b.sample_indices for b in batches]
-            same = next((r for r in data_refs if self.data_parallel_sizes[r] == dp), None)
-            data_refs[role] = data_refs[same] if same is not None else [ray.put(b) for b in batches]
+        data_refs, sample_indices = shard_per_role(rollout, self.data_parallel_sizes)
         self.events.record("generate_end", rollout_id=rollout_id)
         seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
         seconds["time/rollout"] = time.perf_counter() - start
@@ -334,18 +309,8 @@ class PPODriver:
 
     def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
         config = self.config
-        eos = self.tokenizer.eos_token_id
-        ignore_eos = config.rollout_ignore_eos and not eval_mode
-        # With ignore_eos the responses run to their full length: EOS is then an ordinary token.
-        stop = tuple(config.rollout_stop_token_ids) + ((eos,) if eos is not None and not ignore_eos else ())
-        params = SamplingParams(
-            max_new_tokens=config.rollout_max_response_len,
-            temperature=config.eval_temperature if eval_mode else config.temperature,
-            top_p=1.0 if eval_mode else config.rollout_top_p,
-            top_k=-1 if eval_mode else config.rollout_top_k,
-            stop_token_ids=stop,
-            ignore_eos=ignore_eos,
-            seed=seed,
+        params = sampling_params(
+            config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
         )
         n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
         return generate_rollout(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from tandem.megatron.batch import RolloutBatch
 from tandem.ppo.data import PromptSample
 from tandem.ppo.engines import Generation, SamplingParams
 from tandem.ppo.rewards import RewardInput, compute_rewards
+
+if TYPE_CHECKING:
+    from tandem.ppo.config import PPOConfig
 
 
 @dataclass
@@ -198,3 +201,62 @@ def to_train_batches(rollout: Rollout, data_parallel_size: int) -> list[RolloutB
             )
         )
     return batches
+
+
+@dataclass
+class Sampled:
+    """A rollout drawn for step `rollout_id`, ready to train on.
+
+    Attributes:
+        data_state: the training data's cursor right after this rollout's prompts (what a
+            checkpoint of this step saves, even when the next rollout is already drawn).
+        weights_version: the step whose weights generated it (`rollout_id` in the sync loop,
+            `rollout_id - 1` in the async one: its staleness).
+    """
+
+    rollout_id: int
+    rollout: Rollout
+    data_refs: dict[str, list[Any]]
+    sample_indices: dict[str, list[list[int]]]
+    data_state: dict[str, Any]
+    weights_version: int
+    counts: dict[str, float]
+    seconds: dict[str, float]
+
+
+def sampling_params(
+    config: PPOConfig, *, eos_token_id: int | None, seed: int, eval_mode: bool = False
+) -> SamplingParams:
+    """The engines' sampling parameters for a training rollout, or for an eval (`eval_mode`)."""
+    ignore_eos = config.rollout_ignore_eos and not eval_mode
+    # With ignore_eos the responses run to their full length: EOS is then an ordinary token.
+    eos = (eos_token_id,) if eos_token_id is not None and not ignore_eos else ()
+    return SamplingParams(
+        max_new_tokens=config.rollout_max_response_len,
+        temperature=config.eval_temperature if eval_mode else config.temperature,
+        top_p=1.0 if eval_mode else config.rollout_top_p,
+        top_k=-1 if eval_mode else config.rollout_top_k,
+        stop_token_ids=tuple(config.rollout_stop_token_ids) + eos,
+        ignore_eos=ignore_eos,
+        seed=seed,
+    )
+
+
+def shard_per_role(
+    rollout: Rollout, data_parallel_sizes: dict[str, int]
+) -> tuple[dict[str, list[Any]], dict[str, list[list[int]]]]:
+    """Per role, the rollout cut in that role's data-parallel shares and put in Ray's object store.
+
+    Returns (object refs per rank, sample indices per rank), both by role; roles with the
+    same data-parallel size share the same refs (a critic may have its own layout).
+    """
+    import ray
+
+    data_refs: dict[str, list[Any]] = {}
+    sample_indices: dict[str, list[list[int]]] = {}
+    for role, dp in data_parallel_sizes.items():
+        batches = to_train_batches(rollout, dp)
+        sample_indices[role] = [b.sample_indices for b in batches]
+        same = next((r for r in data_refs if data_parallel_sizes[r] == dp), None)
+        data_refs[role] = data_refs[same] if same is not None else [ray.put(b) for b in batches]
+    return data_refs, sample_indices

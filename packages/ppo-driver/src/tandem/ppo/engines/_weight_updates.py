@@ -19,6 +19,9 @@ from ._weights import as_named_tensors
 if TYPE_CHECKING:
     from tandem.lifecycle import Lifecycle
 
+_DIGEST_SLICE = 1 << 22
+"""Elements summed at a time by `weights_digest` (a 32 MiB float64 copy at most)."""
+
 
 class WeightUpdates:
     """Weight sync into the engine's model and its fingerprint; see the module docstring."""
@@ -56,9 +59,11 @@ class WeightUpdates:
                 raise EngineMemoryReleasedError("weights_digest: the engine's weights are released")
             total = torch.zeros(2, dtype=torch.float64, device=self.device)
             for tensor in self._params_by_name.values():
-                flat = tensor.detach().reshape(-1).double()
-                total[0] += flat.sum()
-                total[1] += flat.dot(flat)
+                # In slices: a float64 copy of a whole embedding would be GiBs on the engine's GPU.
+                for part in tensor.detach().reshape(-1).split(_DIGEST_SLICE):
+                    flat = part.double()
+                    total[0] += flat.sum()
+                    total[1] += flat.dot(flat)
             return [float(x) for x in total.cpu()]
 
     def _copy_in(self, named: list[tuple[str, torch.Tensor]]) -> None:

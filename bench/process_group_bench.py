@@ -9,7 +9,7 @@ Then, `--cycles` times each, in one run:
 1. `destroy_all(concurrent=False, keep_single_rank=False)`: one group after the other;
 2. `destroy_all(keep_single_rank=False)`: the communicators shut down on one thread
    each, then unregistered in order;
-3. `destroy_all()` (the default): the same, with the groups of one rank left alive;
+3. `destroy_all(keep_single_rank=True)`: the same, with the groups of one rank left alive;
 
 each followed by `reload_all()` and the all-reduces again (the wake's share, and
 the first collectives that build the communicators). Times are the slowest rank's,

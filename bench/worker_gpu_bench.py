@@ -111,7 +111,7 @@ def run_backend(backend: str, hf: Path, root: Path, args: argparse.Namespace) ->
     from ray.util.placement_group import placement_group
 
     from tandem.megatron.config import WorkerConfig
-    from tandem.megatron.worker import create_train_group
+    from tandem.megatron.group import create_train_group
 
     config = WorkerConfig(
         hf_checkpoint=str(hf),

@@ -149,11 +149,12 @@ def workers(
             critic_save=str(root / "pp-critic"),
             critic_load=str(root / "pp-critic"),
         ),
-        # Two shuffled passes over each rollout, no checkpoints.
+        # Two shuffled passes over each rollout, no checkpoints; one-rank groups alive while asleep.
         "epochs": dataclasses.replace(
             config,
             ppo_epochs=2,
             shuffle_minibatches=True,
+            keep_single_rank_groups=True,
             use_kl_loss=False,
             kl_loss_coef=0.0,
             save=None,
@@ -400,3 +401,22 @@ def test_ppo_epochs_take_an_optimizer_step_per_minibatch_of_each_pass(workers: W
     # Past the first step the policy has moved away from the old log-probs, which stay fixed.
     metrics = ray.get(actor.train(0, put_rollout(seed=9, reward=1.0)))[0]["metrics"]
     assert 0.0 <= metrics["clip_frac"] <= 1.0 and metrics["approx_kl"] > 0.0
+
+
+def test_a_sleep_tears_one_rank_groups_down_unless_kept(workers: Workers) -> None:
+    for kind, keep in (("epochs", True), ("dp", False)):
+        _, actor = workers.use(kind)
+        assert workers.configs[kind].keep_single_rank_groups is keep
+        actor.run("wake_up")
+        awake = actor.run("process_groups")[0]
+        # DP 2, TP = PP = 1: the data-parallel groups have two ranks, the model-parallel ones one.
+        assert awake["alive_one_rank"] > 0 and awake["alive_larger"] > 0, awake
+        assert awake["torn_down_one_rank"] == awake["torn_down_larger"] == 0, awake
+        actor.run("sleep")
+        for asleep in actor.run("process_groups"):
+            assert asleep["alive_larger"] == 0, (kind, asleep)
+            assert asleep["alive_one_rank"] == (awake["alive_one_rank"] if keep else 0), (kind, asleep)
+        # Training wakes the actor, every group rebuilt, and it trains on.
+        metrics = ray.get(actor.train(0, put_rollout(seed=11, reward=1.0)))[0]["metrics"]
+        assert math.isfinite(metrics["pg_loss"])
+        assert all(g["torn_down_one_rank"] == g["torn_down_larger"] == 0 for g in actor.run("process_groups"))

@@ -57,7 +57,7 @@ def groups(
     from ray.util.placement_group import placement_group
 
     from tandem.megatron.config import WorkerConfig
-    from tandem.megatron.worker import create_train_group
+    from tandem.megatron.group import create_train_group
 
     backend = request.param
     root = tmp_path_factory.mktemp(f"gpu-{backend}")

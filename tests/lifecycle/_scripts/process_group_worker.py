@@ -84,7 +84,7 @@ def main() -> None:
     check_collectives(direct, rank, world, 0.5)
 
     for cycle in range(CYCLES):
-        keep = cycle % 3 != 0  # one-rank groups kept (the default) or torn down too
+        keep = cycle % 3 != 0  # one-rank groups kept, or torn down too (the default)
         destroy_all(concurrent=cycle % 2 == 0, keep_single_rank=keep)  # threads at once, or one by one
         destroy_all(keep_single_rank=keep)  # idempotent
         assert not tp.alive and not direct.alive
@@ -124,6 +124,7 @@ def main() -> None:
     dist.destroy_process_group(direct)
     assert not direct.alive
     destroy_all()
+    assert not dp.alive, "destroy_all tears groups of one rank down too by default"
     dist.destroy_process_group(tp)  # already torn down
     reload_all()  # revives both
     check_collectives(direct, rank, world, 7.0)

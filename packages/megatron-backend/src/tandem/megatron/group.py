@@ -102,6 +102,9 @@ class _WorkerHost:
     def lifecycle_timings(self) -> dict[str, float]:
         return self._worker.lifecycle_timings()
 
+    def process_groups(self) -> dict[str, int]:
+        return self._worker.process_groups()
+
     def shutdown(self) -> None:
         self._worker.shutdown()
 

@@ -29,6 +29,7 @@ from tandem.lifecycle import (
     make_backend,
     reload_all,
     reloadable_groups,
+    reloadable_process_groups,
 )
 from tandem.megatron import roles
 from tandem.megatron._cpu_compat import enable_cpu_compat
@@ -128,7 +129,9 @@ class TrainWorker:
             backend,
             tags=tags,
             clear_caches=clear_caches,
-            destroy_process_groups=destroy_all,
+            destroy_process_groups=functools.partial(
+                destroy_all, keep_single_rank=config.keep_single_rank_groups
+            ),
             reload_process_groups=reload_all,
         )
         loaded = self.load_model()
@@ -311,6 +314,21 @@ class TrainWorker:
     def lifecycle_timings(self) -> dict[str, float]:
         """Seconds of each step of this worker's last sleep or wake (that of a weight export included)."""
         return dict(self._lifecycle.last_timings) if self._lifecycle is not None else {}
+
+    def process_groups(self) -> dict[str, int]:
+        """How many of this rank's reloadable process groups are alive, by size.
+
+        Keys `alive_one_rank`, `alive_larger`, `torn_down_one_rank`, `torn_down_larger`.
+        Asleep, every group is torn down unless `keep_single_rank_groups` keeps
+        those of one rank (whose NCCL communicators then keep their device memory).
+        """
+        counts = dict.fromkeys(
+            ("alive_one_rank", "alive_larger", "torn_down_one_rank", "torn_down_larger"), 0
+        )
+        for group in reloadable_process_groups():
+            state = "alive" if group.alive else "torn_down"
+            counts[f"{state}_{'one_rank' if group.size() == 1 else 'larger'}"] += 1
+        return counts
 
     def _send_weights(
         self, engines: list[Any], pack: Callable[[Any], Any] | None = None, *, barrier: bool = True

@@ -499,6 +499,7 @@ def ppo_values(
         "offload_backend": "pinned_host",
         "local_gpus": 1 if args.quick else None,
         "offload_train": mode == "shared",
+        "keep_single_rank_groups": args.keep_single_rank_groups,
         "export_hf": False,
         "tensorboard": False,
         "progress": False,
@@ -932,6 +933,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--critic-lr", type=float, default=1e-5)
     parser.add_argument("--no-kl", action="store_true", help="no KL loss (so no reference log-probs)")
+    parser.add_argument(
+        "--keep-single-rank-groups",
+        action="store_true",
+        help="the workers' keep_single_rank_groups: on one GPU a sleep then tears no process group down",
+    )
     parser.add_argument(
         "--resident-kv-fraction",
         type=float,

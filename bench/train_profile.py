@@ -1,0 +1,272 @@
+"""Where the actor's update spends its time: tokens/s, MFU and a kernel profile of one `TrainWorker.train`.
+
+One actor `TrainWorker`, built in this process (no Ray), trains on synthetic
+rollouts of the 1.2 B Llama-like probe shape of `ppo_gpu_bench.py` (hidden 2048,
+24 layers, seq 2048, bf16; 64 sequences a `train()`). It measures:
+
+1. `train()` (old-log-prob forward, then the update) and `compute_log_probs()`
+   (that forward alone), each the median of `--iters` calls after a warm-up
+   call; the update's seconds are their difference, and its MFU
+   6 * params * tokens / update seconds / 989 TFLOP/s (H200 dense bf16).
+2. One `train()` under `torch.profiler`: the GPU's kernel time by kind (matrix
+   multiplies, attention, optimizer, copies and casts, reductions, other
+   element-wise work, NCCL), the share of the wall time the GPU was busy, the
+   top kernels, and the host's synchronisations (`cudaStreamSynchronize`,
+   `.item()`) with their count.
+
+GPU host, from the repo root (about 100 s for the default shape):
+
+    source .gpu-kit/setup.sh && python3 bench/train_profile.py --out "$OUT/train_profile.json"
+
+CPU smoke run (tiny model, fp32, gloo; the profile then lists CPU operators):
+
+    ./uvw run python bench/train_profile.py --quick --out /tmp/train_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ppo_gpu_bench as single  # the probe shape, its model builder and its batches
+
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("nccl", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    (
+        "matmul",
+        ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "::addmm", "::bmm", "::linear"),
+    ),
+    ("copy/cast", ("copy", "memcpy", "memset", "cast", "convert", "fill", "::cat", "index")),
+    ("reduction/softmax/norm", ("reduce", "softmax", "norm", "logsumexp", "sum", "max", "mean")),
+    (
+        "element-wise",
+        (
+            "elementwise",
+            "vectorized",
+            "unrolled",
+            "pointwise",
+            "mul",
+            "add",
+            "sub",
+            "div",
+            "where",
+            "silu",
+            "exp",
+        ),
+    ),
+)
+"""Kernel kinds, matched in this order against the lower-cased kernel (or CPU operator) name."""
+
+SYNC_NAMES = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "aten::_local_scalar_dense",
+)
+"""Host-side events that wait for the GPU (`.item()` is `aten::_local_scalar_dense`)."""
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other"
+
+
+def self_device_us(event: Any) -> float:
+    """An averaged profiler event's own device time in µs (the attribute's name moved across torch versions)."""
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, attr, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def summarize_profile(prof: Any, wall_s: float, *, on_gpu: bool) -> dict[str, Any]:
+    """Kernel time by kind, GPU busy share, top kernels and host syncs of one profiled call."""
+    from torch.autograd import DeviceType
+
+    averages = prof.key_averages()
+    if on_gpu:
+        kernels = [(e.key, self_device_us(e), e.count) for e in averages if e.device_type == DeviceType.CUDA]
+    else:  # CPU: the operators' own time stands in for kernels
+        kernels = [
+            (e.key, float(e.self_cpu_time_total), e.count) for e in averages if e.key.startswith("aten::")
+        ]
+    kernels = [k for k in kernels if k[1] > 0]
+    total_us = sum(us for _, us, _ in kernels)
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, us, _ in kernels:
+        by_kind[kind_of(name)] += us
+    syncs = Counter()
+    sync_us: dict[str, float] = defaultdict(float)
+    for e in averages:
+        if e.key in SYNC_NAMES:
+            syncs[e.key] += e.count
+            sync_us[e.key] += float(e.cpu_time_total)
+    top = sorted(kernels, key=lambda k: -k[1])[:25]
+    return {
+        "wall_s": wall_s,
+        "kernel_s": total_us / 1e6,
+        "busy_share": total_us / 1e6 / wall_s if wall_s else None,
+        "by_kind_s": {k: v / 1e6 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": n[:160], "s": us / 1e6, "count": c, "kind": kind_of(n)} for n, us, c in top],
+        "host_syncs": {k: {"count": syncs[k], "s": sync_us[k] / 1e6} for k in syncs},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tandem.megatron.config import WorkerConfig
+    from tandem.megatron.parallel import free_port
+    from tandem.megatron.worker import TrainWorker
+
+    shape = single.QUICK_PROBE_MODEL if args.quick else single.PROBE_MODEL
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="train-profile-"))
+    hf = work / "probe-hf"
+    params = single.build_probe_model(hf, shape, seq_len=args.seq_len)
+    on_gpu = not args.quick
+    config = WorkerConfig(
+        hf_checkpoint=str(hf),
+        rollout_batch_size=args.samples,
+        n_samples_per_prompt=1,
+        global_batch_size=args.samples,
+        micro_batch_size=args.micro_batch_size,
+        device="cuda" if on_gpu else "cpu",
+        params_dtype="bfloat16" if on_gpu else "float32",
+        offload_backend="pinned_host",
+        lr=1e-6,
+        seed=args.seed,
+        use_sequence_packing=args.packed,
+    )
+    report: dict[str, Any] = {
+        "bench": "train_profile",
+        "command": "python3 bench/train_profile.py " + " ".join(sys.argv[1:]),
+        "gpu": single.gpu_name() if on_gpu else None,
+        "torch": torch.__version__,
+        "shape": {**shape, "seq_len": args.seq_len},
+        "params": params,
+        "samples_per_train": args.samples,
+        "micro_batch_size": args.micro_batch_size,
+        "packed": args.packed,
+    }
+    worker = TrainWorker(0, 1)
+    t0 = time.time()
+    worker.init(config, "actor", "127.0.0.1", free_port())
+    report["init_s"] = time.time() - t0
+    batch = single.make_probe_batch(args.samples, args.seq_len, args.prompt_len, shape["vocab_size"], 0)
+    tokens = args.samples * args.seq_len
+
+    def timed(call: Any) -> float:
+        if on_gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        call()
+        if on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    report["warmup_train_s"] = timed(lambda: worker.train(0, batch))
+    train_s = [timed(lambda i=i: worker.train(i + 1, batch)) for i in range(args.iters)]
+    forward_s = [timed(lambda i=i: worker.compute_log_probs(i + 1, batch)) for i in range(args.iters)]
+    train, forward = statistics.median(train_s), statistics.median(forward_s)
+    update = train - forward
+    peak = single.H200_BF16_PEAK_FLOPS
+    report.update(
+        {
+            "tokens_per_train": tokens,
+            "train_s": train_s,
+            "log_prob_forward_s": forward_s,
+            "update_s": update,
+            "tokens_per_s_train": tokens / train,
+            "tokens_per_s_update": tokens / update,
+            "mfu_train_6n": 6 * params * tokens / train / peak,
+            "mfu_train_8n": 8 * params * tokens / train / peak,
+            "mfu_update_6n": 6 * params * tokens / update / peak,
+            "mfu_forward_2n": 2 * params * tokens / forward / peak,
+            "peak_flops": peak,
+        }
+    )
+    if on_gpu:
+        report["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 1024**3
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            wall = timed(lambda: worker.train(args.iters + 1, batch))
+        report["profile"] = summarize_profile(prof, wall, on_gpu=on_gpu)
+    worker.shutdown()
+    return report
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    print(
+        f"\n{r['params'] / 1e9:.2f} B params, {r['samples_per_train']} x {r['shape']['seq_len']} tokens a train(), "
+        f"micro batch {r['micro_batch_size']}{', packed' if r['packed'] else ''}; {r.get('gpu')}, torch {r['torch']}"
+    )
+    print(
+        f"train() {statistics.median(r['train_s']):.2f} s ({r['tokens_per_s_train']:.0f} tokens/s, "
+        f"MFU {r['mfu_train_6n']:.1%} 6N, {r['mfu_train_8n']:.1%} 8N); log-prob forward "
+        f"{statistics.median(r['log_prob_forward_s']):.2f} s (MFU {r['mfu_forward_2n']:.1%} 2N); "
+        f"update {r['update_s']:.2f} s ({r['tokens_per_s_update']:.0f} tokens/s, MFU {r['mfu_update_6n']:.1%} 6N)"
+    )
+    prof = r.get("profile")
+    if prof:
+        print(
+            f"\nprofiled train(): wall {prof['wall_s']:.2f} s, kernels {prof['kernel_s']:.2f} s "
+            f"(busy {prof['busy_share']:.0%})\n\n| kind | s | share of kernel time |\n|---|---:|---:|"
+        )
+        for kind, s in prof["by_kind_s"].items():
+            print(f"| {kind} | {s:.3f} | {s / prof['kernel_s']:.1%} |")
+        print("\n| top kernel | kind | s | calls |\n|---|---|---:|---:|")
+        for k in prof["top"][:15]:
+            print(f"| `{k['name'][:90]}` | {k['kind']} | {k['s']:.3f} | {k['count']} |")
+        print(f"\nhost syncs: {prof['host_syncs']}")
+    print(f"\ncommand: {r['command']}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, fp32, gloo")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (2048; --quick 64)")
+    p.add_argument("--prompt-len", type=int, default=None, help="of which prompt (128; --quick 16)")
+    p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--packed", action="store_true", help="use_sequence_packing")
+    p.add_argument("--iters", type=int, default=3, help="timed calls of each (after one warm-up train())")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled train()")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workdir", type=Path, default=None, help="the probe model's folder's parent (reused)")
+    args = p.parse_args(argv)
+    for name, full, small in (("seq_len", 2048, 64), ("prompt_len", 128, 16), ("samples", 64, 8)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.quick else full)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print_summary(report)
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

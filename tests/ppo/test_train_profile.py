@@ -1,0 +1,36 @@
+"""bench/train_profile.py --quick on CPU: the timings, MFU figures and the profile's breakdown are consistent.
+
+Nothing is timed here: the figures only have to exist and add up (the real run is on an H200).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_profile_adds_up(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "bench/train_profile.py", "--quick", "--out", str(out), "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tokens_per_train"] == 8 * 64 and len(r["train_s"]) == len(r["log_prob_forward_s"]) == 3
+    assert r["update_s"] == pytest.approx(
+        sorted(r["train_s"])[1] - sorted(r["log_prob_forward_s"])[1], rel=1e-9
+    )
+    assert r["mfu_train_6n"] > 0 and r["mfu_train_8n"] == pytest.approx(r["mfu_train_6n"] * 8 / 6)
+    prof = r["profile"]
+    assert sum(prof["by_kind_s"].values()) == pytest.approx(prof["kernel_s"])
+    # The tiny model's matrix multiplies and SDPA show up under their kinds.
+    assert prof["by_kind_s"]["matmul"] > 0 and prof["by_kind_s"]["attention"] > 0
+    assert "aten::_local_scalar_dense" in prof["host_syncs"]

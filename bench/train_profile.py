@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.megatron.parallel import free_port
     from tandem.megatron.worker import TrainWorker
 
-    shape = single.QUICK_PROBE_MODEL if args.quick else single.PROBE_MODEL
+    shape = single.QUICK_PROBE_MODEL if args.quick or args.tiny else single.PROBE_MODEL
     work = args.workdir or Path(tempfile.mkdtemp(prefix="train-profile-"))
     hf = work / "probe-hf"
     params = single.build_probe_model(hf, shape, seq_len=args.seq_len)
@@ -242,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, fp32, gloo")
+    p.add_argument("--tiny", action="store_true", help="the tiny model on the GPU (the host-sync test)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (2048; --quick 64)")
     p.add_argument("--prompt-len", type=int, default=None, help="of which prompt (128; --quick 16)")
     p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")
@@ -254,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, full, small in (("seq_len", 2048, 64), ("prompt_len", 128, 16), ("samples", 64, 8)):
         if getattr(args, name) is None:
-            setattr(args, name, small if args.quick else full)
+            setattr(args, name, small if args.quick or args.tiny else full)
     return args
 
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.batch import RolloutBatch, resolve_batch
-from tandem.megatron.train_step import minibatch_size, pass_order
+from tandem.megatron.batch import RolloutBatch, resolve_batch, to_device
+from tandem.megatron.train_step import minibatch_size, pass_order, sum_to_host
 
 
 def make(response_lengths: list[int]) -> RolloutBatch:
@@ -78,3 +78,41 @@ def test_minibatch_size_names_the_field() -> None:
     assert minibatch_size(8, 2, 12) == 4
     with pytest.raises(ValueError, match="global_batch_size: this rank got 6 samples"):
         minibatch_size(8, 2, 6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.dictionaries(
+            st.sampled_from(["pg_loss", "clip_frac", "count"]),
+            st.floats(-1e6, 1e6, allow_nan=False, width=32),
+            min_size=1,
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.booleans(),
+)
+def test_sum_to_host_adds_each_metric_as_python_floats_would(results: list[dict], as_tensors: bool) -> None:
+    """The step's metric sums, taken on the device and copied once, equal float() of each value summed."""
+    expected: dict[str, float] = {}
+    for metrics in results:
+        for name, value in metrics.items():
+            expected[name] = expected.get(name, 0.0) + float(value)
+    given_results = [
+        {n: torch.tensor(v, dtype=torch.float32) if as_tensors else v for n, v in m.items()} for m in results
+    ]
+    assert sum_to_host(given_results) == expected
+
+
+def test_to_device_keeps_values_and_leaves_a_tensor_where_it_is() -> None:
+    t = torch.arange(6).reshape(2, 3)
+    assert to_device(t, None) is t
+    moved = to_device(t, "cpu")
+    assert moved.device.type == "cpu" and torch.equal(moved, t)
+
+
+def test_select_of_no_samples_keeps_the_targets_width_zero() -> None:
+    batch = make([2, 3]).with_targets(advantages=torch.ones(2, 3))
+    picked = batch.select([])
+    assert len(picked) == 0 and picked.advantages is not None and picked.advantages.shape == (0, 0)

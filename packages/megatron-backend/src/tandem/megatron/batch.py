@@ -27,6 +27,25 @@ TARGETS = ("old_log_probs", "ref_log_probs", "old_values", "advantages", "return
 """The padded per-token fields that the train step fills in (`with_targets`)."""
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """`tensor` on `device` (None: as it is); a host-to-GPU copy goes through pinned memory, asynchronously.
+
+    A plain `.to("cuda")` of pageable host memory makes the host wait until every
+    kernel already queued on the stream has run, so a copy at the start of each
+    micro-batch (its tokens, its loss mask, the index that picks its targets)
+    empties the GPU's queue every time, and the GPU idles while the host queues
+    the next kernels. From pinned memory with `non_blocking=True` the copy is
+    queued like a kernel; torch's pinned-memory cache keeps the buffer until the
+    copy has run.
+    """
+    if device is None:
+        return tensor
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class RolloutBatch:
     """The samples of one data-parallel rank for one rollout, and the train step's per-token targets.
@@ -106,8 +125,7 @@ class RolloutBatch:
 
     def padded_loss_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The loss masks as `(n, max_response_len)`, 0 past each response."""
-        mask = pad_responses(self.loss_masks)
-        return mask if device is None else mask.to(device)
+        return to_device(pad_responses(self.loss_masks), device)
 
     def with_targets(self, **targets: torch.Tensor | None) -> RolloutBatch:
         """A copy of this batch with the given `TARGETS` fields set (checked like the constructor's)."""
@@ -122,9 +140,13 @@ class RolloutBatch:
         rows = list(indices)
         width = max((self.response_lengths[i] for i in rows), default=0)
         targets: dict[str, Any] = {}
+        index = torch.tensor(rows, dtype=torch.long)
         for name in TARGETS:
             value = getattr(self, name)
-            targets[name] = None if value is None else value[rows, :width]
+            # `value[rows]` would copy the index to the GPU with a host sync (`to_device`).
+            targets[name] = (
+                None if value is None else value[:, :width].index_select(0, to_device(index, value.device))
+            )
         return RolloutBatch(
             tokens=[self.tokens[i] for i in rows],
             response_lengths=[self.response_lengths[i] for i in rows],

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.megatron._cpu_compat import enable_cpu_compat
-from tandem.megatron.batch import RolloutBatch, pad_responses
+from tandem.megatron.batch import RolloutBatch, pad_responses, to_device
 from tandem.megatron.choices import ROLES, Role
 from tandem.megatron.entropy import entropy_of_shifted
 from tandem.megatron.packing import PackedRow, pack_lengths, pack_tokens, packed_seq_params, position_ids
@@ -77,7 +77,7 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBat
 def _padded_tokens(mb: RolloutBatch, device: torch.device) -> torch.Tensor:
     """Tokens of the micro-batch as `(b, max_len)`, right-padded with token 0."""
     padded = torch.nn.utils.rnn.pad_sequence(list(mb.tokens), batch_first=True, padding_value=0)
-    return padded.to(device=device, dtype=torch.long)
+    return to_device(padded.long(), device)
 
 
 def _packed_row(mb: RolloutBatch, multiple: int) -> PackedRow:
@@ -238,8 +238,8 @@ def run_micro_batches(
             # One row [1, t]; RoPE positions restart per sample from cu_seqlens (the attention
             # layer's THD path), the position ids say the same for any other reader.
             row = _packed_row(mb, multiple)
-            tokens = pack_tokens(mb.tokens, row).to(device=device, dtype=torch.long).unsqueeze(0)
-            positions = position_ids(row).to(device).unsqueeze(0)
+            tokens = to_device(pack_tokens(mb.tokens, row).long(), device).unsqueeze(0)
+            positions = to_device(position_ids(row), device).unsqueeze(0)
             output = stage(tokens, positions, None, packed_seq_params=packed_seq_params(row, device))
             return output, partial(loss_func, mb, tokens, row)
         tokens = _padded_tokens(mb, device)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tandem.megatron.batch import to_device
+
 
 @dataclass(frozen=True)
 class PackedRow:
@@ -94,7 +96,7 @@ def block_causal_mask(row: PackedRow, device: torch.device | str | None = None) 
     Query `i` may attend to key `j` iff both lie in the same block and `j <= i`:
     block-diagonal and causal. Shape `(row.total, row.total)`, bool.
     """
-    ids = block_ids(row).to(device)
+    ids = to_device(block_ids(row), device)
     index = torch.arange(row.total, device=device)
     allowed = (ids[:, None] == ids[None, :]) & (index[None, :] <= index[:, None])
     return ~allowed
@@ -116,7 +118,7 @@ def packed_seq_params(row: PackedRow, device: torch.device | str | None = None) 
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu_seqlens = torch.tensor(row.cu_seqlens, dtype=torch.int32, device=device)
+    cu_seqlens = to_device(torch.tensor(row.cu_seqlens, dtype=torch.int32), device)
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,

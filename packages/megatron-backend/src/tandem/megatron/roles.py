@@ -30,7 +30,7 @@ import torch
 
 from tandem.megatron._trainee import Trainee
 from tandem.megatron.advantages import masked_mean_var, whiten_advantages
-from tandem.megatron.batch import RolloutBatch, pad_responses, unpad_responses
+from tandem.megatron.batch import RolloutBatch, pad_responses, to_device, unpad_responses
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.forward import ResponseOutputs, forward_only
 from tandem.megatron.gae import compute_gae, lambda_returns
@@ -223,7 +223,7 @@ def _rollout_log_probs(mb: RolloutBatch, like: torch.Tensor) -> torch.Tensor:
             f"use_tis: rollout_log_probs have lengths {lengths[:8]} but the responses {mb.response_lengths[:8]}; "
             "the engine must report one log-prob per response token"
         )
-    return pad_responses(mb.rollout_log_probs).to(device=like.device, dtype=like.dtype)
+    return to_device(pad_responses(mb.rollout_log_probs), like.device).to(like.dtype)
 
 
 # --- the two roles, stage by stage ------------------------------------------------------------------

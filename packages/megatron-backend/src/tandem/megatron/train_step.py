@@ -138,12 +138,26 @@ def train_step(
             sums.grad_norms.append(norm)
             # 5. this rank's numerators and count of the step
             if results:
-                step: dict[str, float] = {}
-                for metrics in results:
-                    for name, value in metrics.items():
-                        step[name] = step.get(name, 0.0) + float(value)
-                sums.per_step.append(step)
+                sums.per_step.append(sum_to_host(results))
     return sums
+
+
+def sum_to_host(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Each metric summed over the micro-batches' results, with one device-to-host copy in all.
+
+    A `float()` of each value would copy, and make the host wait for the GPU, once per
+    metric and micro-batch.
+    """
+    totals: dict[str, Any] = {}
+    for metrics in results:
+        for name, value in metrics.items():
+            # In float64, as Python floats would add them.
+            value = value.to(torch.float64).reshape(()) if isinstance(value, torch.Tensor) else float(value)
+            totals[name] = totals.get(name, 0.0) + value
+    tensors = [v for v in totals.values() if isinstance(v, torch.Tensor)]
+    device = tensors[0].device if tensors else None
+    column = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in totals.values()])
+    return dict(zip(totals, column.tolist(), strict=True))
 
 
 def reduce_metrics(

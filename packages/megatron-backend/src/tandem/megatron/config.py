@@ -235,8 +235,9 @@ class WorkerConfig:
     """Leave process groups of one rank alive while asleep (`destroy_all(keep_single_rank=True)`).
     Faster sleeps and first collectives after a wake (on one GPU every Megatron group has one
     rank, so a sleep tears nothing down), at the price of the one-rank NCCL communicators'
-    device memory while asleep: about 0.25 GiB a worker at DP 2 on two H200s
-    (docs/benchmarks.md). False: every group is torn down, for the smallest sleeping worker."""
+    device memory while asleep: about 0.25 GiB a worker at DP 2 on two H200s, 1.9 GiB on
+    one H200 (docs/benchmarks.md). False: every group is torn down, for the smallest
+    sleeping worker."""
 
     update_weights_chunk_bytes: int = 512 * 1024**2
     """Bytes of HF-named tensors per chunk sent to the rollout engine by `update_weights`."""

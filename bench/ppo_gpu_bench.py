@@ -499,6 +499,7 @@ def ppo_values(
         "offload_backend": "pinned_host",
         "local_gpus": 1 if args.quick else None,
         "offload_train": mode == "shared",
+        "local_single_rank_groups": args.local_single_rank_groups,
         "keep_single_rank_groups": args.keep_single_rank_groups,
         "export_hf": False,
         "tensorboard": False,
@@ -934,9 +935,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--critic-lr", type=float, default=1e-5)
     parser.add_argument("--no-kl", action="store_true", help="no KL loss (so no reference log-probs)")
     parser.add_argument(
+        "--no-local-single-rank-groups",
+        dest="local_single_rank_groups",
+        action="store_false",
+        help="one-rank groups get NCCL communicators (torn down at each sleep) instead of answering in the process",
+    )
+    parser.add_argument(
         "--keep-single-rank-groups",
         action="store_true",
-        help="the workers' keep_single_rank_groups: on one GPU a sleep then tears no process group down",
+        help="with --no-local-single-rank-groups: the one-rank communicators stay alive while asleep",
     )
     parser.add_argument(
         "--resident-kv-fraction",

@@ -18,6 +18,10 @@ GPU host, from the repo root (about 100 s for the default shape):
 
     source .gpu-kit/setup.sh && python3 bench/train_profile.py --out "$OUT/train_profile.json"
 
+A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of our
+compiled one (`tandem.megatron.rope`; on by default with CUDA); the JSON records
+`fused_rope` (what the model ran) and `fused_rope_flag` (null: the default).
+
 CPU smoke run (tiny model, fp32, gloo; the profile then lists CPU operators):
 
     ./uvw run python bench/train_profile.py --quick --out /tmp/train_profile.json
@@ -130,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tandem.megatron.config import WorkerConfig
+    from tandem.megatron.models import unwrap_model
     from tandem.megatron.parallel import free_port
     from tandem.megatron.worker import TrainWorker
 
@@ -150,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lr=1e-6,
         seed=args.seed,
         use_sequence_packing=args.packed,
+        fused_rope=args.fused_rope,
     )
     report: dict[str, Any] = {
         "bench": "train_profile",
@@ -161,11 +167,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "samples_per_train": args.samples,
         "micro_batch_size": args.micro_batch_size,
         "packed": args.packed,
+        "fused_rope_flag": args.fused_rope,
     }
     worker = TrainWorker(0, 1)
     t0 = time.time()
     worker.init(config, "actor", "127.0.0.1", free_port())
     report["init_s"] = time.time() - t0
+    # What the built model runs (the flag's None means auto: on with CUDA).
+    assert worker._trainee is not None
+    report["fused_rope"] = unwrap_model(worker._trainee.chunks).config.apply_rope_fusion
     batch = single.make_probe_batch(args.samples, args.seq_len, args.prompt_len, shape["vocab_size"], 0)
     tokens = args.samples * args.seq_len
 
@@ -215,7 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_summary(r: dict[str, Any]) -> None:
     print(
         f"\n{r['params'] / 1e9:.2f} B params, {r['samples_per_train']} x {r['shape']['seq_len']} tokens a train(), "
-        f"micro batch {r['micro_batch_size']}{', packed' if r['packed'] else ''}; {r.get('gpu')}, torch {r['torch']}"
+        f"micro batch {r['micro_batch_size']}{', packed' if r['packed'] else ''}, "
+        f"fused RoPE {'on' if r['fused_rope'] else 'off'}; {r.get('gpu')}, torch {r['torch']}"
     )
     print(
         f"train() {statistics.median(r['train_s']):.2f} s ({r['tokens_per_s_train']:.0f} tokens/s, "
@@ -248,6 +259,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--packed", action="store_true", help="use_sequence_packing")
+    p.add_argument(
+        "--fused-rope",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RoPE through our compiled kernels (rope.py) or Megatron's unfused one; default: on with CUDA",
+    )
     p.add_argument("--iters", type=int, default=3, help="timed calls of each (after one warm-up train())")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled train()")
     p.add_argument("--seed", type=int, default=1)

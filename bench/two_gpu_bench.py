@@ -113,6 +113,7 @@ def run_values(args: argparse.Namespace, name: str, paths: dict[str, Path]) -> d
         "params_dtype": "float32" if args.quick else "bfloat16",
         "offload_backend": "pinned_host",
         "offload_train": not resident,
+        "local_single_rank_groups": args.local_single_rank_groups,
         "keep_single_rank_groups": args.keep_single_rank_groups,
         # The same engine budget in every run, so that shared and resident generate alike.
         "rollout_kv_cache_memory_fraction": args.kv_fraction,
@@ -452,9 +453,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
+        "--no-local-single-rank-groups",
+        dest="local_single_rank_groups",
+        action="store_false",
+        help="one-rank groups get NCCL communicators (torn down at each sleep) instead of answering in the process",
+    )
+    p.add_argument(
         "--keep-single-rank-groups",
         action="store_true",
-        help="the workers' keep_single_rank_groups (one-rank NCCL groups stay alive while asleep)",
+        help="with --no-local-single-rank-groups: the one-rank communicators stay alive while asleep",
     )
     p.add_argument("--run-timeout-s", type=float, default=400)
     p.add_argument("--time-budget-s", type=float, default=560, help="skip runs that would end after this")

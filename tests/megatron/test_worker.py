@@ -139,21 +139,25 @@ def workers(
     )
     configs = {
         "dp": config,
-        # Pipeline parallel 2 (one layer per stage), advantages whitened over the last stage's DP group.
+        # Pipeline parallel 2 (one layer per stage), advantages whitened over the last stage's DP group;
+        # one-rank groups with communicators of their own, torn down at each sleep.
         "pp": dataclasses.replace(
             config,
             pipeline_model_parallel_size=2,
+            local_single_rank_groups=False,
             normalize_advantages=True,
             save=str(root / "pp-actor"),
             load=str(root / "pp-actor"),
             critic_save=str(root / "pp-critic"),
             critic_load=str(root / "pp-critic"),
         ),
-        # Two shuffled passes over each rollout, no checkpoints; one-rank groups alive while asleep.
+        # Two shuffled passes over each rollout, no checkpoints; one-rank groups with communicators
+        # of their own, alive while asleep.
         "epochs": dataclasses.replace(
             config,
             ppo_epochs=2,
             shuffle_minibatches=True,
+            local_single_rank_groups=False,
             keep_single_rank_groups=True,
             use_kl_loss=False,
             kl_loss_coef=0.0,
@@ -403,18 +407,23 @@ def test_ppo_epochs_take_an_optimizer_step_per_minibatch_of_each_pass(workers: W
     assert 0.0 <= metrics["clip_frac"] <= 1.0 and metrics["approx_kl"] > 0.0
 
 
-def test_a_sleep_tears_one_rank_groups_down_unless_kept(workers: Workers) -> None:
-    for kind, keep in (("epochs", True), ("dp", False)):
+def test_a_sleep_tears_one_rank_groups_down_unless_local_or_kept(workers: Workers) -> None:
+    # dp: one-rank groups local (the default); epochs: with communicators, kept; pp: with communicators, torn down.
+    for kind, local, keep in (("dp", True, False), ("epochs", False, True), ("pp", False, False)):
         _, actor = workers.use(kind)
+        assert workers.configs[kind].local_single_rank_groups is local
         assert workers.configs[kind].keep_single_rank_groups is keep
         actor.run("wake_up")
         awake = actor.run("process_groups")[0]
-        # DP 2, TP = PP = 1: the data-parallel groups have two ranks, the model-parallel ones one.
-        assert awake["alive_one_rank"] > 0 and awake["alive_larger"] > 0, awake
+        # DP 2 (dp, epochs) or PP 2 (pp): the model-parallel groups of dp and epochs have one rank.
+        one_rank = awake["local_one_rank"] + awake["alive_one_rank"]
+        assert one_rank > 0 and awake["alive_larger"] > 0, awake
+        assert awake["local_one_rank"] == (one_rank if local else 0), (kind, awake)
         assert awake["torn_down_one_rank"] == awake["torn_down_larger"] == 0, awake
         actor.run("sleep")
         for asleep in actor.run("process_groups"):
             assert asleep["alive_larger"] == 0, (kind, asleep)
+            assert asleep["local_one_rank"] == awake["local_one_rank"], (kind, asleep)
             assert asleep["alive_one_rank"] == (awake["alive_one_rank"] if keep else 0), (kind, asleep)
         # Training wakes the actor, every group rebuilt, and it trains on.
         metrics = ray.get(actor.train(0, put_rollout(seed=11, reward=1.0)))[0]["metrics"]

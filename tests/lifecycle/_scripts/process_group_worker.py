@@ -65,15 +65,19 @@ def main() -> None:
         tp = create_group(list(range(world)), "TENSOR_MODEL_PARALLEL_GROUP")
         dp_groups = [create_group([r], "DATA_PARALLEL_GROUP") for r in range(world)]  # one is not ours
         dp_gloo = create_group(list(range(world)), "DATA_PARALLEL_GROUP_GLOO", backend="gloo")
+    with reloadable_groups(local_single_rank=False):  # one-rank groups with a communicator of their own
+        cp_groups = [create_group([r], "CONTEXT_PARALLEL_GROUP") for r in range(world)]
     assert dist.new_group is plain_new_group, "the patch is undone"
     direct = reloadable_new_group(list(range(world)))
 
     assert isinstance(tp, ReloadableProcessGroup) and isinstance(direct, ReloadableProcessGroup)
     assert not isinstance(dp_gloo, ReloadableProcessGroup), "explicit gloo groups stay plain"
-    dp = dp_groups[rank]
-    assert isinstance(dp, ReloadableProcessGroup)
+    dp, cp = dp_groups[rank], cp_groups[rank]
+    assert isinstance(dp, ReloadableProcessGroup) and isinstance(cp, ReloadableProcessGroup)
+    assert dp.local and not cp.local and not tp.local, "one-rank groups are local by default"
     assert all(g is dist.GroupMember.NON_GROUP_MEMBER for r, g in enumerate(dp_groups) if r != rank)
-    assert reloadable_process_groups() == (tp, dp, direct)
+    assert all(g is dist.GroupMember.NON_GROUP_MEMBER for r, g in enumerate(cp_groups) if r != rank)
+    assert reloadable_process_groups() == (tp, dp, cp, direct)
 
     class Layer:  # a module that cached its group at construction, as Megatron's layers do
         def __init__(self, group: Any) -> None:
@@ -88,7 +92,8 @@ def main() -> None:
         destroy_all(concurrent=cycle % 2 == 0, keep_single_rank=keep)  # threads at once, or one by one
         destroy_all(keep_single_rank=keep)  # idempotent
         assert not tp.alive and not direct.alive
-        assert dp.alive == keep, (cycle, dp)
+        assert cp.alive == keep, (cycle, cp)
+        assert dp.alive, "a local group has no communicator to tear down"
         try:
             dist.all_reduce(torch.zeros(1), group=layer.tp_group)
         except ProcessGroupTornDownError:
@@ -101,9 +106,13 @@ def main() -> None:
         reload_all()  # idempotent
         check_collectives(layer.tp_group, rank, world, float(cycle + 1))
         check_collectives(direct, rank, world, float(cycle) + 0.5)
-        t = torch.tensor([3.0])
-        dist.all_reduce(t, group=dp)  # a one-rank group
-        assert t.item() == 3.0
+        for one_rank in (dp, cp):
+            t = torch.tensor([3.0])
+            dist.all_reduce(t, group=one_rank)
+            assert t.item() == 3.0
+            gathered = [torch.zeros(2)]
+            dist.all_gather(gathered, torch.full((2,), 5.0), group=one_rank)
+            assert gathered[0].tolist() == [5.0, 5.0]
 
     # The whole lifecycle with real process groups: sleep, a failed collective, wake, training state intact.
     flat = torch.arange(32, dtype=torch.float32) + rank
@@ -124,7 +133,8 @@ def main() -> None:
     dist.destroy_process_group(direct)
     assert not direct.alive
     destroy_all()
-    assert not dp.alive, "destroy_all tears groups of one rank down too by default"
+    assert not cp.alive, "destroy_all tears groups of one rank down too by default"
+    assert dp.alive, "except local ones"
     dist.destroy_process_group(tp)  # already torn down
     reload_all()  # revives both
     check_collectives(direct, rank, world, 7.0)

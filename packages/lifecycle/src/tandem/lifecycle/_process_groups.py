@@ -23,6 +23,16 @@ order on the calling thread; `concurrent=False` does it one group at a time.
 `keep_single_rank=True` leaves groups of one rank alive: faster, but their
 communicators keep their device memory while the model sleeps
 (bench/process_group_bench.py measures all three).
+
+Groups of one rank need no communicator at all: a reduction over one rank is
+that rank's tensor, a gather of one is a copy. With `local_single_rank=True`
+(the default of `reloadable_new_group` and `reloadable_groups`) their
+collectives are answered in the process (`_OneRankCollectives`), so NCCL,
+which builds a communicator on a group's first collective, never builds one
+for them: nothing to hold (about 95 MiB a group on an H200; a Megatron worker
+alone on its GPU has some 20 such groups), nothing to tear down at a sleep and
+nothing to build at a wake. Everything else (ranks, names, the backend's name)
+still comes from the real group `new_group` made.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -53,12 +64,14 @@ _TABLES = (
 _OWN = frozenset(
     {
         "_rpg_inner",
+        "_rpg_local",
         "_rpg_name",
         "_rpg_desc",
         "_attach",
         "_teardown",
         "alive",
         "inner",
+        "local",
         "rank",
         "size",
         "shutdown",
@@ -71,6 +84,198 @@ _KEPT_WHILE_DOWN = {"group_name": "_rpg_name", "group_desc": "_rpg_desc"}
 
 class ProcessGroupTornDownError(RuntimeError):
     """A collective (or a backend query) on a reloadable group whose communicator is torn down."""
+
+
+class _DoneWork(dist.Work):
+    """The handle of a collective that finished when it was called."""
+
+    def __init__(self, result: Any = None) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+def _tensors(x: torch.Tensor | Any) -> list[torch.Tensor]:
+    """A tensor argument of `ProcessGroup`'s methods: one tensor or a sequence of them."""
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _copy(out: torch.Tensor, src: torch.Tensor) -> None:
+    if out.data_ptr() != src.data_ptr():
+        out.copy_(src.reshape(out.shape))
+
+
+def _premul_sum(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a reduction's options (or op) ask for PREMUL_SUM, which scales even over one rank."""
+    for a in (*args, *kwargs.values()):
+        op = getattr(a, "reduceOp", a)
+        if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)) and op == dist.ReduceOp.PREMUL_SUM:
+            return True
+    return False
+
+
+class _OneRankCollectives:
+    """`ProcessGroup`'s collectives for a group of one rank, in this process.
+
+    Reductions (sum, average, min, max, product, ...) of one contribution leave
+    it as it is; gathers, scatters and all-to-alls copy the one input to the
+    one output; a barrier of one returns. The method names are those of
+    `torch.distributed.ProcessGroup` (the list covers the names of both the
+    older and the newer torch releases). PREMUL_SUM, which scales even over one
+    rank, goes to the real group; so would any collective missing here.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real  # a callable returning the inner group (for PREMUL_SUM)
+
+    # Reductions of one contribution: the identity.
+    def _reduction(self, name: str, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if _premul_sum(args, kwargs):
+            return getattr(self._real(), name)(tensors, *args, **kwargs)
+        return _DoneWork(_tensors(tensors))
+
+    def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._reduction("allreduce", tensors, *args, **kwargs)
+
+    def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._reduction("allreduce_coalesced", tensors, *args, **kwargs)
+
+    def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._reduction("reduce", tensors, *args, **kwargs)
+
+    def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        return _DoneWork(_tensors(tensors))
+
+    # Gathers: every output is the one input.
+    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        # [[out]] and [inp], or (convenience overload) [out] and inp
+        outs = [o[0] if not isinstance(o, torch.Tensor) else o for o in outputs]
+        for out, inp in zip(outs, _tensors(inputs), strict=True):
+            _copy(out, inp)
+        return _DoneWork(outs)
+
+    def allgather_coalesced(self, output_lists: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        # output_lists[rank][i] receives rank's inputs[i]: one rank, one list
+        (outs,) = output_lists
+        return self.all_gather_single_coalesced(outs, inputs)
+
+    def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        return self.allgather(outputs, inputs)
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> dist.Work:
+        _copy(output, input)
+        return _DoneWork([output])
+
+    _allgather_base = all_gather_single
+    gather_single = all_gather_single
+    gather_into_tensor = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            _copy(out, inp)
+        return _DoneWork(list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # Reduce-scatters of one rank: the output is the one input.
+    def reduce_scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if _premul_sum(args, kwargs):
+            return self._real().reduce_scatter(outputs, inputs, *args, **kwargs)
+        # [out] and [[inp]], or (convenience overload) out and [inp]
+        outs = _tensors(outputs)
+        ins = [i[0] if not isinstance(i, torch.Tensor) else i for i in inputs]
+        for out, inp in zip(outs, ins, strict=True):
+            _copy(out, inp)
+        return _DoneWork(outs)
+
+    def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        outs = _tensors(outputs)
+        ins = [i[0] if not isinstance(i, torch.Tensor) else i for i in inputs]
+        for out, inp in zip(outs, ins[: len(outs)], strict=True):
+            _copy(out, inp)
+        return _DoneWork(outs)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> dist.Work:
+        if _premul_sum(args, kwargs):
+            return self._real().reduce_scatter_single(output, input, *args, **kwargs)
+        _copy(output, input)
+        return _DoneWork([output])
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> dist.Work:
+        if _premul_sum(args, kwargs):
+            return self._real()._reduce_scatter_base(output, input, *args, **kwargs)
+        _copy(output, input)
+        return _DoneWork([output])
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
+    ) -> dist.Work:
+        if _premul_sum(args, kwargs):
+            return self._real().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
+        return self.all_gather_single_coalesced(outputs, inputs)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
+    ) -> dist.Work:
+        if _premul_sum(args, kwargs):
+            return self._real().reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs)
+        return self.all_gather_single_coalesced(outputs, inputs)
+
+    # All-to-all of one rank: a copy.
+    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        return self.all_gather_single_coalesced(outputs, inputs)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> dist.Work:
+        return self.all_gather_single(output, input)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return _DoneWork()
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _start_coalescing(self, device: Any) -> None:
+        return None
+
+    def _end_coalescing(self, device: Any) -> dist.Work:
+        return _DoneWork()
+
+    def _no_peer(self, *args: Any, **kwargs: Any) -> dist.Work:
+        raise ValueError("a process group of one rank has no other rank to send to or receive from")
+
+    send = _no_peer
+    recv = _no_peer
+    recv_anysource = _no_peer
+
+
+_ONE_RANK_COLLECTIVES = frozenset(
+    name
+    for name in vars(_OneRankCollectives)
+    if not name.startswith("__") and name not in ("_reduction", "_no_peer")
+) | {"send", "recv", "recv_anysource"}
 
 
 def _take_entries(pg: object) -> dict[str, Any]:
@@ -105,22 +310,33 @@ class ReloadableProcessGroup(dist.ProcessGroup):
 
     Made by `reloadable_new_group` (or by `dist.new_group` inside `reloadable_groups()`).
     While torn down, rank and size queries still answer; collectives raise
-    `ProcessGroupTornDownError`.
+    `ProcessGroupTornDownError`. `local=True` (one rank only): collectives are
+    answered in this process (`_OneRankCollectives`), so the inner group never
+    builds a communicator.
     """
 
     _rpg_inner: dist.ProcessGroup | None
+    _rpg_local: _OneRankCollectives | None
     _rpg_name: str
     _rpg_desc: str
 
-    def __init__(self, inner: dist.ProcessGroup) -> None:
+    def __init__(self, inner: dist.ProcessGroup, *, local: bool = False) -> None:
         # torch's stub lists only the (store, rank, size) overload; (rank, size) exists at runtime too.
         super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
+        if local and inner.size() != 1:
+            raise ValueError(
+                f"ReloadableProcessGroup: local=True needs a group of one rank, not {inner.size()}"
+            )
         object.__setattr__(self, "_rpg_inner", None)
+        object.__setattr__(self, "_rpg_local", _OneRankCollectives(lambda: self.inner) if local else None)
         self._attach(inner)
 
     def __getattribute__(self, name: str) -> Any:
         if name in _OWN or name.startswith("__"):
             return object.__getattribute__(self, name)
+        local = object.__getattribute__(self, "_rpg_local")
+        if local is not None and name in _ONE_RANK_COLLECTIVES:
+            return getattr(local, name)
         inner = object.__getattribute__(self, "_rpg_inner")
         if inner is not None:
             return getattr(inner, name)
@@ -140,8 +356,13 @@ class ReloadableProcessGroup(dist.ProcessGroup):
             setattr(self.inner, name, value)
 
     def __repr__(self) -> str:
-        state = "alive" if self.alive else "torn down"
+        state = ("alive" if self.alive else "torn down") + (", local" if self.local else "")
         return f"ReloadableProcessGroup(name={self._rpg_name!r}, rank={self.rank()}, size={self.size()}, {state})"
+
+    @property
+    def local(self) -> bool:
+        """Whether collectives are answered in this process (a group of one rank, no communicator)."""
+        return self._rpg_local is not None
 
     @property
     def alive(self) -> bool:
@@ -212,6 +433,7 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     group: ReloadableProcessGroup | None  # None: this rank is not a member
+    local: bool = False  # one rank, collectives in the process: never torn down
     member_alive: bool = True
 
     @property
@@ -235,21 +457,25 @@ class _Registry:
 _registry = _Registry()
 
 
-def reloadable_new_group(*args: Any, **kwargs: Any) -> Any:
+def reloadable_new_group(*args: Any, local_single_rank: bool = True, **kwargs: Any) -> Any:
     """`torch.distributed.new_group` with the same arguments, returning a `ReloadableProcessGroup`.
 
     Returns `GroupMember.NON_GROUP_MEMBER` on ranks outside the group, as
     `new_group` does; the call is recorded there too, so that `reload_all()`
-    repeats the same collective calls on every rank.
+    repeats the same collective calls on every rank. `local_single_rank`: a
+    group of one rank answers its collectives in the process and is never torn
+    down (it has no communicator); False gives it a communicator like any other.
     """
     with _registry.lock:
         inner = c10d.new_group(*args, **kwargs)
+        call = _Call(args, dict(kwargs), None)
+        call.local = local_single_rank and call.single_rank  # alike on every rank, from the arguments
         if not isinstance(inner, dist.ProcessGroup):  # GroupMember.NON_GROUP_MEMBER
-            _registry.calls.append(_Call(args, dict(kwargs), None))
+            _registry.calls.append(call)
             return inner
-        group = ReloadableProcessGroup(inner)
-        _registry.calls.append(_Call(args, dict(kwargs), group))
-        return group
+        call.group = ReloadableProcessGroup(inner, local=call.local)
+        _registry.calls.append(call)
+        return call.group
 
 
 def _explicit_backend(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -258,13 +484,16 @@ def _explicit_backend(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | No
 
 
 @contextlib.contextmanager
-def reloadable_groups(*, skip_backends: Collection[str] = ("gloo",)) -> Iterator[None]:
+def reloadable_groups(
+    *, skip_backends: Collection[str] = ("gloo",), local_single_rank: bool = True
+) -> Iterator[None]:
     """Make the groups that `torch.distributed.new_group` creates inside this block reloadable.
 
     Wrap Megatron's `parallel_state.initialize_model_parallel(...)` in it. Groups
     created with an explicit backend in `skip_backends` stay plain: Megatron asks
     for gloo groups explicitly for CPU-side work, and they hold no GPU memory.
-    Groups on the default backend (gloo on CPU, NCCL on GPU) are wrapped.
+    Groups on the default backend (gloo on CPU, NCCL on GPU) are wrapped;
+    `local_single_rank` as in `reloadable_new_group`.
     """
     skip = {b.lower() for b in skip_backends}
     plain_new_group = c10d.new_group
@@ -272,7 +501,7 @@ def reloadable_groups(*, skip_backends: Collection[str] = ("gloo",)) -> Iterator
     def new_group(*args: Any, **kwargs: Any) -> Any:
         if _explicit_backend(args, kwargs) in skip:
             return plain_new_group(*args, **kwargs)
-        return reloadable_new_group(*args, **kwargs)
+        return reloadable_new_group(*args, local_single_rank=local_single_rank, **kwargs)
 
     with _registry.lock:
         previous = dist.new_group
@@ -313,10 +542,15 @@ def destroy_all(*, concurrent: bool = True, keep_single_rank: bool = False) -> N
     from the recorded `ranks`, so `reload_all` replays the same calls everywhere):
     tearing a one-rank communicator down and building it again costs as much as
     any other, but a live one keeps its device memory (about 0.25 GiB a
-    Megatron worker at DP 2 on two H200s), hence off by default.
+    Megatron worker at DP 2 on two H200s), hence off by default. Local groups
+    (`local_single_rank`) have no communicator and always stay.
     """
     with _registry.lock:
-        calls = [c for c in reversed(_registry.calls) if c.alive and not (keep_single_rank and c.single_rank)]
+        calls = [
+            c
+            for c in reversed(_registry.calls)
+            if c.alive and not c.local and not (keep_single_rank and c.single_rank)
+        ]
         members = [c.group for c in calls if c.group is not None]
         if concurrent:
             _shut_down_concurrently(members)

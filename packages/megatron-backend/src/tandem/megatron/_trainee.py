@@ -198,7 +198,9 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
     spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     with backend.region(WEIGHTS):
-        model = build_model(spec, role, params_dtype=_params_dtype(config), seed=config.seed)
+        model = build_model(
+            spec, role, params_dtype=_params_dtype(config), seed=config.seed, fused_rope=config.fused_rope
+        )
         reference = None
         if role == "actor" and config.needs_reference:
             load_hf(model, spec, config.ref_load or config.hf_checkpoint, role)

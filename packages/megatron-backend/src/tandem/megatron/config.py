@@ -227,17 +227,31 @@ class WorkerConfig:
     device: Device = "auto"
     """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
 
+    fused_rope: bool | None = None
+    """Apply RoPE with our `torch.compile`d kernels (`rope.py`) through Megatron's
+    `apply_rope_fusion` instead of Megatron's unfused chain of kernels: the same bf16 results
+    bit for bit, a `train()` of the 1.2 B probe in 3.00 s instead of 3.33 s on an H200, for ~5 s
+    of compiling once per process. None: on when the model is built on CUDA, off on CPU
+    (where compiling needs a C++ compiler and takes ~20 s)."""
+
     offload_backend: OffloadBackend = "pinned_host"
     """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on
     the GPU; pinned_host or none on the CPU."""
 
+    local_single_rank_groups: bool = True
+    """Answer the collectives of process groups of one rank in the process (a reduction over
+    one rank is the identity, a gather a copy), so that NCCL never builds their
+    communicators: nothing held, nothing torn down at a sleep or built at a wake (on one GPU
+    every Megatron group has one rank). False: they get communicators like any other group
+    (`reloadable_groups(local_single_rank=False)`), torn down at each sleep unless
+    `keep_single_rank_groups`."""
+
     keep_single_rank_groups: bool = False
-    """Leave process groups of one rank alive while asleep (`destroy_all(keep_single_rank=True)`).
-    Faster sleeps and first collectives after a wake (on one GPU every Megatron group has one
-    rank, so a sleep tears nothing down), at the price of the one-rank NCCL communicators'
-    device memory while asleep: about 0.25 GiB a worker at DP 2 on two H200s, 1.9 GiB on
-    one H200 (docs/benchmarks.md). False: every group is torn down, for the smallest
-    sleeping worker."""
+    """With `local_single_rank_groups=False`: leave the process groups of one rank alive while
+    asleep (`destroy_all(keep_single_rank=True)`). Faster sleeps and first collectives after a
+    wake, at the price of the one-rank NCCL communicators' device memory while asleep: about
+    0.25 GiB a worker at DP 2 on two H200s, 1.9 GiB on one H200 (docs/benchmarks.md). False:
+    every group is torn down, for the smallest sleeping worker."""
 
     update_weights_chunk_bytes: int = 512 * 1024**2
     """Bytes of HF-named tensors per chunk sent to the rollout engine by `update_weights`."""

@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from tandem.megatron import rope
 from tandem.megatron._cpu_compat import enable_cpu_compat
 from tandem.megatron.attention import local_attention, sdpa_attention
 from tandem.megatron.choices import ROLES, Role
@@ -85,6 +86,7 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     attention: Attention = "sdpa",
+    fused_rope: bool | None = None,
     **config_overrides: Any,
 ) -> nn.Module:
     """This rank's pipeline stage of the actor or critic network, on this rank's device.
@@ -101,6 +103,10 @@ def build_model(
         attention: "sdpa" (torch's fused causal attention) or "local" (Megatron's
             unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores); both
             also run packed micro-batches (`attention.py`).
+        fused_rope: apply RoPE with our compiled kernels (`rope.py`: a cos/sin table and one
+            fused kernel instead of Megatron's unfused chain of multiplies and copies, with
+            the same bf16 results) through Megatron's `apply_rope_fusion`; None: on when
+            the model is built on CUDA, off on CPU.
         config_overrides: extra `TransformerConfig` fields (e.g. `recompute_granularity`);
             `calculate_per_token_loss` defaults to True (the train step's loss form).
     """
@@ -108,6 +114,13 @@ def build_model(
         raise ValueError(f"build_model: role {role!r} is not one of {ROLES}")
     if attention not in _ATTENTIONS:
         raise ValueError(f"build_model: attention {attention!r} is not one of {_ATTENTIONS}")
+    if not (fused_rope is None or isinstance(fused_rope, bool)):
+        raise ValueError(f"build_model: fused_rope {fused_rope!r} must be True, False or None (auto)")
+    if "apply_rope_fusion" in config_overrides:
+        raise ValueError(
+            "build_model: set RoPE fusion with fused_rope=True/False, not apply_rope_fusion "
+            "(Megatron's fused path needs Transformer Engine; fused_rope installs ours)"
+        )
     enable_cpu_compat()
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
@@ -124,6 +137,12 @@ def build_model(
         )
     # Loss functions return (sum, count, metrics): see forward.run_micro_batches.
     config_overrides.setdefault("calculate_per_token_loss", True)
+    # The model lands on CUDA whenever torch sees a GPU (the end of this function).
+    use_fused_rope = torch.cuda.is_available() if fused_rope is None else fused_rope
+    if use_fused_rope:
+        # Before the config: TransformerConfig checks that the fused hooks exist.
+        rope.install()
+        config_overrides["apply_rope_fusion"] = True
     config = spec.transformer_config(
         tensor_parallel_size=mpu.get_tensor_model_parallel_world_size(),
         pipeline_parallel_size=mpu.get_pipeline_model_parallel_world_size(),

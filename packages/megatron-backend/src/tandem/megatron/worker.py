@@ -98,7 +98,7 @@ class TrainWorker:
         tp, pp = config.topology(role)
         backend = make_backend(config.offload_backend)
         # Megatron's groups (and ours) are made reloadable so that sleep can tear their communicators down.
-        with reloadable_groups():
+        with reloadable_groups(local_single_rank=config.local_single_rank_groups):
             init_distributed(
                 self.rank,
                 self.world_size,
@@ -318,14 +318,19 @@ class TrainWorker:
     def process_groups(self) -> dict[str, int]:
         """How many of this rank's reloadable process groups are alive, by size.
 
-        Keys `alive_one_rank`, `alive_larger`, `torn_down_one_rank`, `torn_down_larger`.
-        Asleep, every group is torn down unless `keep_single_rank_groups` keeps
-        those of one rank (whose NCCL communicators then keep their device memory).
+        Keys `local_one_rank` (groups of one rank that answer in the process: no
+        communicator, never torn down), `alive_one_rank`, `alive_larger`,
+        `torn_down_one_rank`, `torn_down_larger`. Asleep, every other group is torn
+        down unless `keep_single_rank_groups` keeps those of one rank (whose NCCL
+        communicators then keep their device memory).
         """
         counts = dict.fromkeys(
-            ("alive_one_rank", "alive_larger", "torn_down_one_rank", "torn_down_larger"), 0
+            ("local_one_rank", "alive_one_rank", "alive_larger", "torn_down_one_rank", "torn_down_larger"), 0
         )
         for group in reloadable_process_groups():
+            if group.local:
+                counts["local_one_rank"] += 1
+                continue
             state = "alive" if group.alive else "torn_down"
             counts[f"{state}_{'one_rank' if group.size() == 1 else 'larger'}"] += 1
         return counts

@@ -68,3 +68,6 @@ def test_an_nccl_group_is_torn_down_and_reloaded() -> None:
         assert cycle["torn_down_gib"] <= cycle["with_comm_gib"]
     # Tearing down and rebuilding must not pile communicators up.
     assert cycles[-1]["with_comm_gib"] - cycles[0]["with_comm_gib"] <= 1 / 16, report
+    # A local one-rank group computes right, stays through destroy_all and holds no communicator.
+    assert report["local_ok"] and report["local_alive_after_destroy_all"], report
+    assert report["local_gib"] - report["before_gib"] <= 1 / 32, report

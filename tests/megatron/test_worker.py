@@ -425,7 +425,8 @@ def test_a_sleep_tears_one_rank_groups_down_unless_local_or_kept(workers: Worker
             assert asleep["alive_larger"] == 0, (kind, asleep)
             assert asleep["local_one_rank"] == awake["local_one_rank"], (kind, asleep)
             assert asleep["alive_one_rank"] == (awake["alive_one_rank"] if keep else 0), (kind, asleep)
-        # Training wakes the actor, every group rebuilt, and it trains on.
-        metrics = ray.get(actor.train(0, put_rollout(seed=11, reward=1.0)))[0]["metrics"]
+        # Training wakes the actor, every group rebuilt, and it trains on (PP 2: one data-parallel rank).
+        data = [ray.put(make_batch(8, 110, 1.0))] if kind == "pp" else put_rollout(seed=11, reward=1.0)
+        metrics = ray.get(actor.train(0, data))[-1]["metrics"]  # the last stage's (the loss is there)
         assert math.isfinite(metrics["pg_loss"])
         assert all(g["torn_down_one_rank"] == g["torn_down_larger"] == 0 for g in actor.run("process_groups"))

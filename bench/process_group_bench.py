@@ -12,7 +12,10 @@ Then, `--cycles` times each, in one run:
 3. `destroy_all(keep_single_rank=True)`: the same, with the groups of one rank left alive;
 
 each followed by `reload_all()` and the all-reduces again (the wake's share, and
-the first collectives that build the communicators). Times are the slowest rank's,
+the first collectives that build the communicators). The groups of one rank get
+communicators here (`reloadable_groups(local_single_rank=False)`), so that the rows
+compare ways of tearing them down; a worker's default (`local_single_rank_groups`)
+answers their collectives in the process and has none to tear down. Times are the slowest rank's,
 median over cycles; the all-reduces' results are checked after every reload.
 
 On CUDA there is one rank per GPU (NCCL); on CPU two ranks under gloo.
@@ -69,7 +72,7 @@ def _rank_main(rank: int, world: int, port: int, tp: int, pp: int, cycles: int, 
 
     on_gpu = torch.cuda.is_available()
     device = f"cuda:{rank}" if on_gpu else "cpu"
-    with reloadable_groups():
+    with reloadable_groups(local_single_rank=False):
         init_distributed(
             rank,
             world,

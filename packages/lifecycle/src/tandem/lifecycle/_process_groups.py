@@ -27,7 +27,7 @@ communicators keep their device memory while the model sleeps
 Groups of one rank need no communicator at all: a reduction over one rank is
 that rank's tensor, a gather of one is a copy. With `local_single_rank=True`
 (the default of `reloadable_new_group` and `reloadable_groups`) their
-collectives are answered in the process (`_OneRankCollectives`), so NCCL,
+collectives are answered in the process (`_one_rank.py`), so NCCL,
 which builds a communicator on a group's first collective, never builds one
 for them: nothing to hold (about 95 MiB a group on an H200; a Megatron worker
 alone on its GPU has some 20 such groups), nothing to tear down at a sleep and
@@ -45,9 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from ._one_rank import COLLECTIVES as _ONE_RANK_COLLECTIVES
+from ._one_rank import OneRankCollectives
 
 logger = logging.getLogger(__name__)
 
@@ -86,198 +88,6 @@ class ProcessGroupTornDownError(RuntimeError):
     """A collective (or a backend query) on a reloadable group whose communicator is torn down."""
 
 
-class _DoneWork(dist.Work):
-    """The handle of a collective that finished when it was called."""
-
-    def __init__(self, result: Any = None) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._result)
-        return future
-
-
-def _tensors(x: torch.Tensor | Any) -> list[torch.Tensor]:
-    """A tensor argument of `ProcessGroup`'s methods: one tensor or a sequence of them."""
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
-def _copy(out: torch.Tensor, src: torch.Tensor) -> None:
-    if out.data_ptr() != src.data_ptr():
-        out.copy_(src.reshape(out.shape))
-
-
-def _premul_sum(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a reduction's options (or op) ask for PREMUL_SUM, which scales even over one rank."""
-    for a in (*args, *kwargs.values()):
-        op = getattr(a, "reduceOp", a)
-        if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)) and op == dist.ReduceOp.PREMUL_SUM:
-            return True
-    return False
-
-
-class _OneRankCollectives:
-    """`ProcessGroup`'s collectives for a group of one rank, in this process.
-
-    Reductions (sum, average, min, max, product, ...) of one contribution leave
-    it as it is; gathers, scatters and all-to-alls copy the one input to the
-    one output; a barrier of one returns. The method names are those of
-    `torch.distributed.ProcessGroup` (the list covers the names of both the
-    older and the newer torch releases). PREMUL_SUM, which scales even over one
-    rank, goes to the real group; so would any collective missing here.
-    """
-
-    def __init__(self, real: Any) -> None:
-        self._real = real  # a callable returning the inner group (for PREMUL_SUM)
-
-    # Reductions of one contribution: the identity.
-    def _reduction(self, name: str, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        if _premul_sum(args, kwargs):
-            return getattr(self._real(), name)(tensors, *args, **kwargs)
-        return _DoneWork(_tensors(tensors))
-
-    def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._reduction("allreduce", tensors, *args, **kwargs)
-
-    def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._reduction("allreduce_coalesced", tensors, *args, **kwargs)
-
-    def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._reduction("reduce", tensors, *args, **kwargs)
-
-    def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        return _DoneWork(_tensors(tensors))
-
-    # Gathers: every output is the one input.
-    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        # [[out]] and [inp], or (convenience overload) [out] and inp
-        outs = [o[0] if not isinstance(o, torch.Tensor) else o for o in outputs]
-        for out, inp in zip(outs, _tensors(inputs), strict=True):
-            _copy(out, inp)
-        return _DoneWork(outs)
-
-    def allgather_coalesced(self, output_lists: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        # output_lists[rank][i] receives rank's inputs[i]: one rank, one list
-        (outs,) = output_lists
-        return self.all_gather_single_coalesced(outs, inputs)
-
-    def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        return self.allgather(outputs, inputs)
-
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> dist.Work:
-        _copy(output, input)
-        return _DoneWork([output])
-
-    _allgather_base = all_gather_single
-    gather_single = all_gather_single
-    gather_into_tensor = all_gather_single
-
-    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        for out, inp in zip(outputs, inputs, strict=True):
-            _copy(out, inp)
-        return _DoneWork(list(outputs))
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    # Reduce-scatters of one rank: the output is the one input.
-    def reduce_scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        if _premul_sum(args, kwargs):
-            return self._real().reduce_scatter(outputs, inputs, *args, **kwargs)
-        # [out] and [[inp]], or (convenience overload) out and [inp]
-        outs = _tensors(outputs)
-        ins = [i[0] if not isinstance(i, torch.Tensor) else i for i in inputs]
-        for out, inp in zip(outs, ins, strict=True):
-            _copy(out, inp)
-        return _DoneWork(outs)
-
-    def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        outs = _tensors(outputs)
-        ins = [i[0] if not isinstance(i, torch.Tensor) else i for i in inputs]
-        for out, inp in zip(outs, ins[: len(outs)], strict=True):
-            _copy(out, inp)
-        return _DoneWork(outs)
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> dist.Work:
-        if _premul_sum(args, kwargs):
-            return self._real().reduce_scatter_single(output, input, *args, **kwargs)
-        _copy(output, input)
-        return _DoneWork([output])
-
-    def _reduce_scatter_base(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> dist.Work:
-        if _premul_sum(args, kwargs):
-            return self._real()._reduce_scatter_base(output, input, *args, **kwargs)
-        _copy(output, input)
-        return _DoneWork([output])
-
-    def reduce_scatter_single_coalesced(
-        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
-    ) -> dist.Work:
-        if _premul_sum(args, kwargs):
-            return self._real().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
-        return self.all_gather_single_coalesced(outputs, inputs)
-
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
-    ) -> dist.Work:
-        if _premul_sum(args, kwargs):
-            return self._real().reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs)
-        return self.all_gather_single_coalesced(outputs, inputs)
-
-    # All-to-all of one rank: a copy.
-    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
-        return self.all_gather_single_coalesced(outputs, inputs)
-
-    def all_to_all_single(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> dist.Work:
-        return self.all_gather_single(output, input)
-
-    alltoall_base = all_to_all_single
-
-    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _DoneWork()
-
-    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def _start_coalescing(self, device: Any) -> None:
-        return None
-
-    def _end_coalescing(self, device: Any) -> dist.Work:
-        return _DoneWork()
-
-    def _no_peer(self, *args: Any, **kwargs: Any) -> dist.Work:
-        raise ValueError("a process group of one rank has no other rank to send to or receive from")
-
-    send = _no_peer
-    recv = _no_peer
-    recv_anysource = _no_peer
-
-
-_ONE_RANK_COLLECTIVES = frozenset(
-    name
-    for name in vars(_OneRankCollectives)
-    if not name.startswith("__") and name not in ("_reduction", "_no_peer")
-) | {"send", "recv", "recv_anysource"}
-
-
 def _take_entries(pg: object) -> dict[str, Any]:
     """Remove `pg` from torch.distributed's tables and return what was there."""
     world = c10d._world
@@ -311,12 +121,12 @@ class ReloadableProcessGroup(dist.ProcessGroup):
     Made by `reloadable_new_group` (or by `dist.new_group` inside `reloadable_groups()`).
     While torn down, rank and size queries still answer; collectives raise
     `ProcessGroupTornDownError`. `local=True` (one rank only): collectives are
-    answered in this process (`_OneRankCollectives`), so the inner group never
+    answered in this process (`_one_rank.py`), so the inner group never
     builds a communicator.
     """
 
     _rpg_inner: dist.ProcessGroup | None
-    _rpg_local: _OneRankCollectives | None
+    _rpg_local: OneRankCollectives | None
     _rpg_name: str
     _rpg_desc: str
 
@@ -328,7 +138,7 @@ class ReloadableProcessGroup(dist.ProcessGroup):
                 f"ReloadableProcessGroup: local=True needs a group of one rank, not {inner.size()}"
             )
         object.__setattr__(self, "_rpg_inner", None)
-        object.__setattr__(self, "_rpg_local", _OneRankCollectives(lambda: self.inner) if local else None)
+        object.__setattr__(self, "_rpg_local", OneRankCollectives(lambda: self.inner) if local else None)
         self._attach(inner)
 
     def __getattribute__(self, name: str) -> Any:

@@ -17,7 +17,7 @@ table in `t`'s dtype (one small kernel), and `rope_rotate` applies it (one
 kernel forward, one backward, which needs only the table). The table is a kernel
 of its own on purpose: fused into the rotation, cos and sin are recomputed for
 every batch row and head, and the kernel waits on them instead of on memory
-(about 2.5 times slower on an H200 in a one-off measurement). `rotate_thd`
+(slower on an H200, in a measurement the repository does not keep). `rotate_thd`
 finds each packed token's position inside its sample (`searchsorted` over
 `cu_seqlens`: no loop, no host sync) and gathers its table rows.
 

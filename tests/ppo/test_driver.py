@@ -117,6 +117,54 @@ def test_event_order_follows_the_plan(tmp_path: Path, ray_start: Callable[[Calla
     assert awake == set()
 
 
+def step_spans(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """Each step's (begin, end) wall-clock times from the event log's own timestamps."""
+    begins = {e["rollout_id"]: e["t"] for e in events if e["event"] == "step_begin"}
+    ends = {e["rollout_id"]: e["t"] for e in events if e["event"] == "step_end"}
+    assert begins.keys() == ends.keys()
+    return {k: (begins[k], ends[k]) for k in begins}
+
+
+def event_time(events: list[dict[str, Any]], event: str, rollout_id: int) -> float:
+    (t,) = [e["t"] for e in events if e["event"] == event and e.get("rollout_id") == rollout_id]
+    return float(t)
+
+
+def test_step_clock_is_the_wall_clock_however_step_is_called(
+    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+) -> None:
+    """`time/step` is the span of the step's events, whether the step draws its rollout or is given it."""
+    config = demo_config(tmp_path / "run", num_rollout=2, eval_interval=None, export_hf=False)
+    direct: dict[int, dict[str, Any]] = {}
+
+    def call_step_directly(driver: PPODriver) -> None:
+        direct[2] = driver.step(2)  # draws its rollout inside (as bench/ppo_gpu_bench.py calls it)
+        sampled = driver._draw(3)
+        time.sleep(0.5)  # idle time between the draw and the step is not the step's
+        direct[3] = driver.step(3, sampled)
+
+    summary = run(config, ray_start, after=call_step_directly)
+    metrics = {0: summary.metrics[0], 1: summary.metrics[1], **direct}
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    spans = step_spans(events)
+    assert sorted(spans) == [0, 1, 2, 3]
+
+    def parts(k: int) -> float:
+        return sum(metrics[k][f"time/{p}"] for p in ("critic_train", "actor_train", "weight_sync"))
+
+    for k, (begin, end) in spans.items():
+        # One timer, read once: the event log's timestamps agree with it to within a few ms (the
+        # old clock added the rollout a second time when the step drew it).
+        assert metrics[k]["time/step"] == pytest.approx(end - begin, abs=0.005), k
+        assert metrics[k]["time/step"] > parts(k), k
+    for k in (0, 1, 2):  # drawn by the step itself: the rollout lies inside the step's span
+        begin, end = spans[k]
+        assert begin <= event_time(events, "generate_begin", k) < event_time(events, "generate_end", k) <= end
+        assert metrics[k]["time/step"] > metrics[k]["time/rollout"] + parts(k)
+    # Drawn before the call: neither the draw nor the idle half second is in the step.
+    assert event_time(events, "generate_end", 3) <= spans[3][0] - 0.5
+
+
 def test_no_offload_keeps_both_models_resident(
     tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
 ) -> None:
@@ -236,6 +284,12 @@ def test_async_overlaps_generation_with_training(
     for k in (0, 1):
         # Rollout k+1 is under way before the actor has finished training on rollout k.
         assert when("generate_begin", k + 1) < when("train_end", k, "actor")
+    spans = step_spans(events)
+    for k in (1, 2):
+        # Generated in the background: the step's clock starts after that rollout had begun.
+        begin, end = spans[k]
+        assert when("generate_begin", k) < begin
+        assert summary.metrics[k]["time/step"] == pytest.approx(end - begin, abs=0.005)
     assert [m["async/staleness"] for m in summary.metrics] == [0.0, 1.0, 1.0]
 
     # The same seed and data without --async: the first step is the same step.

@@ -22,10 +22,11 @@ so the same run can be compared with both models resident.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ class PPODriver:
         self.critic: Any = None
         self.engines: Any = None
         self.placements: Any = None
+        self.last_sampled: Sampled | None = None
+        self.generating: Future[Sampled] | None = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -167,11 +170,17 @@ class PPODriver:
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") as generation:
                 for rollout_id in range(self.start_rollout_id, config.num_rollout):
-                    sampled = pending.result() if pending is not None else self._draw(rollout_id)
+                    # Sync loop: step() draws its own rollout (inside its clock). Async: the
+                    # rollout was generated in the background; step() starts the next one as
+                    # soon as this one is in hand.
+                    sampled = pending.result() if pending is not None else None
                     pending = None
+                    ahead = None
                     if config.async_mode and rollout_id + 1 < config.num_rollout:
-                        pending = generation.submit(self._draw, rollout_id + 1)
-                    metrics = self.step(rollout_id, sampled, generating=pending)
+                        ahead = functools.partial(generation.submit, self._draw, rollout_id + 1, True)
+                    metrics = self.step(rollout_id, sampled, start_next=ahead)
+                    pending, drawn = self.generating, self.last_sampled
+                    assert drawn is not None
                     last = rollout_id
                     final = rollout_id == config.num_rollout - 1
                     if self.eval_dataset is not None and (
@@ -182,7 +191,7 @@ class PPODriver:
                     self.logger.log(rollout_id, metrics)
                     due = final or self._due(config.save_interval, rollout_id)
                     if due or (self._stop_requested and config.save_on_interrupt):
-                        self.save(rollout_id, sampled.data_state)
+                        self.save(rollout_id, drawn.data_state)
                         saved = rollout_id
                     if self._stop_requested:
                         raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
@@ -201,8 +210,11 @@ class PPODriver:
         self._stop_requested = True
         logger.warning("Ctrl-C: finishing the step under way, then stopping (Ctrl-C again: stop now)")
 
-    def _draw(self, rollout_id: int) -> Sampled:
-        """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank."""
+    def _draw(self, rollout_id: int, background: bool = False) -> Sampled:
+        """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank.
+
+        `background`: drawn on the async loop's generation thread, outside any step's clock.
+        """
         config = self.config
         start = time.perf_counter()
         version = self.weights_version
@@ -224,24 +236,36 @@ class PPODriver:
         self.events.record("generate_end", rollout_id=rollout_id)
         seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
         seconds["time/rollout"] = time.perf_counter() - start
-        return Sampled(rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds)
+        return Sampled(
+            rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds, background
+        )
 
     def step(
-        self, rollout_id: int, sampled: Sampled | None = None, *, generating: Future[Sampled] | None = None
+        self,
+        rollout_id: int,
+        sampled: Sampled | None = None,
+        *,
+        start_next: Callable[[], Future[Sampled]] | None = None,
     ) -> dict[str, Any]:
         """One PPO step (DESIGN.md's six steps) on `sampled` (drawn now when None); its metrics.
 
-        `generating`: the next rollout under way on the engines (async loop); the weights go to
-        the engines only once it is done.
+        `time/step` is this call's wall clock, read once from one timer: it includes the
+        rollout when the step draws it, and not when `sampled` was drawn before the call.
+        `start_next`: called once this step's rollout is in hand, to start generating the next
+        one on the engines (async loop; kept in `self.generating`); the weights go to the
+        engines only once that generation is done. The step's rollout is `self.last_sampled`.
         """
         config = self.config
         self.clock.reset()
         step_start = time.perf_counter()
+        self.events.record("step_begin", rollout_id=rollout_id)
         critic_only = rollout_id < config.num_critic_only_steps
 
         # 1. rollout: sample, score, split per data-parallel rank
         if sampled is None:
             sampled = self._draw(rollout_id)
+        self.last_sampled = sampled
+        generating = self.generating = start_next() if start_next is not None else None
 
         # 2. the engines hand their GPU memory back
         if self.release_engines:
@@ -280,6 +304,7 @@ class PPODriver:
                 self.engines.resume_memory()
 
         seconds = time.perf_counter() - step_start
+        self.events.record("step_end", rollout_id=rollout_id, seconds=seconds)
         rollout = sampled.rollout
         metrics.update(rollout.metrics(accuracy_threshold=config.accuracy_threshold))
         metrics.update(self._aliases(metrics))
@@ -288,7 +313,7 @@ class PPODriver:
         metrics.update(sampled.counts)
         metrics.update(
             {
-                "time/step": seconds + (0.0 if config.async_mode else sampled.seconds["time/rollout"]),
+                "time/step": seconds,
                 "throughput/tokens_per_s": rollout.response_tokens() / seconds,
                 "data/epoch": float(sampled.data_state.get("epoch", 0)),
                 "data/dropped_prompts": float(self.dataset.num_dropped),

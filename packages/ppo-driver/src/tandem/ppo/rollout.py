@@ -212,6 +212,7 @@ class Sampled:
             checkpoint of this step saves, even when the next rollout is already drawn).
         weights_version: the step whose weights generated it (`rollout_id` in the sync loop,
             `rollout_id - 1` in the async one: its staleness).
+        background: generated on the async loop's thread, while another step ran.
     """
 
     rollout_id: int
@@ -222,6 +223,7 @@ class Sampled:
     weights_version: int
     counts: dict[str, float]
     seconds: dict[str, float]
+    background: bool = False
 
 
 def sampling_params(

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_gpu_bench as single  # the probe shape, its model builder and its batches
+import ppo_harness as single  # the probe shape, its model builder and its batches
 
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),

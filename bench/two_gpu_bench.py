@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_gpu_bench as single  # the model, tokenizer, prompts and reward builders
+import ppo_harness as single  # the model, tokenizer, prompts and reward builders
 
 GIB = 1024**3
 
@@ -260,7 +260,7 @@ def compare_weights(a: Path, b: Path) -> dict[str, Any]:
 
 def compare_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
     """Training metrics (not times, memory or lifecycle) of two runs, step by step."""
-    skip = ("time/", "memory/", "lifecycle/", "throughput/", "perf/")
+    skip = ("time/", "memory/", "lifecycle/", "throughput/", "perf/", "alloc/")
     differing = sorted(
         {
             k

@@ -73,7 +73,10 @@ def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
     )
     assert report["overhead_of_sharing"] is not None
     assert report["verl_anchor_s"]["step"] == 66.0
-    assert set(report["goals"]) >= {"shared_step_le_33s", "sharing_adds_le_10pct", "probe_mfu_ge_40pct"}
+    assert set(report["goals"]) >= {"shared_step_le_5s", "shared_over_resident_le_5pct", "probe_mfu_ge_50pct"}
+    for mode in ("shared", "resident"):
+        # The driver's time/step is the wall clock of the bench's own span around each step.
+        assert report["modes"][mode]["clock_gap_s"] < 0.05, report["modes"][mode]["clock_gap_s"]
 
     probe = report["probe"]
     assert probe["error"] is None, probe["error"]

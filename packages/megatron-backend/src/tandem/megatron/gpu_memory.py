@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
-__all__ = ["all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
+__all__ = ["AllocatorCalls", "all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
 
 
 def _nvidia_smi(*args: str) -> list[str] | None:
@@ -46,3 +47,48 @@ def all_devices_used_bytes() -> list[int] | None:
     if not lines:
         return None
     return [int(line.strip()) * 1024**2 for line in lines if line.strip()]
+
+
+class AllocatorCalls:
+    """How often the CUDA caching allocator asked the driver for memory, and gave it back, in a block.
+
+    `with calls: ...`, then `calls.metrics()`: `alloc/device_mallocs` (cudaMalloc calls, or the
+    segments an expandable segment mapped) and `alloc/device_frees` (cudaFree calls, or
+    unmapped segments, `empty_cache()` included) made by this process inside the block, from
+    `torch.cuda.memory_stats()`; nothing without CUDA. They count what a sleep that handed the
+    memory back costs the next phase: a resident model reuses its cached blocks and calls
+    neither.
+    """
+
+    KEYS = {"alloc/device_mallocs": "num_device_alloc", "alloc/device_frees": "num_device_free"}
+    SEGMENT_KEYS = {"alloc/device_mallocs": "segment.all.allocated", "alloc/device_frees": "segment.all.freed"}
+
+    def __init__(self) -> None:
+        self._before: dict[str, int] = {}
+        self._counts: dict[str, float] = {}
+
+    @staticmethod
+    def _read() -> dict[str, int]:
+        import torch
+
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return {}
+        stats: dict[str, Any] = torch.cuda.memory_stats()
+        out = {}
+        for name, key in AllocatorCalls.KEYS.items():
+            value = stats.get(key, stats.get(AllocatorCalls.SEGMENT_KEYS[name]))
+            if value is not None:
+                out[name] = int(value)
+        return out
+
+    def __enter__(self) -> AllocatorCalls:
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = self._read()
+        self._counts = {k: float(after[k] - self._before[k]) for k in after if k in self._before}
+
+    def metrics(self) -> dict[str, float]:
+        """The counts of the last block (empty without CUDA)."""
+        return dict(self._counts)

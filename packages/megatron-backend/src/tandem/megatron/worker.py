@@ -38,7 +38,7 @@ from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.checkpoint import load_checkpoint, save_checkpoint
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.gpu_memory import device_used_bytes, process_gpu_bytes
+from tandem.megatron.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.group import TrainGroup, create_train_group
 from tandem.megatron.hf_weights import export_hf_weights, send_chunk
 from tandem.megatron.parallel import destroy_distributed, free_port, init_distributed
@@ -155,9 +155,11 @@ class TrainWorker:
                 `compute_log_probs` payload for this rank (required); ignored otherwise.
 
         Returns:
-            `{"metrics": {...}}`, the same on every rank; the critic's
-            pipeline-last-stage ranks add `"values"` (a `Box` of the old values) and
-            `"critic_sample_indices"` (their samples, in order).
+            `{"metrics": {...}, "allocator": {...}}`: the metrics the same on every rank, the
+            allocator calls this rank made on CUDA (`alloc/device_mallocs`, `alloc/device_frees`;
+            `gpu_memory.AllocatorCalls`, empty on CPU); the critic's pipeline-last-stage ranks
+            add `"values"` (a `Box` of the old values) and `"critic_sample_indices"` (their
+            samples, in order).
         """
         trainee = self._require_init()
         if self._lifecycle.asleep:
@@ -168,15 +170,19 @@ class TrainWorker:
         )
         self._last_targets = {}
         train = roles.train_critic if self.role == "critic" else roles.train_actor
-        return train(
-            trainee,
-            batch,
-            external_data,
-            self._group,
-            rank=self.rank,
-            rollout_id=rollout_id,
-            on_targets=self._keep_targets,
-        )
+        with AllocatorCalls() as calls:
+            out = train(
+                trainee,
+                batch,
+                external_data,
+                self._group,
+                rank=self.rank,
+                rollout_id=rollout_id,
+                on_targets=self._keep_targets,
+            )
+        # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep.
+        out["allocator"] = calls.metrics()
+        return out
 
     def compute_log_probs(self, rollout_id: int, data_ref: Any) -> dict[str, Any]:
         """The actor's old and reference log-probs of this rank's samples, for the KL-first plan.

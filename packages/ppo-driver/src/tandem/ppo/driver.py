@@ -282,6 +282,7 @@ class PPODriver:
         if self.critic is not None:
             critic_out = self._train(self.critic, rollout_id, sampled, external_data=log_probs)
             metrics.update({f"critic/{k}": v for k, v in critic_out[0]["metrics"].items()})
+            metrics.update(self._allocator_calls("critic", critic_out))
 
         # 4. actor: wake, train with the critic's values (and its own log-probs), sleep
         if not critic_only:
@@ -291,6 +292,7 @@ class PPODriver:
                 external = [{**c, **a} for c, a in zip(critic_parts, log_probs, strict=True)]
             actor_out = self._train(self.actor, rollout_id, sampled, external_data=external)
             metrics.update({f"actor/{k}": v for k, v in actor_out[0]["metrics"].items()})
+            metrics.update(self._allocator_calls("actor", actor_out))
 
         # 5. weights to the engines (weights back -> sync -> KV cache back)
         if generating is not None:
@@ -322,6 +324,16 @@ class PPODriver:
             }
         )
         return metrics
+
+    @staticmethod
+    def _allocator_calls(role: str, out: list[Any]) -> dict[str, float]:
+        """`alloc/<role>_train/device_mallocs` (and frees): the most any rank made in its train (GPU)."""
+        figures: dict[str, float] = {}
+        for rank_out in out:
+            for name, count in (rank_out.get("allocator") or {}).items():
+                key = f"alloc/{role}_train/{name.removeprefix('alloc/')}"
+                figures[key] = max(figures.get(key, 0.0), float(count))
+        return figures
 
     @staticmethod
     def _aliases(metrics: dict[str, Any]) -> dict[str, Any]:

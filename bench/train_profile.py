@@ -1,8 +1,10 @@
 """Where the actor's update spends its time: tokens/s, MFU and a kernel profile of one `TrainWorker.train`.
 
 One actor `TrainWorker`, built in this process (no Ray), trains on synthetic
-rollouts of the 1.2 B Llama-like probe shape of `ppo_gpu_bench.py` (hidden 2048,
-24 layers, seq 2048, bf16; 64 sequences a `train()`). It measures:
+rollouts of the 1.2 B Llama-like probe shape of `ppo_harness.py` (hidden 2048,
+24 layers, seq 2048, bf16; 64 sequences a `train()`), or of one of the PPO bench's
+shapes with `--shape` (e.g. `--shape smollm2-135m --seq-len 80 --samples 512
+--micro-batch-size 32`, the small model's step). It measures:
 
 1. `train()` (old-log-prob forward, then the update) and `compute_log_probs()`
    (that forward alone), each the median of `--iters` calls after a warm-up
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_harness as single  # the probe shape, its model builder and its batches
+import ppo_harness as single  # the shapes, their model builders and the probe's batches
 
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
@@ -138,10 +140,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.megatron.parallel import free_port
     from tandem.megatron.worker import TrainWorker
 
-    shape = single.QUICK_PROBE_MODEL if args.quick or args.tiny else single.PROBE_MODEL
     work = args.workdir or Path(tempfile.mkdtemp(prefix="train-profile-"))
-    hf = work / "probe-hf"
-    params = single.build_probe_model(hf, shape, seq_len=args.seq_len)
+    if args.shape is not None and not (args.quick or args.tiny):
+        shape = single.SHAPES[args.shape]
+        hf = work / f"policy-{args.shape}"
+        params = single.build_policy(hf, shape, dtype="bfloat16", seed=args.seed)
+    else:
+        shape = single.QUICK_PROBE_MODEL if args.quick or args.tiny else single.PROBE_MODEL
+        hf = work / "probe-hf"
+        params = single.build_probe_model(hf, shape, seq_len=args.seq_len)
     on_gpu = not args.quick
     config = WorkerConfig(
         hf_checkpoint=str(hf),
@@ -254,6 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, fp32, gloo")
     p.add_argument("--tiny", action="store_true", help="the tiny model on the GPU (the host-sync test)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(single.SHAPES),
+        default=None,
+        help="one of the PPO bench's shapes (random weights) instead of the 1.2 B probe",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (2048; --quick 64)")
     p.add_argument("--prompt-len", type=int, default=None, help="of which prompt (128; --quick 16)")
     p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")

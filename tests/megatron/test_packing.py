@@ -21,6 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.megatron.batch import RolloutBatch
+from tandem.megatron.forward import micro_batches_by_tokens
 from tandem.megatron.packing import (
     PackedRow,
     block_causal_mask,
@@ -191,6 +193,67 @@ def test_the_comparison_fails_when_samples_leak_into_each_other(out_dir: Path, a
     for name, (padded, packed) in leaky.items():
         diff = float((padded - packed).abs().max())
         assert (diff < 1e-5) if name.endswith("leaky0") else (diff > 1e-3), (name, diff)
+
+
+# --- micro-batches cut by tokens (pure) -------------------------------------------------------------------
+def _cost(lengths: list[int], packed: bool) -> int:
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=30),
+    max_tokens=st.integers(1, 120),
+    packed=st.booleans(),
+)
+def test_micro_batches_by_tokens_keep_order_and_fill_up_to_the_budget(
+    lengths: list[int], max_tokens: int, packed: bool
+) -> None:
+    batch = RolloutBatch(
+        tokens=[torch.full((n,), i) for i, n in enumerate(lengths)],
+        response_lengths=[1] * len(lengths),
+        loss_masks=[torch.ones(1)] * len(lengths),
+        rewards=torch.zeros(len(lengths)),
+    )
+    cut = micro_batches_by_tokens(batch, max_tokens, packed=packed)
+    # Every sample once, in the batch's order.
+    assert [int(t[0]) for mb in cut for t in mb.tokens] == list(range(len(lengths)))
+    sizes = [[int(t.numel()) for t in mb.tokens] for mb in cut]
+    for i, mb in enumerate(sizes):
+        # Within the budget, unless one sample alone is over it.
+        assert _cost(mb, packed) <= max_tokens or len(mb) == 1
+        # Full: the next sample would not have fitted (a greedy cut, no needless micro-batch).
+        if i + 1 < len(sizes):
+            assert _cost([*mb, sizes[i + 1][0]], packed) > max_tokens
+
+
+def test_micro_batches_by_tokens_refuse_a_budget_below_one() -> None:
+    batch = RolloutBatch([torch.ones(2)], [1], [torch.ones(1)], torch.zeros(1))
+    with pytest.raises(ValueError, match="max_tokens_per_gpu"):
+        micro_batches_by_tokens(batch, 0, packed=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("phase", ["1x1", "2x1", "1x2"])
+def test_dynamic_batch_size_trains_a_rollout_as_micro_batches_of_a_fixed_size_do(
+    out_dir: Path, phase: str, role: str
+) -> None:
+    # The same rollout's training with micro-batches cut by tokens (padded and packed) instead of
+    # two samples each: other cuts of the same steps, so the same metrics and weights.
+    ranks = RUNS["1x1"] if phase == "1x1" else RUNS["2x1,1x2"]
+    for rank in range(ranks):
+        saved: dict[str, Any] = torch.load(out_dir / f"{phase}-train-dynamic-{role}-rank{rank}.pt")
+        variants = {name.split("@")[1] for name in saved}
+        assert variants == {"dynamic", "dynamic_packed"}
+        # The cuts differ from the fixed size's (else this would compare a run with itself).
+        assert saved["cuts@dynamic"][0].tolist() != saved["cuts@dynamic"][1].tolist()
+        for name, (fixed, dynamic) in saved.items():
+            if name.startswith("cuts@"):
+                continue
+            torch.testing.assert_close(
+                dynamic, fixed, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 @pytest.mark.slow

@@ -39,7 +39,13 @@ from tandem.megatron import roles
 from tandem.megatron._trainee import build_trainee
 from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.forward import _padded_tokens, forward_only, run_micro_batches
+from tandem.megatron.forward import (
+    _padded_tokens,
+    forward_only,
+    micro_batches,
+    micro_batches_by_tokens,
+    run_micro_batches,
+)
 from tandem.megatron.hf_config import ModelSpec
 from tandem.megatron.hf_weights import load_hf_checkpoint
 from tandem.megatron.models import build_model, unwrap_model
@@ -188,20 +194,46 @@ def train(work: Path, phase: str, role: str) -> None:
         value_clip=0.2,
     )
     batch = make_batch(300 + mpu.get_data_parallel_rank())
-    results = []
-    for packed in (False, True):
-        config = WorkerConfig(**base, use_sequence_packing=packed)  # type: ignore[arg-type]
+    # Micro-batches cut by tokens: 14 a training pass (padded: at most two short samples, or one
+    # long one), 30 a forward-only pass; against two samples each.
+    dynamic = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 14, "log_probs_max_tokens_per_gpu": 30}
+    variants = {
+        "padded": {},
+        "packed": {"use_sequence_packing": True},
+        "dynamic": dynamic,
+        "dynamic_packed": {**dynamic, "use_sequence_packing": True},
+    }
+    results = {}
+    for variant, fields in variants.items():
+        config = WorkerConfig(**base, **fields)  # type: ignore[arg-type]
         trainee = build_trainee(config, role, NoopBackend(), on_gpu=False)  # type: ignore[arg-type]
         run = roles.train_critic if role == "critic" else roles.train_actor
         result = run(trainee, batch, None, dist.group.WORLD, rank=dist.get_rank(), rollout_id=0)
         weights = {k: v for k, v in trainee.snapshot().items() if k.startswith("weights/")}
         metrics = {f"metric:{k}": torch.tensor(float(v)) for k, v in result["metrics"].items()}
-        results.append(weights | metrics)
-    padded, packed_ = results
-    assert padded.keys() == packed_.keys()
+        results[variant] = weights | metrics
+    padded = results["padded"]
+    assert all(r.keys() == padded.keys() for r in results.values())
     torch.save(
-        {k: (padded[k], packed_[k]) for k in padded},
+        {k: (padded[k], results["packed"][k]) for k in padded},
         work / "out" / f"{phase}-train-{role}-rank{dist.get_rank()}.pt",
+    )
+    # The first minibatch's cuts (samples per micro-batch), fixed size against by tokens.
+    first = batch.select(range(base["global_batch_size"] // dp))  # type: ignore[operator]
+    cuts = {
+        "cuts@dynamic": (
+            torch.tensor([len(mb) for mb in micro_batches(first, 2)]),
+            torch.tensor([len(mb) for mb in micro_batches_by_tokens(first, 14, packed=False)]),
+        ),
+        "cuts@dynamic_packed": (
+            torch.tensor([len(mb) for mb in micro_batches(first, 2)]),
+            torch.tensor([len(mb) for mb in micro_batches_by_tokens(first, 14, packed=True)]),
+        ),
+    }
+    torch.save(
+        {f"{k}@{v}": (padded[k], results[v][k]) for v in ("dynamic", "dynamic_packed") for k in padded}
+        | cuts,
+        work / "out" / f"{phase}-train-dynamic-{role}-rank{dist.get_rank()}.pt",
     )
 
 

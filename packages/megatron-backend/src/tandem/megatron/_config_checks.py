@@ -36,7 +36,12 @@ def check_positive_ints(config: Any) -> None:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: got {value!r}; it must be a positive integer")
-    for name in ("critic_tensor_model_parallel_size", "critic_pipeline_model_parallel_size"):
+    for name in (
+        "critic_tensor_model_parallel_size",
+        "critic_pipeline_model_parallel_size",
+        "max_tokens_per_gpu",
+        "log_probs_max_tokens_per_gpu",
+    ):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
@@ -64,7 +69,7 @@ def check_choices(config: Any) -> None:
         value = getattr(config, name)
         if value not in allowed:
             raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
-    for name in ("shuffle_minibatches", "use_sequence_packing"):
+    for name in ("shuffle_minibatches", "use_sequence_packing", "use_dynamic_batch_size"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")
     if config.device == "cpu" and config.offload_backend == "torch_memory_saver":
@@ -135,6 +140,16 @@ def check_batches(config: Any) -> None:
             f"global_batch_size: {config.global_batch_size} does not divide the "
             f"{config.samples_per_rollout} samples of a rollout (rollout_batch_size * "
             "n_samples_per_prompt); pick a divisor so each rollout is a whole number of steps"
+        )
+    if config.use_dynamic_batch_size and config.max_tokens_per_gpu is None:
+        raise ValueError(
+            "max_tokens_per_gpu: not set, but use_dynamic_batch_size cuts micro-batches by tokens; give "
+            "the tokens one micro-batch may hold on one GPU (e.g. the longest prompt + response)"
+        )
+    if not config.use_dynamic_batch_size and config.max_tokens_per_gpu is not None:
+        raise ValueError(
+            "max_tokens_per_gpu: set, but micro-batches are cut by micro_batch_size; turn on "
+            "use_dynamic_batch_size to cut them by tokens, or leave max_tokens_per_gpu unset"
         )
     if config.micro_batch_size > config.global_batch_size:
         raise ValueError(

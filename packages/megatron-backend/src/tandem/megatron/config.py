@@ -120,6 +120,23 @@ class WorkerConfig:
     for every forward and backward pass of both roles, instead of padding every
     sample to the micro-batch's longest one. Same outputs and losses, fewer tokens."""
 
+    use_dynamic_batch_size: bool = False
+    """Cut micro-batches by tokens instead of samples (slime's flag): consecutive samples
+    go into one micro-batch while it holds at most `max_tokens_per_gpu` tokens (the
+    packed row's length with `use_sequence_packing`, else samples x the longest one);
+    `micro_batch_size` is then not used. Fewer, fuller passes for short samples, and a
+    bounded activation memory for long ones; the same losses and gradients (the step's
+    loss is an exact mean over any cut)."""
+
+    max_tokens_per_gpu: int | None = None
+    """Tokens of one training micro-batch on one rank with `use_dynamic_batch_size`
+    (required there); a sample longer than this gets a micro-batch of its own."""
+
+    log_probs_max_tokens_per_gpu: int | None = None
+    """Tokens of one forward-only micro-batch (old and reference log-probs, old values)
+    with `use_dynamic_batch_size`: these keep no activations for a backward pass, so a
+    larger budget pays; None: `max_tokens_per_gpu`."""
+
     # --- optimizer and learning-rate schedule --------------------------------------
     lr: float = 1e-6
     """Actor's peak learning rate."""
@@ -308,6 +325,14 @@ class WorkerConfig:
         if role == "critic" and self.critic_hf_checkpoint is not None:
             return self.critic_hf_checkpoint
         return self.hf_checkpoint
+
+    def micro_batch_tokens(self, *, forward_only: bool) -> int | None:
+        """The token budget of a micro-batch (training or forward-only); None: cut by `micro_batch_size`."""
+        if not self.use_dynamic_batch_size:
+            return None
+        if forward_only and self.log_probs_max_tokens_per_gpu is not None:
+            return self.log_probs_max_tokens_per_gpu
+        return self.max_tokens_per_gpu
 
     # --- checks that need the world or the role -----------------------------------
     def check_world(self, world_size: int, role: Role | None = None) -> None:

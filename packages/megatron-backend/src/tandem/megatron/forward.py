@@ -74,6 +74,40 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBat
     return [batch.select(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
 
 
+def micro_batches_by_tokens(batch: RolloutBatch, max_tokens: int, *, packed: bool) -> list[RolloutBatch]:
+    """`batch` cut into consecutive micro-batches of at most `max_tokens` tokens each.
+
+    A micro-batch's tokens are what its forward pass computes on: the packed row's length
+    (`packed`), else its samples times the longest of them (padding included). Samples keep
+    their order, so outputs come back in the batch's order; a sample longer than
+    `max_tokens` gets a micro-batch of its own.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_gpu is {max_tokens}; it must be at least 1")
+    cuts: list[range] = []
+    start, longest, total = 0, 0, 0
+    for i, tokens in enumerate(batch.tokens):
+        n = int(tokens.numel())
+        grown = total + n if packed else (i - start + 1) * max(longest, n)
+        if i > start and grown > max_tokens:
+            cuts.append(range(start, i))
+            start, longest, total = i, 0, 0
+            grown = n
+        longest, total = max(longest, n), total + n
+    if len(batch):
+        cuts.append(range(start, len(batch)))
+    return [batch.select(c) for c in cuts]
+
+
+def plan_micro_batches(
+    batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int | None, packed: bool
+) -> list[RolloutBatch]:
+    """The micro-batches of `batch`: by tokens when `max_tokens` is set (dynamic batch size), else by count."""
+    if max_tokens is not None:
+        return micro_batches_by_tokens(batch, max_tokens, packed=packed)
+    return micro_batches(batch, micro_batch_size)
+
+
 def _padded_tokens(mb: RolloutBatch, device: torch.device) -> torch.Tensor:
     """Tokens of the micro-batch as `(b, max_len)`, right-padded with token 0."""
     padded = torch.nn.utils.rnn.pad_sequence(list(mb.tokens), batch_first=True, padding_value=0)
@@ -276,6 +310,7 @@ def forward_only(
     temperature: float = 1.0,
     micro_batch_size: int = 1,
     packed: bool = False,
+    max_tokens: int | None = None,
 ) -> torch.Tensor | None:
     """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 
@@ -283,7 +318,8 @@ def forward_only(
     pipeline-last-stage ranks (log-probs of `logits / temperature` for the
     actor; fp32 values, never divided by the temperature, for the critic),
     and None on other stages. Every rank of the model must call it. `packed`:
-    each micro-batch as one packed row (`run_micro_batches`).
+    each micro-batch as one packed row (`run_micro_batches`); `max_tokens`: micro-batches
+    cut by tokens instead of by `micro_batch_size` (`plan_micro_batches`).
     """
     from megatron.core import parallel_state as mpu
 
@@ -300,7 +336,9 @@ def forward_only(
     with torch.no_grad():
         run_micro_batches(
             model,
-            micro_batches(batch, micro_batch_size),
+            plan_micro_batches(
+                batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packed=packed
+            ),
             role=role,
             temperature=temperature,
             loss_fn=keep,

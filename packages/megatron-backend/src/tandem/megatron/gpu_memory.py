@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["AllocatorCalls", "all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
 
@@ -60,8 +60,14 @@ class AllocatorCalls:
     neither.
     """
 
-    KEYS = {"alloc/device_mallocs": "num_device_alloc", "alloc/device_frees": "num_device_free"}
-    SEGMENT_KEYS = {"alloc/device_mallocs": "segment.all.allocated", "alloc/device_frees": "segment.all.freed"}
+    KEYS: ClassVar[dict[str, str]] = {
+        "alloc/device_mallocs": "num_device_alloc",
+        "alloc/device_frees": "num_device_free",
+    }
+    SEGMENT_KEYS: ClassVar[dict[str, str]] = {
+        "alloc/device_mallocs": "segment.all.allocated",
+        "alloc/device_frees": "segment.all.freed",
+    }
 
     def __init__(self) -> None:
         self._before: dict[str, int] = {}

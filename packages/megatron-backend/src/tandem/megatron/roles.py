@@ -241,6 +241,7 @@ def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | No
         temperature=config.temperature,
         micro_batch_size=config.micro_batch_size,
         packed=config.use_sequence_packing,
+        max_tokens=config.micro_batch_tokens(forward_only=True),
     )
 
 
@@ -318,6 +319,7 @@ def train_critic(
         role="critic",
         micro_batch_size=config.micro_batch_size,
         packed=config.use_sequence_packing,
+        max_tokens=config.micro_batch_tokens(forward_only=True),
     )
     # 2. targets, on the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}

@@ -30,7 +30,7 @@ import torch
 
 from tandem.megatron._trainee import Trainee
 from tandem.megatron.batch import RolloutBatch
-from tandem.megatron.forward import ResponseOutputs, micro_batches, run_micro_batches
+from tandem.megatron.forward import ResponseOutputs, plan_micro_batches, run_micro_batches
 
 COUNT = "count"
 """The key under which each step's loss denominator travels with the metric numerators."""
@@ -125,7 +125,12 @@ def train_step(
             trainee.optim.zero_grad(trainee.chunks)
             results = run_micro_batches(
                 trainee.chunks,
-                micro_batches(minibatch, config.micro_batch_size),
+                plan_micro_batches(
+                    minibatch,
+                    micro_batch_size=config.micro_batch_size,
+                    max_tokens=config.micro_batch_tokens(forward_only=False),
+                    packed=config.use_sequence_packing,
+                ),
                 role=trainee.role,
                 temperature=config.temperature,
                 backward=True,

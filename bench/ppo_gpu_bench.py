@@ -174,6 +174,7 @@ def ppo_values(
     }
     if mode == "resident":
         values["rollout_kv_cache_memory_fraction"] = args.resident_kv_fraction
+    values.update(args.overrides)
     return values
 
 
@@ -637,6 +638,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--scaling-steps steps of each; the first of a cell is its warm-up",
     )
     parser.add_argument("--scaling-steps", type=int, default=2)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a PPOConfig field for both modes, VALUE read as YAML (e.g. --set use_dynamic_batch_size=true "
+        "--set max_tokens_per_gpu=16384); repeatable: the A/B of one lever",
+    )
     parser.add_argument("--steps", type=int, default=None, help="PPO steps per mode (default 5; --quick 2)")
     parser.add_argument("--skip-resident", action="store_true", help="run only the shared mode")
     parser.add_argument("--skip-shared", action="store_true", help="run only the resident mode")
@@ -710,6 +720,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.response_len = max(r for _, r in args.scaling)
     if args.packing is None:
         args.packing = args.lengths == "realistic"
+    import yaml
+
+    pairs = [item.partition("=") for item in args.overrides]
+    bad = [item for item, (_, eq, _) in zip(args.overrides, pairs, strict=True) if not eq]
+    if bad:
+        parser.error(f"--set {bad[0]}: write it as FIELD=VALUE")
+    args.overrides = {key.strip(): yaml.safe_load(value) for key, _, value in pairs}
     if args.target_median_len is None:
         args.target_median_len = max(1, round(args.response_len * 276 / 512))
     return args
@@ -764,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             + f", global batch {args.global_batch_size}, micro {args.micro_batch_size}, "
             f"packing {'on' if args.packing else 'off'}, KL loss {'off' if args.no_kl else 'on'}"
             + (f", PYTORCH_CUDA_ALLOC_CONF={args.alloc_conf}" if args.alloc_conf else "")
+            + "".join(f", {k}={v}" for k, v in args.overrides.items())
         ),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "verl_anchor_s": VERL_ANCHOR_S,

@@ -69,6 +69,55 @@ def test_the_host_buffer_is_allocated_once_and_reused() -> None:
     assert len(pointers) == 1
 
 
+def test_a_scratch_tag_is_freed_without_a_copy_and_comes_back_as_zeros() -> None:
+    flat, params = _flat_model()
+    grads = torch.randn(300)
+    grad_views = [grads[0:120].view(10, 12), grads[120:300]]
+    backend = PinnedHostBackend()
+    backend.register("weights", params)
+    backend.register("grads", grad_views, keep=False)
+    kept = _bytes(flat)
+
+    backend.pause()
+    assert flat.untyped_storage().nbytes() == 0 and grads.untyped_storage().nbytes() == 0
+    # Only the kept tag's bytes went to the host: a scratch tag has no host buffer.
+    assert backend.host_nbytes() == 300 * 4 and "grads" not in backend._buffers
+    backend.resume()
+
+    assert torch.equal(_bytes(flat), kept)
+    assert grads.untyped_storage().nbytes() == 300 * 4
+    assert torch.equal(grads, torch.zeros(300))
+    grad_views[1][5] = 2.5  # the views made before still alias the re-created storage
+    assert grads[125].item() == 2.5
+    # Pausing the scratch tag alone, again: freed, and back as zeros.
+    backend.pause("grads")
+    backend.resume("grads")
+    assert torch.equal(grads, torch.zeros(300))
+
+
+def test_a_background_resume_on_the_cpu_is_complete_when_it_returns() -> None:
+    state = torch.randn(100)
+    expected = state.clone()
+    backend = PinnedHostBackend()
+    backend.register("optimizer", [state], resume_in_background=True)
+    backend.pause()
+    backend.resume()
+    assert torch.equal(state, expected) and not backend._in_flight
+    backend.join("optimizer")  # nothing in flight: nothing to wait for
+    backend.join()
+    assert torch.equal(state, expected)
+
+
+def test_a_tag_is_kept_or_scratch_once_and_for_all() -> None:
+    backend = PinnedHostBackend()
+    backend.register("grads", [torch.zeros(4)], keep=False)
+    backend.register("grads", [torch.zeros(3)], keep=False)
+    with pytest.raises(
+        ValueError, match=r"register\('grads', keep=True\): the tag was registered with keep=False"
+    ):
+        backend.register("grads", [torch.zeros(2)])
+
+
 def test_a_callable_source_is_evaluated_at_every_pause() -> None:
     state: dict[str, torch.Tensor] = {}
     calls = []

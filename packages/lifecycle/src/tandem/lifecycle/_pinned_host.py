@@ -136,16 +136,39 @@ class PinnedHostBackend:
         self._buffers: dict[str, _HostBuffer] = {}
         self._paused: dict[str, list[_Stored]] = {}
         self._owner: dict[int, str] = {}  # storage identity -> the paused tag holding it
+        self._scratch: set[str] = set()  # tags registered with keep=False
+        self._background: set[str] = set()  # tags registered with resume_in_background=True
+        self._in_flight: dict[str, torch.cuda.Event] = {}  # background resumes not joined yet
         self._stream: torch.cuda.Stream | None = None
         self._lock = threading.RLock()
 
     # -- registration -------------------------------------------------------------------------
 
-    def register(self, tag: str, tensors: TensorSource) -> None:
+    def register(
+        self, tag: str, tensors: TensorSource, *, keep: bool = True, resume_in_background: bool = False
+    ) -> None:
         """Put `tensors` under `tag`: an iterable of tensors, or a zero-argument callable
-        returning one (called at every pause, so state created later is included)."""
+        returning one (called at every pause, so state created later is included).
+
+        `keep=False` makes `tag` scratch memory whose bytes are not worth moving: `pause`
+        frees it without copying it to the host, and `resume` re-creates it filled with
+        zeros (gradient buffers that are zeroed before every use, say). A tag is kept or
+        scratch once and for all.
+
+        `resume_in_background=True` (CUDA): `resume` of `tag` re-creates its storages and
+        returns once their copies are queued on the side stream, without waiting for them,
+        so that the copies overlap whatever the compute stream does next that does not read
+        these tensors (an optimizer state that is first read at the optimizer step). The
+        owner calls `join(tag)` before it reads them; `pause` joins first by itself. On the
+        CPU a resume is complete when it returns.
+        """
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"register: tag={tag!r} must be a non-empty string")
+        if tag in self._sources and (tag in self._scratch) == keep:
+            raise ValueError(
+                f"register({tag!r}, keep={keep}): the tag was registered with keep={not keep}; "
+                "a tag's bytes are kept or not, for all of its tensors"
+            )
         if callable(tensors):
             source: TensorSource = tensors
         else:
@@ -155,6 +178,10 @@ class PinnedHostBackend:
                     raise ValueError(f"register({tag!r}): expected tensors, got {type(t).__name__}")
         with self._lock:
             self._sources.setdefault(tag, []).append(source)
+            if not keep:
+                self._scratch.add(tag)
+            if resume_in_background:
+                self._background.add(tag)
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -206,6 +233,18 @@ class PinnedHostBackend:
                     torch.cuda.empty_cache()
                 raise
 
+    def join(self, tag: str | None = None) -> None:
+        """Make the compute stream wait for `tag`'s background resume (every tag's when None).
+
+        A GPU-side wait: the host does not block, and kernels queued after this call see
+        the tensors' bytes. Does nothing for a tag whose resume was complete already.
+        """
+        with self._lock:
+            for t in [tag] if tag is not None else list(self._in_flight):
+                event = self._in_flight.pop(t, None)
+                if event is not None:
+                    torch.cuda.current_stream(self._device).wait_event(event)
+
     def _select(self, tag: str | None, *, paused: bool) -> list[str]:
         if tag is not None and tag not in self._sources:
             raise ValueError(f"tag {tag!r} is not registered; registered tags: {list(self._sources)}")
@@ -217,12 +256,16 @@ class PinnedHostBackend:
         return tags
 
     def _pause_tag(self, tag: str) -> None:
+        self.join(tag)
         stored = self._layout(self._collect(tag))
         total = stored[-1].offset + stored[-1].nbytes if stored else 0
-        buffer = self._buffer(tag, total)
-        with self._copies(wait_for_device=True) as copy:
-            for s in stored:
-                copy(s, buffer, True)
+        buffer = None if tag in self._scratch else self._buffer(tag, total)
+        if buffer is not None:
+            with self._copies(wait_for_device=True) as copy:
+                for s in stored:
+                    copy(s, buffer, True)
+        elif self._is_cuda():
+            torch.cuda.synchronize(self._device)  # no queued kernel may still use memory freed now
         freed: list[_Stored] = []
         try:
             for s in stored:
@@ -237,30 +280,42 @@ class PinnedHostBackend:
 
     def _resume_tag(self, tag: str) -> None:
         stored = self._paused[tag]
-        self._restore(stored, self._buffers.get(tag))
+        background = tag in self._background and tag not in self._scratch and self._is_cuda()
+        self._restore(stored, None if tag in self._scratch else self._buffers.get(tag), background=background)
+        if background:
+            event = torch.cuda.Event()
+            event.record(self._side_stream())
+            self._in_flight[tag] = event
         del self._paused[tag]
         for s in stored:
             self._owner.pop(int(s.storage._cdata), None)
 
     def _unresume(self, tag: str, stored: list[_Stored]) -> None:
         """Free a tag that was just resumed: its host buffer still holds the same bytes."""
+        if self._in_flight.pop(tag, None) is not None:
+            self._wait_side_stream()  # its background copies must not write memory freed now
         for s in stored:
             s.storage.resize_(0)
         self._paused[tag] = stored
         for s in stored:
             self._owner[int(s.storage._cdata)] = tag
 
-    def _restore(self, stored: list[_Stored], buffer: _HostBuffer | None) -> None:
-        """Re-create `stored` and copy their bytes back; on failure free them again (all-or-nothing)."""
+    def _restore(
+        self, stored: list[_Stored], buffer: _HostBuffer | None, *, background: bool = False
+    ) -> None:
+        """Re-create `stored` and copy their bytes back (zeros without a `buffer`: a scratch tag); on
+        failure free them again (all-or-nothing). `background`: return with the copies queued."""
         allocated: list[_Stored] = []
         try:
-            with self._copies() as copy:
+            with self._copies(background=background) as copy:
                 for s in stored:
                     # Allocate the next storage while the previous copies run.
                     s.storage.resize_(s.nbytes)
                     allocated.append(s)
-                    assert buffer is not None, "a paused tag with storages has a host buffer"
-                    copy(s, buffer, False)
+                    if buffer is None:  # a scratch tag: zeros, on the compute stream like any new memory
+                        _bytes_of(s.storage).zero_()
+                    else:
+                        copy(s, buffer, False)
         except BaseException:
             self._wait_side_stream()  # no copy may still write memory that goes back to the cache
             for s in allocated:
@@ -347,7 +402,7 @@ class PinnedHostBackend:
 
     @contextlib.contextmanager
     def _copies(
-        self, *, wait_for_device: bool = False
+        self, *, wait_for_device: bool = False, background: bool = False
     ) -> Iterator[Callable[[_Stored, _HostBuffer, bool], None]]:
         """A session of copies between storages and a host buffer; on exit they are complete.
 
@@ -356,6 +411,8 @@ class PinnedHostBackend:
         their memory stays with the compute stream in the caching allocator.
         `wait_for_device` first waits for every stream (pause: a communication stream
         may still write gradients); otherwise the side stream waits for the compute stream.
+        `background`: on exit the copies are only queued; neither the host nor the compute
+        stream waits for them (the caller records an event for `join`).
         """
         if not self._is_cuda():
             yield self._copy_one
@@ -373,6 +430,8 @@ class PinnedHostBackend:
                 self._copy_one(s, buffer, to_host)
 
         yield on_side_stream
+        if background:
+            return
         # Later compute waits for the copies; the host waits too, so that storages are freed only
         # after their bytes left, and the host buffer is complete before `pause` returns.
         current.wait_stream(side)

@@ -69,7 +69,13 @@ def check_choices(config: Any) -> None:
         value = getattr(config, name)
         if value not in allowed:
             raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
-    for name in ("shuffle_minibatches", "use_sequence_packing", "use_dynamic_batch_size"):
+    for name in (
+        "shuffle_minibatches",
+        "use_sequence_packing",
+        "use_dynamic_batch_size",
+        "offload_grads",
+        "background_optimizer_wake",
+    ):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")
     if config.device == "cpu" and config.offload_backend == "torch_memory_saver":

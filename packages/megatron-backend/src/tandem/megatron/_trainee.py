@@ -73,8 +73,21 @@ class Trainee:
 
     def optimizer_step(self) -> tuple[float, float]:
         """One optimizer step; (grad norm, lr). Inside the optimizer's region: Adam state is created lazily."""
+        self.join_optimizer()
         with self.backend.region(OPTIMIZER):
             return self.optim.step(self.chunks)
+
+    def join_optimizer(self) -> None:
+        """Wait (on the GPU) for the optimizer state that a wake brings back in the background.
+
+        The pinned-host backend resumes the optimizer tag on its side stream and returns
+        (`register(..., resume_in_background=True)`): the optimizer state is first read
+        at the optimizer step, so its copy overlaps the forward and backward passes before
+        it. Whatever reads that state calls this first: the step, checkpoints, snapshots.
+        """
+        join = getattr(self.backend, "join", None)
+        if join is not None:
+            join(OPTIMIZER)
 
     # --- tensors per memory tag (pinned-host backend) ------------------------------------
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -102,8 +115,11 @@ class Trainee:
         """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order."""
         if isinstance(backend, PinnedHostBackend):
             backend.register(WEIGHTS, self.weight_tensors())
-            backend.register(GRADS, self.grad_tensors())
-            backend.register(OPTIMIZER, self.optimizer_tensors)
+            # Gradients are zeroed before every minibatch: their bytes are not worth moving.
+            backend.register(GRADS, self.grad_tensors(), keep=self.config.offload_grads)
+            backend.register(
+                OPTIMIZER, self.optimizer_tensors, resume_in_background=self.config.background_optimizer_wake
+            )
             return WEIGHTS, GRADS, OPTIMIZER
         # torch_memory_saver: regions at build time; the gradients were allocated in the weights region.
         return WEIGHTS, OPTIMIZER
@@ -170,6 +186,8 @@ class Trainee:
         """What a checkpoint saves and loads for this rank."""
         from megatron.core import parallel_state as mpu
 
+        self.join_optimizer()
+
         metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         if self.optim.uses_distributed_optimizer:
             # Megatron's "fully_sharded_model_space" default needs ShardedTensor.flattened_range,
@@ -181,6 +199,7 @@ class Trainee:
     @torch.no_grad()
     def snapshot(self) -> dict[str, torch.Tensor]:
         """CPU copies of this rank's weights, optimizer state and schedule position, by name."""
+        self.join_optimizer()
         out: dict[str, torch.Tensor] = {
             f"weights/{name}": p.detach().to("cpu", copy=True) for name, p in self.module.named_parameters()
         }

@@ -255,6 +255,18 @@ class WorkerConfig:
     """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on
     the GPU; pinned_host or none on the CPU."""
 
+    offload_grads: bool = False
+    """pinned_host: copy the gradient buffers to the host at a sleep and back at a wake. False:
+    they are freed without a copy and come back as zeros (they are zeroed before every
+    minibatch anyway), which moves 2 bytes less per parameter each way (fp32 `main_grad`)."""
+
+    background_optimizer_wake: bool = True
+    """pinned_host on CUDA: a wake brings the weights back and returns while the optimizer state
+    (fp32 main weights, Adam moments: most of the bytes) is still being copied back on a side
+    stream; the optimizer step (and any checkpoint) waits for it on the GPU, so the copy
+    overlaps the forward and backward passes before it. False: a wake returns with every byte
+    back."""
+
     local_single_rank_groups: bool = True
     """Answer the collectives of process groups of one rank in the process (a reduction over
     one rank is the identity, a gather a copy), so that NCCL never builds their

@@ -64,6 +64,21 @@ def test_sleep_and_wake_run_their_steps_in_order() -> None:
     assert r.log == ["resume:None", "clear", "reload"]
 
 
+def test_a_wake_clears_with_its_own_hook_when_given_one() -> None:
+    r = Recorder()
+    lc = Lifecycle(
+        r,
+        clear_caches=lambda: r._step("clear"),
+        clear_caches_on_wake=lambda: r._step("clear-on-wake"),
+        reload_process_groups=lambda: r._step("reload"),
+    )
+    lc.sleep()
+    assert r.log == ["clear", "pause:None"]
+    r.log.clear()
+    lc.wake_up()
+    assert r.log == ["resume:None", "clear-on-wake", "reload"]
+
+
 def test_sleep_when_asleep_does_nothing_and_wake_when_awake_only_reloads_groups() -> None:
     r = Recorder()
     lc = r.lifecycle()

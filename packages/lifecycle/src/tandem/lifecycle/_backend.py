@@ -73,8 +73,11 @@ def make_backend(name: BackendName, **kwargs: Any) -> MemoryBackend:
     raise ValueError(f"offload_backend={name!r} is not a memory backend; choose one of {list(BACKEND_NAMES)}")
 
 
-def clear_torch_caches(*, freeze_survivors: bool = False) -> None:
+def clear_torch_caches(*, freeze_survivors: bool = False, device: bool = True) -> None:
     """A ready-made `clear_caches` hook for `Lifecycle`: collect garbage, then empty the CUDA cache.
+
+    `device=False` collects garbage only: no device synchronisation and no `empty_cache()`
+    (which frees with cudaFree, itself a synchronisation), for a wake's clear step.
 
     A full `gc.collect()` walks every object the process holds: 0.33 s in a train
     worker that has imported torch, Megatron and Ray (docs/benchmarks.md).
@@ -88,6 +91,6 @@ def clear_torch_caches(*, freeze_survivors: bool = False) -> None:
     gc.collect()
     if freeze_survivors:
         gc.freeze()
-    if torch.cuda.is_available():
+    if device and torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

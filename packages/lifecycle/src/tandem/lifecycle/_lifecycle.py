@@ -45,6 +45,10 @@ class Lifecycle:
         tags: the tags to pause and resume, in order; None pauses and resumes
             every tag at once (`pause(None)`).
         clear_caches: e.g. `clear_torch_caches` (gc, then empty the CUDA cache).
+        clear_caches_on_wake: the wake's clear step; None: `clear_caches`. A wake frees
+            nothing on the device, so `clear_torch_caches(device=False)` (garbage only)
+            does, and lets a backend's background resume run on (`PinnedHostBackend`'s
+            `resume_in_background`), where a device synchronisation would wait for it.
         destroy_process_groups: e.g. `destroy_all` of the reloadable process groups.
         reload_process_groups: e.g. `reload_all`.
     """
@@ -55,6 +59,7 @@ class Lifecycle:
         *,
         tags: Sequence[str] | None = None,
         clear_caches: Hook | None = None,
+        clear_caches_on_wake: Hook | None = None,
         destroy_process_groups: Hook | None = None,
         reload_process_groups: Hook | None = None,
     ) -> None:
@@ -68,6 +73,7 @@ class Lifecycle:
         self._tags: list[str | None] = [None] if tags is None else list(tags)
         self._paused: set[str | None] = set()
         self._clear_caches = clear_caches or _nothing
+        self._clear_caches_on_wake = clear_caches_on_wake or self._clear_caches
         self._destroy_process_groups = destroy_process_groups or _nothing
         self._reload_process_groups = reload_process_groups or _nothing
         self._lock = threading.RLock()
@@ -151,7 +157,7 @@ class Lifecycle:
                         self._backend.resume(tag)
                     self._paused.discard(tag)
                 with self._timed("clear_caches"):
-                    self._clear_caches()
+                    self._clear_caches_on_wake()
                 if process_groups:
                     with self._timed("reload_process_groups"):
                         self._reload_process_groups()

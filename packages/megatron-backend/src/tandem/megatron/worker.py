@@ -129,6 +129,9 @@ class TrainWorker:
             backend,
             tags=tags,
             clear_caches=clear_caches,
+            # A wake frees nothing on the device; syncing it would wait for the optimizer state
+            # coming back in the background (background_optimizer_wake).
+            clear_caches_on_wake=functools.partial(clear_torch_caches, freeze_survivors=True, device=False),
             destroy_process_groups=functools.partial(
                 destroy_all, keep_single_rank=config.keep_single_rank_groups
             ),

@@ -28,7 +28,7 @@ Tasks (`--task`):
   of `PPOConfig` fields.
 Any `PPOConfig` field can be set for every run with `--set field=value` (YAML value).
 
-Results: OUT/estimators.json (rewritten after every step), OUT/estimators.png
+Results: OUT/estimators.json (rewritten after every run), OUT/estimators.png
 (reward against step and against seconds, every run overlaid), OUT/estimators.md
 (the table), each run's metrics.jsonl and events.jsonl under OUT/estimators_runs/<name>/.
 
@@ -301,7 +301,12 @@ def run_estimator(
             metrics = driver.step(rollout_id)  # the steps alone: no checkpoint, eval or export
             driver.metrics_so_far.append(metrics)
             driver.logger.log(rollout_id, metrics)
-            row = {"step": rollout_id, **{k: v for k, v in metrics.items() if isinstance(v, int | float)}}
+            numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+            phases = {k: v for k, v in numbers.items() if k.startswith("time/")}
+            result.setdefault("phases", []).append(phases)  # summarised as medians, then dropped
+            row = {"step": rollout_id, "time/step": numbers["time/step"]}
+            row |= {k: v for k, v in numbers.items() if k.startswith(("reward/", "throughput/"))}
+            row["critic_s"] = sum(phases.get(f"time/{p}", 0.0) for p in CRITIC_PHASES)
             result["steps"].append(row)
             print(
                 f"[{name}] step {rollout_id}: {row['time/step']:.2f} s, reward {row['reward/mean']:.4f}",
@@ -363,10 +368,18 @@ def summarize_run(result: dict[str, Any], events: list[dict[str, Any]], sampler:
     steady = rows[1:] if len(rows) > 1 else rows  # the first step compiles and warms caches
     mean = statistics.fmean
     result["step_s_mean"] = mean(float(r["time/step"]) for r in steady)
-    result["critic_s_mean"] = mean(sum(float(r.get(f"time/{p}", 0.0)) for p in CRITIC_PHASES) for r in steady)
+    critic_s = [float(r["critic_s"]) for r in steady]
+    result["critic_s_mean"] = mean(critic_s)
+    # Medians too: on a shared machine a few steps that others' load slowed move the means.
+    result["step_s_median"] = statistics.median(float(r["time/step"]) for r in steady)
+    result["critic_s_median"] = statistics.median(critic_s)
     result["critic_share"] = result["critic_s_mean"] / result["step_s_mean"]
     result["samples_per_s"] = result["samples_per_step"] / result["step_s_mean"]
     result["response_tokens_per_s"] = mean(float(r["throughput/tokens_per_s"]) for r in steady)
+    all_phases = result.pop("phases", [])
+    phases = all_phases[1:] or all_phases
+    names = sorted({k for p in phases for k in p})
+    result["phase_s_median"] = {k[5:]: statistics.median(p.get(k, 0.0) for p in phases) for k in names}
     rewards = [float(r["reward/mean"]) for r in rows]
     result["reward"] = rewards
     result["reward_trailing"] = [trailing_mean(rewards, i, window) for i in range(len(rows))]
@@ -448,7 +461,9 @@ def markdown(report: dict[str, Any]) -> str:
     row("steps", [str(len(runs[n]["steps"])) for n in names])
     row("step time (s, mean after the first)", [fmt(runs[n].get("step_s_mean")) for n in names])
     row("of which the critic (s)", [fmt(runs[n].get("critic_s_mean")) for n in names])
-    row("samples/s", [fmt(runs[n].get("samples_per_s"), ".1f") for n in names])
+    row("step time (s, median after the first)", [fmt(runs[n].get("step_s_median")) for n in names])
+    row("of which the critic (s, median)", [fmt(runs[n].get("critic_s_median")) for n in names])
+    row("samples/s (mean step)", [fmt(runs[n].get("samples_per_s"), ".1f") for n in names])
     row("response tokens/s", [fmt(runs[n].get("response_tokens_per_s"), ".0f") for n in names])
     row(
         f"peak memory (GiB, {report.get('memory_source')})",

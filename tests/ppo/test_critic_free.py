@@ -106,6 +106,8 @@ def test_critic_free_run_has_no_critic_anywhere(
     assert summary.metrics[1]["actor/reward_kl"] != 0  # after one update the policy has moved
     run_dir = tmp_path / "run"
     assert (run_dir / "actor").is_dir() and not (run_dir / "critic").exists()
+    (checkpoints,) = [line for line in summary.describe().splitlines() if line.startswith("checkpoints:")]
+    assert checkpoints.split()[1:] == [str(run_dir / "actor")]
 
     rollout, (batch,) = seen["rollout"], seen["batches"]
     truncated = [g.finish_reason == "length" for g in rollout.generations]

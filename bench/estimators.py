@@ -386,7 +386,9 @@ def summarize_run(result: dict[str, Any], events: list[dict[str, Any]], sampler:
     t0 = min((float(e["t"]) for e in events if e["event"] == "step_begin"), default=None)
     peak = None
     if t0 is not None and getattr(sampler, "samples", None):
-        mib = sampler.peak(t0, t0 + ends[-1])
+        # Widened by one sampling interval, so that steps shorter than it still meet a sample.
+        pad = getattr(sampler, "interval_s", 0.0)
+        mib = sampler.peak(t0 - pad, t0 + ends[-1] + pad)
         peak = None if mib is None else mib / 1024
     result["peak_memory_gib"] = peak
 

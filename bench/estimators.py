@@ -264,9 +264,17 @@ def step_clock(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
 
 
 def run_estimator(
-    name: str, task_values: dict[str, Any], args: argparse.Namespace, paths: dict[str, Path], steps: int
+    name: str,
+    task_values: dict[str, Any],
+    args: argparse.Namespace,
+    paths: dict[str, Path],
+    steps: int,
+    deadline: float = float("inf"),
 ) -> dict[str, Any]:
-    """One run: a fresh driver and Ray; its per-step rows and summary, or its error."""
+    """One run: a fresh driver and Ray; its per-step rows and summary, or its error.
+
+    Its steps stop early (after at least one) when the next would end past `deadline` (time.time()).
+    """
     import ray
 
     from tandem.ppo.config_file import unvalidated
@@ -296,7 +304,6 @@ def run_estimator(
         start_ray(values)  # the driver joins it (and leaves its shutdown to us)
         driver.setup()
         result["setup_s"] = time.time() - started
-        budget_end = paths["deadline"]
         for rollout_id in range(driver.start_rollout_id, steps):
             metrics = driver.step(rollout_id)  # the steps alone: no checkpoint, eval or export
             driver.metrics_so_far.append(metrics)
@@ -312,7 +319,7 @@ def run_estimator(
                 f"[{name}] step {rollout_id}: {row['time/step']:.2f} s, reward {row['reward/mean']:.4f}",
                 flush=True,
             )
-            if time.time() + 1.5 * row["time/step"] > budget_end and rollout_id + 1 < steps:
+            if time.time() + 1.5 * row["time/step"] > deadline and rollout_id + 1 < steps:
                 result["stopped_early"] = f"time budget: {len(result['steps'])} of {steps} steps"
                 break
     except Exception:
@@ -521,7 +528,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-checkpoint", default=None, help="hf: the model folder")
     parser.add_argument("--prompt-data", default=None, help="hf: the prompts (JSONL)")
     parser.add_argument("--set", type=_set_value, action="append", default=[], metavar="FIELD=VALUE")
-    parser.add_argument("--time-budget-s", type=float, default=None, help="stop every run's steps by then")
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="the whole bench's seconds: each run gets an equal share of what is left; a run cut short "
+        "sets the step count of the runs after it",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="models, data and run dirs (a temp dir)")
     args = parser.parse_args(argv)
     args.set = dict(args.set)
@@ -541,12 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="estimators-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
-    paths = {
-        "out": args.out,
-        "json": args.out / "estimators.json",
-        "work": work,
-        "deadline": started + budget,
-    }
+    paths = {"out": args.out, "json": args.out / "estimators.json", "work": work}
     command = "python bench/estimators.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report: dict[str, Any] = {"bench": "estimators", "task": args.task, "command": command, "runs": {}}
     try:
@@ -554,8 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         report["task_config"] = _jsonable({**task_values, **args.set})
         report["memory_source"] = memory_sampler_name(task_values)
         steps = args.steps
-        for name in args.estimators:
-            run = run_estimator(name, task_values, args, paths, steps)
+        for i, name in enumerate(args.estimators):
+            # Each run gets an equal share of the budget left, so that the last is not starved.
+            deadline = time.time() + (started + budget - time.time()) / (len(args.estimators) - i)
+            run = run_estimator(name, task_values, args, paths, steps, deadline)
             report["runs"][name] = run
             if run.get("stopped_early") and run["steps"]:
                 steps = len(run["steps"])  # the same step count for every run that follows

@@ -227,3 +227,66 @@ def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:
         ValueError, match="loss_aggregation: got 'mean'; choose one of sample_mean, token_mean"
     ):
         make(hf_dir, loss_aggregation="mean")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "first", "second"),
+    [
+        (
+            {"advantage_estimator": "grpo", "n_samples_per_prompt": 1, "rollout_batch_size": 8},
+            "advantage_estimator",
+            "n_samples_per_prompt",
+        ),
+        (
+            {"advantage_estimator": "rloo", "n_samples_per_prompt": 1, "rollout_batch_size": 8},
+            "advantage_estimator",
+            "n_samples_per_prompt",
+        ),
+        (
+            {
+                "advantage_estimator": "reinforce_plus_plus_baseline",
+                "n_samples_per_prompt": 1,
+                "rollout_batch_size": 8,
+            },
+            "advantage_estimator",
+            "n_samples_per_prompt",
+        ),
+        ({"advantage_estimator": "grpo", "kl_coef": 0.01}, "kl_coef", "advantage_estimator"),
+        ({"advantage_estimator": "rloo", "kl_coef": 0.01}, "kl_coef", "advantage_estimator"),
+        ({"loss_type": "gspo", "loss_aggregation": "token_mean"}, "loss_aggregation", "loss_type"),
+        ({"advantage_estimator": "ppo"}, "advantage_estimator", "gae"),
+        ({"loss_type": "grpo"}, "loss_type", "gspo"),
+        ({"grpo_std_normalization": "no"}, "grpo_std_normalization", "True or False"),
+    ],
+)
+def test_estimator_combinations_are_refused_naming_both_fields(
+    hf_dir: str, overrides: dict[str, Any], first: str, second: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"^{first}: ") as info:
+        make(hf_dir, **overrides)
+    assert second in str(info.value)
+
+
+def test_estimators_accept_what_they_need(hf_dir: str) -> None:
+    for estimator in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        config = make(hf_dir, advantage_estimator=estimator, loss_type="gspo")
+        assert config.uses_critic == (estimator == "gae")
+    # REINFORCE++ takes the KL in its token rewards; a single sample per prompt is fine for it.
+    make(
+        hf_dir,
+        advantage_estimator="reinforce_plus_plus",
+        kl_coef=0.01,
+        n_samples_per_prompt=1,
+        rollout_batch_size=8,
+    )
+    make(hf_dir, advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.01)
+    make(
+        hf_dir, advantage_estimator="grpo", use_kl_loss=True, kl_loss_coef=0.001, grpo_std_normalization=False
+    )
+
+
+def test_no_critic_worker_for_a_critic_free_estimator(hf_dir: str) -> None:
+    config = make(hf_dir, advantage_estimator="grpo")
+    config.check_role("actor")
+    with pytest.raises(ValueError, match=r"^advantage_estimator: grpo needs no critic"):
+        config.check_role("critic")

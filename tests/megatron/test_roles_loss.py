@@ -74,3 +74,26 @@ def test_tis_without_rollout_log_probs_names_the_flag(tmp_path: Path) -> None:
     assert mb.old_log_probs is not None
     with pytest.raises(ValueError, match="use_tis"):
         actor_loss(_config(tmp_path, use_tis=True), mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))
+
+
+def test_gspo_loss_type_clips_each_sequence_as_a_whole(tmp_path: Path) -> None:
+    # Sample 0: tokens' ratios 1.5 and 0.5 (log-ratios ±ln: mean (ln 1.5 + ln 0.5) / 2 = ln √0.75);
+    # sample 1: its one trainable token's ratio 2 (its masked token's 100 must not count).
+    mb = _micro_batch(None)
+    assert mb.old_log_probs is not None
+    shift = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(2.0), math.log(100.0)]])
+    log_probs = (mb.old_log_probs + shift).requires_grad_()
+    outputs = ResponseOutputs(log_probs=log_probs)
+    config = _config(tmp_path, loss_type="gspo", eps_clip=0.2, eps_clip_high=0.3)
+    loss_sum, count, metrics = actor_loss(config, mb, outputs)
+    s0 = math.sqrt(0.75)  # sample 1: s1 = 2
+    # Sample 0: s0 = 0.866 is inside [0.8, 1.3]: per-token −A·s0 = (−0.866, 1.732), mean 0.433.
+    # Sample 1: s1 = 2 > 1.3 with A = 3 > 0: clipped to −3·1.3 = −3.9, no gradient.
+    assert loss_sum.item() == pytest.approx((-1.0 * s0 + 2.0 * s0) / 2 + (-3.0 * 1.3))
+    assert count.item() == 2
+    assert metrics["clip_frac"].item() == pytest.approx(0.0 + 1.0)  # sample means, summed
+    loss_sum.backward()
+    assert log_probs.grad is not None
+    # GSPO-token: token t's gradient is −A_t · s_i / |y_i| (sample_mean), whatever its own ratio.
+    expected = torch.tensor([[-1.0 * s0 / 2, 2.0 * s0 / 2], [0.0, 0.0]])
+    torch.testing.assert_close(log_probs.grad, expected)

@@ -7,6 +7,10 @@
   computation with the KL term, from the returned log-probs, rewards and values.
 - "kl0": the KL-first plan's calls with `kl_coef = 0` leave the state bit for bit
   where the plain critic → actor step leaves it.
+- "grpo", "rpp_baseline": critic-free actors on DP = 2, each rank holding half of
+  every prompt's samples: GRPO's advantages (and GSPO's loss) and
+  REINFORCE++-baseline's (token KL in the reward, whitened over both ranks) equal
+  a computation from the paper's formula over the whole rollout.
 
 One pair of groups at a time (each Ray worker imports Megatron, which is slow).
 """
@@ -65,14 +69,26 @@ class Groups:
         self.actor: TrainGroup | None = None
 
     def use(self, kind: str) -> tuple[TrainGroup, TrainGroup]:
+        self._start(kind)
+        assert self.critic is not None and self.actor is not None
+        return self.critic, self.actor
+
+    def actor_only(self, kind: str) -> TrainGroup:
+        """The actor of a critic-free configuration (no critic group starts)."""
+        self._start(kind)
+        assert self.critic is None and self.actor is not None
+        return self.actor
+
+    def _start(self, kind: str) -> None:
         if self.kind != kind:
             self.kill()
             config = self.configs[kind]
-            self.critic = create_train_group(config, "critic", self.pg, range(RANKS), num_gpus_per_worker=0)
+            if config.uses_critic:
+                self.critic = create_train_group(
+                    config, "critic", self.pg, range(RANKS), num_gpus_per_worker=0
+                )
             self.actor = create_train_group(config, "actor", self.pg, range(RANKS), num_gpus_per_worker=0)
             self.kind = kind
-        assert self.critic is not None and self.actor is not None
-        return self.critic, self.actor
 
     def kill(self) -> None:
         for group in (self.critic, self.actor):
@@ -136,6 +152,18 @@ def groups(
             load=str(root / "actor"),
             critic_save=str(root / "critic"),
             critic_load=str(root / "critic"),
+        ),
+        # Critic-free: DP = 2, two prompts of 4 samples (8 samples, 4 a rank).
+        "grpo": dataclasses.replace(
+            base, rollout_batch_size=2, n_samples_per_prompt=4, advantage_estimator="grpo", loss_type="gspo"
+        ),
+        "rpp_baseline": dataclasses.replace(
+            base,
+            rollout_batch_size=2,
+            n_samples_per_prompt=4,
+            advantage_estimator="reinforce_plus_plus_baseline",
+            kl_coef=KL_COEF,
+            normalize_advantages=True,
         ),
     }
     ray_start(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
@@ -284,3 +312,96 @@ def test_kl_coef_zero_plan_reproduces_the_plain_step_bit_for_bit(groups: Groups)
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def split_groups(batch: RolloutBatch) -> list[RolloutBatch]:
+    """Rank 0 gets samples 0, 1, 4, 5 and rank 1 samples 2, 3, 6, 7: half of each prompt's four each."""
+    return [batch.select([0, 1, 4, 5]), batch.select([2, 3, 6, 7])]
+
+
+def grpo_reference(rewards: list[float], size: int) -> list[float]:
+    """DeepSeekMath §4.1.2: (r − mean) / (std + 1e-6) per group, unbiased std; a tied group gives 0."""
+    out = []
+    for g in range(0, len(rewards), size):
+        group = rewards[g : g + size]
+        mean = sum(group) / size
+        std = (sum((r - mean) ** 2 for r in group) / (size - 1)) ** 0.5
+        out += [0.0 if len(set(group)) == 1 else (r - mean) / (std + 1e-6) for r in group]
+    return out
+
+
+def test_grpo_pools_each_prompts_samples_across_data_parallel_ranks(groups: Groups) -> None:
+    actor = groups.actor_only("grpo")
+    assert actor.data_parallel_size == 2
+    batch = make_batch(8, seed=7)
+    batch.sample_indices = list(range(8))  # sample i of the rollout: prompt i // 4
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])  # prompt 1: all tied
+    shares = split_groups(batch)
+    out = ray.get(actor.train(0, [ray.put(s) for s in shares]))
+    expected = grpo_reference(batch.rewards.tolist(), 4)
+    for targets, share in zip(actor.run("last_targets"), shares, strict=True):
+        assert targets["sample_indices"] == share.sample_indices
+        assert "old_values" not in targets  # no critic, no values
+        for row, index in enumerate(share.sample_indices):
+            mask = share.loss_masks[row]
+            n = share.response_lengths[row]
+            torch.testing.assert_close(
+                targets["advantages"][row, :n], expected[index] * mask, rtol=1e-5, atol=1e-6
+            )
+    metrics = out[0]["metrics"]
+    assert metrics == out[1]["metrics"]
+    assert metrics["tied_groups"] == pytest.approx(0.5)
+    assert "values_mean" not in metrics and "returns_mean" not in metrics
+    assert metrics["pg_loss"] != 0 and metrics["grad_norm"] > 0
+
+    # Sample 3 renamed 11: prompt 0 misses a sample and prompt 2 has one; every rank refuses alike.
+    stray = dataclasses.replace(batch.select([5, 6, 7, 3]), sample_indices=[5, 6, 7, 11])
+    with pytest.raises(ray.exceptions.RayTaskError, match="n_samples_per_prompt"):
+        ray.get(actor.train(1, [ray.put(batch.select([0, 1, 2, 4])), ray.put(stray)]))
+
+
+def test_reinforce_plus_plus_baseline_without_a_critic(groups: Groups) -> None:
+    """Group-centred reward at the last token, −β·KL per token (the actor's own reference pass),
+    discounted back, whitened over the trainable tokens of both ranks."""
+    actor = groups.actor_only("rpp_baseline")
+    batch = make_batch(8, seed=9)
+    batch.sample_indices = list(range(8))
+    shares = split_groups(batch)
+    refs = [ray.put(s) for s in shares]
+    ray.get(actor.train(0, refs))  # one step, so that the policy is no longer the reference (KL != 0)
+    out = ray.get(actor.train(1, refs))
+    all_targets = actor.run("last_targets")
+
+    rewards = batch.rewards.tolist()
+    centred = []
+    for g in range(0, 8, 4):
+        mean = sum(rewards[g : g + 4]) / 4
+        centred += [r - mean for r in rewards[g : g + 4]]
+    raw: dict[int, list[float]] = {}
+    moved = 0.0
+    for targets, share in zip(all_targets, shares, strict=True):
+        for row, index in enumerate(share.sample_indices):
+            n = share.response_lengths[row]
+            old, ref = targets["old_log_probs"][row, :n], targets["ref_log_probs"][row, :n]
+            moved = max(moved, float((old - ref).abs().max()))
+            steps = [t for t in range(n) if share.loss_masks[row][t] != 0]
+            token_reward = {t: -KL_COEF * float(old[t] - ref[t]) for t in steps}
+            token_reward[steps[-1]] += centred[index]
+            g = [0.0] * n
+            for k in range(len(steps)):
+                g[steps[k]] = sum(GAMMA ** (j - k) * token_reward[steps[j]] for j in range(k, len(steps)))
+            raw[index] = g
+    assert moved > 1e-4, "the policy equals the reference: the KL term is vacuous"
+    tokens = [
+        raw[i][t] for share in shares for row, i in enumerate(share.sample_indices)
+        for t in range(share.response_lengths[row]) if share.loss_masks[row][t] != 0
+    ]  # fmt: skip
+    mean = sum(tokens) / len(tokens)
+    std = (sum((a - mean) ** 2 for a in tokens) / (len(tokens) - 1) + 1e-8) ** 0.5
+    for targets, share in zip(all_targets, shares, strict=True):
+        for row, index in enumerate(share.sample_indices):
+            n = share.response_lengths[row]
+            expected = torch.tensor([(a - mean) / std for a in raw[index]]) * share.loss_masks[row]
+            torch.testing.assert_close(targets["advantages"][row, :n], expected, rtol=1e-4, atol=1e-5)
+    metrics = out[0]["metrics"]
+    assert metrics["reward_kl"] != 0 and "tied_groups" in metrics and "values_mean" not in metrics

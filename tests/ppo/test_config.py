@@ -58,6 +58,12 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
             n_samples = 1
             rollout_batch = samples
         num_rollout = d(st.integers(1, 20))
+        use_critic = d(st.booleans())
+        # A critic exactly with GAE; the group estimators compare at least 2 samples per prompt.
+        critic_free = ["reinforce_plus_plus"] + (
+            ["grpo", "rloo", "reinforce_plus_plus_baseline"] if n_samples >= 2 else []
+        )
+        estimator = "gae" if use_critic else d(st.sampled_from(critic_free))
         return {
             **files,
             "actor_num_gpus_per_node": gpus,
@@ -67,12 +73,16 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
             "rollout_batch_size": rollout_batch,
             "n_samples_per_prompt": n_samples,
             "num_rollout": num_rollout,
-            "num_critic_only_steps": d(st.integers(0, num_rollout)),
+            "num_critic_only_steps": d(st.integers(0, num_rollout)) if use_critic else 0,
             "lr": d(st.floats(0, 1e-2)),
             "eps_clip": d(st.floats(0.01, 0.5)),
             "gamma": d(st.floats(0, 1)),
             "lambd": d(st.floats(0, 1)),
-            "use_critic": d(st.booleans()),
+            "use_critic": use_critic,
+            "advantage_estimator": estimator,
+            "loss_type": d(st.sampled_from(["ppo", "gspo"])),
+            "overlong_buffer_len": d(st.none() | st.integers(1, 128)),
+            "filter_truncated": d(st.booleans()),
             "offload_train": d(st.booleans()),
             "rollout_top_p": d(st.floats(0.05, 1)),
             "save_interval": d(st.none() | st.integers(1, 10)),
@@ -100,12 +110,33 @@ BREAKERS: list[tuple[str, Any]] = [
     ("--eval-interval", lambda v: {**v, "eval_interval": 2, "eval_prompt_data": None}),
     ("--rollout-num-gpus", lambda v: {**v, "rollout_num_gpus": v["actor_num_gpus_per_node"] + 1}),
     ("--engine-gpu-share", lambda v: {**v, "engine_gpu_share": 0.9, "actor_gpu_share": 0.9}),
-    ("--use-critic", lambda v: {**v, "use_critic": True, "train_backend": "fsdp"}),
+    (
+        "--use-critic",
+        lambda v: {**v, "use_critic": True, "advantage_estimator": "gae", "train_backend": "fsdp"},
+    ),
     (
         "--critic-",
-        lambda v: {**v, "use_critic": True, "critic_save": v["run_dir"] + "/a", "save": v["run_dir"] + "/a"},
+        lambda v: {
+            **v,
+            "use_critic": True,
+            "advantage_estimator": "gae",
+            "critic_save": v["run_dir"] + "/a",
+            "save": v["run_dir"] + "/a",
+        },
     ),
     ("--tensor-model-parallel-size", lambda v: {**v, "tensor_model_parallel_size": 3}),
+    ("--use-critic", lambda v: {**v, "use_critic": True, "advantage_estimator": "reinforce_plus_plus"}),
+    (
+        "--advantage-estimator",
+        lambda v: {**v, "use_critic": False, "advantage_estimator": "gae", "num_critic_only_steps": 0},
+    ),
+    ("--overlong-buffer-len", lambda v: {**v, "overlong_buffer_len": 129}),  # > rollout_max_response_len
+    ("--overlong-penalty-factor", lambda v: {**v, "overlong_penalty_factor": -1.0}),
+    (
+        "--filter-truncated",
+        lambda v: {**v, "filter_truncated": True, "rollout_ignore_eos": True, "overlong_buffer_len": None},
+    ),
+    ("--loss-aggregation", lambda v: {**v, "loss_type": "gspo", "loss_aggregation": "token_mean"}),
 ]
 
 
@@ -148,6 +179,11 @@ SCALARS = {
     "actor_gpu_share": st.floats(-0.5, 1.5),
     "colocate": st.booleans(),
     "use_critic": st.booleans(),
+    "advantage_estimator": st.sampled_from(["gae", "grpo", "rloo", "reinforce_plus_plus", "ppo"]),
+    "loss_type": st.sampled_from(["ppo", "gspo", "bad"]),
+    "overlong_buffer_len": st.none() | st.integers(-1, 200),
+    "filter_truncated": st.booleans(),
+    "rollout_ignore_eos": st.booleans(),
 }
 
 
@@ -225,3 +261,73 @@ def test_worker_config_resumes_from_the_run_dir(files: dict[str, str]) -> None:
     worker = config.worker_config()
     assert worker.save == worker.load == str(Path(files["run_dir"]) / "actor")
     assert worker.critic_save == worker.critic_load == str(Path(files["run_dir"]) / "critic")
+
+
+@pytest.mark.parametrize(
+    ("values", "flags"),
+    [
+        ({"advantage_estimator": "grpo", "use_critic": True}, ("--use-critic", "--advantage-estimator")),
+        ({"advantage_estimator": "gae", "use_critic": False}, ("--advantage-estimator", "--no-use-critic")),
+        (
+            {"advantage_estimator": "rloo", "num_critic_only_steps": 1},
+            ("--num-critic-only-steps", "--advantage-estimator"),
+        ),
+        (
+            {"advantage_estimator": "grpo", "n_samples_per_prompt": 1},
+            ("--advantage-estimator", "--n-samples-per-prompt"),
+        ),
+        ({"advantage_estimator": "grpo", "kl_coef": 0.1}, ("--kl-coef", "--advantage-estimator")),
+        ({"loss_type": "gspo", "loss_aggregation": "token_mean"}, ("--loss-aggregation", "--loss-type")),
+        (
+            {"filter_truncated": True, "rollout_ignore_eos": True},
+            ("--filter-truncated", "--rollout-ignore-eos"),
+        ),
+        (
+            {"overlong_buffer_len": 8, "rollout_ignore_eos": True},
+            ("--overlong-buffer-len", "--rollout-ignore-eos"),
+        ),
+    ],
+)
+def test_bad_estimator_combinations_name_both_flags(
+    files: dict[str, str], values: dict[str, Any], flags: tuple[str, str]
+) -> None:
+    base = {**files, "device": "cpu", "params_dtype": "float32", "rollout_batch_size": 4}
+    base |= {"global_batch_size": 4, "n_samples_per_prompt": 2}
+    with pytest.raises(ValueError) as info:
+        unvalidated({**base, **values}).validate()
+    message = str(info.value)
+    assert message.startswith(flags[0] + ":"), message
+    assert flags[1] in message, message
+
+
+def test_a_critic_free_estimator_implies_no_critic(files: dict[str, str], tmp_path: Path) -> None:
+    common = [
+        "--hf-checkpoint", files["hf_checkpoint"], "--prompt-data", files["prompt_data"],
+        "--run-dir", files["run_dir"], "--device", "cpu", "--params-dtype", "float32",
+        "--rollout-batch-size", "4", "--global-batch-size", "8", "--n-samples-per-prompt", "2",
+    ]  # fmt: skip
+    assert parse_config(common).use_critic is True  # GAE: a critic
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        config = parse_config([*common, "--advantage-estimator", estimator])
+        assert config.use_critic is False, estimator
+        assert config.worker_config().critic_save is None
+        assert config.placement_spec().use_critic is False
+    assert parse_config([*common, "--advantage-estimator", "grpo", "--no-use-critic"]).use_critic is False
+    with pytest.raises(ValueError, match=r"^--use-critic: --advantage-estimator grpo needs no critic"):
+        parse_config([*common, "--advantage-estimator", "grpo", "--use-critic"])
+    with pytest.raises(ValueError, match=r"^--advantage-estimator: gae .*--no-use-critic"):
+        parse_config([*common, "--no-use-critic"])
+    # From a YAML file too, and a flag then overrides the file's estimator.
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(yaml.safe_dump({"advantage-estimator": "grpo"}))
+    assert parse_config([*common, "--config", str(config_file)]).use_critic is False
+    assert (
+        parse_config([*common, "--config", str(config_file), "--advantage-estimator", "gae"]).use_critic
+        is True
+    )
+    config_file.write_text(yaml.safe_dump({"advantage-estimator": "grpo", "use_critic": True}))
+    with pytest.raises(ValueError, match=r"^--use-critic: "):
+        parse_config([*common, "--config", str(config_file)])
+    # Programmatic configs follow the same rule.
+    assert unvalidated({**files, "advantage_estimator": "rloo"}).use_critic is False
+    assert unvalidated({**files, "advantage_estimator": "rloo", "use_critic": True}).use_critic is True

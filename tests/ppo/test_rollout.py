@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -65,3 +66,41 @@ def test_train_batches_split_contiguously_in_order(ranks: int, per_rank: int, n:
             assert float(b.rewards[k]) == rollout.rewards[i]
             assert b.tokens[k].tolist() == [*rollout.prompts[i].prompt_ids, *rollout.generations[i].token_ids]
             assert b.response_lengths[k] == len(rollout.generations[i].token_ids)
+
+
+def long_rollout(lengths: list[int], finish: list[str], rewards: list[float]) -> Rollout:
+    record = PromptRecord(index=0, prompt="p", messages=None, label=None, metadata={})
+    sample = PromptSample(record=record, prompt_ids=[1, 2], prompt_text="p")
+    generations = [
+        Generation(token_ids=[5] * n, log_probs=[-1.0] * n, finish_reason=f)  # type: ignore[arg-type]
+        for n, f in zip(lengths, finish, strict=True)
+    ]
+    return Rollout([sample] * len(lengths), generations, [""] * len(lengths), rewards)
+
+
+def test_training_rewards_add_the_overlong_penalty_and_keep_the_task_reward() -> None:
+    from tandem.ppo.config_file import unvalidated
+    from tandem.ppo.rollout import training_rewards
+
+    rollout = long_rollout([2, 7, 8, 10], ["stop", "stop", "stop", "length"], [1.0, 1.0, 0.0, 1.0])
+    off = unvalidated({"rollout_max_response_len": 10})
+    assert training_rewards(rollout, off) == ([1.0, 1.0, 0.0, 1.0], {})
+    on = unvalidated(
+        {"rollout_max_response_len": 10, "overlong_buffer_len": 4, "overlong_penalty_factor": 2.0}
+    )
+    rewards, metrics = training_rewards(rollout, on)
+    # L_max 10, L_cache 4: free up to 6 tokens; then -2/4 per token (factor 2): 7 -> -0.5, 8 -> -1, 10 -> -2.
+    assert rewards == pytest.approx([1.0, 0.5, -1.0, -1.0])
+    assert metrics["reward/overlong_penalty"] == pytest.approx(-3.5 / 4)
+    assert metrics["reward/shaped_mean"] == pytest.approx(-0.5 / 4)
+    assert rollout.rewards == [1.0, 1.0, 0.0, 1.0]  # the task reward, for the reward/ metrics
+    (batch,) = to_train_batches(rollout, 1, rewards=rewards)
+    assert batch.rewards.tolist() == pytest.approx([1.0, 0.5, -1.0, -1.0])
+
+
+def test_filter_truncated_masks_out_only_the_cut_responses() -> None:
+    rollout = long_rollout([3, 4, 4, 2], ["stop", "length", "length", "abort"], [0.0, 1.0, 0.0, 1.0])
+    kept, filtered = to_train_batches(rollout, 1)[0], to_train_batches(rollout, 1, filter_truncated=True)[0]
+    assert [m.tolist() for m in kept.loss_masks] == [[1.0] * 3, [1.0] * 4, [1.0] * 4, [1.0] * 2]
+    assert [m.tolist() for m in filtered.loss_masks] == [[1.0] * 3, [0.0] * 4, [0.0] * 4, [1.0] * 2]
+    assert filtered.rewards.tolist() == kept.rewards.tolist()  # still in their group's baseline

@@ -7,6 +7,8 @@ loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
 - PPO math (torch only): `compute_gae`, `lambda_returns`, `policy_loss`, `value_loss`,
   `aggregate_loss`, `loss_sum_and_count`, `approx_kl`, `whiten_advantages`,
   `entropy_from_logits`, `explained_variance`.
+- Critic-free estimators and GSPO (torch only): `grpo_advantages`, `rloo_advantages`,
+  `group_centered_rewards`, `discounted_returns`, `token_advantages`, `gspo_policy_loss`.
 - Data: `RolloutBatch` (with its padded per-token targets), `pad_responses`, `unpad_responses`.
 - Models and weights: `ModelSpec`, `build_model`, `load_hf_checkpoint`,
   `export_hf_weights`, and the pure HF ⇄ Megatron mapping `param_map`, `to_megatron`, `to_hf`.
@@ -37,6 +39,12 @@ _EXPORTS = {
     "explained_variance": "losses",
     "approx_kl": "kl",
     "whiten_advantages": "advantages",
+    "grpo_advantages": "estimators",
+    "rloo_advantages": "estimators",
+    "group_centered_rewards": "estimators",
+    "discounted_returns": "estimators",
+    "token_advantages": "estimators",
+    "gspo_policy_loss": "gspo",
     "entropy_from_logits": "entropy",
     "RolloutBatch": "batch",
     "pad_responses": "batch",
@@ -62,9 +70,17 @@ if TYPE_CHECKING:
     from .config import WorkerConfig
     from .conversion import param_map, to_hf, to_megatron
     from .entropy import entropy_from_logits
+    from .estimators import (
+        discounted_returns,
+        group_centered_rewards,
+        grpo_advantages,
+        rloo_advantages,
+        token_advantages,
+    )
     from .forward import forward_only, run_micro_batches
     from .gae import compute_gae, lambda_returns
     from .group import TrainGroup, create_train_group
+    from .gspo import gspo_policy_loss
     from .hf_config import ModelSpec
     from .hf_weights import export_hf_weights, load_hf_checkpoint
     from .kl import approx_kl
@@ -98,19 +114,25 @@ __all__ = [
     "build_model",
     "compute_gae",
     "create_train_group",
+    "discounted_returns",
     "entropy_from_logits",
     "explained_variance",
     "export_hf_weights",
     "forward_only",
+    "group_centered_rewards",
+    "grpo_advantages",
+    "gspo_policy_loss",
     "lambda_returns",
     "load_hf_checkpoint",
     "loss_sum_and_count",
     "pad_responses",
     "param_map",
     "policy_loss",
+    "rloo_advantages",
     "run_micro_batches",
     "to_hf",
     "to_megatron",
+    "token_advantages",
     "unpad_responses",
     "value_loss",
     "whiten_advantages",

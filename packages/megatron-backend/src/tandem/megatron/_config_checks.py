@@ -12,9 +12,12 @@ import os
 from typing import Any
 
 from tandem.megatron.choices import (
+    ADVANTAGE_ESTIMATORS,
     DEVICES,
+    GROUP_ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
+    LOSS_TYPES,
     LR_DECAY_STYLES,
     OFFLOAD_BACKENDS,
     PARAMS_DTYPES,
@@ -64,6 +67,8 @@ def check_choices(config: Any) -> None:
         "loss_aggregation": LOSS_AGGREGATIONS,
         "device": DEVICES,
         "offload_backend": OFFLOAD_BACKENDS,
+        "advantage_estimator": ADVANTAGE_ESTIMATORS,
+        "loss_type": LOSS_TYPES,
     }
     for name, allowed in choices.items():
         value = getattr(config, name)
@@ -75,6 +80,7 @@ def check_choices(config: Any) -> None:
         "use_dynamic_batch_size",
         "offload_grads",
         "background_optimizer_wake",
+        "grpo_std_normalization",
     ):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")
@@ -137,6 +143,28 @@ def check_ppo(config: Any) -> None:
         value = getattr(config, name)
         if not 0 <= value <= 1:
             raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
+
+
+def check_estimator(config: Any) -> None:
+    """The advantage estimator's needs: groups of samples, rewards without KL where it has none, GSPO's mean."""
+    estimator = config.advantage_estimator
+    if estimator in GROUP_ESTIMATORS and config.n_samples_per_prompt < 2:
+        raise ValueError(
+            f"advantage_estimator: {estimator} compares each sample with the other samples of its prompt, "
+            f"but `n_samples_per_prompt` is {config.n_samples_per_prompt}; set `n_samples_per_prompt` to 2 "
+            "or more (e.g. 8)"
+        )
+    if estimator in ("grpo", "rloo") and config.kl_coef != 0:
+        raise ValueError(
+            f"kl_coef: {config.kl_coef} folds a per-token KL into the rewards, but `advantage_estimator` "
+            f"{estimator} takes one reward per sample; set `kl_coef` to 0 and use `use_kl_loss` with "
+            "`kl_loss_coef` (GRPO's KL term), or choose reinforce_plus_plus(_baseline) for KL in the reward"
+        )
+    if config.loss_type == "gspo" and config.loss_aggregation != "sample_mean":
+        raise ValueError(
+            f"loss_aggregation: {config.loss_aggregation} with `loss_type` gspo; GSPO's objective is a mean "
+            "over sequences, so set `loss_aggregation` to sample_mean"
+        )
 
 
 def check_batches(config: Any) -> None:

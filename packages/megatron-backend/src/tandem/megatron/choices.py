@@ -30,6 +30,12 @@ ParamsDtype = Literal["float32", "bfloat16"]
 LossAggregation = Literal["sample_mean", "token_mean"]
 """How per-token losses become one scalar (`losses.aggregate_loss`)."""
 
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+"""How the actor's advantages are estimated (`estimators`); every one but `gae` needs no critic."""
+
+LossType = Literal["ppo", "gspo"]
+"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`) or GSPO's sequence ratio (`gspo`)."""
+
 ROLES: tuple[Role, ...] = get_args(Role)
 KL_KINDS: tuple[str, ...] = get_args(KlKind)
 LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
@@ -37,6 +43,12 @@ DEVICES: tuple[str, ...] = get_args(Device)
 OFFLOAD_BACKENDS: tuple[str, ...] = get_args(OffloadBackend)
 PARAMS_DTYPES: tuple[str, ...] = get_args(ParamsDtype)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(e for e in ADVANTAGE_ESTIMATORS if e != "gae")
+"""The estimators whose baseline is not a learned value: a run with one of them trains no critic."""
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+"""The estimators whose baseline comes from the other samples of the same prompt (`n_samples_per_prompt >= 2`)."""
 
 
 def check_role(role: str, where: str = "role") -> None:

@@ -18,15 +18,19 @@ from dataclasses import dataclass
 from tandem.megatron._config_checks import (
     check_batches,
     check_choices,
+    check_estimator,
     check_folders,
     check_positive_ints,
     check_ppo,
 )
 from tandem.megatron.choices import (
+    CRITIC_FREE_ESTIMATORS,
     ROLES,
+    AdvantageEstimator,
     Device,
     KlKind,
     LossAggregation,
+    LossType,
     LrDecayStyle,
     OffloadBackend,
     ParamsDtype,
@@ -221,7 +225,25 @@ class WorkerConfig:
     """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
 
     normalize_advantages: bool = False
-    """Whiten advantages over the masked tokens of the whole data-parallel group."""
+    """Whiten advantages over the masked tokens of the whole data-parallel group: GAE's, and the
+    REINFORCE++ family's (its global batch normalisation); never GRPO's or RLOO's, whose
+    normalisation is the group's (`grpo_std_normalization`)."""
+
+    advantage_estimator: AdvantageEstimator = "gae"
+    """How the actor's advantages are estimated (`estimators`): `gae` on the critic's values;
+    critic-free (no critic trains): `grpo` (group-normalised outcome reward), `rloo` (leave-one-out
+    baseline), `reinforce_plus_plus` (discounted return of the token rewards, `kl_coef` folded in),
+    `reinforce_plus_plus_baseline` (the same on the group-centred reward). The group is a prompt's
+    `n_samples_per_prompt` samples."""
+
+    grpo_std_normalization: bool = True
+    """`grpo`: divide each sample's group-centred reward by its group's std (+1e-6); False gives
+    Dr.GRPO (`r − mean` only), which does not weigh prompts with a small reward spread up."""
+
+    loss_type: LossType = "ppo"
+    """The actor's policy loss: `ppo`, the clipped ratio per token; `gspo`, GSPO's clipped
+    sequence ratio (the geometric mean of a response's token ratios; `gspo.py`), whose clip
+    ranges are usually far smaller (e.g. `eps_clip` 3e-4, `eps_clip_high` 4e-4)."""
 
     loss_aggregation: LossAggregation = "sample_mean"
     """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
@@ -292,6 +314,7 @@ class WorkerConfig:
         check_positive_ints(self)
         check_choices(self)
         check_ppo(self)
+        check_estimator(self)
         check_batches(self)
         check_folders(self)
 
@@ -300,6 +323,11 @@ class WorkerConfig:
     def samples_per_rollout(self) -> int:
         """Samples in one rollout, over all data-parallel ranks."""
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic's values (only `gae` does)."""
+        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
 
     @property
     def needs_reference(self) -> bool:
@@ -390,6 +418,11 @@ class WorkerConfig:
         _check_role(role)
         if role != "critic":
             return
+        if not self.uses_critic:
+            raise ValueError(
+                f"advantage_estimator: {self.advantage_estimator} needs no critic, so no critic worker "
+                "starts; train a critic only with `advantage_estimator` gae"
+            )
         if self.save is not None and self.critic_save is None:
             raise ValueError(
                 "critic_save: `save` is set but the critic has no save folder; set critic_save to a folder "

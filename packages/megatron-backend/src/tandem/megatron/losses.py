@@ -27,6 +27,8 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "LossAggregation",
     "aggregate_loss",
+    "check_clip_ranges",
+    "clipped_surrogate",
     "explained_variance",
     "loss_sum_and_count",
     "policy_loss",
@@ -89,22 +91,7 @@ def policy_loss(
         - `approx_kl`: `(ratio − 1) − log ratio`, the k3 estimate of KL(π_old ‖ π)
           on tokens sampled from π_old (as in cleanrl's `approx_kl`).
     """
-    if not 0.0 < eps_clip < 1.0:
-        raise ValueError(
-            f"policy_loss: `eps_clip` must be in (0, 1), got {eps_clip}; "
-            "it is ε_low of the ratio's clip range [1 − ε_low, 1 + ε_high] (e.g. 0.2)"
-        )
-    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    if not eps_high > 0.0:
-        raise ValueError(
-            f"policy_loss: `eps_clip_high` must be > 0 or None (= eps_clip), got {eps_clip_high}; "
-            "it is ε_high of the ratio's clip range [1 − ε_low, 1 + ε_high] (e.g. 0.28)"
-        )
-    if eps_clip_c is not None and not eps_clip_c > 1.0:
-        raise ValueError(
-            f"policy_loss: `eps_clip_c` must be > 1 or None (no dual clip), got {eps_clip_c}; "
-            "it bounds the loss of a negative-advantage token at c·|A| (e.g. 3.0)"
-        )
+    eps_high = check_clip_ranges("policy_loss", eps_clip, eps_clip_high, eps_clip_c)
     _check_same_shape(
         "policy_loss",
         "log_probs",
@@ -113,8 +100,51 @@ def policy_loss(
 
     log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
+    loss, metrics = clipped_surrogate(ratio, advantages, eps_clip, eps_high, eps_clip_c)
+    with torch.no_grad():
+        metrics["approx_kl"] = ((ratio - 1.0) - log_ratio).detach()
+    return loss, metrics
+
+
+def check_clip_ranges(
+    fn: str, eps_clip: float, eps_clip_high: float | None, eps_clip_c: float | None
+) -> float:
+    """ValueError unless the clip constants are in range; returns ε_high (`eps_clip` when None)."""
+    if not 0.0 < eps_clip < 1.0:
+        raise ValueError(
+            f"{fn}: `eps_clip` must be in (0, 1), got {eps_clip}; "
+            "it is ε_low of the ratio's clip range [1 − ε_low, 1 + ε_high] (e.g. 0.2)"
+        )
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    if not eps_high > 0.0:
+        raise ValueError(
+            f"{fn}: `eps_clip_high` must be > 0 or None (= eps_clip), got {eps_clip_high}; "
+            "it is ε_high of the ratio's clip range [1 − ε_low, 1 + ε_high] (e.g. 0.28)"
+        )
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(
+            f"{fn}: `eps_clip_c` must be > 1 or None (no dual clip), got {eps_clip_c}; "
+            "it bounds the loss of a negative-advantage token at c·|A| (e.g. 3.0)"
+        )
+    return eps_high
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate of a ratio per token, with dual clip: what `policy_loss` and GSPO's loss share.
+
+    `pg_loss1 = −A · ratio`, `pg_loss2 = −A · clip(ratio, 1 − eps_clip, 1 + eps_clip_high)`,
+    loss = `max(pg_loss1, pg_loss2)`, and for `A < 0` with dual clip `min(−A · eps_clip_c, that)`.
+    Shapes: `ratio` and `advantages` `(batch, response_len)`. Returns the per-token
+    loss and the detached per-token `clip_frac` and `dual_clip_frac` (see `policy_loss`).
+    """
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_high)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
     clipped_loss = torch.maximum(pg_loss1, pg_loss2)
     if eps_clip_c is None:
         loss = clipped_loss
@@ -128,12 +158,7 @@ def policy_loss(
             dual_clip_frac = torch.zeros_like(clip_frac)
         else:
             dual_clip_frac = ((advantages < 0) & (pg_loss3 < clipped_loss)).to(loss.dtype)
-        metrics = {
-            "clip_frac": clip_frac,
-            "dual_clip_frac": dual_clip_frac,
-            "approx_kl": ((ratio - 1.0) - log_ratio).detach(),
-        }
-    return loss, metrics
+    return loss, {"clip_frac": clip_frac, "dual_clip_frac": dual_clip_frac}
 
 
 @torch.no_grad()

@@ -11,9 +11,11 @@ Both roles follow the same numbered stages, in this order (`train_critic`, `trai
    carries its own. The rewards are the scalar rewards, or with `kl_coef != 0`
    the KL-folded token rewards (`reward_signal`), the same on both roles since
    both get the actor's old and reference log-probs. Critic: old values →
-   λ-returns (`gae.lambda_returns`, no advantages); actor: the critic's values
-   (0 without a critic) → GAE advantages → whitening over the data-parallel
-   group when asked.
+   λ-returns (`gae.lambda_returns`, no advantages); actor: the advantage
+   estimator's (`estimators`): GAE on the critic's values (0 without a critic),
+   or, critic-free, a group baseline of the rollout's rewards
+   (`rollout_rewards`) or REINFORCE++'s discounted returns → whitening over the
+   data-parallel group when asked (`estimators.whitens`).
 3. The train step (`train_step.train_step`): `ppo_epochs` passes of
    minibatches, each an optimizer step on the role's loss (`critic_loss`,
    `actor_loss`, pure, in Megatron's per-token form).
@@ -31,9 +33,12 @@ import torch
 from tandem.megatron._trainee import Trainee
 from tandem.megatron.advantages import masked_mean_var, whiten_advantages
 from tandem.megatron.batch import RolloutBatch, pad_responses, to_device, unpad_responses
+from tandem.megatron.choices import GROUP_ESTIMATORS
 from tandem.megatron.config import WorkerConfig
+from tandem.megatron.estimators import token_advantages, whitens
 from tandem.megatron.forward import ResponseOutputs, forward_only
-from tandem.megatron.gae import compute_gae, lambda_returns
+from tandem.megatron.gae import lambda_returns
+from tandem.megatron.gspo import gspo_policy_loss
 from tandem.megatron.kl import approx_kl, kl_penalized_rewards
 from tandem.megatron.losses import (
     explained_variance,
@@ -50,6 +55,7 @@ from tandem.megatron.payloads import (
     VALUES,
 )
 from tandem.megatron.received import any_rank, critic_values, external, raise_if
+from tandem.megatron.rollout_rewards import estimator_rewards
 from tandem.megatron.train_step import reduce_metrics, train_step
 
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
@@ -66,9 +72,18 @@ ACTOR_STEP_METRICS = (
 """Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured)."""
 CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance", "reward_kl")
 """Figures of the rollout's targets, over the data-parallel group (`reward_kl` only with `kl_coef != 0`)."""
-ACTOR_ROLLOUT_METRICS = ("log_prob", "advantages_mean", "values_mean", "returns_mean", "reward_kl")
+ACTOR_ROLLOUT_METRICS = (
+    "log_prob",
+    "advantages_mean",
+    "values_mean",
+    "returns_mean",
+    "reward_kl",
+    "tied_groups",
+)
 """Figures of the rollout's targets, over the data-parallel group (advantages before whitening;
-`reward_kl`, the mean per-token KL of the reward, only with `kl_coef != 0`)."""
+`values_mean` with GAE only; `returns_mean` with GAE and REINFORCE++(-baseline); `reward_kl`, the
+mean per-token KL of the reward, only with `kl_coef != 0`; `tied_groups`, the fraction of prompts
+whose samples all got the same reward, with the group estimators)."""
 
 
 LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -83,22 +98,25 @@ def reward_signal(
     *,
     device: torch.device,
     dp_group: Any = None,
+    scalar_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The rewards GAE runs on, and their figures: scalar rewards, or the KL-folded token rewards.
+    """The rewards the estimator runs on, and their figures: scalar rewards, or the KL-folded token rewards.
 
-    With `kl_coef == 0`: `batch.rewards`, shape `(n,)`, exactly as without the
-    KL-first plan (the log-probs are not read). Otherwise
+    `scalar_rewards`: the per-sample rewards to use, shape `(n,)` (the estimator's,
+    `rollout_rewards.estimator_rewards`); None: `batch.rewards`. With `kl_coef == 0`:
+    those, exactly as without the KL-first plan (the log-probs are not read). Otherwise
     `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
     `(n, max_response_len)`; critic and actor call this with the same log-probs
     (the actor's, from `compute_log_probs`), hence the same rewards bit for bit.
     """
+    scalar = batch.rewards if scalar_rewards is None else scalar_rewards
     if config.kl_coef == 0:
-        return batch.rewards, {}
+        return scalar, {}
     assert log_probs is not None and ref_log_probs is not None, "checked by the caller"
     mask = batch.padded_loss_mask(device)
     log_probs, ref_log_probs = log_probs.to(device), ref_log_probs.to(device)
     rewards = kl_penalized_rewards(
-        batch.rewards, log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
+        scalar.to(device), log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
     )
     kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
     return rewards, {"reward_kl": masked_mean_var(kl, mask, group=dp_group)[0]}
@@ -131,29 +149,35 @@ def actor_targets(
     batch: RolloutBatch,
     old_log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor | None,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
     config: WorkerConfig,
     *,
     rewards: torch.Tensor | None = None,
     dp_group: Any = None,
 ) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
-    """The actor's targets: GAE advantages on the critic's values, whitened when configured.
+    """The actor's targets: the estimator's advantages (GAE on the critic's values), whitened when configured.
 
-    `rewards`: what `reward_signal` gives; None: `batch.rewards`. Returns the batch
-    with `old_log_probs`, `ref_log_probs`, `old_values` (the critic's values it used)
-    and `advantages`, and the rollout figures (advantages before whitening).
+    `values`: the critic's values (GAE), None for a critic-free estimator. `rewards`: what
+    `reward_signal` gives; None: `batch.rewards`. Returns the batch with `old_log_probs`,
+    `ref_log_probs`, `old_values` (the critic's values it used, if any) and `advantages`,
+    and the rollout figures (advantages before whitening).
     """
     mask = batch.padded_loss_mask(old_log_probs.device)
-    values = values.to(old_log_probs.device)
+    values = None if values is None else values.to(old_log_probs.device)
     rewards = batch.rewards if rewards is None else rewards
-    advantages, returns = compute_gae(rewards, values, mask, config.gamma, config.lambd)
+    estimator = config.advantage_estimator
+    advantages, returns = token_advantages(
+        estimator, rewards, values, mask, gamma=config.gamma, lambd=config.lambd
+    )
     figures = {
         "log_prob": masked_mean_var(old_log_probs, mask, group=dp_group)[0],
         "advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0],
-        "values_mean": masked_mean_var(values, mask, group=dp_group)[0],
-        "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
     }
-    if config.normalize_advantages:
+    if values is not None:
+        figures["values_mean"] = masked_mean_var(values, mask, group=dp_group)[0]
+    if returns is not None:
+        figures["returns_mean"] = masked_mean_var(returns, mask, group=dp_group)[0]
+    if whitens(estimator, config.normalize_advantages):
         advantages = whiten_advantages(advantages, mask, group=dp_group)
     targets = batch.with_targets(
         old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, old_values=values, advantages=advantages
@@ -182,9 +206,25 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
     log_probs = outputs["log_probs"]
     mask = mb.padded_loss_mask(log_probs.device)
     mode = config.loss_aggregation
-    per_token, token_metrics = policy_loss(
-        log_probs, mb.old_log_probs, mb.advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c
-    )
+    if config.loss_type == "gspo":
+        per_token, token_metrics = gspo_policy_loss(
+            log_probs,
+            mb.old_log_probs,
+            mb.advantages,
+            mask,
+            config.eps_clip,
+            config.eps_clip_high,
+            config.eps_clip_c,
+        )
+    else:
+        per_token, token_metrics = policy_loss(
+            log_probs,
+            mb.old_log_probs,
+            mb.advantages,
+            config.eps_clip,
+            config.eps_clip_high,
+            config.eps_clip_c,
+        )
     metrics: dict[str, torch.Tensor] = {}
     if config.use_tis:
         # Truncated importance sampling: the rollout came from the engine's policy, not from π_old.
@@ -402,11 +442,27 @@ def train_actor(
     if last:
         assert old_log_probs is not None, "the last stage computes or is given log-probs"
         device = old_log_probs.device
-        values = critic_values(external_data, batch, rank=rank, device=device)
+        values = critic_values(external_data, batch, rank=rank, device=device) if config.uses_critic else None
         dp_group = mpu.get_data_parallel_group()
-        rewards, figures = reward_signal(
-            batch, old_log_probs, ref_log_probs, config, device=device, dp_group=dp_group
+        # Critic-free group estimators: each sample's reward less its prompt's baseline, pooled over DP.
+        scalar_rewards, group_figures = estimator_rewards(
+            config.advantage_estimator,
+            batch.rewards,
+            batch.sample_indices,
+            n_samples_per_prompt=config.n_samples_per_prompt,
+            std_normalization=config.grpo_std_normalization,
+            group=dp_group,
         )
+        rewards, figures = reward_signal(
+            batch,
+            old_log_probs,
+            ref_log_probs,
+            config,
+            device=device,
+            dp_group=dp_group,
+            scalar_rewards=scalar_rewards,
+        )
+        figures |= group_figures
         batch, target_figures = actor_targets(
             batch, old_log_probs, ref_log_probs, values, config, rewards=rewards, dp_group=dp_group
         )
@@ -427,6 +483,9 @@ def train_actor(
         | ({"entropy"} if config.entropy_coef <= 0 else set())
         | ({"tis_weight"} if not config.use_tis else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
+        | ({"values_mean"} if not config.uses_critic else set())
+        | ({"returns_mean"} if config.advantage_estimator in ("grpo", "rloo") else set())
+        | ({"tied_groups"} if config.advantage_estimator not in GROUP_ESTIMATORS else set())
     )
     metrics = reduce_metrics(
         group,

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from tandem.megatron.config import WorkerConfig
+from tandem.ppo.estimator_plan import check_estimator_plan
 
 BUILTIN_REWARDS = ("exact_match", "math")
 
@@ -120,6 +121,20 @@ class PPOConfig(WorkerConfig):
     """Most rounds of drawing `rollout_batch_size` prompts per step with `dynamic_sampling`; a batch
     still short after them is filled with dropped prompts (counted in `dynamic/filled_prompts`)."""
 
+    overlong_buffer_len: int | None = None
+    """DAPO's soft overlong punishment: over the last this many tokens before
+    `--rollout-max-response-len`, a response's reward loses up to `--overlong-penalty-factor`, in
+    proportion to how far into them it ran (DAPO eq. 13, `tandem.megatron.reward_shaping`;
+    `reward/overlong_penalty`); None: off."""
+
+    overlong_penalty_factor: float = 1.0
+    """With `--overlong-buffer-len`: the penalty of a response that reaches `--rollout-max-response-len`."""
+
+    filter_truncated: bool = False
+    """Leave responses cut at `--rollout-max-response-len` (finish reason `length`) out of both
+    models' losses (loss mask 0; DAPO's overlong filtering); they still count in their prompt's
+    group baseline, and in the `reward/` metrics."""
+
     # --- rewards ----------------------------------------------------------------------------
     rm_type: str = "exact_match"
     """Built-in reward: `exact_match` (response equals the label) or `math` (final answer
@@ -152,7 +167,9 @@ class PPOConfig(WorkerConfig):
 
     # --- placement and the offload plan ----------------------------------------------------------
     use_critic: bool = True
-    """Train a critic (PPO with GAE); it shares the actor's GPUs and never adds any."""
+    """Train a critic (GAE's baseline); it shares the actor's GPUs and never adds any. Left unset, a
+    critic-free `--advantage-estimator` implies `--no-use-critic` (no critic starts, sleeps or
+    trains); asked for with one, or turned off with `gae`, it is refused."""
 
     colocate: bool = True
     """The rollout engine sits on the training GPUs (released during training)."""
@@ -278,6 +295,7 @@ class PPOConfig(WorkerConfig):
         self._check_required()
         self._check_driver_numbers()
         self._check_plan()
+        check_estimator_plan(self)
         self._check_files()
         try:
             worker = self.worker_config()
@@ -431,7 +449,12 @@ class PPOConfig(WorkerConfig):
 
 
 def _flagged(message: str) -> str:
-    """A WorkerConfig message (`field_name: ...`) with its leading field turned into the flag."""
+    """A WorkerConfig message (`field_name: ...`) with its leading field, and each field it names in
+    backticks, turned into the flag."""
+    fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    message = re.sub(
+        r"`([a-z_]+)`", lambda m: flag(m.group(1)) if m.group(1) in fields else m.group(0), message
+    )
     match = re.match(r"^([a-z_]+)([ :/])", message)
     if match is None:
         return message

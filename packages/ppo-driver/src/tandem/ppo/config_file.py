@@ -16,6 +16,7 @@ from typing import Any
 import tyro
 
 from tandem.ppo.config import FLAG_NAMES, PPOConfig
+from tandem.ppo.estimator_plan import critic_flag_given, imply_critic
 
 __all__ = ["config_fields", "parse_config", "read_yaml", "unvalidated", "write_yaml"]
 
@@ -26,14 +27,17 @@ def config_fields() -> dict[str, dataclasses.Field[Any]]:
 
 
 def unvalidated(values: Mapping[str, Any]) -> PPOConfig:
-    """A config from field values (defaults for the rest), not yet validated; unknown keys refused."""
+    """A config from field values (defaults for the rest), not yet validated; unknown keys refused.
+
+    Without a `use_critic` value, the run has a critic exactly when its advantage estimator needs one.
+    """
     known = config_fields()
     unknown = sorted(set(values) - set(known))
     if unknown:
         names = ", ".join(unknown)
         raise ValueError(f"config: unknown field(s) {names}; see `ppo-driver train --help` for the fields")
     coerced: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return PPOConfig(**coerced)
+    return imply_critic(PPOConfig(**coerced), given=critic_flag_given(values))
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -95,6 +99,7 @@ def parse_config(
             "(keys as below without the dashes' prefix); flags given here override it."
         ),
     )
+    config = imply_critic(config, given=critic_flag_given(values, rest))
     if validate:
         config.validate()
     return config

@@ -7,7 +7,8 @@ One step, exactly as DESIGN.md's "One PPO step" says:
    and put in Ray's object store;
 2. the engines release their GPU memory (weights, KV cache);
 3. critic: wake, train (old values, GAE returns, value loss), sleep; it
-   returns its old values per rank;
+   returns its old values per rank (GAE only: with a critic-free
+   `--advantage-estimator` no critic exists, and the step has no critic phase);
 4. actor: wake, train with the critic's per-rank payloads as `external_data`,
    sleep (skipped during the critic-only warm-up);
 5. weights: the engines resume their weights, the actor (asleep) sends its
@@ -42,6 +43,7 @@ from tandem.ppo.rollout import (
     generate_rollout,
     sampling_params,
     shard_per_role,
+    training_rewards,
 )
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state, save_state
@@ -232,7 +234,11 @@ class PPODriver:
         else:
             rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
         data_state = self.dataset.state_dict()
-        data_refs, sample_indices = shard_per_role(rollout, self.data_parallel_sizes)
+        rewards, shaping = training_rewards(rollout, config)
+        counts.update(shaping)
+        data_refs, sample_indices = shard_per_role(
+            rollout, self.data_parallel_sizes, rewards=rewards, filter_truncated=config.filter_truncated
+        )
         self.events.record("generate_end", rollout_id=rollout_id)
         seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
         seconds["time/rollout"] = time.perf_counter() - start
@@ -272,11 +278,13 @@ class PPODriver:
             with self._phase("engine_release"):
                 self.engines.release_memory()
 
-        # 2b. KL-first plan (kl_coef != 0): the actor's old and reference log-probs before the
-        #     critic trains, so that both fold the same per-token KL into their rewards
-        log_probs = self._kl_first(rollout_id, sampled) if config.kl_coef != 0 else None
+        # 2b. KL-first plan (kl_coef != 0 with a critic): the actor's old and reference log-probs
+        #     before the critic trains, so that both fold the same per-token KL into their rewards
+        #     (without a critic the actor computes them in its own train step)
+        kl_first = config.kl_coef != 0 and self.critic is not None
+        log_probs = self._kl_first(rollout_id, sampled) if kl_first else None
 
-        # 3. critic: wake, old values + returns + value loss, sleep
+        # 3. critic (GAE only): wake, old values + returns + value loss, sleep
         critic_out = None
         metrics: dict[str, Any] = {}
         if self.critic is not None:

@@ -4,8 +4,11 @@ Samples of one prompt are consecutive (`n_samples_per_prompt` of them), and a
 rollout is cut into contiguous, equal shares per data-parallel rank, so that
 sample `i` of the rollout is the same sample for the actor and the critic
 (`sample_indices` carries `i`). Every response token is trainable
-(`loss_mask = 1`), truncated responses included: GAE treats the value after
-the last token as 0 (DESIGN.md, "PPO math conventions").
+(`loss_mask = 1`), truncated responses included (GAE treats the value after
+the last token as 0; DESIGN.md, "PPO math conventions"), unless
+`--filter-truncated` leaves them out (mask 0). The models train on the task
+reward plus DAPO's overlong penalty when `--overlong-buffer-len` is set
+(`training_rewards`); the `reward/` metrics are the task reward's.
 """
 
 from __future__ import annotations
@@ -171,8 +174,41 @@ def dynamic_sample(
     return rollout, counts
 
 
-def to_train_batches(rollout: Rollout, data_parallel_size: int) -> list[RolloutBatch]:
-    """The rollout as `data_parallel_size` equal, contiguous `RolloutBatch`es (rank `r` gets share `r`)."""
+def training_rewards(rollout: Rollout, config: PPOConfig) -> tuple[list[float], dict[str, float]]:
+    """The rewards the models train on, and their metrics: the task rewards, plus DAPO's overlong penalty.
+
+    With `--overlong-buffer-len`, `reward_shaping.overlong_penalty` of each response's length is
+    added, and `reward/overlong_penalty` (its mean) and `reward/shaped_mean` are reported.
+    """
+    if config.overlong_buffer_len is None:
+        return list(rollout.rewards), {}
+    from tandem.megatron.reward_shaping import overlong_penalty
+
+    lengths = torch.tensor([len(g.token_ids) for g in rollout.generations])
+    penalty = overlong_penalty(
+        lengths, config.rollout_max_response_len, config.overlong_buffer_len, config.overlong_penalty_factor
+    ).tolist()
+    shaped = [r + p for r, p in zip(rollout.rewards, penalty, strict=True)]
+    metrics = {
+        "reward/overlong_penalty": sum(penalty) / len(penalty),
+        "reward/shaped_mean": sum(shaped) / len(shaped),
+    }
+    return shaped, metrics
+
+
+def to_train_batches(
+    rollout: Rollout,
+    data_parallel_size: int,
+    *,
+    rewards: Sequence[float] | None = None,
+    filter_truncated: bool = False,
+) -> list[RolloutBatch]:
+    """The rollout as `data_parallel_size` equal, contiguous `RolloutBatch`es (rank `r` gets share `r`).
+
+    `rewards`: what the models train on (`training_rewards`); None: the rollout's rewards.
+    `filter_truncated`: responses cut at the length cap (finish reason `length`) get loss mask 0.
+    """
+    rewards = rollout.rewards if rewards is None else rewards
     n = len(rollout)
     if n % data_parallel_size:
         raise ValueError(
@@ -188,14 +224,15 @@ def to_train_batches(rollout: Rollout, data_parallel_size: int) -> list[RolloutB
             response = list(gen.token_ids)
             tokens.append(torch.tensor([*prompt.prompt_ids, *response], dtype=torch.long))
             lengths.append(len(response))
-            masks.append(torch.ones(len(response), dtype=torch.float32))
+            dropped = filter_truncated and gen.finish_reason == "length"
+            masks.append((torch.zeros if dropped else torch.ones)(len(response), dtype=torch.float32))
             log_probs.append(torch.tensor(gen.log_probs, dtype=torch.float32))
         batches.append(
             RolloutBatch(
                 tokens=tokens,
                 response_lengths=lengths,
                 loss_masks=masks,
-                rewards=torch.tensor([rollout.rewards[i] for i in indices], dtype=torch.float32),
+                rewards=torch.tensor([rewards[i] for i in indices], dtype=torch.float32),
                 sample_indices=list(indices),
                 rollout_log_probs=log_probs,
             )
@@ -245,19 +282,24 @@ def sampling_params(
 
 
 def shard_per_role(
-    rollout: Rollout, data_parallel_sizes: dict[str, int]
+    rollout: Rollout,
+    data_parallel_sizes: dict[str, int],
+    *,
+    rewards: Sequence[float] | None = None,
+    filter_truncated: bool = False,
 ) -> tuple[dict[str, list[Any]], dict[str, list[list[int]]]]:
     """Per role, the rollout cut in that role's data-parallel shares and put in Ray's object store.
 
     Returns (object refs per rank, sample indices per rank), both by role; roles with the
     same data-parallel size share the same refs (a critic may have its own layout).
+    `rewards`, `filter_truncated`: as `to_train_batches` takes them.
     """
     import ray
 
     data_refs: dict[str, list[Any]] = {}
     sample_indices: dict[str, list[list[int]]] = {}
     for role, dp in data_parallel_sizes.items():
-        batches = to_train_batches(rollout, dp)
+        batches = to_train_batches(rollout, dp, rewards=rewards, filter_truncated=filter_truncated)
         sample_indices[role] = [b.sample_indices for b in batches]
         same = next((r for r in data_refs if data_parallel_sizes[r] == dp), None)
         data_refs[role] = data_refs[same] if same is not None else [ray.put(b) for b in batches]

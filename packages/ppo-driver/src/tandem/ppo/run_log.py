@@ -36,7 +36,8 @@ class RunSummary:
             f"metrics:      {self.run_dir / 'metrics.jsonl'}",
             f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
             f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
-            f"checkpoints:  {self.run_dir / 'actor'}, {self.run_dir / 'critic'}",
+            "checkpoints:  "
+            + ", ".join(str(self.run_dir / m) for m in ("actor", "critic") if (self.run_dir / m).is_dir()),
         ]
         if self.hf_dir is not None:
             lines.append(f"hf model:     {self.hf_dir}")

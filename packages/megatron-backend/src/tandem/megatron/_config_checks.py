@@ -130,6 +130,17 @@ def check_ppo(config: Any) -> None:
         raise ValueError(f"eps_clip_high: got {config.eps_clip_high}; it must be > 0 or None")
     if config.eps_clip_c is not None and not config.eps_clip_c > 1:
         raise ValueError(f"eps_clip_c: got {config.eps_clip_c}; the dual-clip constant must be > 1 or None")
+    if config.reuse_old_log_probs is not None and not isinstance(config.reuse_old_log_probs, bool):
+        raise ValueError(
+            f"reuse_old_log_probs: got {config.reuse_old_log_probs!r}; it must be True, False or None (auto)"
+        )
+    if config.reuse_old_log_probs is True:
+        why = config.old_log_probs_redundant()
+        if why is not None:
+            raise ValueError(
+                f"reuse_old_log_probs: the old log-probs are not the update's own here: {why}; leave "
+                "reuse_old_log_probs unset (auto) or False"
+            )
     if not isinstance(config.use_tis, bool):
         raise ValueError(f"use_tis: got {config.use_tis!r}; it must be True or False")
     if isinstance(config.tis_cap, bool) or not isinstance(config.tis_cap, int | float):

@@ -259,6 +259,17 @@ class WorkerConfig:
     """Upper bound of the truncated importance weight (with `use_tis`); finite, >= 1 so that an
     on-policy token (weight 1) is never down-weighted."""
 
+    reuse_old_log_probs: bool | None = None
+    """Take the actor's old log-probs from its update's own forward pass (detached) instead of
+    a forward pass of their own before it. With one PPO epoch and one optimizer step per
+    rollout, the old log-probs are the trainer's log-probs under the very weights the update's
+    forward runs with, so the ratio is exactly 1 either way and the loss and gradients are the
+    same; one forward pass of the whole rollout less. Not with `kl_coef` (the KL-folded rewards
+    need them before the update) or `use_tis` (which weighs by them against the sampler's).
+    None: wherever that holds (`old_log_probs_redundant`); True: required (refused elsewhere,
+    with the reason); False: always computed. The rollout figure `log_prob` is then not
+    reported."""
+
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
 
@@ -323,6 +334,29 @@ class WorkerConfig:
     def samples_per_rollout(self) -> int:
         """Samples in one rollout, over all data-parallel ranks."""
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+    def old_log_probs_redundant(self) -> str | None:
+        """None when the old log-probs are the update's own (one epoch, one step, no KL in the
+        rewards, no TIS); else why not, naming the field."""
+        if self.ppo_epochs != 1:
+            return f"ppo_epochs is {self.ppo_epochs} (later epochs train against the first's log-probs)"
+        if self.global_batch_size != self.samples_per_rollout:
+            return (
+                f"global_batch_size ({self.global_batch_size}) is below a rollout's {self.samples_per_rollout} "
+                "samples (later optimizer steps train against the weights before the first)"
+            )
+        if self.kl_coef != 0:
+            return "kl_coef folds the KL into the rewards before the update"
+        if self.use_tis:
+            return "use_tis weighs each token by the old against the sampler's log-probs"
+        return None
+
+    @property
+    def reuses_old_log_probs(self) -> bool:
+        """Whether the actor takes its old log-probs from its update's forward (`reuse_old_log_probs`)."""
+        if self.reuse_old_log_probs is None:
+            return self.old_log_probs_redundant() is None
+        return self.reuse_old_log_probs
 
     @property
     def uses_critic(self) -> bool:

@@ -147,32 +147,37 @@ def critic_targets(
 
 def actor_targets(
     batch: RolloutBatch,
-    old_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
     ref_log_probs: torch.Tensor | None,
     values: torch.Tensor | None,
     config: WorkerConfig,
     *,
     rewards: torch.Tensor | None = None,
     dp_group: Any = None,
+    device: torch.device | None = None,
 ) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
     """The actor's targets: the estimator's advantages (GAE on the critic's values), whitened when configured.
 
     `values`: the critic's values (GAE), None for a critic-free estimator. `rewards`: what
     `reward_signal` gives; None: `batch.rewards`. Returns the batch with `old_log_probs`,
     `ref_log_probs`, `old_values` (the critic's values it used, if any) and `advantages`,
-    and the rollout figures (advantages before whitening).
+    and the rollout figures (advantages before whitening). `old_log_probs` None: the update
+    takes them from its own forward (`reuse_old_log_probs`), and `log_prob` is not a figure.
+    `device`: where the targets go; None: the old log-probs' device.
     """
-    mask = batch.padded_loss_mask(old_log_probs.device)
-    values = None if values is None else values.to(old_log_probs.device)
+    if device is None:
+        assert old_log_probs is not None, "give the device when there are no old log-probs"
+        device = old_log_probs.device
+    mask = batch.padded_loss_mask(device)
+    values = None if values is None else values.to(device)
     rewards = batch.rewards if rewards is None else rewards
     estimator = config.advantage_estimator
     advantages, returns = token_advantages(
         estimator, rewards, values, mask, gamma=config.gamma, lambd=config.lambd
     )
-    figures = {
-        "log_prob": masked_mean_var(old_log_probs, mask, group=dp_group)[0],
-        "advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0],
-    }
+    figures = {"advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0]}
+    if old_log_probs is not None:
+        figures["log_prob"] = masked_mean_var(old_log_probs, mask, group=dp_group)[0]
     if values is not None:
         figures["values_mean"] = masked_mean_var(values, mask, group=dp_group)[0]
     if returns is not None:
@@ -202,14 +207,17 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
 
     All terms share the loss mask and aggregation mode, hence one count.
     """
-    assert mb.old_log_probs is not None and mb.advantages is not None, "actor_targets fills them"
+    assert mb.advantages is not None, "actor_targets fills them"
     log_probs = outputs["log_probs"]
+    # With one epoch and one step the old log-probs are this forward's own (reuse_old_log_probs):
+    # the ratio is exactly 1 and the gradient flows through `log_probs` alone.
+    old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
     mask = mb.padded_loss_mask(log_probs.device)
     mode = config.loss_aggregation
     if config.loss_type == "gspo":
         per_token, token_metrics = gspo_policy_loss(
             log_probs,
-            mb.old_log_probs,
+            old_log_probs,
             mb.advantages,
             mask,
             config.eps_clip,
@@ -219,7 +227,7 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
     else:
         per_token, token_metrics = policy_loss(
             log_probs,
-            mb.old_log_probs,
+            old_log_probs,
             mb.advantages,
             config.eps_clip,
             config.eps_clip_high,
@@ -228,7 +236,7 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
     metrics: dict[str, torch.Tensor] = {}
     if config.use_tis:
         # Truncated importance sampling: the rollout came from the engine's policy, not from π_old.
-        weights = tis_weights(mb.old_log_probs, _rollout_log_probs(mb, log_probs), config.tis_cap)
+        weights = tis_weights(old_log_probs, _rollout_log_probs(mb, log_probs), config.tis_cap)
         per_token = per_token * weights
         metrics["tis_weight"] = loss_sum_and_count(weights, mask, mode)[0]
     pg_sum, count = loss_sum_and_count(per_token, mask, mode)
@@ -429,7 +437,10 @@ def train_actor(
     )
     raise_if(failed, error)
     reuse_old, reuse_ref = not recompute_old, not recompute_ref
-    old_log_probs = given_old if reuse_old else _actor_log_probs(trainee, batch)
+    # With one epoch and one optimizer step the update's own forward supplies them instead
+    # (reuse_old_log_probs; decided from the config, alike on every rank).
+    from_update = not reuse_old and config.reuses_old_log_probs
+    old_log_probs = given_old if reuse_old else None if from_update else _actor_log_probs(trainee, batch)
     ref_log_probs = None
     if needs_ref:
         if reuse_ref:
@@ -440,8 +451,8 @@ def train_actor(
     # 2. targets, on the critic's values and the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}
     if last:
-        assert old_log_probs is not None, "the last stage computes or is given log-probs"
-        device = old_log_probs.device
+        assert old_log_probs is not None or from_update, "the last stage computes or is given log-probs"
+        device = trainee.device
         values = critic_values(external_data, batch, rank=rank, device=device) if config.uses_critic else None
         dp_group = mpu.get_data_parallel_group()
         # Critic-free group estimators: each sample's reward less its prompt's baseline, pooled over DP.
@@ -464,7 +475,14 @@ def train_actor(
         )
         figures |= group_figures
         batch, target_figures = actor_targets(
-            batch, old_log_probs, ref_log_probs, values, config, rewards=rewards, dp_group=dp_group
+            batch,
+            old_log_probs,
+            ref_log_probs,
+            values,
+            config,
+            rewards=rewards,
+            dp_group=dp_group,
+            device=device,
         )
         figures |= target_figures
         if on_targets is not None:
@@ -486,6 +504,7 @@ def train_actor(
         | ({"values_mean"} if not config.uses_critic else set())
         | ({"returns_mean"} if config.advantage_estimator in ("grpo", "rloo") else set())
         | ({"tied_groups"} if config.advantage_estimator not in GROUP_ESTIMATORS else set())
+        | ({"log_prob"} if from_update else set())
     )
     metrics = reduce_metrics(
         group,

@@ -275,6 +275,9 @@ class PPOConfig(WorkerConfig):
         values["critic_save"] = self.critic_save_dir if self.use_critic else None
         values["load"] = self.load or self.actor_save
         values["critic_load"] = (self.critic_load or self.critic_save_dir) if self.use_critic else None
+        if self.async_mode and self.reuse_old_log_probs is None:
+            # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
+            values["reuse_old_log_probs"] = False
         return WorkerConfig(**values)
 
     def placement_spec(self) -> Any:

@@ -1,4 +1,4 @@
-"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`.
+"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`, `fetch-model`.
 
 Each subcommand's options come from a typed dataclass through tyro, so
 `--help` shows every field's docstring. A bad value ends the command with a
@@ -121,12 +121,24 @@ def _plot(argv: Sequence[str]) -> int:
     return 0
 
 
+def _fetch_model(argv: Sequence[str]) -> int:
+    from tandem.ppo.pretrained import FetchModelArgs, fetch_model_command
+
+    args = tyro.cli(FetchModelArgs, args=list(argv), prog=f"{PROG} fetch-model")
+    print(fetch_model_command(args))
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "train a model with PPO (YAML --config plus flags)"),
     "demo": (_demo, "PPO on a tiny local model that learns on the CPU in minutes (no downloads)"),
     "eval": (_eval, "run a saved actor on an eval JSONL and print the metrics"),
     "export": (_export, "write a run's latest actor checkpoint as a Hugging Face folder"),
     "plot": (_plot, "write PNG curves of one or more runs' metrics"),
+    "fetch-model": (
+        _fetch_model,
+        "fetch a pretrained model (smollm2) into the cache as a Hugging Face folder",
+    ),
 }
 
 

@@ -19,6 +19,7 @@ from tandem.megatron._config_checks import (
     check_batches,
     check_choices,
     check_folders,
+    check_model_layout,
     check_positive_ints,
     check_ppo,
 )
@@ -203,8 +204,11 @@ class WorkerConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
 
-    normalize_advantages: bool = False
-    """Whiten advantages over the masked tokens of the whole data-parallel group."""
+    normalize_advantages: bool = True
+    """Whiten the GAE advantages (mean 0, std 1 over the trainable tokens of the whole data-parallel
+    group) before the policy loss. On by default, as in verl (`masked_whiten` in its GAE) and cleanrl
+    (`norm_adv=True`): raw advantages of a pretrained model's rewards are small and uneven from step to
+    step, and a run on them barely moves; `--no-normalize-advantages` keeps them raw."""
 
     loss_aggregation: LossAggregation = "sample_mean"
     """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
@@ -252,6 +256,11 @@ class WorkerConfig:
     wake, at the price of the one-rank NCCL communicators' device memory while asleep: about
     0.25 GiB a worker at DP 2 on two H200s, 1.9 GiB on one H200 (docs/benchmarks.md). False:
     every group is torn down, for the smallest sleeping worker."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's embedding and output head get the vocabulary rounded up to a multiple of this
+    times the tensor-parallel size (as Megatron's flag of that name): every TP rank holds an equal
+    slice whatever the tokenizer's size. The padding rows never reach a softmax and are not exported."""
 
     update_weights_chunk_bytes: int = 512 * 1024**2
     """Bytes of HF-named tensors per chunk sent to the rollout engine by `update_weights`."""
@@ -347,6 +356,15 @@ class WorkerConfig:
                 f"({self.micro_batch_size}) * the {role}'s data-parallel size ({dp}); make it a multiple "
                 f"of {self.micro_batch_size * dp}"
             )
+
+    def check_model(self, role: Role) -> None:
+        """Check that `role`'s model (config.json) splits over its TP / PP sizes; ValueError naming the field.
+
+        Reads the role's Hugging Face config, so that a layout the model cannot take
+        (9 attention heads over 2 tensor-parallel ranks) fails before any worker starts.
+        """
+        _check_role(role)
+        check_model_layout(self, role)
 
     def check_role(self, role: Role) -> None:
         """Check the fields `role` needs (its checkpoint folders); ValueError naming the field."""

@@ -34,7 +34,8 @@ class ModelSpec:
 
     Attributes:
         family: "llama", "qwen2" or "qwen3" (from `model_type`).
-        vocab_size: rows of the embedding and of the output head.
+        vocab_size: rows of the embedding and of the output head in the HF checkpoint (Megatron's
+            are padded: `padded_vocab_size`).
         hidden_size: model width.
         num_layers: number of decoder layers.
         num_attention_heads: query heads.
@@ -84,6 +85,21 @@ class ModelSpec:
             cfg = json.loads(path.read_text())
         return _spec_from_dict(cfg)
 
+    def padded_vocab_size(self, tensor_parallel_size: int = 1, multiple: int = 128) -> int:
+        """Rows of Megatron's embedding and output head: `vocab_size` rounded up to `multiple * TP`.
+
+        As Megatron's `make_vocab_size_divisible_by`: every tensor-parallel rank holds an
+        equal slice whatever the tokenizer's size, and the GEMMs get friendly shapes. The
+        extra rows are zeros; their logits never reach a softmax (`forward`), and they are
+        cut off again on export.
+        """
+        if multiple < 1 or tensor_parallel_size < 1:
+            raise ValueError(
+                f"padded_vocab_size: multiple {multiple} and TP {tensor_parallel_size} must be >= 1"
+            )
+        step = multiple * tensor_parallel_size
+        return -(-self.vocab_size // step) * step
+
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse RoPE frequencies, shape `(head_dim / 2,)`, float32, computed as transformers does."""
         dim = self.head_dim
@@ -109,11 +125,6 @@ class ModelSpec:
         Fused kernels are off on CPU (the CPU compatibility layer's half of the job)
         and limited to the ones that need neither Apex nor Transformer Engine on GPU.
         """
-        if self.vocab_size % tensor_parallel_size:
-            raise ValueError(
-                f"vocab_size {self.vocab_size} is not divisible by tensor_parallel_size "
-                f"{tensor_parallel_size}; pick a tensor-parallel size that divides it"
-            )
         for name, count in (
             ("num_attention_heads", self.num_attention_heads),
             ("num_kv_heads", self.num_kv_heads),

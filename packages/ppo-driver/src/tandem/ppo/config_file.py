@@ -16,6 +16,7 @@ from typing import Any
 import tyro
 
 from tandem.ppo.config import FLAG_NAMES, PPOConfig
+from tandem.ppo.hub import resolve_checkpoints
 
 __all__ = ["config_fields", "parse_config", "read_yaml", "unvalidated", "write_yaml"]
 
@@ -95,6 +96,8 @@ def parse_config(
             "(keys as below without the dashes' prefix); flags given here override it."
         ),
     )
+    # Hub ids (`org/name`) become local snapshot folders before any check reads the folders.
+    config = resolve_checkpoints(config)
     if validate:
         config.validate()
     return config

@@ -106,10 +106,10 @@ def cache_root() -> Path:
     return base / "tandem" / "models"
 
 
-def model_info(name: str) -> WheelModel:
-    """The `WheelModel` called `name`; ValueError listing the known ones otherwise."""
+def model_info(name: str, *, flag: str = "fetch-model") -> WheelModel:
+    """The `WheelModel` called `name`; ValueError (naming `flag`) listing the known ones otherwise."""
     if name not in MODELS:
-        raise ValueError(f"--model: unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
+        raise ValueError(f"{flag}: unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
     return MODELS[name]
 
 

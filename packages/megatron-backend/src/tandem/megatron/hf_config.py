@@ -1,7 +1,7 @@
 """The model shape read from a Hugging Face `config.json`, and the Megatron config built from it.
 
-`ModelSpec.from_hf` accepts Llama-family, Qwen2 and Qwen3 dense decoder
-configs and rejects, with a `ValueError` naming the field, anything our
+`ModelSpec.from_hf` accepts Llama-family, Mistral (without a sliding window
+shorter than the context), Qwen2 and Qwen3 dense decoder configs and rejects, with a `ValueError` naming the field, anything our
 Megatron models would not reproduce exactly (sliding windows, biases where
 Megatron has none, other activations, unsupported RoPE scaling).
 """
@@ -22,9 +22,9 @@ from tandem.megatron._cpu_compat import cpu_compat_active
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral"]
 
-_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -33,7 +33,8 @@ class ModelSpec:
     """Shape and per-family details of a dense decoder, as its Hugging Face config states them.
 
     Attributes:
-        family: "llama", "qwen2" or "qwen3" (from `model_type`).
+        family: "llama", "qwen2", "qwen3" or "mistral" (from `model_type`; Mistral's weights are named
+            as Llama's).
         vocab_size: rows of the embedding and of the output head in the HF checkpoint (Megatron's
             are padded: `padded_vocab_size`).
         hidden_size: model width.
@@ -246,6 +247,13 @@ def _spec_from_dict(cfg: Mapping[str, Any]) -> ModelSpec:
     if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise ValueError(
             "ModelSpec.from_hf: sliding-window attention is not supported; set use_sliding_window=false"
+        )
+    window = cfg.get("sliding_window") if family == "mistral" else None
+    if window is not None and int(window) < int(cfg.get("max_position_embeddings", 4096)):
+        # Mistral applies its window whenever it is set; one as long as the context never bites.
+        raise ValueError(
+            f"ModelSpec.from_hf: sliding_window={window} is shorter than max_position_embeddings; "
+            "sliding-window attention is not supported (use a checkpoint with sliding_window null)"
         )
     if cfg.get("mlp_bias"):
         raise ValueError("ModelSpec.from_hf: `mlp_bias` is not supported (Megatron's MLP here has no biases)")

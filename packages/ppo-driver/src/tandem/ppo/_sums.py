@@ -25,7 +25,7 @@ QUESTION = "What is {a} plus {b}? Answer with a single number, nothing else."
 
 SUMS_DEFAULTS: dict[str, Any] = {
     "run_dir": "runs/demo-smollm2",
-    "num_rollout": 12,
+    "num_rollout": 8,
     "num_critic_only_steps": 1,
     "rollout_batch_size": 8,
     "n_samples_per_prompt": 4,
@@ -35,7 +35,8 @@ SUMS_DEFAULTS: dict[str, Any] = {
     "max_prompt_len": 96,
     "temperature": 0.7,
     "lr": 1e-5,
-    "critic_lr": 3e-5,
+    "critic_lr": 1e-4,
+    "value_clip": None,
     "use_kl_loss": True,
     "kl_loss_coef": 0.01,
     "device": "cpu",
@@ -70,3 +71,19 @@ def write_sums_task(out_dir: str | Path) -> tuple[Path, Path]:
     train.write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i % 5 != 2))
     evaluation.write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i % 5 == 2))
     return train, evaluation
+
+
+def prepare_sums_demo(values: dict[str, Any]) -> dict[str, Any]:
+    """Fill in SmolLM2 (fetched into the cache once) and the sums task under RUN_DIR, unless the flags name others."""
+    from tandem.ppo.pretrained import fetch_model
+
+    run_dir = Path(values.get("run_dir", SUMS_DEFAULTS["run_dir"]))
+    filled = dict(values)
+    if not filled.get("hf_checkpoint"):
+        filled["hf_checkpoint"] = str(fetch_model("smollm2"))
+    if not filled.get("prompt_data"):
+        train, evaluation = write_sums_task(run_dir / "data")
+        filled["prompt_data"] = str(train)
+        if filled.get("eval_prompt_data") is None:
+            filled["eval_prompt_data"] = str(evaluation)
+    return filled

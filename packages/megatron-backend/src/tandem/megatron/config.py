@@ -125,8 +125,9 @@ class WorkerConfig:
     lr: float = 1e-6
     """Actor's peak learning rate."""
 
-    critic_lr: float = 1e-6
-    """Critic's peak learning rate."""
+    critic_lr: float = 1e-5
+    """Critic's peak learning rate: ten times the actor's by default, as in verl (1e-5) and OpenRLHF
+    (9e-6), since its value head starts from scratch (docs/design.md, "Defaults")."""
 
     min_lr: float = 0.0
     """Learning rate at the end of the decay (both roles, capped at the role's peak)."""
@@ -170,8 +171,9 @@ class WorkerConfig:
     eps_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None: off."""
 
-    value_clip: float | None = 0.2
-    """Clip range (> 0) of the new values around the old values in the value loss; None: no clipping."""
+    value_clip: float | None = 0.5
+    """Clip range (> 0) of the new values around the old values in the value loss, in reward units
+    (0.5 as verl's `cliprange_value` and OpenRLHF's `value_clip`); None: no clipping."""
 
     gamma: float = 1.0
     """GAE discount."""
@@ -195,8 +197,8 @@ class WorkerConfig:
     """Add a KL penalty against the reference weights to the policy loss (computes
     reference log-probs each step; reference weights stay on the host)."""
 
-    kl_loss_coef: float = 0.0
-    """Weight of the KL penalty in the policy loss (with `use_kl_loss`)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL penalty in the policy loss (with `use_kl_loss`; 0.001 as verl's `kl_loss_coef`)."""
 
     kl_loss_type: KlKind = "low_var_kl"
     """KL estimator of the KL loss."""

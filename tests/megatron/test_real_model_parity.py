@@ -39,9 +39,8 @@ def _inputs(tokenizer: Any) -> dict[str, Any]:
     tokens, response_lengths = [], []
     for question, answer in pairs:
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         response = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         tokens.append(torch.tensor(prompt + response))
         response_lengths.append(len(response))

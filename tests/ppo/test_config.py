@@ -28,12 +28,24 @@ from tandem.ppo.config_file import config_fields, parse_config, unvalidated
 FLAGS = {flag(name) for name in config_fields()}
 
 
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 56,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+"""A small Llama's config.json: validation reads the architecture (heads and layers against TP and PP)."""
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("config")
     hf = root / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (hf / "config.json").write_text(json.dumps(LLAMA_CONFIG))
     prompts = root / "train.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1", "label": "2"}) + "\n")
     return {"hf_checkpoint": str(hf), "prompt_data": str(prompts), "run_dir": str(root / "run")}
@@ -331,3 +343,53 @@ def test_a_critic_free_estimator_implies_no_critic(files: dict[str, str], tmp_pa
     # Programmatic configs follow the same rule.
     assert unvalidated({**files, "advantage_estimator": "rloo"}).use_critic is False
     assert unvalidated({**files, "advantage_estimator": "rloo", "use_critic": True}).use_critic is True
+
+
+@pytest.mark.parametrize(
+    ("sizes", "flag_name", "count"),
+    [
+        ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size", "9 attention heads"),
+        (
+            {"critic_tensor_model_parallel_size": 2},
+            "--critic-tensor-model-parallel-size",
+            "9 attention heads",
+        ),
+        ({"pipeline_model_parallel_size": 4}, "--pipeline-model-parallel-size", "30 layers"),
+    ],
+)
+def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sizes: dict[str, int], flag_name: str, count: str
+) -> None:
+    # SmolLM2-135M's shape: 9 query heads and 3 key/value heads, 30 layers. Megatron itself would
+    # stop on an assertion inside a worker; validation reads config.json and names the flag.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shape = {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30, "hidden_size": 576}
+    (hf / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **shape, "intermediate_size": 1536}))
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1", "label": "2"}) + "\n")
+    argv = [
+        "train",
+        "--hf-checkpoint",
+        str(hf),
+        "--prompt-data",
+        str(prompts),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    argv += ["--actor-num-gpus-per-node", "4", "--rollout-batch-size", "8", "--global-batch-size", "8"]
+    argv += [x for name, value in sizes.items() for x in (flag(name), str(value))]
+    from tandem.ppo.cli import run
+
+    assert run(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ppo-driver train: error: {flag_name}: ") and count in err, err
+    assert "\n" not in err and not (tmp_path / "run").exists()
+
+
+def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[str, str]) -> None:
+    argv = ["--hf-checkpoint", files["hf_checkpoint"], "--prompt-data", files["prompt_data"]]
+    argv += ["--run-dir", files["run_dir"]]
+    assert parse_config(argv).normalize_advantages is True  # as verl's GAE and cleanrl's norm_adv
+    assert parse_config([*argv, "--no-normalize-advantages"]).normalize_advantages is False
+    assert parse_config(argv).worker_config().normalize_advantages is True  # what the workers get

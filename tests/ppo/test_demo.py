@@ -44,3 +44,9 @@ def test_missing_file_is_refused_by_flag(capsys: pytest.CaptureFixture[str], tmp
     assert status == 2
     err = capsys.readouterr().err
     assert "--hf-checkpoint" in err or "--prompt-data" in err
+
+
+def test_demo_model_must_be_known(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    assert run(["demo", "--model", "gpt-17", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--model: got 'gpt-17'; choose one of tiny, smollm2" in err

@@ -230,7 +230,7 @@ def test_ctrl_c_stops_cleanly_with_a_loadable_checkpoint(tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "tandem.ppo.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
-        "--save-interval", "1000", "--no-progress", "--eval-interval", "1000",
+        "--save-interval", "1000", "--no-progress", "--eval-interval", "1000", "--no-eval-before-train",
     ]  # fmt: skip
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

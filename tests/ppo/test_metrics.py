@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,9 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [0, 1, 1]
     assert rows[0] == {"step": 0, "reward/mean": 0.25, "loss/value": 1.0, "prompts/dropped": 2}
-    assert math.isnan(rows[1]["loss/value"])
+    # Strict JSON: an undefined value is null (a bare NaN is not JSON), read back as None.
+    assert rows[1]["loss/value"] is None
+    assert '"loss/value": null' in (tmp_path / "metrics.jsonl").read_text().splitlines()[1]
     assert rows[2] == {"step": 1, "eval/accuracy": 0.75}
 
 
@@ -150,3 +151,33 @@ def test_plot_single_point_and_many_metrics(tmp_path: Path) -> None:
     (path,) = plot_run([tmp_path], tmp_path / "plots", labels=["only"])
     assert_png(path)
     assert path.parent == tmp_path / "plots"
+
+
+def _strict_json(line: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_undefined_values_are_null_in_strict_json_and_skipped_in_tensorboard(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, total_steps=2, progress=False) as logger:
+        # Step 0 of a run whose returns are all equal: the explained variance is undefined.
+        logger.log(0, {"critic/explained_variance": float("nan"), "reward/mean": 0.5})
+        logger.log(1, {"critic/explained_variance": 0.25, "grad_norm": float("inf")})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [_strict_json(line) for line in lines]  # a strict parser takes every line
+    assert rows[0] == {"step": 0, "critic/explained_variance": None, "reward/mean": 0.5}
+    assert rows[1] == {"step": 1, "critic/explained_variance": 0.25, "grad_norm": None}
+    scalars, _ = read_scalars(tmp_path / "tensorboard")
+    assert scalars["critic/explained_variance"] == [(1, 0.25)]
+    assert "grad_norm" not in scalars
+
+
+def test_resume_rewrites_an_older_files_nan_as_null(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "v": NaN}\n{"step": 1, "v": 1.0}\n')
+    with MetricsLogger(tmp_path, total_steps=2, start_step=1, progress=False):
+        pass
+    assert [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 0, "v": None}
+    ]

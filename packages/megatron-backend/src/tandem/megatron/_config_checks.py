@@ -35,6 +35,7 @@ def check_positive_ints(config: Any) -> None:
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "update_weights_chunk_bytes",
+        "make_vocab_size_divisible_by",
     ):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -240,3 +241,43 @@ def same_path(a: str | None, b: str | None) -> bool:
     if a is None or b is None:
         return False
     return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_model_layout(config: Any, role: str) -> None:
+    """`role`'s model (its Hugging Face config.json) splits over the role's tensor- and pipeline-parallel sizes.
+
+    Heads and key/value heads must divide by the TP size (each rank holds whole
+    heads), layers by the PP size; the vocabulary never needs to (it is padded).
+    Raises a ValueError naming the size field (`critic_...` for the critic) and the fix.
+    """
+    from tandem.megatron.hf_config import ModelSpec
+
+    field = "critic_hf_checkpoint" if role == "critic" and config.critic_hf_checkpoint else "hf_checkpoint"
+    try:
+        spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+    tp, pp = config.topology(role)
+    prefix = "critic_" if role == "critic" else ""
+    for what, count in (
+        ("attention heads", spec.num_attention_heads),
+        ("key/value heads", spec.num_kv_heads),
+    ):
+        if count % tp:
+            fits = [
+                d
+                for d in range(1, count + 1)
+                if spec.num_attention_heads % d == 0 and spec.num_kv_heads % d == 0
+            ]
+            raise ValueError(
+                f"{prefix}tensor_model_parallel_size: {tp} does not divide the {role}'s {count} {what} "
+                f"({config.hf_checkpoint_of(role)}: num_attention_heads={spec.num_attention_heads}, "
+                f"num_key_value_heads={spec.num_kv_heads}); each tensor-parallel rank holds whole heads, so "
+                f"use one of {', '.join(map(str, fits))}"
+            )
+    if spec.num_layers % pp:
+        fits = [d for d in range(1, spec.num_layers + 1) if spec.num_layers % d == 0]
+        raise ValueError(
+            f"{prefix}pipeline_model_parallel_size: {pp} does not divide the {role}'s {spec.num_layers} layers; "
+            f"use one of {', '.join(map(str, fits))}"
+        )

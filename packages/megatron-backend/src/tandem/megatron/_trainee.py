@@ -218,7 +218,12 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     with backend.region(WEIGHTS):
         model = build_model(
-            spec, role, params_dtype=_params_dtype(config), seed=config.seed, fused_rope=config.fused_rope
+            spec,
+            role,
+            params_dtype=_params_dtype(config),
+            seed=config.seed,
+            fused_rope=config.fused_rope,
+            vocab_multiple=config.make_vocab_size_divisible_by,
         )
         reference = None
         if role == "actor" and config.needs_reference:

@@ -20,6 +20,7 @@ from tandem.megatron._config_checks import (
     check_choices,
     check_estimator,
     check_folders,
+    check_model_layout,
     check_positive_ints,
     check_ppo,
 )
@@ -145,8 +146,9 @@ class WorkerConfig:
     lr: float = 1e-6
     """Actor's peak learning rate."""
 
-    critic_lr: float = 1e-6
-    """Critic's peak learning rate."""
+    critic_lr: float = 1e-5
+    """Critic's peak learning rate: ten times the actor's by default, as in verl (1e-5) and OpenRLHF
+    (9e-6), since its value head starts from scratch (docs/design.md, "Defaults")."""
 
     min_lr: float = 0.0
     """Learning rate at the end of the decay (both roles, capped at the role's peak)."""
@@ -190,8 +192,9 @@ class WorkerConfig:
     eps_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None: off."""
 
-    value_clip: float | None = 0.2
-    """Clip range (> 0) of the new values around the old values in the value loss; None: no clipping."""
+    value_clip: float | None = 0.5
+    """Clip range (> 0) of the new values around the old values in the value loss, in reward units
+    (0.5 as verl's `cliprange_value` and OpenRLHF's `value_clip`); None: no clipping."""
 
     gamma: float = 1.0
     """GAE discount."""
@@ -215,8 +218,8 @@ class WorkerConfig:
     """Add a KL penalty against the reference weights to the policy loss (computes
     reference log-probs each step; reference weights stay on the host)."""
 
-    kl_loss_coef: float = 0.0
-    """Weight of the KL penalty in the policy loss (with `use_kl_loss`)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL penalty in the policy loss (with `use_kl_loss`; 0.001 as verl's `kl_loss_coef`)."""
 
     kl_loss_type: KlKind = "low_var_kl"
     """KL estimator of the KL loss."""
@@ -224,10 +227,13 @@ class WorkerConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
 
-    normalize_advantages: bool = False
-    """Whiten advantages over the masked tokens of the whole data-parallel group: GAE's, and the
-    REINFORCE++ family's (its global batch normalisation); never GRPO's or RLOO's, whose
-    normalisation is the group's (`grpo_std_normalization`)."""
+    normalize_advantages: bool = True
+    """Whiten the advantages (mean 0, std 1 over the trainable tokens of the whole data-parallel
+    group) before the policy loss: GAE's, and the REINFORCE++ family's (its global batch
+    normalisation); never GRPO's or RLOO's, whose normalisation is the group's
+    (`grpo_std_normalization`). On by default, as in verl (`masked_whiten` in its GAE) and cleanrl
+    (`norm_adv=True`): raw advantages of a pretrained model's rewards are small and uneven from step
+    to step, and a run on them barely moves; `--no-normalize-advantages` keeps them raw."""
 
     advantage_estimator: AdvantageEstimator = "gae"
     """How the actor's advantages are estimated (`estimators`): `gae` on the critic's values;
@@ -314,6 +320,11 @@ class WorkerConfig:
     wake, at the price of the one-rank NCCL communicators' device memory while asleep: about
     0.25 GiB a worker at DP 2 on two H200s, 1.9 GiB on one H200 (docs/benchmarks.md). False:
     every group is torn down, for the smallest sleeping worker."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's embedding and output head get the vocabulary rounded up to a multiple of this
+    times the tensor-parallel size (as Megatron's flag of that name): every TP rank holds an equal
+    slice whatever the tokenizer's size. The padding rows never reach a softmax and are not exported."""
 
     update_weights_chunk_bytes: int = 512 * 1024**2
     """Bytes of HF-named tensors per chunk sent to the rollout engine by `update_weights`."""
@@ -446,6 +457,15 @@ class WorkerConfig:
                 f"({self.micro_batch_size}) * the {role}'s data-parallel size ({dp}); make it a multiple "
                 f"of {self.micro_batch_size * dp}"
             )
+
+    def check_model(self, role: Role) -> None:
+        """Check that `role`'s model (config.json) splits over its TP / PP sizes; ValueError naming the field.
+
+        Reads the role's Hugging Face config, so that a layout the model cannot take
+        (9 attention heads over 2 tensor-parallel ranks) fails before any worker starts.
+        """
+        _check_role(role)
+        check_model_layout(self, role)
 
     def check_role(self, role: Role) -> None:
         """Check the fields `role` needs (its checkpoint folders); ValueError naming the field."""

@@ -133,11 +133,18 @@ def _response_rows(mb: RolloutBatch, packed: PackedRow | None = None) -> list[tu
 
 
 def vocab_parallel_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` (and entropies) from this TP rank's vocabulary slice of `logits`.
 
-    Shape: logits `(n, vocab / tp)`, targets `(n,)` global token ids; returns `(n,)` tensors.
+    Shape: logits `(n, padded_vocab / tp)`, targets `(n,)` global token ids; returns `(n,)` tensors.
+    `vocab_size`: the tokenizer's vocabulary; the columns of the padding rows past it
+    (`ModelSpec.padded_vocab_size`) are left out of the softmax, so the distribution is
+    the Hugging Face model's. None: every column is a token.
     Differentiable: the sums over the vocabulary are all-reduced with Megatron's
     `reduce_from_tensor_model_parallel_region` (identity backward), so each rank's
     gradient reaches only its own slice, as Megatron's vocab-parallel cross entropy does.
@@ -148,6 +155,10 @@ def vocab_parallel_log_probs(
     tp_size = mpu.get_tensor_model_parallel_world_size()
     vocab_local = logits.shape[-1]
     start = mpu.get_tensor_model_parallel_rank() * vocab_local
+    if vocab_size is not None and start + vocab_local > vocab_size:
+        # The finite floor, not -inf: exp gives exactly 0, and 0 * floor stays 0 in the entropy.
+        padding = torch.arange(start, start + vocab_local, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
     # A shift for stability only: no gradient flows through it.
     shift = logits.detach().max(dim=-1).values
     if tp_size > 1:
@@ -174,6 +185,7 @@ def _response_outputs(
     temperature: float,
     with_entropy: bool,
     packed: PackedRow | None = None,
+    vocab_size: int | None = None,
 ) -> ResponseOutputs:
     """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
     `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row."""
@@ -185,7 +197,9 @@ def _response_outputs(
     # Only the positions that predict response tokens: prompts never reach the softmax.
     logits = torch.cat([output[i, begin:end] for i, begin, end in rows]).float() / temperature
     targets = torch.cat([tokens[i, begin + 1 : end + 1] for i, begin, end in rows])
-    log_probs, entropy = vocab_parallel_log_probs(logits, targets, with_entropy=with_entropy)
+    log_probs, entropy = vocab_parallel_log_probs(
+        logits, targets, with_entropy=with_entropy, vocab_size=vocab_size
+    )
     return ResponseOutputs(
         log_probs=pad_responses(log_probs.split(lengths)),
         entropy=None if entropy is None else pad_responses(entropy.split(lengths)),
@@ -244,7 +258,9 @@ def run_micro_batches(
     from tandem.megatron.models import unwrap_model
 
     chunks = list(model) if isinstance(model, Sequence) else [model]
-    model_config = unwrap_model(chunks).config
+    gpt = unwrap_model(chunks)
+    model_config = gpt.config
+    vocab_size = getattr(gpt, "tandem_vocab_size", None)  # set by build_model (padded vocabulary)
     if backward and not model_config.calculate_per_token_loss:
         raise ValueError(
             "run_micro_batches: the model's config has calculate_per_token_loss=False, so Megatron would "
@@ -258,7 +274,14 @@ def run_micro_batches(
         mb: RolloutBatch, tokens: torch.Tensor, row: PackedRow | None, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         outputs = _response_outputs(
-            mb, tokens, output, role=role, temperature=temperature, with_entropy=with_entropy, packed=row
+            mb,
+            tokens,
+            output,
+            role=role,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            packed=row,
+            vocab_size=vocab_size,
         )
         if loss_fn is None:
             return output.new_zeros(()), torch.zeros((), dtype=torch.int64), {}

@@ -1,7 +1,7 @@
 """The model shape read from a Hugging Face `config.json`, and the Megatron config built from it.
 
-`ModelSpec.from_hf` accepts Llama-family, Qwen2 and Qwen3 dense decoder
-configs and rejects, with a `ValueError` naming the field, anything our
+`ModelSpec.from_hf` accepts Llama-family, Mistral (without a sliding window
+shorter than the context), Qwen2 and Qwen3 dense decoder configs and rejects, with a `ValueError` naming the field, anything our
 Megatron models would not reproduce exactly (sliding windows, biases where
 Megatron has none, other activations, unsupported RoPE scaling).
 """
@@ -22,9 +22,9 @@ from tandem.megatron._cpu_compat import cpu_compat_active
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral"]
 
-_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -33,8 +33,10 @@ class ModelSpec:
     """Shape and per-family details of a dense decoder, as its Hugging Face config states them.
 
     Attributes:
-        family: "llama", "qwen2" or "qwen3" (from `model_type`).
-        vocab_size: rows of the embedding and of the output head.
+        family: "llama", "qwen2", "qwen3" or "mistral" (from `model_type`; Mistral's weights are named
+            as Llama's).
+        vocab_size: rows of the embedding and of the output head in the HF checkpoint (Megatron's
+            are padded: `padded_vocab_size`).
         hidden_size: model width.
         num_layers: number of decoder layers.
         num_attention_heads: query heads.
@@ -84,6 +86,21 @@ class ModelSpec:
             cfg = json.loads(path.read_text())
         return _spec_from_dict(cfg)
 
+    def padded_vocab_size(self, tensor_parallel_size: int = 1, multiple: int = 128) -> int:
+        """Rows of Megatron's embedding and output head: `vocab_size` rounded up to `multiple * TP`.
+
+        As Megatron's `make_vocab_size_divisible_by`: every tensor-parallel rank holds an
+        equal slice whatever the tokenizer's size, and the GEMMs get friendly shapes. The
+        extra rows are zeros; their logits never reach a softmax (`forward`), and they are
+        cut off again on export.
+        """
+        if multiple < 1 or tensor_parallel_size < 1:
+            raise ValueError(
+                f"padded_vocab_size: multiple {multiple} and TP {tensor_parallel_size} must be >= 1"
+            )
+        step = multiple * tensor_parallel_size
+        return -(-self.vocab_size // step) * step
+
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse RoPE frequencies, shape `(head_dim / 2,)`, float32, computed as transformers does."""
         dim = self.head_dim
@@ -109,11 +126,6 @@ class ModelSpec:
         Fused kernels are off on CPU (the CPU compatibility layer's half of the job)
         and limited to the ones that need neither Apex nor Transformer Engine on GPU.
         """
-        if self.vocab_size % tensor_parallel_size:
-            raise ValueError(
-                f"vocab_size {self.vocab_size} is not divisible by tensor_parallel_size "
-                f"{tensor_parallel_size}; pick a tensor-parallel size that divides it"
-            )
         for name, count in (
             ("num_attention_heads", self.num_attention_heads),
             ("num_kv_heads", self.num_kv_heads),
@@ -235,6 +247,13 @@ def _spec_from_dict(cfg: Mapping[str, Any]) -> ModelSpec:
     if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise ValueError(
             "ModelSpec.from_hf: sliding-window attention is not supported; set use_sliding_window=false"
+        )
+    window = cfg.get("sliding_window") if family == "mistral" else None
+    if window is not None and int(window) < int(cfg.get("max_position_embeddings", 4096)):
+        # Mistral applies its window whenever it is set; one as long as the context never bites.
+        raise ValueError(
+            f"ModelSpec.from_hf: sliding_window={window} is shorter than max_position_embeddings; "
+            "sliding-window attention is not supported (use a checkpoint with sliding_window null)"
         )
     if cfg.get("mlp_bias"):
         raise ValueError("ModelSpec.from_hf: `mlp_bias` is not supported (Megatron's MLP here has no biases)")

@@ -130,7 +130,10 @@ def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Ro
                 continue
         else:
             tensors = [reader.get(n) for n in pm.hf]
-        local = shard(pm.split, to_megatron(spec, pm, tensors), tp_rank, tp_size)
+        full = to_megatron(spec, pm, tensors)
+        if _is_vocab(pm):
+            full = _pad_rows(full, param.shape[0] * tp_size)
+        local = shard(pm.split, full, tp_rank, tp_size)
         if tuple(local.shape) != tuple(param.shape):
             raise ValueError(
                 f"load_hf_checkpoint: {pm.hf} give {tuple(local.shape)} for {name} but the model has "
@@ -138,6 +141,26 @@ def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Ro
             )
         with torch.no_grad():
             param.copy_(local)
+
+
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+"""HF tensors with one row per token: Megatron's copies have `padded_vocab_size` rows."""
+
+
+def _is_vocab(pm: ParamMap) -> bool:
+    return pm.hf[0] in VOCAB_TENSORS
+
+
+def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """`full` with zero rows appended up to `rows` (Megatron's padded vocabulary)."""
+    if full.shape[0] > rows:
+        raise ValueError(
+            f"load_hf_checkpoint: the checkpoint has {full.shape[0]} vocabulary rows but the model only "
+            f"{rows}; the checkpoint does not match config.json's vocab_size"
+        )
+    if full.shape[0] == rows:
+        return full
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
 
 
 def _gather_tp(local: torch.Tensor, pm: ParamMap) -> torch.Tensor:
@@ -200,6 +223,8 @@ def export_hf_weights(
     def materialize(stage: int, pm: ParamMap) -> list[tuple[str, torch.Tensor]]:
         if stage == pp_rank:
             full = _gather_tp(params[pm.megatron].detach(), pm)
+            if _is_vocab(pm):
+                full = full[: spec.vocab_size]  # the padding rows are Megatron's, not the model's
             tensors = [(n, t.contiguous().clone()) for n, t in to_hf(spec, pm, full)]
         else:
             dtype = gpt.config.params_dtype  # every parameter is stored in it (`build_model`)

@@ -87,6 +87,7 @@ def build_model(
     seed: int = 1234,
     attention: Attention = "sdpa",
     fused_rope: bool | None = None,
+    vocab_multiple: int = 128,
     **config_overrides: Any,
 ) -> nn.Module:
     """This rank's pipeline stage of the actor or critic network, on this rank's device.
@@ -107,6 +108,9 @@ def build_model(
             fused kernel instead of Megatron's unfused chain of multiplies and copies, with
             the same bf16 results) through Megatron's `apply_rope_fusion`; None: on when
             the model is built on CUDA, off on CPU.
+        vocab_multiple: the embedding and the output head get `spec.padded_vocab_size(TP,
+            vocab_multiple)` rows (Megatron's `make_vocab_size_divisible_by`); the model's
+            `tandem_vocab_size` keeps the real size, whose logits alone are normalised.
         config_overrides: extra `TransformerConfig` fields (e.g. `recompute_granularity`);
             `calculate_per_token_loss` defaults to True (the train step's loss form).
     """
@@ -162,7 +166,7 @@ def build_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec,
-        vocab_size=spec.vocab_size,
+        vocab_size=spec.padded_vocab_size(mpu.get_tensor_model_parallel_world_size(), vocab_multiple),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(),
@@ -175,6 +179,8 @@ def build_model(
     model.rotary_pos_emb.inv_freq = spec.rope_inv_freq().to(model.rotary_pos_emb.inv_freq.device)
     # Every stage knows its role (only the last one holds the head that shows it).
     model.tandem_role = role
+    # The tokenizer's vocabulary: logits of the padding rows beyond it are masked out.
+    model.tandem_vocab_size = spec.vocab_size
     if role == "critic" and model.post_process:
         # Replaces the vocabulary head that GPTModel always builds on the last stage.
         model.output_layer = ValueHead(

@@ -22,6 +22,7 @@ rollout whose per-token targets are already in the batch (`roles`), and:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,5 +204,8 @@ def reduce_metrics(
     out = {name: float(means[:, i].mean()) if steps else 0.0 for i, name in enumerate(step_metrics)}
     tail = vector[table.numel() :].tolist()
     out |= dict(zip(rollout, tail[: len(rollout)], strict=True))
-    out |= {"grad_norm": tail[-2], "lr": tail[-1]}
+    out["lr"] = tail[-1]
+    if not math.isnan(tail[-2]):
+        # NaN only when no norm was computed (clip_grad = 0): absent then, never a NaN metric.
+        out["grad_norm"] = tail[-2]
     return out

@@ -1,4 +1,4 @@
-"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`.
+"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`, `fetch-model`.
 
 Each subcommand's options come from a typed dataclass through tyro, so
 `--help` shows every field's docstring. A bad value ends the command with a
@@ -80,13 +80,28 @@ def _train(argv: Sequence[str]) -> int:
     return 0
 
 
+DEMO_MODELS = ("tiny", "smollm2")
+"""`ppo-driver demo --model`: the tiny local model (the default), or SmolLM2-135M-Instruct from PyPI."""
+
+
 def _demo(argv: Sequence[str]) -> int:
     from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
+    from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
     from tandem.ppo.config_file import parse_config, unvalidated
     from tandem.ppo.driver import train
 
-    parsed = parse_config(argv, prog=f"{PROG} demo", base=DEMO_DEFAULTS, validate=False)
-    config = unvalidated(prepare_demo(dataclasses.asdict(parsed)))
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="tiny")
+    known, rest = pre.parse_known_args(list(argv))
+    if known.model not in DEMO_MODELS:
+        raise ValueError(f"--model: got {known.model!r}; choose one of {', '.join(DEMO_MODELS)}")
+    base, prepare = (
+        (DEMO_DEFAULTS, prepare_demo) if known.model == "tiny" else (SUMS_DEFAULTS, prepare_sums_demo)
+    )
+    parsed = parse_config(
+        rest, prog=f"{PROG} demo [--model {{{','.join(DEMO_MODELS)}}}]", base=base, validate=False
+    )
+    config = unvalidated(prepare(dataclasses.asdict(parsed)))
     config.validate()
     summary = train(config)
     print(summary.describe())
@@ -121,12 +136,28 @@ def _plot(argv: Sequence[str]) -> int:
     return 0
 
 
+def _fetch_model(argv: Sequence[str]) -> int:
+    from tandem.ppo.pretrained import FetchModelArgs, fetch_model_command
+
+    args = tyro.cli(FetchModelArgs, args=list(argv), prog=f"{PROG} fetch-model")
+    print(fetch_model_command(args))
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "train a model with PPO (YAML --config plus flags)"),
-    "demo": (_demo, "PPO on a tiny local model that learns on the CPU in minutes (no downloads)"),
+    "demo": (
+        _demo,
+        "PPO on a tiny local model that learns on the CPU in minutes (no downloads); "
+        "--model smollm2: on the pretrained SmolLM2-135M-Instruct",
+    ),
     "eval": (_eval, "run a saved actor on an eval JSONL and print the metrics"),
     "export": (_export, "write a run's latest actor checkpoint as a Hugging Face folder"),
     "plot": (_plot, "write PNG curves of one or more runs' metrics"),
+    "fetch-model": (
+        _fetch_model,
+        "fetch a pretrained model (smollm2) into the cache as a Hugging Face folder",
+    ),
 }
 
 

@@ -154,6 +154,11 @@ class PPOConfig(WorkerConfig):
     eval_interval: int | None = None
     """Evaluate every this many steps (and after the last); None: never."""
 
+    eval_before_train: bool = True
+    """With `eval_interval`: also evaluate the starting weights before the first step (verl's
+    `val_before_train`), logged as step `start - 1` (-1 for a new run), so that one run holds the
+    base model's eval figures and the trained one's."""
+
     n_samples_per_eval_prompt: int = 1
     """Responses per eval prompt."""
 
@@ -304,8 +309,10 @@ class PPOConfig(WorkerConfig):
             worker = self.worker_config()
             worker.check_world(self.actor_num_gpus, role=None if self.use_critic else "actor")
             worker.check_role("actor")
+            worker.check_model("actor")
             if self.use_critic:
                 worker.check_role("critic")
+                worker.check_model("critic")
         except ValueError as exc:
             raise ValueError(_flagged(str(exc))) from None
         self._check_split()

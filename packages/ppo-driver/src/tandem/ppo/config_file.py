@@ -17,6 +17,7 @@ import tyro
 
 from tandem.ppo.config import FLAG_NAMES, PPOConfig
 from tandem.ppo.estimator_plan import critic_flag_given, imply_critic
+from tandem.ppo.hub import resolve_checkpoints
 
 __all__ = ["config_fields", "parse_config", "read_yaml", "unvalidated", "write_yaml"]
 
@@ -99,6 +100,8 @@ def parse_config(
             "(keys as below without the dashes' prefix); flags given here override it."
         ),
     )
+    # Hub ids (`org/name`) become local snapshot folders before any check reads the folders.
+    config = resolve_checkpoints(config)
     config = imply_critic(config, given=critic_flag_given(values, rest))
     if validate:
         config.validate()

@@ -36,6 +36,7 @@ from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.config_file import write_yaml
+from tandem.ppo.hub import resolve_checkpoints
 from tandem.ppo.rollout import (
     Rollout,
     Sampled,
@@ -55,6 +56,7 @@ class PPODriver:
     """One PPO run: setup, the loop, checkpoints, eval, and clean shutdown."""
 
     def __init__(self, config: PPOConfig) -> None:
+        config = resolve_checkpoints(config)  # hub ids -> local folders, before the checks read them
         config.validate()
         self.config = config
         self.run_dir = Path(config.run_dir)
@@ -75,6 +77,7 @@ class PPODriver:
         self.placements: Any = None
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
+        self.eval_before: dict[str, float] | None = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -170,6 +173,14 @@ class PPODriver:
         saved = last
         pending: Future[Sampled] | None = None
         try:
+            if (
+                self.eval_dataset is not None
+                and config.eval_interval is not None
+                and config.eval_before_train
+            ):
+                # The starting weights' eval: "after step start - 1", as every eval is after its step.
+                self.eval_before = self.evaluate()
+                self.logger.log(self.start_rollout_id - 1, self.eval_before)
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") as generation:
                 for rollout_id in range(self.start_rollout_id, config.num_rollout):
                     # Sync loop: step() draws its own rollout (inside its clock). Async: the
@@ -198,7 +209,7 @@ class PPODriver:
                     if self._stop_requested:
                         raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
             hf_dir = self.export_hf() if config.export_hf and last >= 0 else None
-            return RunSummary(self.run_dir, last, self.metrics_so_far, hf_dir)
+            return RunSummary(self.run_dir, last, self.metrics_so_far, hf_dir, eval_before=self.eval_before)
         finally:
             signal.signal(signal.SIGINT, previous)
 

@@ -4,13 +4,17 @@
 written and flushed at once, so a crash loses no line already logged. A resumed
 run (`start_step=k`) first drops the lines of steps `>= k`: the killed run logged
 them after its last checkpoint and the resumed run redoes them. TensorBoard is
-told the same through `purge_step`. Non-finite values are written as JSON's
-common extension `NaN` / `Infinity`, which `read_metrics` (Python's json) reads back.
+told the same through `purge_step`. The file is strict JSON: a metric whose value is
+undefined at that step (NaN or infinite, e.g. the critic's explained variance when every
+return is the same) is written as `null`, read back as None, and not written to
+TensorBoard. A metric that was not computed at all (the entropy with no entropy bonus,
+the actor's losses during critic-only steps) is absent from the line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 import tempfile
@@ -46,8 +50,18 @@ def _parse_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     return rows, torn
 
 
+def _json_number(value: float) -> float | None:
+    """`value` as strict JSON takes it: None (`null`) for NaN and infinities."""
+    return value if math.isfinite(value) else None
+
+
+def _strict(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read back, with any NaN that an older file held as null."""
+    return {k: _json_number(v) if isinstance(v, float) else v for k, v in row.items()}
+
+
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of `RUN_DIR/metrics.jsonl`, in the order logged (a torn last line is skipped)."""
+    """The rows of `RUN_DIR/metrics.jsonl`, in the order logged (a torn last line is skipped; null is None)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory (one that a training run wrote)")
@@ -65,7 +79,7 @@ def _truncate(path: Path, start_step: int) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
+            f.writelines(json.dumps(_strict(row), allow_nan=False) + "\n" for row in kept)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -125,13 +139,14 @@ class MetricsLogger:
         for key, value in metrics.items():
             if not isinstance(value, numbers.Real):
                 raise TypeError(f"metric {key!r} is {value!r}, not a number; log float(...)")
-        row = {"step": step, **metrics}
-        self._file.write(json.dumps(row) + "\n")
+        row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
         if self._writer is not None:
             for key, value in metrics.items():
-                self._writer.add_scalar(key, float(value), step)
+                if math.isfinite(value):
+                    self._writer.add_scalar(key, float(value), step)
             self._writer.flush()
         shown = {key: f"{metrics[key]:.4g}" for key in self.keys_on_bar if key in metrics}
         if shown:

@@ -28,6 +28,8 @@ class RunSummary:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     hf_dir: Path | None = None
     interrupted: bool = False
+    eval_before: dict[str, float] | None = None
+    """The eval of the starting weights (`eval_before_train`), when one ran."""
 
     def describe(self) -> str:
         """The lines printed at the end of a run."""
@@ -45,6 +47,11 @@ class RunSummary:
             last = self.metrics[-1]
             figures = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "reward/accuracy") if k in last)
             lines.append(f"last step:    {self.last_rollout_id} ({figures})")
+            if self.eval_before is not None and "eval/mean" in last and "eval/mean" in self.eval_before:
+                lines.append(
+                    f"eval reward:  {self.eval_before['eval/mean']:.3f} before training, "
+                    f"{last['eval/mean']:.3f} after"
+                )
         return "\n".join(lines)
 
 

@@ -34,7 +34,6 @@ from typing import Any
 from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import write_yaml
 from tandem.ppo.rollout import (
     Rollout,
     Sampled,
@@ -43,8 +42,10 @@ from tandem.ppo.rollout import (
     sampling_params,
     shard_per_role,
 )
+from tandem.ppo.run_checkpoint import save_run_checkpoint
+from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
-from tandem.ppo.state import DriverState, load_state, save_state
+from tandem.ppo.state import DriverState, load_state
 
 logger = logging.getLogger(__name__)
 
@@ -73,48 +74,58 @@ class PPODriver:
         self.placements: Any = None
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
+        self.folder: RunFolder | None = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Ray, placement groups, engines and train groups (concurrently), data, reward, logging."""
-        from transformers import AutoTokenizer
+        """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
 
-        from tandem.ppo.data import PromptDataset, read_prompts
-        from tandem.ppo.rewards import load_reward
-
+        The run folder is locked first and changed only once everything is up
+        (`RunFolder.commit`): a start that fails leaves it as it was. A run whose
+        folder holds every rollout already starts nothing (`complete`).
+        """
         config = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_yaml(config, self.run_dir / "config.yaml")
-        self.events = EventLog(self.run_dir / "events.jsonl")
-        self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
-        self.reward_fn = load_reward(config.reward_spec)
-        self.dataset = PromptDataset(
-            read_prompts(str(config.prompt_data), prompt_key=config.input_key, label_key=config.label_key),
-            self.tokenizer,
-            max_prompt_len=config.max_prompt_len,
-            seed=config.seed,
-            apply_chat_template=config.apply_chat_template,
-        )
-        self.eval_dataset = None
-        if config.eval_prompt_data is not None:
-            self.eval_dataset = PromptDataset(
-                read_prompts(
-                    config.eval_prompt_data, prompt_key=config.input_key, label_key=config.label_key
-                ),
-                self.tokenizer,
-                max_prompt_len=config.max_prompt_len,
-                seed=config.seed,
-                apply_chat_template=config.apply_chat_template,
-            )
+        self.folder = RunFolder.open(config)
+        if self.folder.complete:
+            return
+        self.events = EventLog(self.run_dir / "events.jsonl", defer=True)
+        self._setup_inputs()
         self._setup_ray()
         self._setup_groups()
         self._resume()
+        self.folder.commit()
+        self.events.start()
+        self._setup_metrics()
+
+    def _setup_inputs(self) -> None:
+        """Model folders, tokenizer, reward and prompts, each checked before Ray starts (`preflight`)."""
+        from tandem.ppo.preflight import read_inputs
+
+        inputs = read_inputs(self.config)
+        self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
+        self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run folder held every rollout already (after `setup`, which then started nothing)."""
+        return self.folder is not None and self.folder.complete
+
+    def complete_summary(self) -> RunSummary:
+        """The summary of a run that was complete before this start (`complete`)."""
+        assert self.folder is not None and self.folder.resume.rollout_id is not None
+        last = self.folder.resume.rollout_id
+        hf_dir = self.run_dir / "hf"
+        metrics = load_state(self.run_dir, last).metrics
+        return RunSummary(
+            self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
+        )
 
     def _setup_ray(self) -> None:
         self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus)
 
     def _setup_groups(self) -> None:
-        started = start_groups(self.config)
+        assert self.folder is not None
+        started = start_groups(self.config, self.folder.worker_config())
         self.placements, self.actor, self.critic, self.engines = started
         self.weight_pack = weight_pack(self.config)
         self.events.record("setup_done")
@@ -124,15 +135,11 @@ class PPODriver:
                 self._sleep(group)
 
     def _resume(self) -> None:
-        from tandem.ppo.metrics import MetricsLogger
-
-        config = self.config
-        start = self.actor.start_rollout_id
-        if self.critic is not None and self.critic.start_rollout_id != start:
-            raise ValueError(
-                f"--critic-load: the critic resumed from rollout {self.critic.start_rollout_id - 1} but the "
-                f"actor from rollout {start - 1}; point --load and --critic-load at checkpoints of the same run"
-            )
+        assert self.folder is not None
+        start = self.folder.resume.next_rollout_id
+        loaded = {g.role: g.start_rollout_id for g in self._models()}
+        if any(v != start for v in loaded.values()):
+            raise RuntimeError(f"the models loaded other rollouts than {start - 1}: {loaded}")
         self.start_rollout_id = start
         self.weights_version = start
         if start > 0:
@@ -143,6 +150,11 @@ class PPODriver:
             # The engines start from the HF folder: they need the resumed actor's weights.
             self._sync_weights()
             logger.info("resumed after rollout %d", start - 1)
+
+    def _setup_metrics(self) -> None:
+        from tandem.ppo.metrics import MetricsLogger
+
+        config, start = self.config, self.start_rollout_id
         self.logger = MetricsLogger(
             self.run_dir,
             total_steps=config.num_rollout,
@@ -427,15 +439,20 @@ class PPODriver:
         `data_state`: the data cursor right after this rollout (default: the cursor now).
         """
         data = self.dataset.state_dict() if data_state is None else data_state
+
+        def save_model(group: Any) -> None:
+            if self.plan.wake_up_before_save:
+                self._wake(group)
+            self.events.record("save", role=group.role, rollout_id=rollout_id)
+            group.run("save_model", rollout_id)
+            if self.plan.sleep_after_save:
+                self._sleep(group)
+
+        state = DriverState.capture(rollout_id, data, self.metrics_so_far)
+        saves = [(g.role, functools.partial(save_model, g)) for g in self._models()]
         with self._phase("save"):
-            save_state(self.run_dir, DriverState.capture(rollout_id, data, self.metrics_so_far))
-            for group in self._models():
-                if self.plan.wake_up_before_save:
-                    self._wake(group)
-                self.events.record("save", role=group.role, rollout_id=rollout_id)
-                group.run("save_model", rollout_id)
-                if self.plan.sleep_after_save:
-                    self._sleep(group)
+            # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
+            save_run_checkpoint(self.run_dir, state, saves)
 
     def evaluate(self) -> dict[str, float]:
         """Eval metrics on the eval JSONL (engines awake, holding the latest weights)."""
@@ -475,13 +492,29 @@ class PPODriver:
                 self.placements.remove()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        if self.folder is not None:
+            self.folder.close()
 
 
 def train(config: PPOConfig) -> RunSummary:
-    """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C."""
+    """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C, and
+    `errors.WorkerDied` naming the worker when a train worker's process dies."""
+    from ray.exceptions import RayActorError
+
+    from tandem.ppo.errors import dead_worker
+
     driver = PPODriver(config)
     try:
         driver.setup()
+        if driver.complete:
+            return driver.complete_summary()
         return driver.run()
+    except RayActorError as exc:
+        # A train worker's process died: name its role, rank, pid and log (the last complete
+        # checkpoint stays, and the next start resumes from it).
+        died = dead_worker(exc, driver._models(), run_dir=config.run_dir)
+        if died is None:
+            raise
+        raise died from exc
     finally:
         driver.close()

@@ -167,7 +167,7 @@ def test_commit_sets_aside_the_critic_a_checkpoint_ahead_and_writes_the_config(
     tmp_path: Path, hf_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    cfg = finished_run(run_dir, hf_dir, 2)
+    finished_run(run_dir, hf_dir, 2)
     (run_dir / "actor" / "iter_0000001").rename(run_dir / "actor" / "iter_0000001.partial")
     (run_dir / "actor" / "latest_checkpointed_iteration.txt").write_text("0\n")
     folder = RunFolder.open(config(run_dir, hf_dir, num_rollout=3))

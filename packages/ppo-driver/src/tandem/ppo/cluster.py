@@ -109,6 +109,7 @@ def start_groups(config: PPOConfig, worker_config: Any = None) -> tuple[Any, Any
             num_cpus_per_engine=share,
             engine=config.rollout_engine,
             options=engine_options,
+            max_restarts=config.max_engine_restarts,
         )
 
     # The three groups do not depend on each other: they start at once.

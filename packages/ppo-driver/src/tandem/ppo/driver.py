@@ -75,6 +75,8 @@ class PPODriver:
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
         self.folder: RunFolder | None = None
+        self.engine_restarts = 0
+        """Engines restarted so far in this run (`--max-engine-restarts`)."""
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -128,6 +130,7 @@ class PPODriver:
         started = start_groups(self.config, self.folder.worker_config())
         self.placements, self.actor, self.critic, self.engines = started
         self.weight_pack = weight_pack(self.config)
+        self.engines.on_restart = self._engine_restarted
         self.events.record("setup_done")
         if self.plan.sleep_after_train:
             # Both models start awake; the engine needs the GPU first.
@@ -269,6 +272,7 @@ class PPODriver:
         """
         config = self.config
         self.clock.reset()
+        restarts_before = self.engine_restarts
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         critic_only = rollout_id < config.num_critic_only_steps
@@ -331,6 +335,8 @@ class PPODriver:
                 "data/dropped_prompts": float(self.dataset.num_dropped),
                 "step/critic_only": float(critic_only),
                 "async/staleness": float(rollout_id - sampled.weights_version),
+                "engine/restarts": float(self.engine_restarts - restarts_before),
+                "engine/restarts_total": float(self.engine_restarts),
             }
         )
         return metrics
@@ -410,12 +416,49 @@ class PPODriver:
                 self.engines.resume_memory(["weights"])
         with self._phase("weight_sync"):
             self.events.record("weight_sync", path="ipc" if self.weight_pack is not None else "cpu")
-            self.actor.run("update_weights", self.engines.handles, self.weight_pack)
+            try:
+                self.actor.run("update_weights", self.engines.handles, self.weight_pack)
+            except Exception as exc:
+                # An engine that died during the sync is restarted (with these weights), then all
+                # engines get them again; any other failure is the sync's own.
+                if not self._restart_dead_engines(exc):
+                    raise
+                self.actor.run("update_weights", self.engines.handles, self.weight_pack)
             self.engines.flush_cache()
             self._check_engines_agree()
         if self.release_engines:
             with self._phase("engine_resume_kv_cache"):
                 self.engines.resume_memory(["kv_cache"])
+
+    def _engine_restarted(self, rank: int, handle: Any) -> None:
+        """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
+        import ray
+
+        self.engine_restarts += 1
+        digest = getattr(handle, "weights_digest", None)
+        before = ray.get(digest.remote()) if digest is not None else None
+        if self.weights_version > 0:
+            self.actor.run("update_weights", [handle], None)  # CPU copies: to this engine alone
+        after = ray.get(digest.remote()) if digest is not None else None
+        self.events.record(
+            "engine_restart",
+            rank=rank,
+            restarts=self.engines.restarts[rank],
+            weights_version=self.weights_version,
+            digest_before=before,
+            digest_after=after,
+        )
+
+    def _restart_dead_engines(self, exc: BaseException) -> bool:
+        """Restart the engines that no longer answer after `exc`; whether there were any."""
+        from tandem.ppo.engines import EngineDied
+
+        dead = [rank for rank, alive in enumerate(self.engines.health()) if not alive]
+        for rank in dead:
+            self.engines.restart(
+                rank, EngineDied(rank, f"weight sync failed: {' '.join(str(exc).split())[:300]}")
+            )
+        return bool(dead)
 
     def _check_engines_agree(self) -> None:
         """Every engine's weight fingerprints, into events.jsonl; a warning when they differ."""

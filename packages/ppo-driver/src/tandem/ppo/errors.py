@@ -105,7 +105,8 @@ _PID = re.compile(r"^\s*pid: (\d+)\s*$", re.MULTILINE)
 def _death_reason(exc: BaseException) -> str:
     """The cause of an actor's death, in one line (Ray's last line of its message)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return _one_line(lines[-1]) if lines else type(exc).__name__
+    reason = _one_line(lines[-1]) if lines else type(exc).__name__
+    return reason.split(" Some common causes include:", 1)[0]
 
 
 def dead_worker(

@@ -174,7 +174,7 @@ def set_aside(
             "resuming %s; set aside in %s (newer than that, or left incomplete by a crash): %s",
             "from the start" if point.rollout_id is None else f"after rollout {point.rollout_id}",
             target,
-            ", ".join(moved),
+            ", ".join(sorted(moved)),
         )
     else:
         target = None

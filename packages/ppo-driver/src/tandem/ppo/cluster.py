@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tandem.ppo.config import PPOConfig
@@ -69,18 +70,29 @@ def check_ray_address(address: str) -> None:
         ) from None
 
 
-def start_groups(config: PPOConfig, worker_config: Any = None) -> tuple[Any, Any, Any, Any]:
+def start_groups(
+    config: PPOConfig, worker_config: Any = None, *, lock_file: Path | None = None
+) -> tuple[Any, Any, Any, Any]:
     """(placements, actor group, critic group or None, engine group), started concurrently.
 
     `worker_config`: the train workers' config (default `config.worker_config()`).
+    `lock_file`: the run folder's lock; with it, every node of the placement groups must see
+    the model folders and the run folder before any worker starts (`node_checks`).
     """
     from tandem.megatron.group import create_train_group
     from tandem.placement import create_placement_groups
     from tandem.ppo.engines import EngineOptions, create_engine_group
+    from tandem.ppo.node_checks import check_nodes_see_folders, folders_to_check
 
     worker_config = worker_config or config.worker_config()
     placements = create_placement_groups(config.placement_spec())
     actor_slot, rollout_slot = placements.actor, placements.rollout
+    if lock_file is not None:
+        try:
+            check_nodes_see_folders([actor_slot, rollout_slot], folders_to_check(config, lock_file))
+        except BaseException:
+            placements.remove()
+            raise
     engine_kwargs: dict[str, Any] = {"dtype": config.rollout_dtype}
     if config.rollout_kv_cache_memory_fraction is not None:
         engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction

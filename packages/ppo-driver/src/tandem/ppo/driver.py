@@ -127,8 +127,10 @@ class PPODriver:
 
     def _setup_groups(self) -> None:
         assert self.folder is not None
-        started = start_groups(self.config, self.folder.worker_config())
+        started = start_groups(self.config, self.folder.worker_config(), lock_file=self.folder.lock.path)
         self.placements, self.actor, self.critic, self.engines = started
+        slots = {"actor": self.placements.actor, "rollout": self.placements.rollout}
+        self.events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})
         self.weight_pack = weight_pack(self.config)
         self.engines.on_restart = self._engine_restarted
         self.events.record("setup_done")

@@ -8,6 +8,9 @@
   `fused_rope=True` (compiled: ~20 s of inductor on a 2-core CPU) computes what one with
   `fused_rope=False` does, padded and packed, gradients too, without recompiling for
   other lengths (`_scripts/rope_check.py`, in its own process).
+- Past dynamo's recompile limit (lowered in `_scripts/rope_recompile_check.py`): many
+  kinds of call never fail, each kind compiles once, and a kind that exhausts its budget
+  runs eagerly with one warning; on the CPU and on CUDA.
 - On a GPU: the compiled kernels in bf16 against Megatron's unfused path (bit for bit),
   and the model check above on CUDA.
 
@@ -16,6 +19,7 @@ Megatron's RoPE comes from megatron-core (a ~10 s import), hence `slow` on those
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -318,6 +322,38 @@ def test_a_model_with_fused_rope_computes_what_megatrons_unfused_rope_does(
 def test_a_model_with_fused_rope_on_cuda(tmp_path: Path, random_llama: SaveRandomLlama) -> None:
     """The same with the model and the compiled (Triton) kernels on CUDA."""
     _model_with_and_without_fused_rope(tmp_path, random_llama)
+
+
+# --- past dynamo's recompile limit ------------------------------------------------------------
+
+
+def _past_the_recompile_limit(tmp_path: Path, device: str) -> None:
+    """Run `_scripts/rope_recompile_check.py` on `device` and check what it found."""
+    out = tmp_path / "recompile.json"
+    command = [sys.executable, str(SCRIPTS / "rope_recompile_check.py"), str(out), device]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads(out.read_text())
+    # The control: one compiled function for all of these calls fails at the limit.
+    assert r["plain_failed"] == "FailOnRecompileLimitHit"
+    # Ours: every call answered, as eager does; one kernel per kind, none per size.
+    assert r["agree"]
+    assert r["rotate_kernels"] == r["kinds"] > 2  # more kinds than the lowered limit of 2
+    assert r["eager_kinds_after_many_kinds"] == 0 and r["warnings_after_many_kinds"] == []
+    # A kind that exhausts its own budget falls back to eager: the same results, one warning.
+    assert r["agree_fallback"] and r["fallback_eager_kinds"] == 1
+    (warning,) = r["fallback_warnings"]
+    assert "recompile limit (1)" in warning and "run eagerly" in warning and f"{device} float32" in warning
+
+
+@pytest.mark.slow
+def test_the_compiled_hooks_never_fail_at_the_recompile_limit(tmp_path: Path) -> None:
+    _past_the_recompile_limit(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_the_compiled_hooks_never_fail_at_the_recompile_limit_on_cuda(tmp_path: Path) -> None:
+    _past_the_recompile_limit(tmp_path, "cuda")
 
 
 # --- compiled on a GPU, bf16 ---------------------------------------------------------------

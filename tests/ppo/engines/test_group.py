@@ -1,4 +1,5 @@
-"""The engine group on a local Ray with logical GPUs: input order, seeds, bad prompts, dead and stuck engines."""
+"""The engine group on a local Ray with logical GPUs: input order, seeds, bad prompts, dead and stuck engines,
+and engines that die and are restarted on their bundle (up to `max_restarts`)."""
 
 from __future__ import annotations
 
@@ -148,5 +149,58 @@ def test_a_dead_engine_is_named(ray_cluster: Any, tiny_llama_dir: str) -> None:
         with pytest.raises(EngineError, match="rank 1: generate failed: the engine's actor died"):
             engines.generate(random_prompts(4, seed=23), SamplingParams(max_new_tokens=2))
         assert engines.health() == [True, False]
+    finally:
+        engines.shutdown()
+
+
+def test_a_dead_engine_is_restarted_on_its_bundle_and_given_its_prompts_again(
+    ray_cluster: Any, group: EngineGroup, tiny_llama_dir: str
+) -> None:
+    import ray
+
+    options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
+    engines = create_engine_group(
+        tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options, max_restarts=1
+    )
+    restarted: list[tuple[int, Any]] = []
+    engines.on_restart = lambda rank, handle: restarted.append((rank, handle))
+    try:
+        prompts = random_prompts(9, seed=24)
+        params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
+        expected = [g.token_ids for g in group.generate(prompts, params)]  # a healthy group, same seeds
+        ray.kill(engines.handles[1])  # its process is gone, as after an OOM kill
+        assert [g.token_ids for g in engines.generate(prompts, params)] == expected
+        assert engines.restarts == [0, 1]
+        ((rank, handle),) = restarted
+        assert rank == 1 and handle is engines.handles[1]
+        assert engines.health() == [True, True]
+
+        # One more death of rank 1 is one too many: the rank is named.
+        ray.kill(engines.handles[1])
+        with pytest.raises(
+            EngineError, match=r"rank 1: died again after 1 restarts \(--max-engine-restarts 1\)"
+        ):
+            engines.generate(prompts, params)
+    finally:
+        engines.shutdown()
+
+
+def test_a_restarted_engine_is_put_back_in_the_groups_memory_state(
+    ray_cluster: Any, tiny_llama_dir: str
+) -> None:
+    import ray
+
+    options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
+    engines = create_engine_group(
+        tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options, max_restarts=3
+    )
+    try:
+        engines.release_memory()
+        ray.kill(engines.handles[0])
+        engines.resume_memory(["weights"])  # rank 0 dies in this call: restarted released, then resumed
+        assert engines.restarts == [1, 0]
+        assert [ray.get(h.released_tags.remote()) for h in engines.handles] == [["kv_cache"], ["kv_cache"]]
+        engines.resume_memory(["kv_cache"])
+        assert [ray.get(h.released_tags.remote()) for h in engines.handles] == [[], []]
     finally:
         engines.shutdown()

@@ -49,6 +49,9 @@ def check_positive_ints(config: Any) -> None:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
+    value = config.load_rollout_id
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"load_rollout_id: got {value!r}; it must be a rollout id (an integer >= 0) or None")
     if config.lr_warmup_steps < 0:
         raise ValueError(f"lr_warmup_steps: got {config.lr_warmup_steps}; it must be >= 0")
     if config.lr_decay_steps is not None and config.lr_decay_steps <= config.lr_warmup_steps:

@@ -1,19 +1,11 @@
-"""Megatron distributed checkpoints (torch_dist) with an atomic "latest" marker.
-
-Layout of a checkpoint folder (`save` / `critic_save`)::
-
-    iter_0000007/                      one complete checkpoint per saved rollout
-    latest_checkpointed_iteration.txt  the rollout id of the newest complete one
-
-A save writes every rank's shards into a staging folder `iter_X.partial`; only
-when all ranks are done does rank 0 move it to `iter_X` and then replace the
-marker (write a temporary file, fsync, `os.replace`). A crash at any point of a
-save therefore leaves the marker on the previous complete checkpoint; a re-save
-of the marker's own rollout moves the old folder aside (`iter_X.old`) first, and
-a reader falls back to that folder if the crash hit between the two renames.
+"""Megatron distributed checkpoints (torch_dist) of one model: what they hold, saving and loading.
 
 A checkpoint holds the model, the optimizer, the learning-rate scheduler, every
-rank's RNG states and the rollout id; loading restores all of them.
+rank's RNG states and the rollout id; loading restores all of them, from the
+newest complete checkpoint or from a given rollout's (`load_checkpoint(...,
+rollout_id=k)`: a run's driver resumes every model from the same rollout).
+The folder layout and the crash-safe save protocol (a staging folder, an atomic
+"latest" marker) are `checkpoint_folder`'s, whose names are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,102 +20,36 @@ from typing import Any
 
 import torch
 
+from tandem.megatron.checkpoint_folder import (
+    MARKER,
+    begin_save,
+    commit_save,
+    complete_rollouts,
+    incomplete_parts,
+    iteration_dir,
+    latest_dir,
+    point_marker_at,
+    read_latest,
+    save_folder,
+)
+
+__all__ = [
+    "MARKER",
+    "TrainState",
+    "begin_save",
+    "commit_save",
+    "complete_rollouts",
+    "incomplete_parts",
+    "iteration_dir",
+    "latest_dir",
+    "load_checkpoint",
+    "point_marker_at",
+    "read_latest",
+    "save_checkpoint",
+    "save_folder",
+]
+
 logger = logging.getLogger(__name__)
-
-MARKER = "latest_checkpointed_iteration.txt"
-"""Name of the marker file (Megatron's own name, so its tools find our checkpoints)."""
-
-_COMPLETE_FILE = "metadata.json"  # dist_checkpointing writes it last, after every shard
-
-
-def iteration_dir(root: str | os.PathLike[str], rollout_id: int) -> Path:
-    """The folder of rollout `rollout_id`'s checkpoint under `root`."""
-    return Path(root) / f"iter_{rollout_id:07d}"
-
-
-def _staging_dir(root: str | os.PathLike[str], rollout_id: int) -> Path:
-    return iteration_dir(root, rollout_id).with_suffix(".partial")
-
-
-def _aside_dir(root: str | os.PathLike[str], rollout_id: int) -> Path:
-    return iteration_dir(root, rollout_id).with_suffix(".old")
-
-
-def read_latest(root: str | os.PathLike[str] | None) -> int | None:
-    """Rollout id of the newest complete checkpoint under `root`; None when there is none."""
-    if root is None:
-        return None
-    marker = Path(root) / MARKER
-    if not marker.is_file():
-        return None
-    text = marker.read_text().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise RuntimeError(f"checkpoint marker {marker} holds {text!r}, not a rollout id") from None
-
-
-def latest_dir(root: str | os.PathLike[str] | None) -> tuple[int, Path] | None:
-    """(rollout id, folder) of the newest complete checkpoint under `root`, or None."""
-    rollout_id = read_latest(root)
-    if rollout_id is None or root is None:
-        return None
-    for folder in (iteration_dir(root, rollout_id), _aside_dir(root, rollout_id)):
-        if (folder / _COMPLETE_FILE).is_file():
-            return rollout_id, folder
-    raise RuntimeError(
-        f"checkpoint marker in {root} names rollout {rollout_id} but {iteration_dir(root, rollout_id)} "
-        "is missing or incomplete; the folder was changed by hand"
-    )
-
-
-def begin_save(root: str | os.PathLike[str], rollout_id: int) -> Path:
-    """Create an empty staging folder for rollout `rollout_id` (rank 0 only) and return it."""
-    staging = _staging_dir(root, rollout_id)
-    if staging.exists():
-        shutil.rmtree(staging)  # left by a save that crashed
-    staging.mkdir(parents=True)
-    return staging
-
-
-def commit_save(root: str | os.PathLike[str], rollout_id: int) -> Path:
-    """Publish the complete staging folder of `rollout_id` and point the marker at it (rank 0 only)."""
-    staging, final, aside = (
-        _staging_dir(root, rollout_id),
-        iteration_dir(root, rollout_id),
-        _aside_dir(root, rollout_id),
-    )
-    if not (staging / _COMPLETE_FILE).is_file():
-        raise RuntimeError(f"{staging} is not a complete checkpoint (no {_COMPLETE_FILE})")
-    if final.exists():
-        # Re-saving a rollout: the marker may point at `final`; keep it readable as `aside`.
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.replace(final, aside)
-    os.replace(staging, final)
-    _fsync_dir(Path(root))
-    _write_marker(Path(root), rollout_id)
-    if aside.exists():
-        shutil.rmtree(aside)
-    return final
-
-
-def _write_marker(root: Path, rollout_id: int) -> None:
-    tmp = root / f"{MARKER}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{rollout_id}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / MARKER)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- what a checkpoint holds ----------------------------------------------------------
@@ -204,30 +129,35 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    rank = torch.distributed.get_rank()
-    if rank == 0:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        begin_save(root, rollout_id)
-    barrier()
-    staging = _staging_dir(root, rollout_id)
-    sharded = _sharded_state_dict(state, is_loading=False, rollout_id=rollout_id)
-    dist_checkpointing.save(sharded, str(staging))
-    barrier()
-    if rank == 0:
-        commit_save(root, rollout_id)
-        logger.info("saved checkpoint of rollout %d to %s", rollout_id, iteration_dir(root, rollout_id))
-    barrier()
-    return iteration_dir(root, rollout_id)
+    def write(staging: Path) -> None:
+        sharded = _sharded_state_dict(state, is_loading=False, rollout_id=rollout_id)
+        dist_checkpointing.save(sharded, str(staging))
+
+    return save_folder(root, rollout_id, write, rank=torch.distributed.get_rank(), barrier=barrier)
 
 
-def load_checkpoint(root: str | os.PathLike[str] | None, state: TrainState) -> int | None:
-    """Restore `state` from the newest complete checkpoint under `root`; its rollout id, or None if none."""
+def load_checkpoint(
+    root: str | os.PathLike[str] | None, state: TrainState, *, rollout_id: int | None = None
+) -> int | None:
+    """Restore `state` from a complete checkpoint under `root`; its rollout id, or None if there is none.
+
+    `rollout_id`: that rollout's checkpoint (RuntimeError when it is not complete under
+    `root`); None: the newest complete one (the marker's).
+    """
     from megatron.core import dist_checkpointing
 
-    found = latest_dir(root)
-    if found is None:
-        return None
-    rollout_id, folder = found
+    if rollout_id is None:
+        found = latest_dir(root)
+        if found is None:
+            return None
+        rollout_id, folder = found
+    else:
+        complete = complete_rollouts(root)
+        if rollout_id not in complete:
+            raise RuntimeError(
+                f"no complete checkpoint of rollout {rollout_id} under {root} (complete: {sorted(complete)})"
+            )
+        folder = complete[rollout_id]
     template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id)
     loaded = dist_checkpointing.load(template, str(folder))
     for i, chunk in enumerate(state.model):

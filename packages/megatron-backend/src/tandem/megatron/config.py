@@ -84,6 +84,11 @@ class WorkerConfig:
     critic_save: str | None = None
     """The critic's own checkpoint folder that `save_model` writes to (never the actor's)."""
 
+    load_rollout_id: int | None = None
+    """Resume every model from its checkpoint of this rollout (complete in `load` and `critic_load`)
+    instead of the newest complete one; None: the newest. `ppo-driver train` picks the newest
+    rollout that every model and the driver's own state completed, and sets aside newer parts."""
+
     # --- parallelism ------------------------------------------------------------
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size of the actor."""

@@ -39,12 +39,17 @@ instead of 3.13 s). The compile is lazy (first call, never at import): ~5 s once
 per process on an H200 (the probe's first `train()`), ~20 s for a first model pass
 on a 2-core CPU (2 s with inductor's on-disk cache warm). It marks the token,
 batch and head dimensions dynamic, so micro-batches of other lengths and the
-query and key head counts reuse the same kernels.
+query and key head counts reuse the same kernels. Each kind of call (dtype,
+device, grad mode, size-1 dimensions) has kernels of its own, so a process that
+meets many kinds never reaches dynamo's recompile limit, and a kind that still
+does runs eagerly with one warning instead of failing (`_KeyedKernel`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import types
 from collections.abc import Callable
 from functools import cache
 from typing import Any, cast
@@ -63,6 +68,8 @@ __all__ = [
     "rope_thd",
     "rotate_thd",
 ]
+
+logger = logging.getLogger(__name__)
 
 _install_lock = threading.Lock()
 
@@ -137,10 +144,86 @@ def rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
     return rotate_thd(t, cu_seqlens, *rope_cos_sin(freqs, t.dtype))
 
 
+class _KeyedKernel:
+    """`fn` compiled by inductor once per kind of call, and never a crash at the recompile limit.
+
+    Dynamo keeps its compiled graphs, and counts them against `recompile_limit` (8), per
+    code object; with `fullgraph=True` the call past the limit raises
+    `FailOnRecompileLimitHit`. A process meets more than 8 kinds of call: dtypes (fp32, bf16),
+    devices, grad mode (training, log-probs under `no_grad`), dimensions of size 1 (which stay
+    specialised). So each kind (`_call_key`) gets a copy of `fn` with a code object of its own,
+    hence its own graphs and its own budget, compiled on its first call (never at import). Within
+    a kind the sizes are dynamic, so lengths, batch and head counts do not recompile. Should a
+    kind still exhaust its budget, that kind runs `fn` eagerly from then on (the same
+    arithmetic, one warning line), instead of failing the step.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.kernels: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.eager: set[tuple[Any, ...]] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        key = _call_key(args)
+        if key in self.eager:
+            return self.fn(*args)
+        try:
+            return self._kernel(key)(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            with self._lock:
+                self.eager.add(key)
+            logger.warning(
+                "fused RoPE: %s reached torch._dynamo's recompile limit (%d) for its %s calls; they run "
+                "eagerly from now on (the same results, slower)",
+                self.fn.__name__,
+                torch._dynamo.config.recompile_limit,
+                _describe_kind(args),
+            )
+            return self.fn(*args)
+
+    def _kernel(self, key: tuple[Any, ...]) -> Callable[..., Any]:
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            with self._lock:
+                kernel = self.kernels.get(key)
+                if kernel is None:
+                    fn = self.fn
+                    copy = types.FunctionType(
+                        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+                    )
+                    copy.__qualname__ = fn.__qualname__
+                    kernel = torch.compile(copy, fullgraph=True, options=_INDUCTOR_OPTIONS)
+                    self.kernels[key] = kernel
+        return kernel
+
+
+def _call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What makes dynamo compile another graph, whatever the sizes: each tensor's device type, dtype,
+    whether it needs a gradient and which of its dimensions have size 1; other arguments by value;
+    grad mode."""
+    parts: list[Any] = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, Tensor):
+            parts.append((a.device.type, a.dtype, a.requires_grad, tuple(n == 1 for n in a.shape)))
+        else:
+            parts.append(a)
+    return tuple(parts)
+
+
+def _describe_kind(args: tuple[Any, ...]) -> str:
+    """The kind of a call in words: its first tensor's device and dtype, and grad mode."""
+    first = next((a for a in args if isinstance(a, Tensor)), None)
+    grad = "grad mode on" if torch.is_grad_enabled() else "no_grad"
+    if first is None:
+        return grad
+    return f"{first.device.type} {str(first.dtype).removeprefix('torch.')}, {grad}"
+
+
 @cache
 def _compiled[F: Callable[..., Any]](fn: F) -> F:
-    """`fn` compiled by inductor, once per process, on its first call (never at import)."""
-    return cast(F, torch.compile(fn, fullgraph=True, options=_INDUCTOR_OPTIONS))
+    """`fn` compiled by inductor per kind of call (`_KeyedKernel`), once per process, on first use."""
+    return cast(F, _KeyedKernel(fn))
 
 
 def _dynamic(tensor: Tensor, dims: int) -> Tensor:

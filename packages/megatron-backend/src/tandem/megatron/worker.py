@@ -38,6 +38,7 @@ from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.checkpoint import load_checkpoint, save_checkpoint
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
+from tandem.megatron.fault_points import set_context as set_fault_context
 from tandem.megatron.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.group import TrainGroup, create_train_group
 from tandem.megatron.hf_weights import export_hf_weights, send_chunk
@@ -92,6 +93,7 @@ class TrainWorker:
         """
         config.check_role(role)
         config.check_world(self.world_size, role=role)
+        set_fault_context(role=role, rank=self.rank)
         on_gpu = _resolve_device(config) == "cuda"
         device_before_context = device_used_bytes() if on_gpu else None
         self.config, self.role = config, role
@@ -281,11 +283,14 @@ class TrainWorker:
         save_checkpoint(folder, rollout_id, trainee.train_state(), barrier=self._barrier)
 
     def load_model(self) -> int | None:
-        """Load the newest complete checkpoint of the role's load folder; its rollout id, or None if none."""
+        """Load the role's checkpoint of `load_rollout_id` (None: the newest complete one) from its load
+        folder; its rollout id, or None if there is none."""
         trainee = self._require_init()
         if self._lifecycle.asleep:
             raise RuntimeError("load_model: the model is asleep; wake it up first")
-        return load_checkpoint(self.config.load_of(self.role), trainee.train_state())
+        return load_checkpoint(
+            self.config.load_of(self.role), trainee.train_state(), rollout_id=self.config.load_rollout_id
+        )
 
     # --- weights to the rollout engine ---------------------------------------------------------
     def update_weights(self, engine: Any, pack: Callable[[Any], Any] | None = None) -> int:

@@ -172,11 +172,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Ray reads this when it is imported: workers run this interpreter, instead of Ray shipping
     # the project as a runtime env and starting every worker through `uv run` again.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    sys.exit(run(sys.argv[1:] if argv is None else argv))
+    from tandem.ppo.errors import BROKEN_PIPE_EXIT_CODE
+
+    try:
+        try:
+            status = run(sys.argv[1:] if argv is None else argv)
+        except (
+            SystemExit
+        ) as exit_:  # --help, --version, a usage error: their output too may meet a closed pipe
+            status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`| head`): the rest of the output has nowhere to go, and
+        # Python must not complain about it when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = BROKEN_PIPE_EXIT_CODE
+    sys.exit(status)
 
 
 def run(argv: Sequence[str]) -> int:
-    """Run one subcommand; its exit status (0 ok, 2 bad input, 130 interrupted)."""
+    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 interrupted; `errors`)."""
     from tandem.ppo.run_log import INTERRUPTED_EXIT_CODE, Interrupted
 
     parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
@@ -194,12 +209,18 @@ def run(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         return COMMANDS[command][0](rest)
-    except ValueError as exc:
-        print(f"{PROG} {command}: error: {exc}", file=sys.stderr)
-        return 2
     except (Interrupted, KeyboardInterrupt) as exc:
         print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except Exception as exc:
+        from tandem.ppo.errors import failure_line
+
+        failure = failure_line(exc)
+        if failure is None:
+            raise  # not an input error or a known failure: a bug, with its traceback
+        status, line = failure
+        print(f"{PROG} {command}: error: {line}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

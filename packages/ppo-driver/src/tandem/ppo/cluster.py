@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tandem.ppo.config import PPOConfig
 
-__all__ = ["start_groups", "start_ray", "weight_pack"]
+__all__ = ["check_ray_address", "start_groups", "start_ray", "weight_pack"]
 
 
 def start_ray(address: str | None = None, local_gpus: int | None = None) -> bool:
@@ -26,24 +27,72 @@ def start_ray(address: str | None = None, local_gpus: int | None = None) -> bool
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if address:
+        check_ray_address(address)
         ray.init(address=address, **kwargs)
     else:
         if local_gpus is not None:
             kwargs["num_gpus"] = local_gpus
         # "local": a cluster of our own, even where `ray start` left one running on this machine.
-        ray.init(address="local", **kwargs)
+        try:
+            ray.init(address="local", **kwargs)
+        except Exception as exc:
+            if "timed out during startup" not in str(exc):
+                raise
+            from tandem.ppo.errors import RayStartError
+
+            raise RayStartError(
+                f"the local Ray cluster did not start in time ({' '.join(str(exc).split())[:200]}); the machine "
+                "may be too busy: try again, or start Ray yourself (`ray start --head`) and pass --ray-address"
+            ) from None
     return True
 
 
-def start_groups(config: PPOConfig) -> tuple[Any, Any, Any, Any]:
-    """(placements, actor group, critic group or None, engine group), started concurrently."""
+RAY_ADDRESS_TIMEOUT_S = 10.0
+"""Seconds to wait for a TCP connection to `--ray-address` before `ray.init`, which would retry for
+minutes against an address where nothing listens."""
+
+
+def check_ray_address(address: str) -> None:
+    """Something answers at `address` (host:port, or a `ray://` / `http://` URL); ValueError naming the flag."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parsed = urlsplit(address if "://" in address else f"ray://{address}")
+    if parsed.scheme in ("", "auto", "local") or parsed.hostname is None or parsed.port is None:
+        return  # "auto", a bare host: Ray's own resolution
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=RAY_ADDRESS_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ValueError(
+            f"--ray-address: nothing answers at {address} ({reason}); start the cluster's head there "
+            f"(`ray start --head --port {parsed.port}`), or fix --ray-address (or RAY_ADDRESS)"
+        ) from None
+
+
+def start_groups(
+    config: PPOConfig, worker_config: Any = None, *, lock_file: Path | None = None
+) -> tuple[Any, Any, Any, Any]:
+    """(placements, actor group, critic group or None, engine group), started concurrently.
+
+    `worker_config`: the train workers' config (default `config.worker_config()`).
+    `lock_file`: the run folder's lock; with it, every node of the placement groups must see
+    the model folders and the run folder before any worker starts (`node_checks`).
+    """
     from tandem.megatron.group import create_train_group
     from tandem.placement import create_placement_groups
     from tandem.ppo.engines import EngineOptions, create_engine_group
+    from tandem.ppo.node_checks import check_nodes_see_folders, folders_to_check
 
-    worker_config = config.worker_config()
+    worker_config = worker_config or config.worker_config()
     placements = create_placement_groups(config.placement_spec())
     actor_slot, rollout_slot = placements.actor, placements.rollout
+    if lock_file is not None:
+        try:
+            check_nodes_see_folders([actor_slot, rollout_slot], folders_to_check(config, lock_file))
+        except BaseException:
+            placements.remove()
+            raise
     engine_kwargs: dict[str, Any] = {"dtype": config.rollout_dtype}
     if config.rollout_kv_cache_memory_fraction is not None:
         engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
@@ -72,6 +121,7 @@ def start_groups(config: PPOConfig) -> tuple[Any, Any, Any, Any]:
             num_cpus_per_engine=share,
             engine=config.rollout_engine,
             options=engine_options,
+            max_restarts=config.max_engine_restarts,
         )
 
     # The three groups do not depend on each other: they start at once.

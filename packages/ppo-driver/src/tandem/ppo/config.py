@@ -204,6 +204,10 @@ class PPOConfig(WorkerConfig):
     engine_gpu_share: float = 0.2
     """Fraction of each shared GPU that Ray gives each rollout engine."""
 
+    max_engine_restarts: int = 3
+    """Times each rollout engine that dies (out of memory, killed) is started again on its bundle, with
+    the current weights and the prompts it lost; one more death ends the run naming its rank. 0: never."""
+
     # --- checkpoints ---------------------------------------------------------------------------
     save_interval: int | None = None
     """Save a checkpoint every this many steps (and always at the end); None: only at the end."""
@@ -343,6 +347,14 @@ class PPOConfig(WorkerConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer, or unset")
+        if (
+            isinstance(self.max_engine_restarts, bool)
+            or not isinstance(self.max_engine_restarts, int)
+            or (self.max_engine_restarts < 0)
+        ):
+            raise ValueError(
+                f"--max-engine-restarts: got {self.max_engine_restarts!r}; it must be an integer >= 0 (0: never)"
+            )
         if not 0 <= self.num_critic_only_steps <= self.num_rollout:
             raise ValueError(
                 f"--num-critic-only-steps: got {self.num_critic_only_steps}; it must lie in "

@@ -45,17 +45,32 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The fields of a YAML config file (keys may use `-` or `_`)."""
     import yaml
 
+    from tandem.ppo.field_values import coerce_fields
+
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--config: file {str(path)!r} does not exist; fix the path")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_text(encoding="utf-8")
+        data = yaml.safe_load(text) or {}
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--config: {str(path)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+        ) from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"--config: {str(path)!r} is not valid YAML: {exc}") from None
+        problem = " ".join(str(exc).split())
+        raise ValueError(f"--config: {str(path)!r} is not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: {str(path)!r} must hold a mapping of field: value")
     fields = {FLAG_NAMES.get(f, f): f for f in config_fields()}
-    return {fields.get(str(k).replace("-", "_"), str(k).replace("-", "_")): v for k, v in data.items()}
+
+    def field_of(key: Any) -> str:
+        name = str(key).replace("-", "_")
+        return fields.get(name, name)
+
+    lines = {field_of(k.value): k.start_mark.line + 1 for k, _ in getattr(yaml.compose(text), "value", ())}
+    values = {field_of(k): v for k, v in data.items()}
+    return coerce_fields(values, source=f"--config {path}", lines=lines)
 
 
 def write_yaml(config: PPOConfig, path: str | os.PathLike[str]) -> None:

@@ -83,7 +83,7 @@ def read_prompts(
     """Read a JSONL prompt file into records, in file order; blank lines are skipped.
 
     Raises ValueError naming the file, the line and the key for a line that is not
-    a JSON object, has neither (or both) of `prompt_key` and `messages_key`, or
+    UTF-8 or not a JSON object, has neither (or both) of `prompt_key` and `messages_key`, or
     holds a value of the wrong type; and for a missing or empty file.
     """
     path = Path(path)
@@ -92,8 +92,17 @@ def read_prompts(
             f"prompt file {path} does not exist (or is not a file); pass the path of a JSONL file"
         )
     records: list[PromptRecord] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _line_error(
+                    path,
+                    lineno,
+                    f"byte {raw[exc.start]:#04x} at column {exc.start + 1} is not UTF-8",
+                    "save the file as UTF-8 text",
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -35,7 +35,6 @@ from typing import Any
 from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import write_yaml
 from tandem.ppo.hub import resolve_checkpoints
 from tandem.ppo.rollout import (
     Rollout,
@@ -46,8 +45,10 @@ from tandem.ppo.rollout import (
     shard_per_role,
     training_rewards,
 )
+from tandem.ppo.run_checkpoint import save_run_checkpoint
+from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
-from tandem.ppo.state import DriverState, load_state, save_state
+from tandem.ppo.state import DriverState, load_state
 
 logger = logging.getLogger(__name__)
 
@@ -78,50 +79,65 @@ class PPODriver:
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
         self.eval_before: dict[str, float] | None = None
+        self.folder: RunFolder | None = None
+        self.engine_restarts = 0
+        """Engines restarted so far in this run (`--max-engine-restarts`)."""
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Ray, placement groups, engines and train groups (concurrently), data, reward, logging."""
-        from transformers import AutoTokenizer
+        """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
 
-        from tandem.ppo.data import PromptDataset, read_prompts
-        from tandem.ppo.rewards import load_reward
-
+        The run folder is locked first and changed only once everything is up
+        (`RunFolder.commit`): a start that fails leaves it as it was. A run whose
+        folder holds every rollout already starts nothing (`complete`).
+        """
         config = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_yaml(config, self.run_dir / "config.yaml")
-        self.events = EventLog(self.run_dir / "events.jsonl")
-        self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
-        self.reward_fn = load_reward(config.reward_spec)
-        self.dataset = PromptDataset(
-            read_prompts(str(config.prompt_data), prompt_key=config.input_key, label_key=config.label_key),
-            self.tokenizer,
-            max_prompt_len=config.max_prompt_len,
-            seed=config.seed,
-            apply_chat_template=config.apply_chat_template,
-        )
-        self.eval_dataset = None
-        if config.eval_prompt_data is not None:
-            self.eval_dataset = PromptDataset(
-                read_prompts(
-                    config.eval_prompt_data, prompt_key=config.input_key, label_key=config.label_key
-                ),
-                self.tokenizer,
-                max_prompt_len=config.max_prompt_len,
-                seed=config.seed,
-                apply_chat_template=config.apply_chat_template,
-            )
+        self.folder = RunFolder.open(config)
+        if self.folder.complete:
+            return
+        self.events = EventLog(self.run_dir / "events.jsonl", defer=True)
+        self._setup_inputs()
         self._setup_ray()
         self._setup_groups()
         self._resume()
+        self.folder.commit()
+        self.events.start()
+        self._setup_metrics()
+
+    def _setup_inputs(self) -> None:
+        """Model folders, tokenizer, reward and prompts, each checked before Ray starts (`preflight`)."""
+        from tandem.ppo.preflight import read_inputs
+
+        inputs = read_inputs(self.config)
+        self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
+        self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run folder held every rollout already (after `setup`, which then started nothing)."""
+        return self.folder is not None and self.folder.complete
+
+    def complete_summary(self) -> RunSummary:
+        """The summary of a run that was complete before this start (`complete`)."""
+        assert self.folder is not None and self.folder.resume.rollout_id is not None
+        last = self.folder.resume.rollout_id
+        hf_dir = self.run_dir / "hf"
+        metrics = load_state(self.run_dir, last).metrics
+        return RunSummary(
+            self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
+        )
 
     def _setup_ray(self) -> None:
         self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus)
 
     def _setup_groups(self) -> None:
-        started = start_groups(self.config)
+        assert self.folder is not None
+        started = start_groups(self.config, self.folder.worker_config(), lock_file=self.folder.lock.path)
         self.placements, self.actor, self.critic, self.engines = started
+        slots = {"actor": self.placements.actor, "rollout": self.placements.rollout}
+        self.events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})
         self.weight_pack = weight_pack(self.config)
+        self.engines.on_restart = self._engine_restarted
         self.events.record("setup_done")
         if self.plan.sleep_after_train:
             # Both models start awake; the engine needs the GPU first.
@@ -129,15 +145,11 @@ class PPODriver:
                 self._sleep(group)
 
     def _resume(self) -> None:
-        from tandem.ppo.metrics import MetricsLogger
-
-        config = self.config
-        start = self.actor.start_rollout_id
-        if self.critic is not None and self.critic.start_rollout_id != start:
-            raise ValueError(
-                f"--critic-load: the critic resumed from rollout {self.critic.start_rollout_id - 1} but the "
-                f"actor from rollout {start - 1}; point --load and --critic-load at checkpoints of the same run"
-            )
+        assert self.folder is not None
+        start = self.folder.resume.next_rollout_id
+        loaded = {g.role: g.start_rollout_id for g in self._models()}
+        if any(v != start for v in loaded.values()):
+            raise RuntimeError(f"the models loaded other rollouts than {start - 1}: {loaded}")
         self.start_rollout_id = start
         self.weights_version = start
         if start > 0:
@@ -148,6 +160,11 @@ class PPODriver:
             # The engines start from the HF folder: they need the resumed actor's weights.
             self._sync_weights()
             logger.info("resumed after rollout %d", start - 1)
+
+    def _setup_metrics(self) -> None:
+        from tandem.ppo.metrics import MetricsLogger
+
+        config, start = self.config, self.start_rollout_id
         self.logger = MetricsLogger(
             self.run_dir,
             total_steps=config.num_rollout,
@@ -274,6 +291,7 @@ class PPODriver:
         """
         config = self.config
         self.clock.reset()
+        restarts_before = self.engine_restarts
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         critic_only = rollout_id < config.num_critic_only_steps
@@ -340,6 +358,8 @@ class PPODriver:
                 "data/dropped_prompts": float(self.dataset.num_dropped),
                 "step/critic_only": float(critic_only),
                 "async/staleness": float(rollout_id - sampled.weights_version),
+                "engine/restarts": float(self.engine_restarts - restarts_before),
+                "engine/restarts_total": float(self.engine_restarts),
             }
         )
         return metrics
@@ -429,12 +449,49 @@ class PPODriver:
                 self.engines.resume_memory(["weights"])
         with self._phase("weight_sync"):
             self.events.record("weight_sync", path="ipc" if self.weight_pack is not None else "cpu")
-            self.actor.run("update_weights", self.engines.handles, self.weight_pack)
+            try:
+                self.actor.run("update_weights", self.engines.handles, self.weight_pack)
+            except Exception as exc:
+                # An engine that died during the sync is restarted (with these weights), then all
+                # engines get them again; any other failure is the sync's own.
+                if not self._restart_dead_engines(exc):
+                    raise
+                self.actor.run("update_weights", self.engines.handles, self.weight_pack)
             self.engines.flush_cache()
             self._check_engines_agree()
         if self.release_engines:
             with self._phase("engine_resume_kv_cache"):
                 self.engines.resume_memory(["kv_cache"])
+
+    def _engine_restarted(self, rank: int, handle: Any) -> None:
+        """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
+        import ray
+
+        self.engine_restarts += 1
+        digest = getattr(handle, "weights_digest", None)
+        before = ray.get(digest.remote()) if digest is not None else None
+        if self.weights_version > 0:
+            self.actor.run("update_weights", [handle], None)  # CPU copies: to this engine alone
+        after = ray.get(digest.remote()) if digest is not None else None
+        self.events.record(
+            "engine_restart",
+            rank=rank,
+            restarts=self.engines.restarts[rank],
+            weights_version=self.weights_version,
+            digest_before=before,
+            digest_after=after,
+        )
+
+    def _restart_dead_engines(self, exc: BaseException) -> bool:
+        """Restart the engines that no longer answer after `exc`; whether there were any."""
+        from tandem.ppo.engines import EngineDied
+
+        dead = [rank for rank, alive in enumerate(self.engines.health()) if not alive]
+        for rank in dead:
+            self.engines.restart(
+                rank, EngineDied(rank, f"weight sync failed: {' '.join(str(exc).split())[:300]}")
+            )
+        return bool(dead)
 
     def _check_engines_agree(self) -> None:
         """Every engine's weight fingerprints, into events.jsonl; a warning when they differ."""
@@ -458,15 +515,20 @@ class PPODriver:
         `data_state`: the data cursor right after this rollout (default: the cursor now).
         """
         data = self.dataset.state_dict() if data_state is None else data_state
+
+        def save_model(group: Any) -> None:
+            if self.plan.wake_up_before_save:
+                self._wake(group)
+            self.events.record("save", role=group.role, rollout_id=rollout_id)
+            group.run("save_model", rollout_id)
+            if self.plan.sleep_after_save:
+                self._sleep(group)
+
+        state = DriverState.capture(rollout_id, data, self.metrics_so_far)
+        saves = [(g.role, functools.partial(save_model, g)) for g in self._models()]
         with self._phase("save"):
-            save_state(self.run_dir, DriverState.capture(rollout_id, data, self.metrics_so_far))
-            for group in self._models():
-                if self.plan.wake_up_before_save:
-                    self._wake(group)
-                self.events.record("save", role=group.role, rollout_id=rollout_id)
-                group.run("save_model", rollout_id)
-                if self.plan.sleep_after_save:
-                    self._sleep(group)
+            # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
+            save_run_checkpoint(self.run_dir, state, saves)
 
     def evaluate(self) -> dict[str, float]:
         """Eval metrics on the eval JSONL (engines awake, holding the latest weights)."""
@@ -506,13 +568,29 @@ class PPODriver:
                 self.placements.remove()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        if self.folder is not None:
+            self.folder.close()
 
 
 def train(config: PPOConfig) -> RunSummary:
-    """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C."""
+    """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C, and
+    `errors.WorkerDied` naming the worker when a train worker's process dies."""
+    from ray.exceptions import RayActorError
+
+    from tandem.ppo.errors import dead_worker
+
     driver = PPODriver(config)
     try:
         driver.setup()
+        if driver.complete:
+            return driver.complete_summary()
         return driver.run()
+    except RayActorError as exc:
+        # A train worker's process died: name its role, rank, pid and log (the last complete
+        # checkpoint stays, and the next start resumes from it).
+        died = dead_worker(exc, driver._models(), run_dir=config.run_dir)
+        if died is None:
+            raise
+        raise died from exc
     finally:
         driver.close()

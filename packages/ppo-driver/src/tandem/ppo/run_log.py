@@ -30,10 +30,18 @@ class RunSummary:
     interrupted: bool = False
     eval_before: dict[str, float] | None = None
     """The eval of the starting weights (`eval_before_train`), when one ran."""
+    already_complete: bool = False
+    """The run folder held every rollout already: this start trained nothing."""
 
     def describe(self) -> str:
         """The lines printed at the end of a run."""
-        lines = [
+        lines = []
+        if self.already_complete:
+            lines.append(
+                f"run complete: {self.run_dir} holds every rollout (0..{self.last_rollout_id}); nothing to do "
+                "(raise --num-rollout to train on, or give another --run-dir)"
+            )
+        lines += [
             f"run dir:      {self.run_dir}",
             f"metrics:      {self.run_dir / 'metrics.jsonl'}",
             f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
@@ -56,21 +64,42 @@ class RunSummary:
 
 
 class EventLog:
-    """Timestamped driver events (`RUN_DIR/events.jsonl`): phases, sleeps and wakes, in order."""
+    """Timestamped driver events (`RUN_DIR/events.jsonl`): phases, sleeps and wakes, in order.
 
-    def __init__(self, path: Path) -> None:
+    With `defer`, events are kept in memory until `start()` (the run has started for
+    good), so that a start that fails writes nothing into the run folder.
+    """
+
+    def __init__(self, path: Path, *, defer: bool = False) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+        self._pending: list[str] = []
+        self._file: Any = None
+        if not defer:
+            self.start()
+
+    def start(self) -> None:
+        """Open the file and write the events kept so far; idempotent."""
+        if self._file is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._file.writelines(self._pending)
+        self._file.flush()
+        self._pending = []
 
     def record(self, event: str, **fields: Any) -> None:
         """Append one event."""
-        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        line = json.dumps({"t": time.time(), "event": event, **fields}) + "\n"
+        if self._file is None:
+            self._pending.append(line)
+            return
+        self._file.write(line)
         self._file.flush()
 
     def close(self) -> None:
-        """Close the file."""
-        self._file.close()
+        """Close the file (events not yet started are dropped)."""
+        if self._file is not None:
+            self._file.close()
 
 
 class PhaseClock:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.megatron.fault_points import fault_point
+
 
 @dataclass
 class DriverState:
@@ -47,9 +49,14 @@ class DriverState:
             random.setstate((version, tuple(internal), gauss))
 
 
+def state_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """The folder of the driver's states."""
+    return Path(run_dir) / "driver"
+
+
 def state_path(run_dir: str | os.PathLike[str], rollout_id: int) -> Path:
     """Where rollout `rollout_id`'s driver state lives."""
-    return Path(run_dir) / "driver" / f"iter_{rollout_id:07d}.json"
+    return state_dir(run_dir) / f"iter_{rollout_id:07d}.json"
 
 
 def save_state(run_dir: str | os.PathLike[str], state: DriverState) -> Path:
@@ -61,6 +68,7 @@ def save_state(run_dir: str | os.PathLike[str], state: DriverState) -> Path:
         json.dump(asdict(state), f)
         f.flush()
         os.fsync(f.fileno())
+    fault_point("driver_state.written", rollout_id=state.rollout_id)
     os.replace(tmp, path)
     return path
 

@@ -10,7 +10,7 @@ shares the engine's GPU). See DESIGN.md, "Rollout engines".
 """
 
 from ._embedded import EmbeddedEngine, EngineMemoryReleasedError
-from ._group import EngineError, EngineGroup, create_engine_group, derive_seed, split_contiguous
+from ._group import EngineDied, EngineError, EngineGroup, create_engine_group, derive_seed, split_contiguous
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, RolloutEngine, SamplingParams
 from ._sglang import INSTALL_HINT, SGLangEngine, SGLangUnavailableError
@@ -20,6 +20,7 @@ __all__ = [
     "INSTALL_HINT",
     "MEMORY_TAGS",
     "EmbeddedEngine",
+    "EngineDied",
     "EngineError",
     "EngineGroup",
     "EngineMemoryReleasedError",

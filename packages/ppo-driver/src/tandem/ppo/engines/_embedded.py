@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from tandem.megatron.fault_points import fault_point
+
 from ._errors import EngineMemoryReleasedError
 from ._forward import ForwardPasses
 from ._kv_cache import StaticKVCache, register_attention
@@ -99,6 +101,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         self._lifecycle = Lifecycle(memory_backend, tags=["weights"])
         self._kv_released = False
         self._lock = threading.RLock()
+        self._generate_calls = 0  # this process's, for `fault_points` (a test kills the n-th)
 
         self._cache: StaticKVCache | None = None
         self._last_cache_shape: tuple[int, int] | None = None
@@ -180,6 +183,8 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """One response per prompt, in input order; see `SamplingParams` and `Generation`."""
+        self._generate_calls += 1
+        fault_point("engine.generate", call=self._generate_calls)
         with self._lock:
             released = self.released_tags()
             if released:

@@ -1,9 +1,18 @@
-"""A group of rollout engines, one Ray actor per rollout bundle: prompts split across them, results in order."""
+"""A group of rollout engines, one Ray actor per rollout bundle: prompts split across them, results in order.
+
+An engine whose process dies (out of memory, killed) is started again on its own
+bundle, up to `max_restarts` times per rank (`EngineGroup.restart`): the group
+calls `on_restart(rank, handle)` (the driver sends it the current weights), puts
+it back in the group's memory state (the tags released), and sends it again what
+it lost: the prompts of its chunk, with the same seed, or the call it died in.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from ._options import EngineOptions
@@ -16,12 +25,19 @@ _SEED_MOD = 2**62
 _SEED_STRIDE = 1_000_003
 
 
+logger = logging.getLogger(__name__)
+
+
 class EngineError(RuntimeError):
     """An engine died, timed out, or failed; the message names its rank."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"rollout engine rank {rank}: {message}")
         self.rank = rank
+
+
+class EngineDied(EngineError):
+    """An engine's process died (its Ray actor is gone): a restart can bring it back."""
 
 
 def derive_seed(seed: int, rank: int) -> int:
@@ -43,21 +59,44 @@ def split_contiguous(n: int, parts: int) -> list[tuple[int, int]]:
 class EngineGroup:
     """The rollout engines of a run, in rank order; what the driver generates with.
 
-    Every call waits at most `timeout_s` for each engine and raises an `EngineError`
-    naming the rank of an engine that died, failed or did not answer in time.
+    Every call waits at most `timeout_s` for each engine and raises an `EngineError` naming
+    the rank of an engine that failed or did not answer in time. An engine that died is
+    restarted (`restart`) when the group can start engines (`spawn`) and the rank has
+    restarts left; else that too is an `EngineError` naming its rank.
 
     Args:
         handles: Ray actor handles of the engines (rank order), each serving `RolloutEngine`.
         max_context_len: the engines' context (prompt + response tokens).
         timeout_s: seconds to wait for an engine's answer.
+        spawn: starts engine `rank` again on its bundle (returns the new handle); None: no restarts.
+        max_restarts: restarts allowed per rank.
+        startup_timeout_s: seconds to wait for a restarted engine to load its model.
     """
 
-    def __init__(self, handles: Sequence[Any], *, max_context_len: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        *,
+        max_context_len: int,
+        timeout_s: float,
+        spawn: Callable[[int], Any] | None = None,
+        max_restarts: int = 0,
+        startup_timeout_s: float = 900.0,
+    ) -> None:
         if not handles:
             raise ValueError("EngineGroup needs at least one engine handle")
         self.handles: list[Any] = list(handles)
         self.max_context_len = max_context_len
         self.timeout_s = timeout_s
+        self.spawn = spawn
+        self.max_restarts = max_restarts
+        self.startup_timeout_s = startup_timeout_s
+        self.restarts = [0] * len(self.handles)
+        """Restarts so far, per rank."""
+        self.on_restart: Callable[[int, Any], None] | None = None
+        """Called with (rank, new handle) once a restarted engine is up, before it gets work again
+        (the driver sends it the current weights there)."""
+        self._released: list[MemoryTag] = []
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -75,27 +114,35 @@ class EngineGroup:
                     f"{self.max_context_len} tokens (EngineOptions.max_context_len)"
                 )
         chunks = split_contiguous(len(prompts), len(self.handles))
-        calls = []
+        pending: dict[int, tuple[list[list[int]], SamplingParams]] = {}
         for rank, (lo, hi) in enumerate(chunks):
             if hi == lo:
                 continue
             rank_params = params
             if params.seed is not None:
                 rank_params = dataclasses.replace(params, seed=derive_seed(params.seed, rank))
-            chunk = [list(p) for p in prompts[lo:hi]]
-            calls.append((rank, self.handles[rank].generate.remote(chunk, rank_params)))
-        results: list[Generation] = []
-        for chunk_results in self._wait(calls, "generate"):
-            results.extend(chunk_results)
-        return results
+            pending[rank] = ([list(p) for p in prompts[lo:hi]], rank_params)
+        by_rank: dict[int, list[Generation]] = {}
+        while pending:
+            # An engine that died is restarted and given its chunk again, with the same seed.
+            calls = [(r, self.handles[r].generate.remote(*pending[r])) for r in pending]
+            done, died = self._gather(calls, "generate")
+            for rank, chunk_results in done.items():
+                by_rank[rank] = chunk_results
+                del pending[rank]
+            for rank, error in died.items():
+                self.restart(rank, error)
+        return [g for rank in sorted(by_rank) for g in by_rank[rank]]
 
     def release_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
         """Every engine frees the memory of `tags`; returns once all of it is free."""
         self._all("release_memory", list(tags))
+        self._released = [t for t in MEMORY_TAGS if t in self._released or t in tags]
 
     def resume_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
         """Every engine brings the memory of `tags` back."""
         self._all("resume_memory", list(tags))
+        self._released = [t for t in self._released if t not in tags]
 
     def update_weights_from_tensors(self, named_tensors: Any) -> None:
         """Send one bucket of HF-named CPU tensors to every engine (the object store carries it once)."""
@@ -154,11 +201,71 @@ class EngineGroup:
             except Exception:  # already dead
                 continue
 
+    # --- restarts ---------------------------------------------------------------------------------
+    def restart(self, rank: int, error: EngineError) -> None:
+        """Start engine `rank` again on its bundle after `error` (its death), as the group's state says.
+
+        Raises `error` itself when the group cannot start engines, and an `EngineError` naming
+        the rank when its `max_restarts` are used up.
+        """
+        import ray
+
+        if self.spawn is None or self.max_restarts == 0:
+            raise error
+        if self.restarts[rank] >= self.max_restarts:
+            raise EngineError(
+                rank,
+                f"died again after {self.restarts[rank]} restarts (--max-engine-restarts "
+                f"{self.max_restarts}); stopping: {_cause(error)}",
+            ) from error
+        self.restarts[rank] += 1
+        logger.warning(
+            "rollout engine rank %d died (%s); restarting it on its bundle (restart %d of at most %d)",
+            rank,
+            _cause(error),
+            self.restarts[rank],
+            self.max_restarts,
+        )
+        with contextlib.suppress(Exception):  # gone already
+            ray.kill(self.handles[rank])
+        handle = self.spawn(rank)
+        try:
+            ray.get(handle.max_context_len.remote(), timeout=self.startup_timeout_s)
+        except Exception as exc:
+            raise EngineError(rank, f"did not come back after a restart: {exc!r}") from exc
+        self.handles[rank] = handle
+        if self.on_restart is not None:
+            self.on_restart(rank, handle)
+        if self._released:
+            self._wait([(rank, handle.release_memory.remote(list(self._released)))], "release_memory")
+
     def _all(self, method: str, *args: Any) -> list[Any]:
-        return self._wait([(r, getattr(h, method).remote(*args)) for r, h in enumerate(self.handles)], method)
+        results: dict[int, Any] = {}
+        ranks = list(range(len(self.handles)))
+        while ranks:
+            calls = [(r, getattr(self.handles[r], method).remote(*args)) for r in ranks]
+            done, died = self._gather(calls, method)
+            results.update(done)
+            for rank, error in died.items():
+                self.restart(rank, error)
+            ranks = sorted(died)
+        return [results[r] for r in range(len(self.handles))]
 
     def _wait(self, calls: list[tuple[int, Any]], what: str) -> list[Any]:
         """The results of `calls` ((rank, ref) pairs) in order; an `EngineError` naming the first failed rank."""
+        done, died = self._gather(calls, what)
+        if died:
+            raise next(iter(died.values()))
+        return [done[rank] for rank, _ in calls]
+
+    def _gather(
+        self, calls: list[tuple[int, Any]], what: str
+    ) -> tuple[dict[int, Any], dict[int, EngineDied]]:
+        """The results of `calls` ((rank, ref) pairs) by rank, and the ranks whose engine died.
+
+        Any other failure (an error inside the engine, no answer in time) raises an
+        `EngineError` naming the first such rank.
+        """
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -166,17 +273,18 @@ class EngineGroup:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         ready_ids = set(ready)
         # An error from a finished engine says more than a timeout of another: report those first.
-        results: list[Any] = []
+        done: dict[int, Any] = {}
+        died: dict[int, EngineDied] = {}
         late: list[int] = []
         for rank, ref in calls:
             if ref not in ready_ids:
                 late.append(rank)
-                results.append(None)
                 continue
             try:
-                results.append(ray.get(ref, timeout=self.timeout_s))
+                done[rank] = ray.get(ref, timeout=self.timeout_s)
             except RayActorError as err:
-                raise EngineError(rank, f"{what} failed: the engine's actor died ({err})") from err
+                died[rank] = EngineDied(rank, f"{what} failed: the engine's actor died ({_one_line(err)})")
+                died[rank].__cause__ = err
             except RayTaskError as err:
                 cause = err.cause if err.cause is not None else err
                 raise EngineError(rank, f"{what} failed: {cause!r}") from err
@@ -188,7 +296,18 @@ class EngineGroup:
                 f"{what} did not answer within {self.timeout_s:g} s (EngineOptions.request_timeout_s); "
                 f"ranks not answering: {late}",
             )
-        return results
+        return done, died
+
+
+def _one_line(err: BaseException) -> str:
+    """Ray's reason for an actor's death in one line (its last line, without Ray's list of common causes)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = " ".join(" ".join(lines[-1:]).split()) if lines else type(err).__name__
+    return reason.split(" Some common causes include:", 1)[0]
+
+
+def _cause(error: EngineError) -> str:
+    return str(error).split(": ", 1)[-1]
 
 
 def create_engine_group(
@@ -200,12 +319,14 @@ def create_engine_group(
     num_cpus_per_engine: float = 0.25,
     engine: EngineKind = "embedded",
     options: EngineOptions | None = None,
+    max_restarts: int = 0,
 ) -> EngineGroup:
     """Start one engine actor per bundle of `placement_group` (rank r on `bundle_indices[r]`).
 
     `num_gpus_per_engine` is the engine's share of its bundle's GPU (e.g. 0.2 next to an
     actor rank and a critic rank). Waits until every engine has loaded its model
     (`options.startup_timeout_s`); a failing engine is named by rank and all are killed.
+    `max_restarts`: how often each engine that dies later is started again on its bundle.
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -232,10 +353,10 @@ def create_engine_group(
         raise ValueError(f"engine={engine!r}: choose 'embedded' or 'sglang'")
 
     remote_cls = ray.remote(engine_cls)
-    handles = []
-    for rank, bundle in enumerate(bundle_indices):
+
+    def spawn(rank: int) -> Any:
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group, placement_group_bundle_index=bundle
+            placement_group=placement_group, placement_group_bundle_index=bundle_indices[rank]
         )
         actor_options: dict[str, Any] = {
             "num_gpus": num_gpus_per_engine,
@@ -243,10 +364,18 @@ def create_engine_group(
             "scheduling_strategy": strategy,
         }
         if engine == "embedded":
-            handles.append(remote_cls.options(**actor_options).remote(hf_dir, options))
-        else:
-            handles.append(remote_cls.options(**actor_options).remote(hf_dir, options, rank=rank))
-    group = EngineGroup(handles, max_context_len=0, timeout_s=options.startup_timeout_s)
+            return remote_cls.options(**actor_options).remote(hf_dir, options)
+        return remote_cls.options(**actor_options).remote(hf_dir, options, rank=rank)
+
+    handles = [spawn(rank) for rank in range(len(bundle_indices))]
+    group = EngineGroup(
+        handles,
+        max_context_len=0,
+        timeout_s=options.startup_timeout_s,
+        spawn=spawn,
+        max_restarts=0,  # an engine that dies while starting is named, not restarted
+        startup_timeout_s=options.startup_timeout_s,
+    )
     try:
         lengths = group._all("max_context_len")
     except BaseException:
@@ -254,4 +383,5 @@ def create_engine_group(
         raise
     group.timeout_s = options.request_timeout_s
     group.max_context_len = min(int(n) for n in lengths)
+    group.max_restarts = max_restarts
     return group

@@ -1,0 +1,326 @@
+"""Bad input to `ppo-driver train`: one line naming the field, file, line or flag and the fix, exit 2, before Ray.
+
+Each case runs the command (`cli.run`, in this process) and checks what the user
+sees: exactly one line on stderr (no traceback, nothing else), the exit status,
+that Ray never started, and that the run folder is as it was (no stub folder, no
+rewritten config.yaml). A few cases run the console script in a subprocess,
+where the interpreter itself would print (a closed pipe).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from tandem.ppo.cli import run as cli
+from tandem.ppo.config_file import parse_config
+
+from .test_run_folder import finished_run, snapshot
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Hugging Face folder (weights, tokenizer), the demo's."""
+    from tandem.ppo._demo import build_base_model
+
+    return build_base_model(tmp_path_factory.mktemp("model") / "base")
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{d}+1", "label": str(d + 1)}) + "\n" for d in range(9)))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case here must end before Ray starts: starting it fails the test."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("ray.init was called: the input was not refused before Ray started")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def train(
+    capsys: pytest.CaptureFixture[str], model: Path, prompts: Path, run_dir: Path, *flags: str
+) -> tuple[int, str, str]:
+    """`ppo-driver train` with the tiny model and `flags`; (status, stdout, stderr)."""
+    argv = ["train", "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir)]
+    status = cli(
+        [*argv, "--device", "cpu", "--params-dtype", "float32", "--local-gpus", "1", "--no-progress", *flags]
+    )
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ppo-driver train: error: "), err
+    return lines[0].removeprefix("ppo-driver train: error: ")
+
+
+# --- YAML -----------------------------------------------------------------------------------------
+
+
+def test_a_yaml_value_of_the_wrong_type_names_file_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("num_rollout: 2\ngamma: high\n")
+    status, _, err = train(capsys, model, prompts, tmp_path / "run", "--config", str(config))
+    assert status == 2
+    assert one_line(err) == (
+        f"--config {config}, line 2: gamma: got 'high'; it must be a number (as for --gamma); fix that value"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_numbers_are_read_as_the_flags_read_them(tmp_path: Path, model: Path, prompts: Path) -> None:
+    config = tmp_path / "run.yaml"
+    # YAML 1.1 reads 1e-3 as a string, and "4" is a string.
+    config.write_text(
+        "lr: 1e-3\nnum_rollout: '4'\neval_interval: None\nrollout_stop_token_ids: [3, 5]\nasync: false\n"
+    )
+    argv = ["--config", str(config), "--hf-checkpoint", str(model), "--prompt-data", str(prompts)]
+    parsed = parse_config(argv, validate=False)
+    assert parsed.lr == 1e-3 and parsed.num_rollout == 4 and parsed.eval_interval is None
+    assert parsed.rollout_stop_token_ids == (3, 5) and parsed.async_mode is False
+    for text, match in (
+        (
+            "num_rollout: 2.5\n",
+            r"line 1: num_rollout: got 2.5; it must be an integer \(as for --num-rollout\)",
+        ),
+        ("use_critic: maybe\n", r"use_critic: got 'maybe'; it must be true or false"),
+        ("rollout_engine: vllm\n", r"rollout_engine: got 'vllm'; it must be one of 'embedded', 'sglang'"),
+        ("rollout_stop_token_ids: 3\n", r"rollout_stop_token_ids: got 3; it must be a list"),
+    ):
+        config.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            parse_config(argv, validate=False)
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path, model: Path, prompts: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_bytes(b"lr: 0.001\nrun_dir: caf\xe9\n")
+    with pytest.raises(ValueError, match=r"^--config: .*run.yaml' is not UTF-8 text"):
+        parse_config(["--config", str(config)], validate=False)
+
+
+# --- data files -----------------------------------------------------------------------------------
+
+
+def test_prompts_without_labels_are_refused_under_a_label_reward(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path
+) -> None:
+    data = tmp_path / "nolabel.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d}+1", "answer": str(d + 1)}) + "\n" for d in range(5)))
+    status, _, err = train(capsys, model, data, tmp_path / "run")
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(
+        f"--prompt-data: {data}: 5 of its 5 prompts have no 'label' field (the first: prompt 1)"
+    )
+    assert "--rm-type exact_match compares each response with its label" in line and "--label-key" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompts_without_labels_under_a_custom_reward_warn_once_with_the_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tandem.ppo.data import PromptRecord
+    from tandem.ppo.preflight import check_prompt_labels
+
+    records = [PromptRecord(i, "p", None, None if i % 2 else "x") for i in range(6)]
+    check_prompt_labels(records, "t.jsonl", reward="exact_match", custom=True, label_key="label")
+    (record,) = caplog.records
+    assert "3 of its 6 prompts have no 'label' field (the first: prompt 2)" in record.getMessage()
+
+
+def test_a_non_utf8_byte_names_the_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path
+) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"prompt": "1+1", "label": "2"}\n{"prompt": "caf\xe9", "label": "3"}\n')
+    status, _, err = train(capsys, model, data, tmp_path / "run")
+    assert status == 2
+    assert one_line(err) == (
+        f"--prompt-data: {data}, line 2: byte 0xe9 at column 16 is not UTF-8; save the file as UTF-8 text"
+    )
+
+
+# --- model folders ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("removed", "expected"),
+    [
+        ("*.safetensors", "has a config.json but no weights"),
+        ("tokenizer*", "has no tokenizer"),
+    ],
+)
+def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    removed: str,
+    expected: str,
+) -> None:
+    broken = tmp_path / "model"
+    shutil.copytree(model, broken)
+    for path in broken.glob(removed):
+        path.unlink()
+    status, _, err = train(capsys, broken, prompts, tmp_path / "run")
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(f"--hf-checkpoint: '{broken}' {expected}")
+    assert "install sentencepiece" not in line  # the misleading hint transformers gives
+
+
+# --- the reward function ----------------------------------------------------------------------------
+
+
+def test_a_reward_with_the_wrong_signature_is_refused_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def reward(prompt, response):\n    return 1.0\n")
+    status, _, err = train(capsys, model, prompts, tmp_path / "run", "--custom-rm-path", f"{reward}:reward")
+    assert status == 2
+    assert one_line(err) == (
+        f"--custom-rm-path '{reward}:reward': the function's signature is reward(prompt, response), but a reward "
+        "takes one argument, the list of samples; write it as def reward(samples: list[RewardInput]) -> "
+        "list[float] (async def works too)"
+    )
+
+
+def test_a_reward_that_fails_is_one_line_and_exit_2() -> None:
+    from tandem.ppo.errors import failure_line
+    from tandem.ppo.rewards import RewardError, RewardInput, compute_rewards
+
+    inputs = [RewardInput("p", "r", "l", index=i) for i in range(3)]
+    for fn, expected in (
+        (lambda s: [None] * len(s), "returned None for sample 0"),
+        (lambda s: [float("nan")] * len(s), "returned nan for sample 0"),
+        (lambda s: ["1.0"] * len(s), "returned '1.0' for sample 0"),
+        (lambda s: [1.0], "returned 1 rewards for 3 samples"),
+        (lambda s: 1 / 0, "raised on sample 0"),
+    ):
+        with pytest.raises(RewardError) as info:
+            compute_rewards(fn, inputs)
+        failure = failure_line(info.value)
+        assert failure is not None and failure[0] == 2 and "\n" not in failure[1]
+        assert expected in failure[1]
+
+
+# --- Ray and the terminal -----------------------------------------------------------------------------
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    status, _, err = train(capsys, model, prompts, tmp_path / "run", "--ray-address", f"127.0.0.1:{port}")
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(f"--ray-address: nothing answers at 127.0.0.1:{port} (Connection refused)")
+    assert f"ray start --head --port {port}" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["demo", "train"])
+def test_help_into_a_closed_pipe_prints_nothing_else(command: str) -> None:
+    # The reader is gone before the help is written (as with `| head` once head has its line).
+    with subprocess.Popen(
+        [sys.executable, "-m", "tandem.ppo.cli", command, "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=300)
+    assert err == ""
+    assert proc.returncode == 141
+
+
+# --- the run folder -----------------------------------------------------------------------------------
+
+
+def test_a_run_folder_in_use_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    from tandem.ppo.run_lock import RunLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = RunLock.acquire(run_dir)  # another run (a second open file: refused as another process is)
+    try:
+        status, _, err = train(capsys, model, prompts, run_dir)
+    finally:
+        holder.release()
+    assert status == 2
+    assert one_line(err).startswith(f"--run-dir: {run_dir} is in use by another run, pid ")
+
+
+def _finished(tmp_path: Path, model: Path, prompts: Path) -> Path:
+    run_dir = tmp_path / "run"
+    finished_run(
+        run_dir, model, 2, prompt_data=str(prompts), device="cpu", params_dtype="float32", local_gpus=1
+    )
+    return run_dir
+
+
+def test_a_finished_run_started_again_is_complete_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    run_dir = _finished(tmp_path, model, prompts)
+    before = snapshot(run_dir)
+    status, out, err = train(capsys, model, prompts, run_dir, "--num-rollout", "2", "--no-export-hf")
+    assert status == 0, err
+    assert out.splitlines()[0].startswith(
+        f"run complete: {run_dir} holds every rollout (0..1); nothing to do"
+    )
+    assert snapshot(run_dir) == before
+
+
+def test_resuming_with_a_changed_lr_is_refused_before_ray_and_the_folder_is_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    run_dir = _finished(tmp_path, model, prompts)
+    before = snapshot(run_dir)
+    status, _, err = train(
+        capsys, model, prompts, run_dir, "--num-rollout", "4", "--lr", "0.5", "--no-export-hf"
+    )
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(
+        f"--lr: cannot change when resuming {run_dir} after rollout 1: --lr was 1e-06, now 0.5"
+    )
+    assert "These may change on resume: the run length (--num-rollout)" in line
+    assert snapshot(run_dir) == before
+
+
+def test_a_bad_data_path_never_reaches_a_finished_runs_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    run_dir = _finished(tmp_path, model, prompts)
+    before = snapshot(run_dir)
+    status, _, err = train(capsys, model, tmp_path / "missing.jsonl", run_dir, "--num-rollout", "3")
+    assert status == 2
+    assert one_line(err).startswith("--prompt-data: file ")
+    assert snapshot(run_dir) == before

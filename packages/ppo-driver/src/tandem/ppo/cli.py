@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -73,9 +72,10 @@ class PlotArgs:
 
 def _train(argv: Sequence[str]) -> int:
     from tandem.ppo.config_file import parse_config
-    from tandem.ppo.driver import train
 
     config = parse_config(argv, prog=f"{PROG} train")
+    from tandem.ppo.driver import train  # after parsing: --help imports neither torch nor Ray
+
     print(train(config).describe())
     return 0
 
@@ -83,9 +83,10 @@ def _train(argv: Sequence[str]) -> int:
 def _demo(argv: Sequence[str]) -> int:
     from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
     from tandem.ppo.config_file import parse_config, unvalidated
-    from tandem.ppo.driver import train
 
     parsed = parse_config(argv, prog=f"{PROG} demo", base=DEMO_DEFAULTS, validate=False)
+    from tandem.ppo.driver import train  # after parsing: --help imports neither torch nor Ray
+
     config = unvalidated(prepare_demo(dataclasses.asdict(parsed)))
     config.validate()
     summary = train(config)
@@ -115,6 +116,13 @@ def _plot(argv: Sequence[str]) -> int:
     from tandem.ppo.plot import plot_run
 
     args = tyro.cli(PlotArgs, args=list(argv), prog=f"{PROG} plot")
+    if not args.run_dirs:
+        print(
+            f"usage: {PROG} plot [-h] [--out DIR] RUN_DIR [RUN_DIR ...]\n"
+            f"{PROG} plot: error: give at least one RUN_DIR (a folder with metrics.jsonl)",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plots"
     for path in plot_run(list(args.run_dirs), out):
         print(path)
@@ -160,9 +168,11 @@ def run(argv: Sequence[str]) -> int:
         return 2
     parser.parse_args(argv[: command_index + 1])
     command, rest = argv[command_index], argv[command_index + 1 :]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from tandem.ppo.terminal import terminal_output
+
     try:
-        return COMMANDS[command][0](rest)
+        with terminal_output():
+            return COMMANDS[command][0](rest)
     except ValueError as exc:
         print(f"{PROG} {command}: error: {exc}", file=sys.stderr)
         return 2

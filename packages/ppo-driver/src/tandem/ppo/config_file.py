@@ -85,6 +85,11 @@ def parse_config(
     if known.config is not None:
         values.update(read_yaml(known.config))
     default = unvalidated(values)
+    from tandem.ppo.flag_help import help_text, wants_help
+
+    if wants_help(rest):  # our own help: grouped, with examples, --config among the flags
+        print(help_text(prog.split()[-1], default), end="")
+        raise SystemExit(0)
     config: PPOConfig = tyro.cli(
         PPOConfig,
         args=rest,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+METRIC_NAME = re.compile(r"^[A-Za-z0-9_./-]+$")
+"""What a metric's name may hold: the characters that TensorBoard, wandb and MLflow all take as a tag."""
 
 
 def _parse_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -123,6 +126,11 @@ class MetricsLogger:
         if "step" in metrics:
             raise ValueError('a metric may not be named "step": that key holds the step number')
         for key, value in metrics.items():
+            if not METRIC_NAME.match(key):
+                raise ValueError(
+                    f"metric {key!r}: a name holds letters, digits and _ . - / only (a legal tag of "
+                    "TensorBoard, wandb and MLflow); rename it"
+                )
             if not isinstance(value, numbers.Real):
                 raise TypeError(f"metric {key!r} is {value!r}, not a number; log float(...)")
         row = {"step": step, **metrics}

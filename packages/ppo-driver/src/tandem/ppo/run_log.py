@@ -90,10 +90,14 @@ class PhaseClock:
                 self._record_gpu_memory(name)
 
     def record_lifecycle(self, name: str, per_rank: list[dict[str, float]]) -> None:
-        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`."""
+        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`.
+
+        A step's `:` (`pause:weights`) becomes `_`, so that the name is a legal tag of every writer
+        (TensorBoard, wandb, MLflow) and the same in metrics.jsonl: `lifecycle/actor_sleep/pause_weights`.
+        """
         for timings in per_rank:
             for step, seconds in (timings or {}).items():
-                key = f"lifecycle/{name}/{step}"
+                key = f"lifecycle/{name}/{step.replace(':', '_')}"
                 self.values[key] = max(self.values.get(key, 0.0), float(seconds))
 
     def _record_gpu_memory(self, phase: str) -> None:

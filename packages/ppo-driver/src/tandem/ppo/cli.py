@@ -15,9 +15,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import tyro
+
+if TYPE_CHECKING:
+    from tandem.ppo.config import PPOConfig
 
 PROG = "ppo-driver"
 
@@ -27,25 +30,27 @@ class EvalArgs:
     """Options of `ppo-driver eval`."""
 
     model: Annotated[str, tyro.conf.Positional]
-    """A Hugging Face folder, or a run dir (its `hf/` folder is used)."""
+    """A Hugging Face folder, or a run dir (its `hf/` folder, and its own settings from config.yaml)."""
     data: str
     """Eval JSONL: a `prompt` string or chat `messages` per line, and a `label`."""
-    rm_type: str = "exact_match"
-    """Built-in reward: exact_match or math."""
+    rm_type: str | None = None
+    """Built-in reward: exact_match or math; None: the run's reward (else exact_match)."""
     custom_rm_path: str | None = None
-    """Your reward, `module:function` or `/path/file.py:function`; overrides --rm-type."""
-    n_samples_per_prompt: int = 1
-    """Responses per prompt."""
-    temperature: float = 0.0
-    """Sampling temperature; 0: greedy."""
-    max_response_len: int = 128
-    """Most tokens per response."""
-    max_prompt_len: int = 512
-    """Longer prompts are dropped (and counted)."""
-    accuracy_threshold: float = 1.0
-    """A response counts as correct when its reward is at least this."""
+    """Your reward, `module:function` or `/path/file.py:function`; None: the run's (if it had one)."""
+    n_samples_per_prompt: int | None = None
+    """Responses per prompt; None: the run's `n_samples_per_eval_prompt` (else 1)."""
+    temperature: float | None = None
+    """Sampling temperature (0: greedy); None: the run's `eval_temperature` (else 0)."""
+    max_response_len: int | None = None
+    """Most tokens per response; None: the run's `rollout_max_response_len` (else 128)."""
+    max_prompt_len: int | None = None
+    """Longer prompts are dropped (and counted); None: the run's (else 512)."""
+    accuracy_threshold: float | None = None
+    """A response counts as correct when its reward is at least this; None: the run's (else 1)."""
+    apply_chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; None: as the run did (else yes)."""
     local_gpus: int | None = None
-    """Logical GPUs of a local Ray cluster on a machine without GPUs; None: what Ray detects."""
+    """Logical GPUs of a local Ray cluster; None: what Ray detects, or 1 on a machine without GPUs."""
     seed: int = 1234
     """Sampling seed."""
 
@@ -72,25 +77,37 @@ class PlotArgs:
 
 def _train(argv: Sequence[str]) -> int:
     from tandem.ppo.config_file import parse_config
+    from tandem.ppo.dry_run import split_dry_run
 
-    config = parse_config(argv, prog=f"{PROG} train")
-    from tandem.ppo.driver import train  # after parsing: --help imports neither torch nor Ray
-
-    print(train(config).describe())
-    return 0
+    dry_run, argv = split_dry_run(argv)
+    return _start(parse_config(argv, prog=f"{PROG} train", validate=False), dry_run)
 
 
 def _demo(argv: Sequence[str]) -> int:
     from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
     from tandem.ppo.config_file import parse_config, unvalidated
+    from tandem.ppo.dry_run import split_dry_run
 
+    dry_run, argv = split_dry_run(argv)
     parsed = parse_config(argv, prog=f"{PROG} demo", base=DEMO_DEFAULTS, validate=False)
+    return _start(unvalidated(prepare_demo(dataclasses.asdict(parsed))), dry_run)
+
+
+def _start(config: PPOConfig, dry_run: bool) -> int:
+    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it)."""
+    from tandem.ppo.machine import adapt_to_machine, announce
+
+    config, changes = adapt_to_machine(config)
+    config.validate()
+    announce(changes)  # after validating: a bad flag's error is the only line
+    if dry_run:
+        from tandem.ppo.dry_run import dry_run_report
+
+        print(dry_run_report(config), end="")
+        return 0
     from tandem.ppo.driver import train  # after parsing: --help imports neither torch nor Ray
 
-    config = unvalidated(prepare_demo(dataclasses.asdict(parsed)))
-    config.validate()
-    summary = train(config)
-    print(summary.describe())
+    print(train(config).describe())
     return 0
 
 

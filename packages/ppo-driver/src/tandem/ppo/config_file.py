@@ -50,7 +50,12 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"--config: {str(path)!r} must hold a mapping of field: value")
     fields = {FLAG_NAMES.get(f, f): f for f in config_fields()}
-    return {fields.get(str(k).replace("-", "_"), str(k).replace("-", "_")): v for k, v in data.items()}
+    values = {fields.get(str(k).replace("-", "_"), str(k).replace("-", "_")): v for k, v in data.items()}
+    from tandem.ppo.run_config import RUN_CONFIG_MARKER, resolve_run_paths
+
+    if p.read_text().startswith(RUN_CONFIG_MARKER):  # a run's config.yaml: its paths are relative to it
+        values = resolve_run_paths(values, p.parent)
+    return values
 
 
 def write_yaml(config: PPOConfig, path: str | os.PathLike[str]) -> None:

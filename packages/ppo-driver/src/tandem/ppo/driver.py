@@ -34,7 +34,6 @@ from typing import Any
 from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import write_yaml
 from tandem.ppo.rollout import (
     Rollout,
     Sampled,
@@ -43,6 +42,7 @@ from tandem.ppo.rollout import (
     sampling_params,
     shard_per_role,
 )
+from tandem.ppo.run_config import write_run_config
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state, save_state
 
@@ -84,7 +84,7 @@ class PPODriver:
 
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_yaml(config, self.run_dir / "config.yaml")
+        write_run_config(config)
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
         self.reward_fn = load_reward(config.reward_spec)

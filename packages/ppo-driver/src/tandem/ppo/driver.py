@@ -111,11 +111,20 @@ class PPODriver:
         self._resume()
 
     def _setup_ray(self) -> None:
-        self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus)
+        from tandem.ppo.worker_logs import ray_runtime_env
+
+        runtime_env = ray_runtime_env(self.run_dir)
+        self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus, runtime_env)
 
     def _setup_groups(self) -> None:
+        from tandem.ppo.worker_logs import group_workers, name_worker_logs
+
         started = start_groups(self.config)
         self.placements, self.actor, self.critic, self.engines = started
+        roles = (("actor", self.actor), ("critic", self.critic), ("engine", self.engines))
+        name_worker_logs(
+            self.run_dir, [w for role, g in roles if g is not None for w in group_workers(role, g)]
+        )
         self.weight_pack = weight_pack(self.config)
         self.events.record("setup_done")
         if self.plan.sleep_after_train:
@@ -479,9 +488,16 @@ class PPODriver:
 
 def train(config: PPOConfig) -> RunSummary:
     """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C."""
+    from tandem.ppo.worker_logs import driver_log, note_worker_logs, remove_empty_logs
+
     driver = PPODriver(config)
-    try:
-        driver.setup()
-        return driver.run()
-    finally:
-        driver.close()
+    with driver_log(config.run_dir):
+        try:
+            driver.setup()
+            return driver.run()
+        except Exception as exc:
+            note_worker_logs(exc, config.run_dir)  # an error from a worker names its log file
+            raise
+        finally:
+            driver.close()
+            remove_empty_logs(config.run_dir)

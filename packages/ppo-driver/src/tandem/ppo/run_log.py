@@ -34,10 +34,14 @@ class RunSummary:
         lines = [
             f"run dir:      {self.run_dir}",
             f"metrics:      {self.run_dir / 'metrics.jsonl'}",
-            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
+            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}{_tensorboard_hint()}",
             f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
             f"checkpoints:  {self.run_dir / 'actor'}, {self.run_dir / 'critic'}",
         ]
+        logs = self.run_dir / "logs"
+        if logs.is_dir():
+            names = sorted(p.name for p in logs.glob("*.log"))
+            lines.append(f"logs:         {logs}  ({', '.join(names)})")
         if self.hf_dir is not None:
             lines.append(f"hf model:     {self.hf_dir}")
         if self.metrics:
@@ -45,6 +49,15 @@ class RunSummary:
             figures = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "reward/accuracy") if k in last)
             lines.append(f"last step:    {self.last_rollout_id} ({figures})")
         return "\n".join(lines)
+
+
+def _tensorboard_hint() -> str:
+    """How to get the `tensorboard` command, where it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        return ""
+    return "  (not installed: pip install tensorboard, or the extra tandem-ppo-driver[tensorboard])"
 
 
 class EventLog:

@@ -31,7 +31,11 @@ def start_ray(
     address = address or os.environ.get("RAY_ADDRESS")
     # Ray's own INFO and WARNING lines (the cluster started, token authentication is on) stay off
     # the terminal: a run's terminal holds Tandem's lines and the progress bar.
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "logging_level": logging.ERROR,
+    }
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     if address:

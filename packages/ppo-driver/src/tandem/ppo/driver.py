@@ -134,6 +134,7 @@ class PPODriver:
 
     def _resume(self) -> None:
         from tandem.ppo.metrics import MetricsLogger
+        from tandem.ppo.trackers import open_trackers
 
         config = self.config
         start = self.actor.start_rollout_id
@@ -158,6 +159,7 @@ class PPODriver:
             start_step=start,
             tensorboard=config.tensorboard,
             progress=config.progress,
+            sinks=open_trackers(config),
         )
 
     def _models(self) -> list[Any]:

@@ -94,6 +94,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: bool = True,
         keys_on_bar: Sequence[str] = ("reward/mean", "loss/policy", "loss/value"),
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +103,8 @@ class MetricsLogger:
         self.tensorboard_dir: Path | None = self.run_dir / TENSORBOARD_DIR if tensorboard else None
         """Where the TensorBoard event files go (None when TensorBoard is off)."""
         self.keys_on_bar = tuple(keys_on_bar)
+        self.sinks = list(sinks)
+        """Experiment trackers (`tandem.ppo.trackers`) that get every logged line, closed with this logger."""
         _truncate(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._writer: Any = None
@@ -141,6 +144,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self._writer.add_scalar(key, float(value), step)
             self._writer.flush()
+        for sink in self.sinks:
+            sink.log(step, metrics)
         shown = {key: f"{metrics[key]:.4g}" for key in self.keys_on_bar if key in metrics}
         if shown:
             self._bar.set_postfix(shown, refresh=False)
@@ -152,6 +157,8 @@ class MetricsLogger:
             return
         self._closed = True
         self._bar.close()
+        for sink in self.sinks:
+            sink.close()
         if self._writer is not None:
             self._writer.close()
         self._file.close()

@@ -43,6 +43,7 @@ PATH_FIELDS = (
     "critic_save",
     "prompt_data",
     "eval_prompt_data",
+    "wandb_dir",
 )
 """Config fields that hold a file or folder path (`custom_rm_path` too, for its file part)."""
 

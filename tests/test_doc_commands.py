@@ -343,7 +343,7 @@ def _checks_after(part: str, here: Path) -> Callable[[subprocess.CompletedProces
 
     def check(done: subprocess.CompletedProcess[str]) -> None:
         if words[1] == "eval":
-            assert re.search(r"^eval/reward/mean: \d", done.stdout, re.M), done.stdout
+            assert re.search(r"^eval/accuracy: \d", done.stdout, re.M), done.stdout
         elif words[1] == "export":
             assert (here / words[2] / "hf" / "config.json").is_file()
         elif words[1] == "plot":

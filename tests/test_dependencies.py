@@ -61,6 +61,8 @@ IMPORT_TO_DIST = {
     "tensorboard": "tensorboard",
     "PIL": "pillow",
     "pandas": "pandas",
+    "wandb": "wandb",
+    "mlflow": "mlflow-skinny",
     "tandem.placement": "tandem-placement",
     "tandem.lifecycle": "tandem-lifecycle",
     "tandem.value_transfer": "tandem-value-transfer",
@@ -71,6 +73,9 @@ IMPORT_TO_DIST = {
 NEEDED_BUT_NOT_IMPORTED = {
     "tandem-lifecycle": {
         "numpy": "without numpy `import torch` warns 'Failed to initialize NumPy', an error under -W error",
+    },
+    "tandem-ppo-driver": {
+        "tensorboard": "the `tensorboard` command that opens RUN_DIR/tensorboard (the [tensorboard] extra)",
     },
 }
 

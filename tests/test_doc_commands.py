@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.ppo.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("packages/*/README.md")})
 SHELL_INFOS = {"bash", "sh", "shell", "console", "zsh"}
@@ -318,9 +320,12 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
     done = _bash(shlex.join(["ppo-driver", "demo", *DEMO_CPU_SIZE]), here)
     _check(done, "ppo-driver demo (CPU-sized)")
     demo = here / "runs" / "demo"
+    (here / "demo.stdout").write_text(done.stdout)
+    (here / "demo.stderr").write_text(done.stderr)
     (here / "run.yaml").write_text(
         (ROOT / "examples" / "demo.yaml").read_text()
-        + f"hf_checkpoint: {demo / 'base'}\nprompt_data: {demo / 'data' / 'train.jsonl'}\nrun_dir: runs/from-yaml\n"
+        + f"hf_checkpoint: {demo / 'base'}\nprompt_data: {demo / 'data' / 'train.jsonl'}\n"
+        + f"eval_prompt_data: {demo / 'data' / 'eval.jsonl'}\nrun_dir: runs/from-yaml\n"
     )
     for name in ("shared", "resident"):
         shutil.copytree(demo, here / "runs" / name, ignore=shutil.ignore_patterns("actor", "critic", "hf"))
@@ -343,7 +348,14 @@ def _checks_after(part: str, here: Path) -> Callable[[subprocess.CompletedProces
 
     def check(done: subprocess.CompletedProcess[str]) -> None:
         if words[1] == "eval":
-            assert re.search(r"^eval/accuracy: \d", done.stdout, re.M), done.stdout
+            # Scored as the run scored it: its reward, lengths and greedy decoding on its final
+            # weights give the figure its last eval logged.
+            printed = dict(re.findall(r"^(eval/[\w/]+): ([-\d.]+)$", done.stdout, re.M))
+            last = [row for row in read_metrics(here / words[2]) if "eval/accuracy" in row][-1]
+            assert printed and float(printed["eval/accuracy"]) == pytest.approx(
+                last["eval/accuracy"], abs=1e-4
+            )
+            assert float(printed["eval/mean"]) == pytest.approx(last["eval/mean"], abs=1e-4)
         elif words[1] == "export":
             assert (here / words[2] / "hf" / "config.json").is_file()
         elif words[1] == "plot":
@@ -365,3 +377,30 @@ def test_the_command_runs_as_written(command: DocCommand, sandbox: Path) -> None
         done = _bash(_as_run(part), sandbox)
         _check(done, f"{command.id}: `{part}`")
         _checks_after(part, sandbox)(done)
+
+
+@pytest.mark.slow
+def test_the_demo_terminal_is_clean_and_names_the_worker_logs(sandbox: Path) -> None:
+    err, out = (sandbox / "demo.stderr").read_text(), (sandbox / "demo.stdout").read_text()
+    noisy = [line for line in err.splitlines() if re.search(r"warn|error|illegal|traceback", line, re.I)]
+    assert not noisy, noisy
+    lines = [line for part in err.split("\r") for line in part.splitlines() if line.strip()]
+    assert len([line for line in lines if "step/s" not in line and "?step" not in line]) <= 3, err
+    logs = sandbox / "runs" / "demo" / "logs"
+    for name in ("actor-0.log", "critic-0.log", "engine-0.log"):
+        assert (logs / name).is_file() and (logs / name).stat().st_size > 0, sorted(logs.iterdir())
+    assert f"logs:         {logs.relative_to(sandbox)}" in out or str(logs) in out, out
+
+
+@pytest.mark.slow
+def test_export_of_a_moved_run(sandbox: Path) -> None:
+    runs = sandbox / "runs"
+    moved = runs / "moved-away"
+    (runs / "demo").rename(moved)
+    try:
+        done = _bash("ppo-driver export runs/moved-away --out exported", sandbox)
+        _check(done, "ppo-driver export of a moved run")
+        assert (sandbox / "exported" / "config.json").is_file()
+        assert list((sandbox / "exported").glob("*.safetensors"))
+    finally:
+        moved.rename(runs / "demo")

@@ -57,7 +57,7 @@ def _tensorboard_hint() -> str:
 
     if importlib.util.find_spec("tensorboard") is not None:
         return ""
-    return "  (not installed: pip install tensorboard, or the extra tandem-ppo-driver[tensorboard])"
+    return "  (needs: pip install tensorboard)"
 
 
 class EventLog:

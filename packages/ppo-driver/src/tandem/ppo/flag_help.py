@@ -96,14 +96,15 @@ GROUP_PATTERNS: tuple[tuple[str, str], ...] = (
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "train": (
-        "ppo-driver train --config examples/demo.yaml --num-rollout 10",
         "ppo-driver train --config examples/qwen2.5-0.5b-gsm8k.yaml --dry-run",
+        "ppo-driver train --config runs/demo/config.yaml --num-rollout 100   # resume a run, longer",
         "ppo-driver train --hf-checkpoint MODEL_DIR --prompt-data train.jsonl --rm-type math \\\n"
         "    --rollout-batch-size 64 --n-samples-per-prompt 4 --global-batch-size 64 --run-dir runs/math",
     ),
     "demo": (
         "ppo-driver demo",
         "ppo-driver demo --num-rollout 10 --run-dir runs/short",
+        "ppo-driver demo --config examples/demo.yaml --lr 0.001",
         "ppo-driver demo --dry-run",
     ),
 }

@@ -62,6 +62,8 @@ IMPORT_TO_DIST = {
     "tensorboard": "tensorboard",
     "PIL": "pillow",
     "pandas": "pandas",
+    "wandb": "wandb",
+    "mlflow": "mlflow-skinny",
     "tandem.placement": "tandem-placement",
     "tandem.lifecycle": "tandem-lifecycle",
     "tandem.value_transfer": "tandem-value-transfer",
@@ -75,6 +77,7 @@ NEEDED_BUT_NOT_IMPORTED = {
     },
     "tandem-ppo-driver": {
         "accelerate": "extra gguf: transformers refuses to load a GGUF file without it (fetch-model)",
+        "tensorboard": "the `tensorboard` command that opens RUN_DIR/tensorboard (the [tensorboard] extra)",
     },
 }
 

@@ -9,6 +9,9 @@
 - Its links resolve both in the repository and in the wheel's metadata (where
   the README is the long description, away from the repository): no relative
   links, and the files it names (`docs/...`, `bench/...`) exist.
+
+Their shell commands, and those of README.md and docs/*.md, run in
+tests/test_doc_commands.py.
 """
 
 from __future__ import annotations

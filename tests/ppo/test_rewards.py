@@ -128,13 +128,13 @@ def test_user_function_from_a_module(user_file: Path, monkeypatch: pytest.Monkey
 def test_load_reward_errors_name_the_flag(user_file: Path, spec: str, expected: str) -> None:
     with pytest.raises(ValueError, match=expected) as info:
         load_reward(spec.format(file=user_file))
-    assert str(info.value).startswith("--reward ")
+    assert str(info.value).startswith("--custom-rm-path ")
 
 
 def test_load_reward_file_that_raises_on_import(tmp_path: Path) -> None:
     path = tmp_path / "broken.py"
     path.write_text("raise RuntimeError('boom')\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"--reward .*RuntimeError\('boom'\).*fix the error") as info:
+    with pytest.raises(ValueError, match=r"--custom-rm-path .*RuntimeError\('boom'\).*fix the error") as info:
         load_reward(f"{path}:f")
     assert isinstance(info.value.__cause__, RuntimeError)
 

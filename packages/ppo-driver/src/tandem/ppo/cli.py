@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import tyro
+
+if TYPE_CHECKING:
+    from tandem.ppo.config import PPOConfig
 
 PROG = "ppo-driver"
 
@@ -28,25 +30,27 @@ class EvalArgs:
     """Options of `ppo-driver eval`."""
 
     model: Annotated[str, tyro.conf.Positional]
-    """A Hugging Face folder, or a run dir (its `hf/` folder is used)."""
+    """A Hugging Face folder, or a run dir (its `hf/` folder, and its own settings from config.yaml)."""
     data: str
     """Eval JSONL: a `prompt` string or chat `messages` per line, and a `label`."""
-    rm_type: str = "exact_match"
-    """Built-in reward: exact_match or math."""
+    rm_type: str | None = None
+    """Built-in reward: exact_match or math; None: the run's reward (else exact_match)."""
     custom_rm_path: str | None = None
-    """Your reward, `module:function` or `/path/file.py:function`; overrides --rm-type."""
-    n_samples_per_prompt: int = 1
-    """Responses per prompt."""
-    temperature: float = 0.0
-    """Sampling temperature; 0: greedy."""
-    max_response_len: int = 128
-    """Most tokens per response."""
-    max_prompt_len: int = 512
-    """Longer prompts are dropped (and counted)."""
-    accuracy_threshold: float = 1.0
-    """A response counts as correct when its reward is at least this."""
+    """Your reward, `module:function` or `/path/file.py:function`; None: the run's (if it had one)."""
+    n_samples_per_prompt: int | None = None
+    """Responses per prompt; None: the run's `n_samples_per_eval_prompt` (else 1)."""
+    temperature: float | None = None
+    """Sampling temperature (0: greedy); None: the run's `eval_temperature` (else 0)."""
+    max_response_len: int | None = None
+    """Most tokens per response; None: the run's `rollout_max_response_len` (else 128)."""
+    max_prompt_len: int | None = None
+    """Longer prompts are dropped (and counted); None: the run's (else 512)."""
+    accuracy_threshold: float | None = None
+    """A response counts as correct when its reward is at least this; None: the run's (else 1)."""
+    apply_chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; None: as the run did (else yes)."""
     local_gpus: int | None = None
-    """Logical GPUs of a local Ray cluster on a machine without GPUs; None: what Ray detects."""
+    """Logical GPUs of a local Ray cluster; None: what Ray detects, or 1 on a machine without GPUs."""
     seed: int = 1234
     """Sampling seed."""
 
@@ -73,11 +77,10 @@ class PlotArgs:
 
 def _train(argv: Sequence[str]) -> int:
     from tandem.ppo.config_file import parse_config
-    from tandem.ppo.driver import train
+    from tandem.ppo.dry_run import split_dry_run
 
-    config = parse_config(argv, prog=f"{PROG} train")
-    print(train(config).describe())
-    return 0
+    dry_run, argv = split_dry_run(argv)
+    return _start(parse_config(argv, prog=f"{PROG} train", validate=False), dry_run)
 
 
 DEMO_MODELS = ("tiny", "smollm2")
@@ -88,8 +91,9 @@ def _demo(argv: Sequence[str]) -> int:
     from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
     from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
     from tandem.ppo.config_file import parse_config, unvalidated
-    from tandem.ppo.driver import train
+    from tandem.ppo.dry_run import split_dry_run
 
+    dry_run, argv = split_dry_run(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default="tiny")
     known, rest = pre.parse_known_args(list(argv))
@@ -101,10 +105,24 @@ def _demo(argv: Sequence[str]) -> int:
     parsed = parse_config(
         rest, prog=f"{PROG} demo [--model {{{','.join(DEMO_MODELS)}}}]", base=base, validate=False
     )
-    config = unvalidated(prepare(dataclasses.asdict(parsed)))
+    return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+
+
+def _start(config: PPOConfig, dry_run: bool) -> int:
+    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it)."""
+    from tandem.ppo.machine import adapt_to_machine, announce
+
+    config, changes = adapt_to_machine(config)
     config.validate()
-    summary = train(config)
-    print(summary.describe())
+    announce(changes)  # after validating: a bad flag's error is the only line
+    if dry_run:
+        from tandem.ppo.dry_run import dry_run_report
+
+        print(dry_run_report(config), end="")
+        return 0
+    from tandem.ppo.driver import train  # after parsing: --help imports neither torch nor Ray
+
+    print(train(config).describe())
     return 0
 
 
@@ -130,6 +148,13 @@ def _plot(argv: Sequence[str]) -> int:
     from tandem.ppo.plot import plot_run
 
     args = tyro.cli(PlotArgs, args=list(argv), prog=f"{PROG} plot")
+    if not args.run_dirs:
+        print(
+            f"usage: {PROG} plot [-h] [--out DIR] RUN_DIR [RUN_DIR ...]\n"
+            f"{PROG} plot: error: give at least one RUN_DIR (a folder with metrics.jsonl)",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plots"
     for path in plot_run(list(args.run_dirs), out):
         print(path)
@@ -206,9 +231,11 @@ def run(argv: Sequence[str]) -> int:
         return 2
     parser.parse_args(argv[: command_index + 1])
     command, rest = argv[command_index], argv[command_index + 1 :]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from tandem.ppo.terminal import terminal_output
+
     try:
-        return COMMANDS[command][0](rest)
+        with terminal_output():
+            return COMMANDS[command][0](rest)
     except (Interrupted, KeyboardInterrupt) as exc:
         print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE

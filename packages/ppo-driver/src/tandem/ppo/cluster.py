@@ -7,6 +7,7 @@ the rollout slot, all three at once.
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,15 +18,27 @@ from tandem.ppo.config import PPOConfig
 __all__ = ["check_ray_address", "start_groups", "start_ray", "weight_pack"]
 
 
-def start_ray(address: str | None = None, local_gpus: int | None = None) -> bool:
+def start_ray(
+    address: str | None = None, local_gpus: int | None = None, runtime_env: dict[str, Any] | None = None
+) -> bool:
     """Join `address` (or `RAY_ADDRESS`), else start a local cluster with `local_gpus` logical GPUs
-    (None: what Ray detects); whether this call started Ray (False when it was running already)."""
+    (None: what Ray detects); whether this call started Ray (False when it was running already).
+
+    `runtime_env`: the job's (the worker-log hook of `worker_logs.ray_runtime_env`)."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    # Ray's own INFO and WARNING lines (the cluster started, token authentication is on) stay off
+    # the terminal: a run's terminal holds Tandem's lines and the progress bar.
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "logging_level": logging.ERROR,
+    }
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     if address:
         check_ray_address(address)
         ray.init(address=address, **kwargs)

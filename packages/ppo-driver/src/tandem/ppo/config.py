@@ -236,6 +236,38 @@ class PPOConfig(WorkerConfig):
     progress: bool = True
     """Show a progress bar with the key figures."""
 
+    # --- experiment trackers (extras tandem-ppo-driver[wandb] and [mlflow]) --------------------
+    use_wandb: bool = False
+    """Log every step's metrics (as metrics.jsonl has them) and the resolved config to Weights & Biases."""
+
+    wandb_project: str = "tandem"
+    """The wandb project of the run."""
+
+    wandb_team: str | None = None
+    """The wandb entity (team or user) of the run; None: your default entity."""
+
+    wandb_group: str | None = None
+    """The wandb group of the run (runs to compare side by side, e.g. shared vs resident)."""
+
+    wandb_run_name: str | None = None
+    """The wandb run's name; None: the name of RUN_DIR."""
+
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """`offline`: write the run locally (`wandb sync` uploads it later); `disabled`: log nothing."""
+
+    wandb_dir: str | None = None
+    """Folder of wandb's own files; None: RUN_DIR (they go to RUN_DIR/wandb)."""
+
+    use_mlflow: bool = False
+    """Log every step's metrics (as metrics.jsonl has them) and the resolved config (as run
+    parameters) to MLflow."""
+
+    mlflow_tracking_uri: str | None = None
+    """The MLflow tracking server or store; None: a local `file:` store at RUN_DIR/mlruns."""
+
+    mlflow_experiment_name: str = "tandem"
+    """The MLflow experiment the run is logged under (created when missing)."""
+
     def __post_init__(self) -> None:
         """Nothing: `validate()` checks the merged config (YAML + flags) before Ray starts."""
 
@@ -309,6 +341,9 @@ class PPOConfig(WorkerConfig):
         self._check_plan()
         check_estimator_plan(self)
         self._check_files()
+        from tandem.ppo.trackers import check_trackers
+
+        check_trackers(self)
         try:
             worker = self.worker_config()
             worker.check_world(self.actor_num_gpus, role=None if self.use_critic else "actor")

@@ -69,8 +69,12 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         return fields.get(name, name)
 
     lines = {field_of(k.value): k.start_mark.line + 1 for k, _ in getattr(yaml.compose(text), "value", ())}
-    values = {field_of(k): v for k, v in data.items()}
-    return coerce_fields(values, source=f"--config {path}", lines=lines)
+    values = coerce_fields({field_of(k): v for k, v in data.items()}, source=f"--config {path}", lines=lines)
+    from tandem.ppo.run_config import RUN_CONFIG_MARKER, resolve_run_paths
+
+    if text.startswith(RUN_CONFIG_MARKER):  # a run's config.yaml: its paths are relative to it
+        values = resolve_run_paths(values, p.parent)
+    return values
 
 
 def write_yaml(config: PPOConfig, path: str | os.PathLike[str]) -> None:
@@ -105,6 +109,11 @@ def parse_config(
     if known.config is not None:
         values.update(read_yaml(known.config))
     default = unvalidated(values)
+    from tandem.ppo.flag_help import help_text, wants_help
+
+    if wants_help(rest):  # our own help: grouped, with examples, --config among the flags
+        print(help_text(prog.split()[-1], default), end="")
+        raise SystemExit(0)
     config: PPOConfig = tyro.cli(
         PPOConfig,
         args=rest,

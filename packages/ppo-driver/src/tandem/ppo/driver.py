@@ -49,6 +49,7 @@ from tandem.ppo.run_checkpoint import save_run_checkpoint
 from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state
+from tandem.ppo.worker_logs import driver_log
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class PPODriver:
         self.placements: Any = None
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
+        self._driver_log = contextlib.ExitStack()
+        self.started_logs = False
+        """Whether this start got as far as writing RUN_DIR/logs (its inputs were checked)."""
         self.eval_before: dict[str, float] | None = None
         self.folder: RunFolder | None = None
         self.engine_restarts = 0
@@ -97,6 +101,9 @@ class PPODriver:
             return
         self.events = EventLog(self.run_dir / "events.jsonl", defer=True)
         self._setup_inputs()
+        # From here on a failure is the run's own (Ray, the workers): its lines are kept in RUN_DIR/logs.
+        self._driver_log.enter_context(driver_log(self.run_dir))
+        self.started_logs = True
         self._setup_ray()
         self._setup_groups()
         self._resume()
@@ -128,7 +135,10 @@ class PPODriver:
         )
 
     def _setup_ray(self) -> None:
-        self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus)
+        from tandem.ppo.worker_logs import ray_runtime_env
+
+        runtime_env = ray_runtime_env(self.run_dir)
+        self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus, runtime_env)
 
     def _setup_groups(self) -> None:
         assert self.folder is not None
@@ -136,6 +146,12 @@ class PPODriver:
         self.placements, self.actor, self.critic, self.engines = started
         slots = {"actor": self.placements.actor, "rollout": self.placements.rollout}
         self.events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})
+        from tandem.ppo.worker_logs import group_workers, name_worker_logs
+
+        roles = (("actor", self.actor), ("critic", self.critic), ("engine", self.engines))
+        name_worker_logs(
+            self.run_dir, [w for role, g in roles if g is not None for w in group_workers(role, g)]
+        )
         self.weight_pack = weight_pack(self.config)
         self.engines.on_restart = self._engine_restarted
         self.events.record("setup_done")
@@ -163,6 +179,7 @@ class PPODriver:
 
     def _setup_metrics(self) -> None:
         from tandem.ppo.metrics import MetricsLogger
+        from tandem.ppo.trackers import open_trackers
 
         config, start = self.config, self.start_rollout_id
         self.logger = MetricsLogger(
@@ -171,6 +188,7 @@ class PPODriver:
             start_step=start,
             tensorboard=config.tensorboard,
             progress=config.progress,
+            sinks=open_trackers(config),
         )
 
     def _models(self) -> list[Any]:
@@ -568,16 +586,19 @@ class PPODriver:
                 self.placements.remove()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        self._driver_log.close()
         if self.folder is not None:
             self.folder.close()
 
 
 def train(config: PPOConfig) -> RunSummary:
     """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C, and
-    `errors.WorkerDied` naming the worker when a train worker's process dies."""
+    `errors.WorkerDied` naming the worker when a train worker's process dies. The driver's log
+    lines also go to `RUN_DIR/logs/driver.log` once the run folder is locked and its inputs checked."""
     from ray.exceptions import RayActorError
 
     from tandem.ppo.errors import dead_worker
+    from tandem.ppo.worker_logs import note_worker_logs, remove_empty_logs
 
     driver = PPODriver(config)
     try:
@@ -590,7 +611,13 @@ def train(config: PPOConfig) -> RunSummary:
         # checkpoint stays, and the next start resumes from it).
         died = dead_worker(exc, driver._models(), run_dir=config.run_dir)
         if died is None:
+            note_worker_logs(exc, config.run_dir)
             raise
         raise died from exc
+    except Exception as exc:
+        note_worker_logs(exc, config.run_dir)  # an error from a worker names its log file
+        raise
     finally:
         driver.close()
+        if driver.started_logs:
+            remove_empty_logs(config.run_dir)

@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+METRIC_NAME = re.compile(r"^[A-Za-z0-9_./-]+$")
+"""What a metric's name may hold: the characters that TensorBoard, wandb and MLflow all take as a tag."""
 
 
 def _parse_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -105,6 +108,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: bool = True,
         keys_on_bar: Sequence[str] = ("reward/mean", "loss/policy", "loss/value"),
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,6 +117,8 @@ class MetricsLogger:
         self.tensorboard_dir: Path | None = self.run_dir / TENSORBOARD_DIR if tensorboard else None
         """Where the TensorBoard event files go (None when TensorBoard is off)."""
         self.keys_on_bar = tuple(keys_on_bar)
+        self.sinks = list(sinks)
+        """Experiment trackers (`tandem.ppo.trackers`) that get every logged line, closed with this logger."""
         _truncate(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._writer: Any = None
@@ -137,6 +143,11 @@ class MetricsLogger:
         if "step" in metrics:
             raise ValueError('a metric may not be named "step": that key holds the step number')
         for key, value in metrics.items():
+            if not METRIC_NAME.match(key):
+                raise ValueError(
+                    f"metric {key!r}: a name holds letters, digits and _ . - / only (a legal tag of "
+                    "TensorBoard, wandb and MLflow); rename it"
+                )
             if not isinstance(value, numbers.Real):
                 raise TypeError(f"metric {key!r} is {value!r}, not a number; log float(...)")
         row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
@@ -148,6 +159,8 @@ class MetricsLogger:
                 if math.isfinite(value):
                     self._writer.add_scalar(key, float(value), step)
             self._writer.flush()
+        for sink in self.sinks:
+            sink.log(step, metrics)
         shown = {key: f"{metrics[key]:.4g}" for key in self.keys_on_bar if key in metrics}
         if shown:
             self._bar.set_postfix(shown, refresh=False)
@@ -159,6 +172,8 @@ class MetricsLogger:
             return
         self._closed = True
         self._bar.close()
+        for sink in self.sinks:
+            sink.close()
         if self._writer is not None:
             self._writer.close()
         self._file.close()

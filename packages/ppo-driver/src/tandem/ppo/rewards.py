@@ -2,7 +2,7 @@
 
 Every reward function is batched: it takes `list[RewardInput]` and returns one
 float per input, in order; it may be a plain function or an `async def`.
-`load_reward(spec)` resolves `--reward` and `compute_rewards(fn, inputs)` calls
+`load_reward(spec)` resolves `--custom-rm-path` (or a built-in `--rm-type`) and `compute_rewards(fn, inputs)` calls
 it and checks what comes back, so that a failure names the sample it came from.
 """
 
@@ -87,14 +87,14 @@ def math(inputs: list[RewardInput]) -> list[float]:
 
 
 BUILTIN_REWARDS: dict[str, RewardFunction] = {"exact_match": exact_match, "math": math}
-"""Reward functions that `--reward` names without a module."""
+"""Reward functions that `--rm-type` names (no module needed)."""
 
 
 # --- load_reward ----------------------------------------------------------------------------------
 
 
 def _spec_error(spec: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"--reward {spec!r}: {problem}; {fix}")
+    return ValueError(f"--custom-rm-path {spec!r}: {problem}; {fix}")
 
 
 def _load_file(spec: str, file_part: str) -> Any:
@@ -138,9 +138,9 @@ def _load_module(spec: str, module_name: str) -> Any:
 
 
 def load_reward(spec: str) -> RewardFunction:
-    """Resolve `--reward`: a built-in name, `package.module:function`, or `/path/to/file.py:function`.
+    """Resolve `--custom-rm-path` (or `--rm-type`): a built-in name, `package.module:function`, or `/path/to/file.py:function`.
 
-    Raises ValueError naming `--reward` and the fix when the module, file or
+    Raises ValueError naming `--custom-rm-path` and the fix when the module, file or
     function does not exist or is not callable.
     """
     spec = spec.strip()

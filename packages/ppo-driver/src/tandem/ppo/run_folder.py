@@ -154,10 +154,10 @@ class RunFolder:
     # --- once the run is up ---------------------------------------------------------------------
     def commit(self) -> None:
         """The run is starting: set aside the checkpoint parts no resume uses, write config.yaml."""
-        from tandem.ppo.config_file import write_yaml
+        from tandem.ppo.run_config import write_run_config
 
         set_aside(self.path, self.resume, model_folders(self.config))
-        write_yaml(self.config, self.path / CONFIG_FILE)
+        write_run_config(self.config)
         self.committed = True
 
     def close(self) -> None:

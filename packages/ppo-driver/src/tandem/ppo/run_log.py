@@ -44,11 +44,15 @@ class RunSummary:
         lines += [
             f"run dir:      {self.run_dir}",
             f"metrics:      {self.run_dir / 'metrics.jsonl'}",
-            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}",
+            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}{_tensorboard_hint()}",
             f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
             "checkpoints:  "
             + ", ".join(str(self.run_dir / m) for m in ("actor", "critic") if (self.run_dir / m).is_dir()),
         ]
+        logs = self.run_dir / "logs"
+        if logs.is_dir():
+            names = sorted(p.name for p in logs.glob("*.log"))
+            lines.append(f"logs:         {logs}  ({', '.join(names)})")
         if self.hf_dir is not None:
             lines.append(f"hf model:     {self.hf_dir}")
         if self.metrics:
@@ -61,6 +65,15 @@ class RunSummary:
                     f"{last['eval/mean']:.3f} after"
                 )
         return "\n".join(lines)
+
+
+def _tensorboard_hint() -> str:
+    """How to get the `tensorboard` command, where it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        return ""
+    return "  (needs: pip install tensorboard)"
 
 
 class EventLog:
@@ -127,10 +140,14 @@ class PhaseClock:
                 self._record_gpu_memory(name)
 
     def record_lifecycle(self, name: str, per_rank: list[dict[str, float]]) -> None:
-        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`."""
+        """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`.
+
+        A step's `:` (`pause:weights`) becomes `_`, so that the name is a legal tag of every writer
+        (TensorBoard, wandb, MLflow) and the same in metrics.jsonl: `lifecycle/actor_sleep/pause_weights`.
+        """
         for timings in per_rank:
             for step, seconds in (timings or {}).items():
-                key = f"lifecycle/{name}/{step}"
+                key = f"lifecycle/{name}/{step.replace(':', '_')}"
                 self.values[key] = max(self.values.get(key, 0.0), float(seconds))
 
     def _record_gpu_memory(self, phase: str) -> None:

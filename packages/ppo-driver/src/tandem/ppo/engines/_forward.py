@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._kv_cache import StaticKVCache
+from ._kv_cache import StaticKVCache, cache_keyword
 from ._options import EngineOptions
 
 
@@ -57,7 +57,7 @@ class ForwardPasses:
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -75,7 +75,7 @@ class ForwardPasses:
             input_ids=self._ids[:rows],
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=self._cache,
+            **{cache_keyword(self.model): self._cache},
             use_cache=True,
             logits_to_keep=1,
         )

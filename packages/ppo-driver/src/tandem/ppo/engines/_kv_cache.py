@@ -1,7 +1,8 @@
 """The embedded engine's static KV cache and its grouped-query decode attention, plugged into transformers.
 
 The model code stays transformers' own: the engine passes this cache as
-`past_key_values` (the model calls only `update(key, value, layer_idx)` when it
+`past_key_values` (`cache` from transformers 5.2x, `cache_keyword`; the model calls only
+`update(key, value, layer_idx, ...)` when it
 gets explicit `position_ids` and a ready 4D mask), and registers one attention
 function through transformers' `AttentionInterface`. That function differs from
 transformers' SDPA path only for a one-token decode step of a grouped-query
@@ -12,6 +13,8 @@ SDPA's query rows against their one KV head, so the cache is read once.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -67,13 +70,13 @@ class StaticKVCache:
         self._view_rows, self._view_len, self._write_pos = rows, kv_len, write_pos
 
     def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys and values at the bound positions; return the bound views (transformers' API)."""
+        """Write this step's keys and values at the bound positions; return the bound views (transformers' API).
+
+        Whatever else the model passes (`cache_kwargs` up to transformers 5.19, `kwargs=` from
+        5.2x) is not needed: the positions come from `bind`.
+        """
         assert self._write_pos is not None, "bind() before a forward pass"
         keys = self.keys[layer_idx][: self._view_rows]
         values = self.values[layer_idx][: self._view_rows]
@@ -90,6 +93,22 @@ class StaticKVCache:
         n = order.numel()
         for buf in (*self.keys, *self.values):
             buf[:n].copy_(buf.index_select(0, order))
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword under which `model.forward` takes the KV cache.
+
+    transformers renamed `past_key_values` to `cache` (5.2x; the old name warns until
+    5.40); the engine passes its cache under the name the installed version reads.
+    """
+    model_class: Any = type(model)
+    return _cache_keyword_of(model_class)
+
+
+@functools.cache
+def _cache_keyword_of(model_class: Any) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def gqa_decode_attention(

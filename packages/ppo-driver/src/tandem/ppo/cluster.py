@@ -40,6 +40,7 @@ def start_groups(config: PPOConfig) -> tuple[Any, Any, Any, Any]:
     from tandem.megatron.group import create_train_group
     from tandem.placement import create_placement_groups
     from tandem.ppo.engines import EngineOptions, create_engine_group
+    from tandem.ppo.reward_model import rollout_bundle_shares
 
     worker_config = config.worker_config()
     placements = create_placement_groups(config.placement_spec())
@@ -63,7 +64,7 @@ def start_groups(config: PPOConfig) -> tuple[Any, Any, Any, Any]:
         )
 
     def start_engines() -> Any:
-        share = config.engine_gpu_share if config.colocate else 1.0
+        share, _ = rollout_bundle_shares(config)  # a reward model takes part of the engine's share
         return create_engine_group(
             config.hf_checkpoint,
             rollout_slot.pg,

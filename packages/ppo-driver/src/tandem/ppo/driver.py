@@ -4,7 +4,8 @@ One step, exactly as DESIGN.md's "One PPO step" says:
 
 1. rollout: the engines sample `rollout_batch_size * n_samples_per_prompt`
    responses, rewards are computed, the batch is split per data-parallel rank
-   and put in Ray's object store;
+   and put in Ray's object store; a reward model (`--rm-type model`) scores once
+   the engines have released their memory: wake, score, sleep (`_score_with_reward_model`);
 2. the engines release their GPU memory (weights, KV cache);
 3. critic: wake, train (old values, GAE returns, value loss), sleep; it
    returns its old values per rank;
@@ -73,6 +74,8 @@ class PPODriver:
         self.placements: Any = None
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
+        self.reward_model: Any = None
+        self._engines_released_to_score = False
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -80,14 +83,14 @@ class PPODriver:
         from transformers import AutoTokenizer
 
         from tandem.ppo.data import PromptDataset, read_prompts
-        from tandem.ppo.rewards import load_reward
+        from tandem.ppo.reward_mix import build_reward
 
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_yaml(config, self.run_dir / "config.yaml")
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
-        self.reward_fn = load_reward(config.reward_spec)
+        self.reward_fn = build_reward(config, model=self._score_with_reward_model)
         self.dataset = PromptDataset(
             read_prompts(str(config.prompt_data), prompt_key=config.input_key, label_key=config.label_key),
             self.tokenizer,
@@ -108,6 +111,7 @@ class PPODriver:
             )
         self._setup_ray()
         self._setup_groups()
+        self._setup_reward_model()
         self._resume()
 
     def _setup_ray(self) -> None:
@@ -122,6 +126,18 @@ class PPODriver:
             # Both models start awake; the engine needs the GPU first.
             for group in self._models():
                 self._sleep(group)
+
+    def _setup_reward_model(self) -> None:
+        """The reward model's workers (`--rm-type model`), on the rollout bundles; asleep when the plan says."""
+        from tandem.ppo.reward_model import start_reward_model, uses_reward_model
+
+        if not uses_reward_model(self.config):
+            return
+        self.reward_model = start_reward_model(
+            self.config, self.placements, events=self.events, clock=self.clock, sleeps=self.release_engines
+        )
+        if self.reward_model.sleeps:
+            self.reward_model.sleep()
 
     def _resume(self) -> None:
         from tandem.ppo.metrics import MetricsLogger
@@ -265,6 +281,7 @@ class PPODriver:
         if sampled is None:
             sampled = self._draw(rollout_id)
         self.last_sampled = sampled
+        self._engines_released_to_score = False  # released from here to step 5 (step 2 holds them)
         generating = self.generating = start_next() if start_next is not None else None
 
         # 2. the engines hand their GPU memory back
@@ -346,6 +363,13 @@ class PPODriver:
 
     def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
         config = self.config
+        if self._engines_released_to_score:
+            # A reward model scored the last batch (another round of dynamic sampling, or an eval):
+            # the engines released their memory for it and generate again now.
+            self._engines_released_to_score = False
+            self.events.record("engine_resume")
+            with self._phase("engine_resume"):
+                self.engines.resume_memory()
         params = sampling_params(
             config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
         )
@@ -358,6 +382,23 @@ class PPODriver:
             tokenizer=self.tokenizer,
             reward_fn=self.reward_fn,
         )
+
+    def _score_with_reward_model(self, requests: list[Any]) -> list[float]:
+        """Step 1b, the reward model's term: the engines release their memory (on shared GPUs), then
+        the reward model wakes, scores prompt + response of every sample, and sleeps again."""
+        rm = self.reward_model
+        if not rm.sleeps:
+            return list(rm.score(requests))
+        if not self._engines_released_to_score:
+            with self._phase("engine_release"):
+                self.engines.release_memory()
+            self._engines_released_to_score = True
+            self.events.record("engine_release")
+        rm.wake()
+        try:
+            return list(rm.score(requests))
+        finally:
+            rm.sleep()
 
     def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[Any]:
         """The actor, woken briefly, computes its old and reference log-probs for the rollout."""
@@ -477,6 +518,9 @@ class PPODriver:
         if self.engines is not None:
             with contextlib.suppress(Exception):
                 self.engines.shutdown()
+        if self.reward_model is not None:
+            with contextlib.suppress(Exception):
+                self.reward_model.shutdown()
         for group in self._models():
             with contextlib.suppress(Exception):
                 group.run("shutdown")

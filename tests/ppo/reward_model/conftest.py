@@ -29,11 +29,14 @@ def save_reward_model(
     num_hidden_layers: int = 2,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
+    device: str = "cpu",
 ) -> Any:
     """A random `<Family>ForSequenceClassification` saved with `save_pretrained`; the model (fp32, eval).
 
     Every weight is perturbed (norms away from 1, biases away from 0, a score head of
     scale ~1) so that a dropped bias, a wrong position or a swapped norm shows in the scores.
+    `device`: where the model is initialised (a large one is quicker on a GPU); the model is
+    returned only from the CPU.
     """
     from transformers import (
         LlamaConfig,
@@ -56,19 +59,19 @@ def save_reward_model(
         "eos_token_id": eos_token_id,
         "bos_token_id": 0,
     }
-    if family == "qwen2":
-        model: Any = Qwen2ForSequenceClassification(
-            Qwen2Config(**common, rope_parameters={"rope_theta": 1e6})
-        )
-    else:
-        model = LlamaForSequenceClassification(LlamaConfig(**common))
-    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.device(device):
+        if family == "qwen2":
+            config: Any = Qwen2Config(**common, rope_parameters={"rope_theta": 1e6})
+            model: Any = Qwen2ForSequenceClassification(config)
+        else:
+            model = LlamaForSequenceClassification(LlamaConfig(**common))
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 1.0 if name.startswith("score") else 0.05
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
+            p.add_(torch.randn(p.shape, generator=gen, device=device) * scale)
     model.to(dtype).save_pretrained(str(path))
-    return model.float().eval()
+    return model.float().eval() if device == "cpu" else None
 
 
 @pytest.fixture(scope="session")

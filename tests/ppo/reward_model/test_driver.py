@@ -4,7 +4,8 @@ The demo's actor, critic and embedded engine share one logical GPU of a local Ra
 with a reward-model worker (a random Llama sequence classifier on the demo's
 tokenizer). The event log must show, every step: the engine generates, releases
 its memory, the reward model wakes, scores and sleeps, then the critic and the
-actor take their turns; never two of them awake and computing at once.
+actor take their turns; never two of them awake and computing at once. The
+critic starts from the reward model (`--critic-hf-checkpoint`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def check_turns(events: list[dict[str, Any]]) -> None:
 def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
     tmp_path: Path, demo_with_rm: dict[str, Any], ray_start: Callable[[Callable[[], Any]], Any]
 ) -> None:
+    # The critic starts from the reward model too (its score head as the value head), as OpenRLHF's does.
     config = config_of(
         demo_with_rm,
         tmp_path / "run",
@@ -128,6 +130,7 @@ def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
         num_critic_only_steps=1,
         eval_interval=2,
         save_interval=2,
+        critic_hf_checkpoint=demo_with_rm["rm"],
     )
     kept: dict[str, Any] = {}
     summary = run(config, ray_start, after=lambda d: kept.update(rollout=d.last_sampled.rollout))

@@ -134,10 +134,10 @@ class PPODriver:
         if not uses_reward_model(self.config):
             return
         self.reward_model = start_reward_model(
-            self.config, self.placements, events=self.events, clock=self.clock, sleeps=self.release_engines
+            self.config, self.placements, events=self.events, sleeps=self.release_engines
         )
         if self.reward_model.sleeps:
-            self.reward_model.sleep()
+            self._sleep_reward_model()
 
     def _resume(self) -> None:
         from tandem.ppo.metrics import MetricsLogger
@@ -394,11 +394,17 @@ class PPODriver:
                 self.engines.release_memory()
             self._engines_released_to_score = True
             self.events.record("engine_release")
-        rm.wake()
+        with self._phase("reward_model_wake"):
+            self.clock.record_lifecycle("reward_model_wake", rm.wake())
         try:
-            return list(rm.score(requests))
+            with self._phase("reward_model_score"):
+                return list(rm.score(requests))
         finally:
-            rm.sleep()
+            self._sleep_reward_model()
+
+    def _sleep_reward_model(self) -> None:
+        with self._phase("reward_model_sleep"):
+            self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
 
     def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[Any]:
         """The actor, woken briefly, computes its old and reference log-probs for the rollout."""

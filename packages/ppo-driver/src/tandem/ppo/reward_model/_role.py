@@ -60,13 +60,13 @@ class RewardModelInputs:
 class RewardModelRole:
     """The reward model of a run: its workers, how samples reach them, and its recorded steps.
 
+    The driver times the steps (`time/reward_model_wake`, `_score`, `_sleep` in its phase
+    clock) from the timings they return; the role writes the events.
+
     Args:
         group: the workers (one per rollout bundle).
         inputs: how `ScoreRequest`s become token sequences.
         events: the run's `EventLog`.
-        clock: the run's `PhaseClock` (wake and sleep only: they run in the sync loop's step;
-            scoring may run on the async loop's generation thread, whose time the rollout's
-            `time/reward_model` holds).
         sleeps: whether the plan puts it to sleep between steps (the engines release their
             memory: colocated and time-shared); otherwise it stays resident.
     """
@@ -74,19 +74,17 @@ class RewardModelRole:
     name = ROLE
 
     def __init__(
-        self, group: RewardModelGroup, inputs: RewardModelInputs, *, events: Any, clock: Any, sleeps: bool
+        self, group: RewardModelGroup, inputs: RewardModelInputs, *, events: Any, sleeps: bool
     ) -> None:
         self.group = group
         self.inputs = inputs
         self.events = events
-        self.clock = clock
         self.sleeps = sleeps
 
-    def wake(self) -> None:
-        """Bring the weights back on every worker (`rm_wake` first: from here it holds memory)."""
+    def wake(self) -> list[dict[str, float]]:
+        """Bring the weights back on every worker (`rm_wake` first: from here it holds memory); their timings."""
         self.events.record("rm_wake", role=ROLE)
-        with self.clock.phase(f"{ROLE}_wake"):
-            self.clock.record_lifecycle(f"{ROLE}_wake", self.group.wake_up())
+        return self.group.wake_up()
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[float]:
         """One score per request, in order (`score_begin` / `score_end` around the forward passes)."""
@@ -97,11 +95,11 @@ class RewardModelRole:
         self.events.record("score_end", role=ROLE, samples=len(scores))
         return scores
 
-    def sleep(self) -> None:
-        """Put every worker's weights on the host (`rm_sleep` after: from here it holds none)."""
-        with self.clock.phase(f"{ROLE}_sleep"):
-            self.clock.record_lifecycle(f"{ROLE}_sleep", self.group.sleep())
+    def sleep(self) -> list[dict[str, float]]:
+        """Put every worker's weights on the host (`rm_sleep` after: from here it holds none); their timings."""
+        timings = self.group.sleep()
         self.events.record("rm_sleep", role=ROLE)
+        return timings
 
     def shutdown(self) -> None:
         """Stop the workers."""

@@ -149,9 +149,7 @@ def _check_input(config: Any, folder: RewardModelFolder, policy: dict[str, Any] 
             )
 
 
-def start_reward_model(
-    config: Any, placements: Any, *, events: Any, clock: Any, sleeps: bool
-) -> RewardModelRole:
+def start_reward_model(config: Any, placements: Any, *, events: Any, sleeps: bool) -> RewardModelRole:
     """The run's reward-model role: one worker per rollout bundle, loaded and awake."""
     from transformers import AutoTokenizer
 
@@ -173,4 +171,4 @@ def start_reward_model(
         AutoTokenizer.from_pretrained(config.reward_model) if config.reward_model_input == "chat" else None
     )
     inputs = RewardModelInputs(config.reward_model_input, tokenizer)
-    return RewardModelRole(group, inputs, events=events, clock=clock, sleeps=sleeps)
+    return RewardModelRole(group, inputs, events=events, sleeps=sleeps)

@@ -162,3 +162,17 @@ def test_chat_input_renders_the_messages_with_the_reward_models_template() -> No
     assert ids == expected
     assert tokenizer.decode(ids[1]) == "<s>user: 4+1</s>\n<s>assistant: 5</s>\n"
     assert RewardModelInputs("tokens")(requests) == [[9, 9, 99], [8, 98, 2]]
+
+
+def test_importing_the_package_imports_neither_torch_nor_ray() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tandem.ppo.reward_model, tandem.ppo.reward_mix; "
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.strip() == "[]", out

@@ -21,11 +21,12 @@ step() {  # name, command...
   [ "$rc" -gt "$status" ] && status=$rc
   return 0
 }
-step tests python3 -m pytest tests/lifecycle tests/value_transfer tests/megatron tests/ppo/engines -m gpu -p no:cacheprovider -q -rA ${1:+-k "$1"}
+step tests python3 -m pytest tests/lifecycle tests/value_transfer tests/megatron tests/ppo/engines tests/ppo/reward_model/test_gpu.py -m gpu -p no:cacheprovider -q -rA ${1:+-k "$1"}
 [ -n "${SKIP_BENCH:-}" ] && exit $status
 step lifecycle python3 bench/lifecycle_bench.py --gib 8 --out "$OUT/lifecycle.json"
 step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$OUT/value_transfer.json"
 step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
 step engine python3 bench/engine_bench.py --out "$OUT/engine.json"
 step ppo python3 bench/ppo_gpu_bench.py --out "$OUT"
+step ppo_reward_model python3 bench/ppo_gpu_bench.py --reward-model --skip-probe --out "$OUT/reward_model"
 exit $status

@@ -32,7 +32,15 @@ of response words starting with a..m), so the curves move.
    `--scaling-steps` steps of each cell of work (prompts x response tokens), the
    first of each cell its warm-up; the table gives each cell's step, shared against
    resident.
-3. **Training-speed probe**: one actor `TrainWorker` trains on synthetic
+3. **With a reward model** (`--reward-model`): a random one-label Qwen2 sequence
+   classifier of the policy's shape (`ppo_harness.build_reward_model`, bf16, the
+   policy's tokenizer) joins both modes (`--rm-type model`, reward = its score + the
+   dense rule, `--reward-weights model=1.0,custom=1.0`): shared, it wakes after the
+   engine releases its memory, scores and sleeps before the critic wakes; resident,
+   it stays on the GPU. Its phases (`reward_model_wake` / `_score` / `_sleep`, and
+   `reward_model`, the whole term) join the table, the wake and sleep counted in
+   what sharing adds; the peaks and step times are those of the three models.
+4. **Training-speed probe**: one actor `TrainWorker` trains on synthetic
    rollouts of the 1.2 B Llama-like probe shape (hidden 2048, 24 layers, seq
    2048, bf16); tokens/s of `train()` and MFU = 6 * params * tokens/s / 989e12
    (H200 dense bf16). `train()` also runs the old-log-prob forward, so the MFU
@@ -50,10 +58,12 @@ GPU host, from the repo root (one device call; `--time-budget-s`, 500 by default
 mode's steps early, after at least 2, so that the whole bench fits in about that):
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --out "$OUT"
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --reward-model --skip-probe --out "$OUT"
 
-CPU smoke run (tiny model, 2 steps a mode, a tiny probe):
+CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a reward model):
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
+    ./uvw run python bench/ppo_gpu_bench.py --quick --reward-model --skip-probe --out /tmp/ppo-bench-rm
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ from ppo_harness import (
     Timeline,
     build_policy,
     build_probe_model,
+    build_reward_model,
     check_prompts,
     fmt,
     gpu_name,
@@ -118,6 +129,8 @@ SHARING_PHASES = (
     "weight_sync",
     "engine_resume_kv_cache",
     "engine_resume",
+    "reward_model_wake",
+    "reward_model_sleep",
 )
 """Phases that sharing adds (weight sync included, as issue 15 counts it; it runs in both modes)."""
 
@@ -125,6 +138,8 @@ PHASES = (
     "rollout",
     "generate",
     "reward",
+    "reward_model",
+    "reward_model_score",
     *SHARING_PHASES,
     "critic_train",
     "actor_train",
@@ -134,9 +149,15 @@ PHASES = (
 
 
 def ppo_values(
-    args: argparse.Namespace, mode: str, hf_dir: Path, data: Path, reward: Path, run_dir: Path
+    args: argparse.Namespace,
+    mode: str,
+    hf_dir: Path,
+    data: Path,
+    reward: Path,
+    run_dir: Path,
+    reward_model: Path | None = None,
 ) -> dict:
-    """The PPOConfig fields of one mode."""
+    """The PPOConfig fields of one mode (with `reward_model`: its score joins the reward)."""
     values: dict[str, Any] = {
         "hf_checkpoint": str(hf_dir),
         "prompt_data": str(data),
@@ -174,6 +195,9 @@ def ppo_values(
     }
     if mode == "resident":
         values["rollout_kv_cache_memory_fraction"] = args.resident_kv_fraction
+    if reward_model is not None:
+        # The model's term first: the rollout's timeline is generate, reward model, rule.
+        values.update(rm_type="model", reward_model=str(reward_model), reward_weights="model=1.0,custom=1.0")
     values.update(args.overrides)
     return values
 
@@ -237,7 +261,11 @@ def summarize_mode(
     known = [x for x in lows if x is not None]
     floor = min(known) / 1024 if known else None
     overall = max(per_phase.values()) if per_phase else None
-    big = [per_phase[p] for p in ("generate", "critic_train", "actor_train") if p in per_phase]
+    big = [
+        per_phase[p]
+        for p in ("generate", "reward_model_score", "critic_train", "actor_train")
+        if p in per_phase
+    ]
     unshared = floor + sum(x - floor for x in big) if floor is not None and big else None
     result["gpu_peak_gib"] = {
         "per_phase": per_phase,
@@ -253,16 +281,20 @@ def summarize_mode(
 def _with_rollout_parts(
     timeline: Timeline, steps: list[dict[str, Any]]
 ) -> list[tuple[str, float, float, int | None]]:
-    """The timeline plus `generate` and `reward` windows cut from each `rollout` by their seconds."""
+    """The timeline plus `generate`, `reward_model` and `reward` windows cut from each `rollout` by
+    their seconds (in that order: the reward model's term comes first, then the rule)."""
     by_step = {s["step"]: s for s in steps}
     out = list(timeline.intervals)
     for name, t0, t1, step in timeline.intervals:
         if name != "rollout" or step not in by_step:
             continue
         gen = float(by_step[step].get("time/generate", 0.0))
+        model = float(by_step[step].get("time/reward_model", 0.0))
         rew = float(by_step[step].get("time/reward", 0.0))
         out.append(("generate", t0, min(t1, t0 + gen), step))
-        out.append(("reward", min(t1, t0 + gen), min(t1, t0 + gen + rew), step))
+        if model:
+            out.append(("reward_model", min(t1, t0 + gen), min(t1, t0 + gen + model), step))
+        out.append(("reward", min(t1, t0 + gen + model), min(t1, t0 + gen + model + rew), step))
     return out
 
 
@@ -282,7 +314,7 @@ def run_mode(
 
     run_dir = paths["work"] / f"run-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    values = ppo_values(args, mode, paths["hf"], paths["data"], paths["reward"], run_dir)
+    values = ppo_values(args, mode, paths["hf"], paths["data"], paths["reward"], run_dir, paths.get("rm"))
     result: dict[str, Any] = {
         "mode": mode,
         "run_dir": str(run_dir),
@@ -651,6 +683,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-resident", action="store_true", help="run only the shared mode")
     parser.add_argument("--skip-shared", action="store_true", help="run only the resident mode")
     parser.add_argument("--skip-probe", action="store_true", help="no training-speed probe")
+    parser.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="add a random reward model of the policy's shape (one-label Qwen2 sequence classifier) to "
+        "both modes: its score + the dense rule is the reward",
+    )
     parser.add_argument("--prompts", type=int, default=None, help="prompts a step (default 256)")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (default 128)")
     parser.add_argument("--response-len", type=int, default=None, help="tokens a response (default 512)")
@@ -782,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
             f"packing {'on' if args.packing else 'off'}, KL loss {'off' if args.no_kl else 'on'}"
             + (f", PYTORCH_CUDA_ALLOC_CONF={args.alloc_conf}" if args.alloc_conf else "")
             + "".join(f", {k}={v}" for k, v in args.overrides.items())
+            + (", + a reward model of the same shape" if args.reward_model else "")
         ),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "verl_anchor_s": VERL_ANCHOR_S,
@@ -812,6 +851,16 @@ def main(argv: list[str] | None = None) -> int:
         paths["reward"] = work / "bench_reward.py"
         paths["reward"].write_text(REWARD_SOURCE)
         report["model"] = {"family": "qwen2", "tie_word_embeddings": True, **shape, "params": params}
+        if args.reward_model:
+            paths["rm"] = work / f"reward-model-{'quick' if args.quick else args.shape}"
+            rm_params = build_reward_model(
+                paths["rm"],
+                shape,
+                policy_dir=paths["hf"],
+                dtype="float32" if args.quick else "bfloat16",
+                seed=args.seed,
+            )
+            report["reward_model"] = {"kind": "sequence classification, num_labels 1", "params": rm_params}
         report["build_s"] = time.time() - t0
         write_report(report, json_path)
 

@@ -3,8 +3,9 @@ GPU and host memory samplers, the driver's phase timeline, and the JSON report.
 
 Everything is built here, nothing comes from a hub: random Hugging Face folders of
 the Qwen2.5 family's and SmolLM2-135M's shapes (bf16, tied embeddings) with a
-byte-level BPE tokenizer of exactly the model's ids, and JSONL prompts of an exact
-token length. `bench/ppo_gpu_bench.py`, `bench/two_gpu_bench.py`,
+byte-level BPE tokenizer of exactly the model's ids, reward models of those shapes
+(one-label sequence classifiers on the same tokenizer), and JSONL prompts of an
+exact token length. `bench/ppo_gpu_bench.py`, `bench/two_gpu_bench.py`,
 `bench/train_profile.py` and `bench/estimators.py` import it (from the same folder).
 """
 
@@ -248,6 +249,55 @@ def build_policy(out: Path, shape: dict[str, Any], *, dtype: str, seed: int) -> 
     with torch.device(device):
         model: Any = model_class(config)
     model = model.to(getattr(torch, dtype)).to("cpu")
+    model.save_pretrained(str(out))
+    params = sum(p.numel() for p in model.parameters())
+    (out / "params.txt").write_text(str(params))
+    return params
+
+
+def build_reward_model(out: Path, shape: dict[str, Any], *, policy_dir: Path, dtype: str, seed: int) -> int:
+    """A random one-label sequence classifier of `shape` (Qwen2, or Llama with `family: llama`) on the
+    policy's tokenizer, as a HF folder (`--rm-type model --reward-model OUT`); its parameter count.
+
+    pad = EOS = the last id, as the policy's; the score head is scaled to a std of about 1 over
+    random prompts, so that its score moves the reward as much as the rule's.
+    """
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+    )
+
+    if (out / "config.json").is_file() and (out / "params.txt").is_file():
+        return int((out / "params.txt").read_text())
+    fields = dict(shape)
+    family = fields.pop("family", "qwen2")
+    rope_theta = float(fields.pop("rope_theta", 1e6))
+    fields.pop("tie_word_embeddings", None)  # a classifier has no LM head to tie
+    vocab = fields["vocab_size"]
+    out.mkdir(parents=True, exist_ok=True)
+    AutoTokenizer.from_pretrained(str(policy_dir)).save_pretrained(str(out))
+    torch.manual_seed(seed + 1)
+    common = {
+        **fields,
+        "num_labels": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "bos_token_id": None,
+        "eos_token_id": vocab - 1,
+        "pad_token_id": vocab - 1,
+    }
+    if family == "llama":
+        model: Any = LlamaForSequenceClassification(LlamaConfig(**common, rms_norm_eps=1e-5))
+    else:
+        model = Qwen2ForSequenceClassification(
+            Qwen2Config(**common, rms_norm_eps=1e-6, use_sliding_window=False)
+        )
+    with torch.no_grad():
+        model.score.weight.mul_(1.0 / (model.score.weight.std() * fields["hidden_size"] ** 0.5))
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out))
     params = sum(p.numel() for p in model.parameters())
     (out / "params.txt").write_text(str(params))

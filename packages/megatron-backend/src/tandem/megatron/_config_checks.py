@@ -7,8 +7,10 @@ the role are `WorkerConfig.check_world` and `WorkerConfig.check_role`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from tandem.megatron.choices import (
@@ -208,7 +210,8 @@ def check_batches(config: Any) -> None:
 
 
 def check_folders(config: Any) -> None:
-    """Hugging Face folders hold a config.json; load folders exist (or are the save folder); the critic's are its own."""
+    """Hugging Face folders hold a config.json (a reward model starting the critic has one label); load
+    folders exist (or are the save folder); the critic's are its own."""
     for name in ("hf_checkpoint", "critic_hf_checkpoint", "ref_load"):
         path = getattr(config, name)
         if path is None:
@@ -218,6 +221,7 @@ def check_folders(config: Any) -> None:
                 f"{name}: {path!r} is not a Hugging Face checkpoint folder (no config.json); "
                 "point it at a folder written by save_pretrained"
             )
+    check_critic_start(config.critic_hf_checkpoint)
     pairs = (("load", "save"), ("critic_load", "critic_save"))
     for load_name, save_name in pairs:
         load, save = getattr(config, load_name), getattr(config, save_name)
@@ -237,6 +241,27 @@ def check_folders(config: Any) -> None:
                 f"{critic_name}: {critic_path!r} is the actor's `{actor_name}` folder; give the critic "
                 "a folder of its own"
             )
+
+
+def check_critic_start(path: str | None) -> None:
+    """A sequence-classification folder may start the critic only with one label (its score is the value)."""
+    if path is None:
+        return
+    try:
+        hf = json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError):
+        return  # a folder that cannot be read fails where it is loaded, naming the file
+    architectures = hf.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return
+    # transformers' reading: num_labels, else the size of id2label, else 2.
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
+    if labels != 1:
+        raise ValueError(
+            f"critic_hf_checkpoint: {path!r} is a classifier with {labels} labels; the critic's value head is "
+            "one number, so start it from a reward model with num_labels=1 (its score head becomes the value "
+            "head) or from a causal LM"
+        )
 
 
 def same_path(a: str | None, b: str | None) -> bool:

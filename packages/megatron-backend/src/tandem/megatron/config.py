@@ -65,7 +65,9 @@ class WorkerConfig:
     critic_hf_checkpoint: str | None = None
     """Hugging Face folder with the critic's initial backbone weights and architecture; None:
     `hf_checkpoint`. It may be another size (hidden size, layers, heads) than the actor, e.g. a
-    smaller critic; its tokenizer (vocabulary) must be the actor's, since it reads the same token ids."""
+    smaller critic; its tokenizer (vocabulary) must be the actor's, since it reads the same token ids.
+    It may be a reward model (a sequence-classification folder with num_labels=1, as OpenRLHF starts
+    its critic): its score head becomes the value head (bias 0 where it has none)."""
 
     ref_load: str | None = None
     """Hugging Face folder with the reference weights of the KL loss; None: `hf_checkpoint`."""

@@ -107,9 +107,12 @@ def _role_of(gpt: Any) -> Role:
 def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Role) -> None:
     """Copy a local HF checkpoint into this rank's slice of its stage of `model`.
 
-    The critic's `ValueHead` is loaded from `score.weight` / `score.bias` when
-    the checkpoint has them with shape (1, hidden) / (1,) (a critic saved by
-    `export_hf_weights`, or a one-label reward model); otherwise it keeps its init.
+    The critic's `ValueHead` is the checkpoint's `score` head when it has one: a
+    critic saved by `export_hf_weights`, or a one-label reward model (a Hugging Face
+    sequence-classification folder, whose backbone is then the critic's: OpenRLHF's
+    default start). A score head without a bias loads with bias 0; one of another
+    shape (a classifier of several labels) is refused. A checkpoint without a score
+    head (a causal LM) leaves the value head at its init.
     """
     enable_cpu_compat()
     from megatron.core import parallel_state as mpu
@@ -123,11 +126,10 @@ def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Ro
     for name, param in gpt.named_parameters():
         pm = param_map(spec, name, layer_offset=offset, role=role)
         if role == "critic" and name.startswith("output_layer."):
-            if not all(n in reader for n in pm.hf):
+            head = _score_head(reader, pm.hf[0], param)
+            if head is None:
                 continue
-            tensors = [reader.get(n) for n in pm.hf]
-            if any(tuple(t.shape) != tuple(param.shape) for t in tensors):
-                continue
+            tensors = [head]
         else:
             tensors = [reader.get(n) for n in pm.hf]
         full = to_megatron(spec, pm, tensors)
@@ -161,6 +163,26 @@ def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
     if full.shape[0] == rows:
         return full
     return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+
+
+def _score_head(reader: SafetensorsReader, hf_name: str, param: torch.Tensor) -> torch.Tensor | None:
+    """The checkpoint's `score.weight` / `score.bias` for the critic's value head; None without a score head.
+
+    A reward model's head often has no bias (`nn.Linear(hidden, 1, bias=False)`): its
+    value head bias is then 0, so that the critic's values are the reward model's scores.
+    """
+    if "score.weight" not in reader:
+        return None
+    if hf_name not in reader:  # score.bias of a head without one
+        return torch.zeros(param.shape, dtype=param.dtype)
+    tensor = reader.get(hf_name)
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(
+            f"load_hf_checkpoint: {hf_name} in {reader.root} has shape {tuple(tensor.shape)}, but the critic's "
+            f"value head needs {tuple(param.shape)}; start the critic from a reward model with num_labels=1 "
+            "(one score), or from a causal LM"
+        )
+    return tensor
 
 
 def _gather_tp(local: torch.Tensor, pm: ParamMap) -> torch.Tensor:

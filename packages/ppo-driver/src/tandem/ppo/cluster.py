@@ -96,6 +96,7 @@ def start_groups(
     from tandem.placement import create_placement_groups
     from tandem.ppo.engines import EngineOptions, create_engine_group
     from tandem.ppo.node_checks import check_nodes_see_folders, folders_to_check
+    from tandem.ppo.reward_model import rollout_bundle_shares
 
     worker_config = worker_config or config.worker_config()
     placements = create_placement_groups(config.placement_spec())
@@ -125,7 +126,7 @@ def start_groups(
         )
 
     def start_engines() -> Any:
-        share = config.engine_gpu_share if config.colocate else 1.0
+        share, _ = rollout_bundle_shares(config)  # a reward model takes part of the engine's share
         return create_engine_group(
             config.hf_checkpoint,
             rollout_slot.pg,

@@ -23,6 +23,7 @@ import tyro
 
 from tandem.megatron.config import WorkerConfig
 from tandem.ppo.estimator_plan import check_estimator_plan
+from tandem.ppo.reward_model import RM_TYPES, check_reward_config
 
 BUILTIN_REWARDS = ("exact_match", "math")
 
@@ -137,12 +138,38 @@ class PPOConfig(WorkerConfig):
 
     # --- rewards ----------------------------------------------------------------------------
     rm_type: str = "exact_match"
-    """Built-in reward: `exact_match` (response equals the label) or `math` (final answer
-    compared symbolically with math-verify)."""
+    """Built-in reward: `exact_match` (response equals the label), `math` (final answer
+    compared symbolically with math-verify), or `model` (the score of `--reward-model`)."""
 
     custom_rm_path: str | None = None
     """A reward of your own, `package.module:function` or `/path/to/file.py:function`: batched,
     sync or async, given prompt, response, label and metadata per sample; overrides `rm_type`."""
+
+    reward_model: str | None = None
+    """With `--rm-type model`: a Hugging Face sequence-classification folder (num_labels=1, e.g. a
+    LlamaForSequenceClassification) whose score of prompt + response is the reward. It runs
+    forward only on the rollout GPUs, one worker per engine, and sleeps while the others work."""
+
+    reward_weights: str | None = None
+    """The reward as a weighted sum of terms, e.g. `model=1.0,exact_match=0.5`; terms: `model`,
+    `exact_match`, `math`, `custom` (`--custom-rm-path`). None: the one reward of `--rm-type`
+    (or `--custom-rm-path`), weight 1. Each term's mean is a metric, `reward/<term>`."""
+
+    reward_model_input: Literal["tokens", "chat"] = "tokens"
+    """What the reward model reads: `tokens`, the policy's ids (prompt with its chat template, then
+    the response; needs the policy's vocabulary); `chat`, the reward model's own tokenizer and chat
+    template over the prompt's messages and the decoded response."""
+
+    reward_model_max_tokens_per_gpu: int = 16384
+    """Token budget of one reward-model forward pass: samples are batched, longest first, so that
+    rows x the longest sample stays within it."""
+
+    reward_model_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the reward model; auto: bfloat16 on a GPU, float32 on the CPU."""
+
+    reward_model_gpu_share: float = 0.5
+    """Fraction of the engine's Ray GPU share on each rollout bundle that its reward-model worker
+    takes (scheduling, not memory: in a shared step the two never hold memory at once)."""
 
     accuracy_threshold: float = 1.0
     """A sample counts as correct for `reward/accuracy` when its reward is at least this."""
@@ -344,6 +371,7 @@ class PPOConfig(WorkerConfig):
         from tandem.ppo.trackers import check_trackers
 
         check_trackers(self)
+        check_reward_config(self)
         try:
             worker = self.worker_config()
             worker.check_world(self.actor_num_gpus, role=None if self.use_critic else "actor")
@@ -415,9 +443,9 @@ class PPOConfig(WorkerConfig):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{flag(name)}: got {value}; it must lie in (0, 1]")
-        if self.rm_type not in BUILTIN_REWARDS and self.custom_rm_path is None:
+        if self.rm_type not in RM_TYPES and self.custom_rm_path is None:
             raise ValueError(
-                f"--rm-type: got {self.rm_type!r}; choose one of {', '.join(BUILTIN_REWARDS)}, or give "
+                f"--rm-type: got {self.rm_type!r}; choose one of {', '.join(RM_TYPES)}, or give "
                 "--custom-rm-path module:function"
             )
 

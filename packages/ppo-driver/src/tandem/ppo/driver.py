@@ -4,7 +4,8 @@ One step, exactly as DESIGN.md's "One PPO step" says:
 
 1. rollout: the engines sample `rollout_batch_size * n_samples_per_prompt`
    responses, rewards are computed, the batch is split per data-parallel rank
-   and put in Ray's object store;
+   and put in Ray's object store; a reward model (`--rm-type model`) scores once
+   the engines have released their memory: wake, score, sleep (`_score_with_reward_model`);
 2. the engines release their GPU memory (weights, KV cache);
 3. critic: wake, train (old values, GAE returns, value loss), sleep; it
    returns its old values per rank (GAE only: with a critic-free
@@ -87,6 +88,9 @@ class PPODriver:
         self.engine_restarts = 0
         """Engines restarted so far in this run (`--max-engine-restarts`)."""
 
+        self.reward_model: Any = None
+        self._engines_released_to_score = False
+
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
@@ -106,6 +110,7 @@ class PPODriver:
         self.started_logs = True
         self._setup_ray()
         self._setup_groups()
+        self._setup_reward_model()
         self._resume()
         self.folder.commit()
         self.events.start()
@@ -115,7 +120,7 @@ class PPODriver:
         """Model folders, tokenizer, reward and prompts, each checked before Ray starts (`preflight`)."""
         from tandem.ppo.preflight import read_inputs
 
-        inputs = read_inputs(self.config)
+        inputs = read_inputs(self.config, reward_model=self._score_with_reward_model)
         self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
         self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
 
@@ -159,6 +164,18 @@ class PPODriver:
             # Both models start awake; the engine needs the GPU first.
             for group in self._models():
                 self._sleep(group)
+
+    def _setup_reward_model(self) -> None:
+        """The reward model's workers (`--rm-type model`), on the rollout bundles; asleep when the plan says."""
+        from tandem.ppo.reward_model import start_reward_model, uses_reward_model
+
+        if not uses_reward_model(self.config):
+            return
+        self.reward_model = start_reward_model(
+            self.config, self.placements, events=self.events, sleeps=self.release_engines
+        )
+        if self.reward_model.sleeps:
+            self._sleep_reward_model()
 
     def _resume(self) -> None:
         assert self.folder is not None
@@ -318,6 +335,7 @@ class PPODriver:
         if sampled is None:
             sampled = self._draw(rollout_id)
         self.last_sampled = sampled
+        self._engines_released_to_score = False  # released from here to step 5 (step 2 holds them)
         generating = self.generating = start_next() if start_next is not None else None
 
         # 2. the engines hand their GPU memory back
@@ -403,6 +421,13 @@ class PPODriver:
 
     def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
         config = self.config
+        if self._engines_released_to_score:
+            # A reward model scored the last batch (another round of dynamic sampling, or an eval):
+            # the engines released their memory for it and generate again now.
+            self._engines_released_to_score = False
+            self.events.record("engine_resume")
+            with self._phase("engine_resume"):
+                self.engines.resume_memory()
         params = sampling_params(
             config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
         )
@@ -415,6 +440,29 @@ class PPODriver:
             tokenizer=self.tokenizer,
             reward_fn=self.reward_fn,
         )
+
+    def _score_with_reward_model(self, requests: list[Any]) -> list[float]:
+        """Step 1b, the reward model's term: the engines release their memory (on shared GPUs), then
+        the reward model wakes, scores prompt + response of every sample, and sleeps again."""
+        rm = self.reward_model
+        if not rm.sleeps:
+            return list(rm.score(requests))
+        if not self._engines_released_to_score:
+            with self._phase("engine_release"):
+                self.engines.release_memory()
+            self._engines_released_to_score = True
+            self.events.record("engine_release")
+        with self._phase("reward_model_wake"):
+            self.clock.record_lifecycle("reward_model_wake", rm.wake())
+        try:
+            with self._phase("reward_model_score"):
+                return list(rm.score(requests))
+        finally:
+            self._sleep_reward_model()
+
+    def _sleep_reward_model(self) -> None:
+        with self._phase("reward_model_sleep"):
+            self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
 
     def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[Any]:
         """The actor, woken briefly, computes its old and reference log-probs for the rollout."""
@@ -576,6 +624,9 @@ class PPODriver:
         if self.engines is not None:
             with contextlib.suppress(Exception):
                 self.engines.shutdown()
+        if self.reward_model is not None:
+            with contextlib.suppress(Exception):
+                self.reward_model.shutdown()
         for group in self._models():
             with contextlib.suppress(Exception):
                 group.run("shutdown")

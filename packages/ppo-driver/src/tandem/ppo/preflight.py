@@ -130,9 +130,14 @@ class RunInputs:
     eval_dataset: Any | None
 
 
-def read_inputs(config: Any) -> RunInputs:
-    """Check the model folders, load the tokenizer and the reward, read and check the prompt files."""
+def read_inputs(config: Any, *, reward_model: Any = None) -> RunInputs:
+    """Check the model folders, load the tokenizer and the reward, read and check the prompt files.
+
+    `reward_model`: the driver's scorer for a reward-model term (`--rm-type model`,
+    `--reward-weights`), called once the reward model runs.
+    """
     from tandem.ppo.data import PromptDataset, read_prompts
+    from tandem.ppo.reward_mix import build_reward, reward_terms
     from tandem.ppo.rewards import load_reward
 
     check_model_folder(config.hf_checkpoint, "--hf-checkpoint")
@@ -143,9 +148,11 @@ def read_inputs(config: Any) -> RunInputs:
         if folder is not None:
             check_model_folder(folder, name, tokenizer=False)
     tokenizer = load_tokenizer(config.hf_checkpoint, "--hf-checkpoint")
-    reward_fn = load_reward(config.reward_spec)
-    reward_flag = "--custom-rm-path" if config.custom_rm_path else "--rm-type"
-    check_reward_signature(reward_fn, reward_flag, config.reward_spec)
+    if config.custom_rm_path is not None:
+        check_reward_signature(load_reward(config.custom_rm_path), "--custom-rm-path", config.custom_rm_path)
+    reward_fn = build_reward(config, model=reward_model)
+    terms = reward_terms(config)
+    label_reward = next((t for t in terms if t in LABEL_REWARDS), config.rm_type)
 
     def prompts(path: str, flag: str) -> Any:
         try:
@@ -155,8 +162,8 @@ def read_inputs(config: Any) -> RunInputs:
         check_prompt_labels(
             records,
             path,
-            reward=config.rm_type,
-            custom=config.custom_rm_path is not None,
+            reward=label_reward,
+            custom=config.custom_rm_path is not None and label_reward not in LABEL_REWARDS,
             label_key=config.label_key,
             flag=flag,
         )

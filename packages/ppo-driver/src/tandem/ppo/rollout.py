@@ -23,6 +23,7 @@ import torch
 from tandem.megatron.batch import RolloutBatch
 from tandem.ppo.data import PromptSample
 from tandem.ppo.engines import Generation, SamplingParams
+from tandem.ppo.reward_mix import RewardMix, ScoreRequest
 from tandem.ppo.rewards import RewardInput, compute_rewards
 
 if TYPE_CHECKING:
@@ -38,7 +39,9 @@ class Rollout:
         generations: the engine's response per sample.
         responses: the decoded responses (special tokens skipped), as the reward saw them.
         rewards: one float per sample.
-        seconds: `generate` and `reward` wall seconds.
+        seconds: `generate` and `reward` wall seconds (and `reward_model` with a reward model).
+        reward_terms: with a weighted reward (`tandem.ppo.reward_mix`), each term's unweighted
+            value per sample, by term name; empty for a plain reward function.
     """
 
     prompts: list[PromptSample]
@@ -46,18 +49,24 @@ class Rollout:
     responses: list[str]
     rewards: list[float]
     seconds: dict[str, float] = field(default_factory=dict)
+    reward_terms: dict[str, list[float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.generations)
 
     def metrics(self, *, accuracy_threshold: float, prefix: str = "reward") -> dict[str, float]:
-        """Reward mean, std, accuracy; response length; the share of truncated responses."""
+        """Reward mean, std, accuracy; each reward term's mean; response length; the share of truncated responses."""
         rewards = torch.tensor(self.rewards, dtype=torch.float64)
         lengths = torch.tensor([len(g.token_ids) for g in self.generations], dtype=torch.float64)
+        terms = {
+            f"{prefix}/{name}": float(torch.tensor(values, dtype=torch.float64).mean())
+            for name, values in self.reward_terms.items()
+        }
         return {
             f"{prefix}/mean": float(rewards.mean()),
             f"{prefix}/std": float(rewards.std(unbiased=False)),
             f"{prefix}/accuracy": float((rewards >= accuracy_threshold).double().mean()),
+            **terms,
             f"{prefix}/response_length": float(lengths.mean()),
             f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
         }
@@ -75,6 +84,7 @@ class Rollout:
             generations=[self.generations[i] for i in indices],
             responses=[self.responses[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
+            reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
         )
 
     @staticmethod
@@ -90,6 +100,10 @@ class Rollout:
             responses=[r for part in parts for r in part.responses],
             rewards=[r for part in parts for r in part.rewards],
             seconds=seconds,
+            reward_terms={
+                k: [v for part in parts for v in part.reward_terms[k]]
+                for k in (parts[0].reward_terms if parts else {})
+            },
         )
 
     def response_tokens(self) -> int:
@@ -106,7 +120,11 @@ def generate_rollout(
     tokenizer: Any,
     reward_fn: Any,
 ) -> Rollout:
-    """Sample `n_samples_per_prompt` responses per prompt on the engine group and score them."""
+    """Sample `n_samples_per_prompt` responses per prompt on the engine group and score them.
+
+    `reward_fn`: a batched reward function, or a `RewardMix` (weighted terms, a reward model's
+    score among them), whose terms the rollout keeps in `reward_terms`.
+    """
     repeated = [p for p in prompts for _ in range(n_samples_per_prompt)]
     start = time.perf_counter()
     generations = engines.generate([p.prompt_ids for p in repeated], params)
@@ -122,14 +140,22 @@ def generate_rollout(
         )
         for i, (p, response) in enumerate(zip(repeated, responses, strict=True))
     ]
-    rewards = compute_rewards(reward_fn, inputs)
-    scored = time.perf_counter()
+    if isinstance(reward_fn, RewardMix):
+        requests = [
+            ScoreRequest(p, g.token_ids, r) for p, g, r in zip(repeated, generations, responses, strict=True)
+        ]
+        mixed = reward_fn.compute(inputs, requests)
+        rewards, terms, seconds = mixed.rewards, mixed.terms, mixed.seconds
+    else:
+        rewards, terms = compute_rewards(reward_fn, inputs), {}
+        seconds = {"reward": time.perf_counter() - generated}
     return Rollout(
         prompts=repeated,
         generations=generations,
         responses=responses,
         rewards=rewards,
-        seconds={"generate": generated - start, "reward": scored - generated},
+        seconds={"generate": generated - start, **seconds},
+        reward_terms=terms,
     )
 
 

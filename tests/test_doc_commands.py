@@ -107,7 +107,7 @@ class Cover:
     """A row of the coverage table: commands matching `pattern` (the whole line) are exercised by `how`."""
 
     pattern: str
-    kind: str  # run | parse | ci | static
+    kind: str  # run | parse | ci | static | fixture | cluster
     how: str
 
 
@@ -134,6 +134,15 @@ COVERAGE = (
         r"pip install (['\"]?\./packages/[\w-]+(\[[\w,-]+\])?['\"]? ?)+", "static", "packages of this tree"
     ),
     Cover(r"pip install [a-z][\w-]*", "static", "a dependency we declare"),
+    Cover(
+        r"(\./uvw run )?ppo-driver fetch-model smollm2",
+        "fixture",
+        "tests/conftest.py's smollm2 fixture runs it",
+    ),
+    Cover(r"ray start --(head|address) .*", "cluster", "tests/ppo/test_cluster.py starts its two nodes so"),
+    Cover(
+        r"ray job submit .* -- ppo-driver train .*", "cluster", "tests/ppo/test_cluster.py submits its job so"
+    ),
 )
 
 
@@ -199,6 +208,27 @@ def test_ci_runs_it(command: DocCommand) -> None:
 
 
 # --- static: installs and the GPU host ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", _of_kind("fixture") + _of_kind("cluster"), ids=lambda c: c.id)
+def test_the_test_that_runs_it_runs_it(command: DocCommand) -> None:
+    # These run for real elsewhere: the fetch in every test that needs SmolLM2, the cluster in the slow
+    # two-node test, with local addresses in place of HEAD_IP. Here: that those tests run each of the
+    # command's words that is not a value to fill in (the subcommand and every flag).
+    cover = cover_of(command)
+    assert cover is not None
+    words = shlex.split(command.text.replace("./uvw run ", ""))
+    if cover.kind == "fixture":
+        assert repr(tuple(words)).replace("'", '"') in (ROOT / "tests" / "conftest.py").read_text(), (
+            command.id
+        )
+        return
+    source = "".join((ROOT / "tests" / "ppo" / f).read_text() for f in ("test_cluster.py", "_ray_cluster.py"))
+    program = words[: words.index("--")] if "--" in words else words
+    named = [w for w in program[1:] if w.isalpha() or (w.startswith("--") and len(w) > 2)]
+    assert named, command.id
+    for word in named:
+        assert f'"{word}"' in source, (command.id, word)
 
 
 @pytest.mark.parametrize("command", _of_kind("static"), ids=lambda c: c.id)

@@ -102,9 +102,7 @@ def _demo(argv: Sequence[str]) -> int:
     base, prepare = (
         (DEMO_DEFAULTS, prepare_demo) if known.model == "tiny" else (SUMS_DEFAULTS, prepare_sums_demo)
     )
-    parsed = parse_config(
-        rest, prog=f"{PROG} demo [--model {{{','.join(DEMO_MODELS)}}}]", base=base, validate=False
-    )
+    parsed = parse_config(rest, prog=f"{PROG} demo", base=base, validate=False)
     return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
 
 

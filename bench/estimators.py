@@ -106,7 +106,7 @@ def hf_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def qwen05b_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """bench/ppo_gpu_bench.py's 0.5B bench, built by that harness, with variable-length responses."""
     harness = _harness()
-    shape = harness.QUICK_MODEL if args.quick else harness.QWEN_05B
+    shape = harness.QUICK_MODEL if args.quick else harness.SHAPES["qwen2.5-0.5b"]
     prompt_len = 16 if args.quick else 128
     response_len = args.response_len or (16 if args.quick else 512)
     prompts = args.prompts or (4 if args.quick else 32)

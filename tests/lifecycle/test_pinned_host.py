@@ -322,7 +322,7 @@ def test_any_tensors_come_back_bit_identical(
 @settings(max_examples=40, deadline=None)
 @given(numel=st.integers(1, 5000), threads=st.one_of(st.none(), st.integers(1, 9)))
 def test_prefault_zeroes_every_byte_whatever_the_split(numel: int, threads: int | None) -> None:
-    from tandem.lifecycle._pinned_host import prefault
+    from tandem.lifecycle._host_buffers import prefault
 
     tensor = torch.full((numel,), 7, dtype=torch.uint8)
     prefault(tensor, threads)

@@ -5,25 +5,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+
+from ._host_buffers import HOST_MEMORY, HostBuffer, HostMemory, aligned, bytes_of
 
 logger = logging.getLogger(__name__)
 
 TensorSource = Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
-HostMemory = Literal["registered", "pinned", "pageable"]
-HOST_MEMORY: tuple[str, ...] = ("registered", "pinned", "pageable")
-
-# Each storage starts on its own page of the host buffer: aligned copies run at full speed.
-_ALIGN = 4096
 DEFAULT_CHUNK_BYTES = 1 << 30
 
 
@@ -34,68 +27,6 @@ class _Stored:
     storage: torch.UntypedStorage
     nbytes: int
     offset: int
-
-
-class _HostBuffer:
-    """A tag's host buffer, allocated once and reused by every pause of that tag.
-
-    "registered" allocates exactly `nbytes` of ordinary memory, touches every page
-    from several threads, and page-locks it with cudaHostRegister (registering
-    untouched memory makes the kernel fault its pages in one by one, several times
-    slower: see the first sleep in docs/benchmarks.md); "pinned" uses PyTorch's pinned
-    allocator (which may round the size up to a power of two); "pageable" is plain
-    memory (the only kind on CPU).
-    """
-
-    def __init__(self, nbytes: int, kind: HostMemory) -> None:
-        self.nbytes = nbytes
-        if kind == "pinned":
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            return
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
-        if kind == "registered" and nbytes > 0:
-            prefault(self.tensor)
-            cudart = torch.cuda.cudart()
-            ptr = self.tensor.data_ptr()
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
-                    f"{cudart.cudaGetErrorString(err)}; pass host_memory='pinned' to PinnedHostBackend"
-                )
-            # Unregister before the memory goes back to the allocator: the finalizer holds the tensor.
-            weakref.finalize(self, _unregister_host, ptr, self.tensor)
-
-
-def prefault(tensor: torch.Tensor, threads: int | None = None) -> None:
-    """Zero a fresh host tensor from `threads` threads at once, so that its pages exist before page-locking.
-
-    A process's page faults on separate pages run in parallel, and torch's fill
-    releases the GIL; the thread count does not depend on torch's own (a Ray
-    actor often gets one). `threads` defaults to the CPUs this process may use, at most 16.
-    """
-    flat = tensor.view(-1)
-    if threads is None:
-        threads = min(16, len(os.sched_getaffinity(0)))
-    threads = max(1, min(threads, flat.numel()))
-    step = -(-flat.numel() // threads)
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda start: flat[start : start + step].zero_(), range(0, flat.numel(), step)))
-
-
-def _unregister_host(ptr: int, tensor: torch.Tensor) -> None:
-    with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be gone
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    del tensor
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over the whole storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class PinnedHostBackend:
@@ -133,7 +64,7 @@ class PinnedHostBackend:
         self._host_memory: HostMemory = host_memory
         self._chunk_bytes = chunk_bytes
         self._sources: dict[str, list[TensorSource]] = {}
-        self._buffers: dict[str, _HostBuffer] = {}
+        self._buffers: dict[str, HostBuffer] = {}
         self._paused: dict[str, list[_Stored]] = {}
         self._owner: dict[int, str] = {}  # storage identity -> the paused tag holding it
         self._scratch: set[str] = set()  # tags registered with keep=False
@@ -300,9 +231,7 @@ class PinnedHostBackend:
         for s in stored:
             self._owner[int(s.storage._cdata)] = tag
 
-    def _restore(
-        self, stored: list[_Stored], buffer: _HostBuffer | None, *, background: bool = False
-    ) -> None:
+    def _restore(self, stored: list[_Stored], buffer: HostBuffer | None, *, background: bool = False) -> None:
         """Re-create `stored` and copy their bytes back (zeros without a `buffer`: a scratch tag); on
         failure free them again (all-or-nothing). `background`: return with the copies queued."""
         allocated: list[_Stored] = []
@@ -313,7 +242,7 @@ class PinnedHostBackend:
                     s.storage.resize_(s.nbytes)
                     allocated.append(s)
                     if buffer is None:  # a scratch tag: zeros, on the compute stream like any new memory
-                        _bytes_of(s.storage).zero_()
+                        bytes_of(s.storage).zero_()
                     else:
                         copy(s, buffer, False)
         except BaseException:
@@ -373,10 +302,10 @@ class PinnedHostBackend:
         for storage in storages:
             n = storage.nbytes()
             stored.append(_Stored(storage, n, offset))
-            offset = _aligned(offset + n)
+            offset = aligned(offset + n)
         return stored
 
-    def _buffer(self, tag: str, nbytes: int) -> _HostBuffer:
+    def _buffer(self, tag: str, nbytes: int) -> HostBuffer:
         buffer = self._buffers.get(tag)
         if buffer is not None and buffer.nbytes >= nbytes:
             return buffer
@@ -384,7 +313,7 @@ class PinnedHostBackend:
         kind: HostMemory = self._host_memory if self._is_cuda() else "pageable"
         if buffer is not None:
             logger.info("tag %r: host buffer grows to %.3f GiB", tag, nbytes / 2**30)
-        buffer = _HostBuffer(nbytes, kind)
+        buffer = HostBuffer(nbytes, kind)
         self._buffers[tag] = buffer
         return buffer
 
@@ -403,7 +332,7 @@ class PinnedHostBackend:
     @contextlib.contextmanager
     def _copies(
         self, *, wait_for_device: bool = False, background: bool = False
-    ) -> Iterator[Callable[[_Stored, _HostBuffer, bool], None]]:
+    ) -> Iterator[Callable[[_Stored, HostBuffer, bool], None]]:
         """A session of copies between storages and a host buffer; on exit they are complete.
 
         On CUDA the copies run on a side stream, in chunks, without blocking the host
@@ -425,7 +354,7 @@ class PinnedHostBackend:
         # may still write these tensors (pause), or used the memory handed out again (resume).
         side.wait_stream(current)
 
-        def on_side_stream(s: _Stored, buffer: _HostBuffer, to_host: bool) -> None:
+        def on_side_stream(s: _Stored, buffer: HostBuffer, to_host: bool) -> None:
             with torch.cuda.stream(side):
                 self._copy_one(s, buffer, to_host)
 
@@ -437,9 +366,9 @@ class PinnedHostBackend:
         current.wait_stream(side)
         side.synchronize()
 
-    def _copy_one(self, s: _Stored, buffer: _HostBuffer, to_host: bool) -> None:
+    def _copy_one(self, s: _Stored, buffer: HostBuffer, to_host: bool) -> None:
         non_blocking = self._is_cuda()
-        device_bytes = _bytes_of(s.storage)
+        device_bytes = bytes_of(s.storage)
         host_bytes = buffer.tensor[s.offset : s.offset + s.nbytes]
         for start in range(0, s.nbytes, self._chunk_bytes):
             end = min(start + self._chunk_bytes, s.nbytes)

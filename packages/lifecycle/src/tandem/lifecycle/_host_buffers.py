@@ -1,0 +1,79 @@
+"""Host memory for the pinned-host backend: buffers allocated once and page-locked, and byte views."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import torch
+
+HostMemory = Literal["registered", "pinned", "pageable"]
+HOST_MEMORY: tuple[str, ...] = ("registered", "pinned", "pageable")
+
+# Each storage starts on its own page of the host buffer: aligned copies run at full speed.
+_ALIGN = 4096
+
+
+class HostBuffer:
+    """A tag's host buffer, allocated once and reused by every pause of that tag.
+
+    "registered" allocates exactly `nbytes` of ordinary memory, touches every page
+    from several threads, and page-locks it with cudaHostRegister (registering
+    untouched memory makes the kernel fault its pages in one by one, several times
+    slower: see the first sleep in docs/benchmarks.md); "pinned" uses PyTorch's pinned
+    allocator (which may round the size up to a power of two); "pageable" is plain
+    memory (the only kind on CPU).
+    """
+
+    def __init__(self, nbytes: int, kind: HostMemory) -> None:
+        self.nbytes = nbytes
+        if kind == "pinned":
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if kind == "registered" and nbytes > 0:
+            prefault(self.tensor)
+            cudart = torch.cuda.cudart()
+            ptr = self.tensor.data_ptr()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
+                    f"{cudart.cudaGetErrorString(err)}; pass host_memory='pinned' to PinnedHostBackend"
+                )
+            # Unregister before the memory goes back to the allocator: the finalizer holds the tensor.
+            weakref.finalize(self, _unregister_host, ptr, self.tensor)
+
+
+def prefault(tensor: torch.Tensor, threads: int | None = None) -> None:
+    """Zero a fresh host tensor from `threads` threads at once, so that its pages exist before page-locking.
+
+    A process's page faults on separate pages run in parallel, and torch's fill
+    releases the GIL; the thread count does not depend on torch's own (a Ray
+    actor often gets one). `threads` defaults to the CPUs this process may use, at most 16.
+    """
+    flat = tensor.view(-1)
+    if threads is None:
+        threads = min(16, len(os.sched_getaffinity(0)))
+    threads = max(1, min(threads, flat.numel()))
+    step = -(-flat.numel() // threads)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda start: flat[start : start + step].zero_(), range(0, flat.numel(), step)))
+
+
+def _unregister_host(ptr: int, tensor: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be gone
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    del tensor
+
+
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -364,6 +364,7 @@ def summarize_run(result: dict[str, Any], events: list[dict[str, Any]], sampler:
     result["clock_check"] = {
         "max_abs_step_vs_log_s": max(abs(a - b) for a, b in zip(step_s, spans, strict=True)),
         "sum_step_s": sum(step_s),
+        "sum_span_s": sum(spans),
         "elapsed_s": ends[-1],
         "between_steps_s": ends[-1] - sum(spans),
     }

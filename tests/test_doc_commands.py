@@ -112,6 +112,11 @@ class Cover:
 
 
 COVERAGE = (
+    Cover(
+        r"ppo-driver train .*--ray-address HEAD_IP:\d+ .*",
+        "cluster",
+        "tests/ppo/test_cluster.py trains on its two nodes so",
+    ),
     Cover(r"(\./uvw run )?ppo-driver demo", "run", "the demo, on CPU-sized data (2 steps, eval and save)"),
     Cover(r"(\./uvw run )?ppo-driver (demo|train) .*", "run", "as written plus --dry-run"),
     Cover(r"(\./uvw run )?ppo-driver (eval|export|plot) .*", "run", "as written, on the demo's run"),

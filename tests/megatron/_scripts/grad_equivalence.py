@@ -43,7 +43,7 @@ from tandem.megatron.hf_config import ModelSpec
 from tandem.megatron.hf_weights import load_hf_checkpoint
 from tandem.megatron.kl import approx_kl
 from tandem.megatron.losses import policy_loss, value_loss_and_metrics
-from tandem.megatron.models import build_model
+from tandem.megatron.models import build_model, unwrap_model
 from tandem.megatron.optimizer import wrap_ddp
 from tandem.megatron.parallel import destroy_distributed, init_distributed
 
@@ -101,13 +101,21 @@ def old_step_gradients(ddp: Any, config: WorkerConfig, role: str, mbs: list[Roll
     ).sum()
     dist.all_reduce(count, group=mpu.get_data_parallel_group())
     device = next(ddp.parameters()).device
+    # The tokenizer's vocabulary: Megatron's padding rows past it stay out of the softmax, as in the worker.
+    vocab_size = unwrap_model(ddp).tandem_vocab_size
 
     def loss_func(
         mb: RolloutBatch, tokens: torch.Tensor, output: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         outputs = _response_outputs(
-            mb, tokens, output, role=role, temperature=1.0, with_entropy=role == "actor"
-        )  # type: ignore[arg-type]
+            mb,
+            tokens,
+            output,
+            role=role,  # type: ignore[arg-type]
+            temperature=1.0,
+            with_entropy=role == "actor",
+            vocab_size=vocab_size,
+        )
         # DDP averages over the data-parallel ranks; Megatron divides by the number of micro-batches.
         return old_loss_of(config, mb, outputs, count) * dp * len(mbs), {}
 

@@ -150,9 +150,10 @@ def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
         assert order[: len(expected)] == expected, order
         if k >= 1:  # after the critic-only warm-up the actor trains, after the critic
             assert order.index("wake:actor") > order.index("sleep:critic"), order
-    # Two evals (after rollouts 1 and 2) score too, and the next step's engines come back first.
-    assert sum(e["event"] == "score_begin" for e in events) == 3 + 2
-    assert sum(e["event"] == "engine_resume" for e in events) == 1
+    # Three evals (of the starting weights, after rollouts 1 and 2) score too, and each following
+    # step's engines come back first.
+    assert sum(e["event"] == "score_begin" for e in events) == 3 + 3
+    assert sum(e["event"] == "engine_resume" for e in events) == 2
 
     for m in summary.metrics:
         # reward/mean is the weighted sum of the terms' means (the sum is linear).
@@ -166,7 +167,7 @@ def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
             "time/reward_model_sleep",
         ):
             assert m[key] >= 0.0, key
-        assert "lifecycle/reward_model_sleep/pause:weights" in m
+        assert "lifecycle/reward_model_sleep/pause_weights" in m
     assert "eval/model" in summary.metrics[1]
 
     # The scores in the last rollout are transformers' own for prompt + response.

@@ -183,8 +183,8 @@ class PPOConfig(WorkerConfig):
 
     eval_before_train: bool = True
     """With `eval_interval`: also evaluate the starting weights before the first step (verl's
-    `val_before_train`), logged as step `start - 1` (-1 for a new run), so that one run holds the
-    base model's eval figures and the trained one's."""
+    `val_before_train`), logged as step -1, so that one run holds the base model's eval figures and
+    the trained one's. A resumed run does not repeat it."""
 
     n_samples_per_eval_prompt: int = 1
     """Responses per eval prompt."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,7 @@ from tandem.ppo.run_checkpoint import save_run_checkpoint
 from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state
-from tandem.ppo.worker_logs import driver_log
+from tandem.ppo.worker_logs import driver_log, logs_dir
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class PPODriver:
         self._driver_log = contextlib.ExitStack()
         self.started_logs = False
         """Whether this start got as far as writing RUN_DIR/logs (its inputs were checked)."""
+        self.refused = False
+        """Whether this start was refused for its input (a flag the placed workers cannot use): a run
+        folder that it created is then removed, logs and all, on `close`."""
         self.eval_before: dict[str, float] | None = None
         self.folder: RunFolder | None = None
         self.engine_restarts = 0
@@ -229,10 +233,12 @@ class PPODriver:
                 self.eval_dataset is not None
                 and config.eval_interval is not None
                 and config.eval_before_train
+                and self.start_rollout_id == 0
             ):
-                # The starting weights' eval: "after step start - 1", as every eval is after its step.
+                # The starting weights' eval, "after step -1" as every eval is after its step. A resumed
+                # run has logged its step start - 1 already: no second record of that step.
                 self.eval_before = self.evaluate()
-                self.logger.log(self.start_rollout_id - 1, self.eval_before)
+                self.logger.log(-1, self.eval_before)
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") as generation:
                 for rollout_id in range(self.start_rollout_id, config.num_rollout):
                     # Sync loop: step() draws its own rollout (inside its clock). Async: the
@@ -639,6 +645,9 @@ class PPODriver:
             ray.shutdown()
         self._driver_log.close()
         if self.folder is not None:
+            if self.refused and self.folder.created and not self.folder.committed:
+                # Nothing ran: the error line says why, and the new folder goes as if never made.
+                shutil.rmtree(logs_dir(self.run_dir), ignore_errors=True)
             self.folder.close()
 
 
@@ -649,7 +658,7 @@ def train(config: PPOConfig) -> RunSummary:
     from ray.exceptions import RayActorError
 
     from tandem.ppo.errors import dead_worker
-    from tandem.ppo.worker_logs import note_worker_logs, remove_empty_logs
+    from tandem.ppo.worker_logs import from_a_worker, note_worker_logs, remove_empty_logs
 
     driver = PPODriver(config)
     try:
@@ -666,6 +675,8 @@ def train(config: PPOConfig) -> RunSummary:
             raise
         raise died from exc
     except Exception as exc:
+        # Refused input (exit 2) found by the driver itself, not a worker's failure with a log to read.
+        driver.refused = isinstance(exc, ValueError) and not from_a_worker(exc)
         note_worker_logs(exc, config.run_dir)  # an error from a worker names its log file
         raise
     finally:

@@ -27,10 +27,13 @@ __all__ = [
     "LOGS_DIR",
     "LOG_DIR_ENV",
     "driver_log",
+    "from_a_worker",
+    "logs_dir",
     "name_worker_logs",
     "note_worker_logs",
     "ray_runtime_env",
     "redirect_output",
+    "remove_empty_logs",
 ]
 
 LOGS_DIR = "logs"
@@ -142,7 +145,7 @@ _RANKED = re.compile(r"\b(?:rollout )?engine rank (\d+)|\b(actor|critic) rank (\
 def note_worker_logs(exc: BaseException, run_dir: str | os.PathLike[str]) -> None:
     """Add a note naming the worker's log file to an error that comes from a worker (else nothing)."""
     folder = logs_dir(run_dir)
-    if not folder.is_dir() or not _from_a_worker(exc):
+    if not folder.is_dir() or not from_a_worker(exc):
         return
     match = _RANKED.search(str(exc))
     named = None
@@ -157,7 +160,8 @@ def note_worker_logs(exc: BaseException, run_dir: str | os.PathLike[str]) -> Non
         exc.add_note(f"worker logs: {folder}")
 
 
-def _from_a_worker(exc: BaseException) -> bool:
+def from_a_worker(exc: BaseException) -> bool:
+    """Whether `exc` came from a Ray worker or an engine (it then has a log of its own)."""
     try:
         from ray.exceptions import RayError
     except ImportError:  # pragma: no cover - Ray is a dependency

@@ -186,7 +186,7 @@ def ppo_step(critic: TrainGroup, actor: TrainGroup, rollout_id: int, data: list[
     critic_out = ray.get(critic.train(rollout_id, data))
     if sleep:
         critic.run("sleep")
-    actor_out = ray.get(actor.train(rollout_id, data, critic_out))
+    actor_out = ray.get(actor.train(rollout_id, data, critic=critic_out))
     if sleep:
         timings = actor.run("sleep")
         assert all(
@@ -216,21 +216,21 @@ def test_critic_then_actor_hand_values_over(workers: Workers) -> None:
     out = ppo_step(critic, actor, 0, data, sleep=False)
     total, count = 0.0, 0
     for rank, result in enumerate(out["critic"]):
-        assert isinstance(result["values"], Box)
+        assert result.values is not None and isinstance(result.values.values, Box)
         batch = ray.get(data[rank])
-        values = unpack_values(result["values"], "cpu", sample_indices=batch.sample_indices)
+        values = unpack_values(result.values.values, "cpu", sample_indices=batch.sample_indices)
         assert [v.numel() for v in values] == batch.response_lengths
         for v, mask in zip(values, batch.loss_masks, strict=True):
             total += float((v * mask).sum())
             count += int(mask.sum())
     # The actor's GAE used exactly the critic's old values (token mean over both ranks).
-    actor_metrics = out["actor"][0]["metrics"]
+    actor_metrics = out["actor"][0].metrics
     assert actor_metrics["values_mean"] == pytest.approx(total / count, rel=1e-5)
-    assert out["critic"][0]["metrics"]["values_mean"] == pytest.approx(total / count, rel=1e-5)
+    assert out["critic"][0].metrics["values_mean"] == pytest.approx(total / count, rel=1e-5)
     # Every rank reports the same figures; the learning rates are the roles' own.
     for role in ("critic", "actor"):
-        assert all(r["metrics"] == out[role][0]["metrics"] for r in out[role])
-    assert out["critic"][0]["metrics"]["lr"] == pytest.approx(2e-3)
+        assert all(r.metrics == out[role][0].metrics for r in out[role])
+    assert out["critic"][0].metrics["lr"] == pytest.approx(2e-3)
     assert actor_metrics["lr"] == pytest.approx(1e-3)
     assert all(torch.isfinite(torch.tensor(v)) for v in actor_metrics.values())
     assert 0.0 <= actor_metrics["clip_frac"] <= 1.0 and actor_metrics["grad_norm"] > 0
@@ -241,11 +241,11 @@ def test_critic_then_actor_hand_values_over(workers: Workers) -> None:
 def test_losses_fall_on_fixed_data(workers: Workers) -> None:
     critic, actor = workers.use("dp")
     data = put_rollout(seed=2)
-    value_losses = [ray.get(critic.train(i, data))[0]["metrics"]["value_loss"] for i in range(4)]
+    value_losses = [ray.get(critic.train(i, data))[0].metrics["value_loss"] for i in range(4)]
     assert value_losses[-1] < 0.8 * value_losses[0], value_losses
     # Every response rewarded +1 and no critic (values 0): the actor makes them all more likely.
     rewarded = put_rollout(seed=3, reward=1.0)
-    metrics = [ray.get(actor.train(i, rewarded))[0]["metrics"] for i in range(4)]
+    metrics = [ray.get(actor.train(i, rewarded))[0].metrics for i in range(4)]
     log_probs = [m["log_prob"] for m in metrics]
     assert all(b > a for a, b in itertools.pairwise(log_probs)), log_probs
     # The policy moved away from the reference weights, which stayed put on the host.
@@ -279,7 +279,7 @@ def test_sleep_and_wake_leave_training_bit_identical(workers: Workers) -> None:
     assert_identical(snapshots(actor), after_sleeping["actor"])
     for a, b in zip(slept, awake, strict=True):
         for role in ("critic", "actor"):
-            assert [r["metrics"] for r in a[role]] == [r["metrics"] for r in b[role]]
+            assert [r.metrics for r in a[role]] == [r.metrics for r in b[role]]
     # The state did move: the steps trained something.
     assert not torch.equal(
         before["actor"][0]["weights/embedding.word_embeddings.weight"],
@@ -358,7 +358,7 @@ def test_save_kill_restart_resumes_each_role_from_its_own_folder(workers: Worker
     assert_identical(snapshots(critic), trained["critic"])
     assert_identical(snapshots(actor), trained["actor"])
     for role in ("critic", "actor"):
-        assert [r["metrics"] for r in resumed[role]] == [r["metrics"] for r in continued[role]]
+        assert [r.metrics for r in resumed[role]] == [r.metrics for r in continued[role]]
 
 
 def test_pipeline_values_come_from_the_last_stage_only(workers: Workers) -> None:
@@ -366,17 +366,17 @@ def test_pipeline_values_come_from_the_last_stage_only(workers: Workers) -> None
     batch = make_batch(8, seed=7)
     data = [ray.put(batch)]  # one data-parallel rank: both stages get the whole rollout
     out = ppo_step(critic, actor, 0, data, sleep=True)
-    assert "values" not in out["critic"][0]
+    assert out["critic"][0].values is None
     from tandem.value_transfer import unpack_values
 
-    values = unpack_values(out["critic"][1]["values"], "cpu", sample_indices=batch.sample_indices)
+    values = unpack_values(out["critic"][1].values.values, "cpu", sample_indices=batch.sample_indices)
     assert [v.numel() for v in values] == batch.response_lengths
     for role in ("critic", "actor"):
-        first, last = (r["metrics"] for r in out[role])
+        first, last = (r.metrics for r in out[role])
         assert first == last and all(math.isfinite(v) for v in first.values()), (role, first)
-    assert out["actor"][0]["metrics"]["values_mean"] == out["critic"][0]["metrics"]["values_mean"]
+    assert out["actor"][0].metrics["values_mean"] == out["critic"][0].metrics["values_mean"]
     again = ppo_step(critic, actor, 1, data, sleep=True)
-    assert again["critic"][0]["metrics"]["value_loss"] < out["critic"][0]["metrics"]["value_loss"]
+    assert again["critic"][0].metrics["value_loss"] < out["critic"][0].metrics["value_loss"]
 
 
 def test_pipeline_weight_export_gathers_both_stages(workers: Workers) -> None:
@@ -404,9 +404,9 @@ def test_ppo_epochs_take_an_optimizer_step_per_minibatch_of_each_pass(workers: W
     assert [int(s["scheduler/num_steps"]) for s in snapshots(critic)] == [
         int(before[0]["scheduler/num_steps"]) + 4
     ] * 2
-    assert all(math.isfinite(v) for v in out[0]["metrics"].values())
+    assert all(math.isfinite(v) for v in out[0].metrics.values())
     # Past the first step the policy has moved away from the old log-probs, which stay fixed.
-    metrics = ray.get(actor.train(0, put_rollout(seed=9, reward=1.0)))[0]["metrics"]
+    metrics = ray.get(actor.train(0, put_rollout(seed=9, reward=1.0)))[0].metrics
     assert 0.0 <= metrics["clip_frac"] <= 1.0 and metrics["approx_kl"] > 0.0
 
 
@@ -430,6 +430,6 @@ def test_a_sleep_tears_one_rank_groups_down_unless_local_or_kept(workers: Worker
             assert asleep["alive_one_rank"] == (awake["alive_one_rank"] if keep else 0), (kind, asleep)
         # Training wakes the actor, every group rebuilt, and it trains on (PP 2: one data-parallel rank).
         data = [ray.put(make_batch(8, 110, 1.0))] if kind == "pp" else put_rollout(seed=11, reward=1.0)
-        metrics = ray.get(actor.train(0, data))[-1]["metrics"]  # the last stage's (the loss is there)
+        metrics = ray.get(actor.train(0, data))[-1].metrics  # the last stage's (the loss is there)
         assert math.isfinite(metrics["pg_loss"])
         assert all(g["torn_down_one_rank"] == g["torn_down_larger"] == 0 for g in actor.run("process_groups"))

@@ -107,11 +107,11 @@ def test_ppo_steps_with_sleep_in_between(groups: dict[str, Any]) -> None:
     for step in range(3):
         critic_out = ray.get(critic.train(step, data))
         critic.run("sleep")
-        actor_out = ray.get(actor.train(step, data, critic_out))
+        actor_out = ray.get(actor.train(step, data, critic=critic_out))
         actor.run("sleep")
-        value_losses.append(critic_out[0]["metrics"]["value_loss"])
-        metrics = actor_out[0]["metrics"]
-        assert metrics["values_mean"] == pytest.approx(critic_out[0]["metrics"]["values_mean"], rel=1e-5)
+        value_losses.append(critic_out[0].metrics["value_loss"])
+        metrics = actor_out[0].metrics
+        assert metrics["values_mean"] == pytest.approx(critic_out[0].metrics["values_mean"], rel=1e-5)
         assert all(v == v for v in metrics.values()), metrics  # no NaN
     assert value_losses[-1] < value_losses[0], value_losses
 
@@ -155,7 +155,7 @@ def test_checkpoint_restores_the_distributed_optimizer_state(groups: dict[str, A
         group.run("wake_up")
         group.run("save_model", 5)
     saved = {"critic": critic.run("state_snapshot"), "actor": actor.run("state_snapshot")}
-    ray.get(actor.train(6, data, ray.get(critic.train(6, data))))
+    ray.get(actor.train(6, data, critic=ray.get(critic.train(6, data))))
     for name, group in (("critic", critic), ("actor", actor)):
         assert group.run("load_model") == [5]
         loaded = group.run("state_snapshot")

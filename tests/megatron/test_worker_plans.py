@@ -27,6 +27,7 @@ import ray
 import torch
 
 from tandem.megatron import RolloutBatch, TrainGroup, WorkerConfig, create_train_group
+from tandem.megatron.payloads import ActorLogProbs
 
 pytestmark = pytest.mark.slow
 
@@ -217,18 +218,19 @@ def test_kl_first_plan_across_layouts(groups: Groups) -> None:
 
     # The KL-first plan: actor log-probs, then the critic, then the actor.
     log_probs_out = ray.get(actor.compute_log_probs(1, actor_data))
-    assert all(set(o) == {"log_probs", "ref_log_probs", "actor_sample_indices"} for o in log_probs_out)
-    critic_out = ray.get(critic.train(1, critic_data, log_probs_out, sample_indices=critic_indices))
-    merged = [{**c, **a} for c, a in zip(critic_out, log_probs_out, strict=True)]
-    actor_out = ray.get(actor.train(1, actor_data, merged, sample_indices=actor_indices))
+    assert all(isinstance(o, ActorLogProbs) and o.ref_log_probs is not None for o in log_probs_out)
+    critic_out = ray.get(critic.train(1, critic_data, log_probs=log_probs_out, sample_indices=critic_indices))
+    actor_out = ray.get(
+        actor.train(1, actor_data, critic=critic_out, log_probs=log_probs_out, sample_indices=actor_indices)
+    )
     critic_targets, actor_targets = critic.run("last_targets"), actor.run("last_targets")
 
-    log_probs = by_sample(log_probs_out[0]["log_probs"], batch.sample_indices)
-    ref = by_sample(log_probs_out[0]["ref_log_probs"], batch.sample_indices)
+    log_probs = by_sample(log_probs_out[0].log_probs, batch.sample_indices)
+    ref = by_sample(log_probs_out[0].ref_log_probs, batch.sample_indices)
     values: dict[int, torch.Tensor] = {}
     for out, indices in zip(critic_out, critic_indices, strict=True):
-        assert list(out["critic_sample_indices"]) == indices
-        values |= by_sample(out["values"], indices)
+        assert list(out.values.sample_indices) == indices
+        values |= by_sample(out.values.values, indices)
     assert values.keys() == set(batch.sample_indices)
     assert any(float((log_probs[i] - ref[i]).abs().max()) > 1e-4 for i in log_probs), "KL is 0: vacuous"
 
@@ -264,10 +266,8 @@ def test_kl_first_plan_across_layouts(groups: Groups) -> None:
                 targets["advantages"][row, :n], torch.tensor(expected), rtol=1e-5, atol=1e-6
             )
     for out in (critic_out, actor_out):
-        assert out[0]["metrics"]["reward_kl"] == pytest.approx(out[1]["metrics"]["reward_kl"])
-    assert critic_out[0]["metrics"]["reward_kl"] == pytest.approx(
-        actor_out[0]["metrics"]["reward_kl"], rel=1e-5
-    )
+        assert out[0].metrics["reward_kl"] == pytest.approx(out[1].metrics["reward_kl"])
+    assert critic_out[0].metrics["reward_kl"] == pytest.approx(actor_out[0].metrics["reward_kl"], rel=1e-5)
 
     # Without the actor's log-probs the critic refuses, naming kl_coef, on every rank.
     with pytest.raises(ray.exceptions.RayTaskError, match="kl_coef"):
@@ -280,28 +280,29 @@ def test_kl_coef_zero_plan_reproduces_the_plain_step_bit_for_bit(groups: Groups)
     data = [ray.put(batch.select(range(0, 4))), ray.put(batch.select(range(4, 8)))]
     indices = [list(range(500, 504)), list(range(504, 508))]
     # One step first: the optimizer state exists (Adam's is made lazily) and is saved and loaded too.
-    ray.get(actor.train(6, data, ray.get(critic.train(6, data))))
+    ray.get(actor.train(6, data, critic=ray.get(critic.train(6, data))))
     for group in (critic, actor):
         group.run("save_model", 7)
     before = {"critic": critic.run("state_snapshot"), "actor": actor.run("state_snapshot")}
 
     critic_plain = ray.get(critic.train(8, data))
-    actor_plain = ray.get(actor.train(8, data, critic_plain))
+    actor_plain = ray.get(actor.train(8, data, critic=critic_plain))
     plain = {"critic": critic.run("state_snapshot"), "actor": actor.run("state_snapshot")}
 
     for group in (critic, actor):
         assert group.run("load_model") == [7, 7]
     assert all(_equal(a, b) for a, b in zip(actor.run("state_snapshot"), before["actor"], strict=True))
     log_probs_out = ray.get(actor.compute_log_probs(8, data))
-    critic_plan = ray.get(critic.train(8, data, log_probs_out, sample_indices=indices))
-    merged = [{**c, **a} for c, a in zip(critic_plan, log_probs_out, strict=True)]
-    actor_plan = ray.get(actor.train(8, data, merged, sample_indices=indices))
+    critic_plan = ray.get(critic.train(8, data, log_probs=log_probs_out, sample_indices=indices))
+    actor_plan = ray.get(
+        actor.train(8, data, critic=critic_plan, log_probs=log_probs_out, sample_indices=indices)
+    )
     for role, group in (("critic", critic), ("actor", actor)):
         after = group.run("state_snapshot")
         assert all(_equal(a, b) for a, b in zip(after, plain[role], strict=True)), role
         assert not _equal(after[0], before[role][0]), f"{role} did not train"
-    assert [r["metrics"] for r in critic_plan] == [r["metrics"] for r in critic_plain]
-    assert [r["metrics"] for r in actor_plan] == [r["metrics"] for r in actor_plain]
+    assert [r.metrics for r in critic_plan] == [r.metrics for r in critic_plain]
+    assert [r.metrics for r in actor_plan] == [r.metrics for r in actor_plain]
 
     # The driver owns the plan: computing never wakes the actor; only the actor computes log-probs.
     actor.run("sleep")
@@ -350,8 +351,8 @@ def test_grpo_pools_each_prompts_samples_across_data_parallel_ranks(groups: Grou
             torch.testing.assert_close(
                 targets["advantages"][row, :n], expected[index] * mask, rtol=1e-5, atol=1e-6
             )
-    metrics = out[0]["metrics"]
-    assert metrics == out[1]["metrics"]
+    metrics = out[0].metrics
+    assert metrics == out[1].metrics
     assert metrics["tied_groups"] == pytest.approx(0.5)
     assert "values_mean" not in metrics and "returns_mean" not in metrics
     assert metrics["pg_loss"] != 0 and metrics["grad_norm"] > 0
@@ -405,5 +406,5 @@ def test_reinforce_plus_plus_baseline_without_a_critic(groups: Groups) -> None:
             n = share.response_lengths[row]
             expected = torch.tensor([(a - mean) / std for a in raw[index]]) * share.loss_masks[row]
             torch.testing.assert_close(targets["advantages"][row, :n], expected, rtol=1e-4, atol=1e-5)
-    metrics = out[0]["metrics"]
+    metrics = out[0].metrics
     assert metrics["reward_kl"] != 0 and "tied_groups" in metrics and "values_mean" not in metrics

@@ -358,7 +358,7 @@ def test_exported_folder_matches_the_actor(
         driver.actor.run("wake_up")
         (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
         got["batch"] = ray.get(sampled.data_refs["actor"][0])
-        got["log_probs"] = unpack_values(out["log_probs"], "cpu")
+        got["log_probs"] = unpack_values(out.log_probs, "cpu")
 
     summary = run(config, ray_start, after=actor_log_probs)
     assert summary.hf_dir is not None

@@ -74,13 +74,11 @@ def train(work: Path, phase: str, loss_type: str) -> None:
         try:
             config = WorkerConfig(**base, reuse_old_log_probs=reuse)  # type: ignore[arg-type]
             trainee = build_trainee(config, "actor", NoopBackend(), on_gpu=False)  # type: ignore[arg-type]
-            result = roles.train_actor(
-                trainee, batch, None, dist.group.WORLD, rank=dist.get_rank(), rollout_id=0
-            )
+            result = roles.train_actor(trainee, batch, dist.group.WORLD, rank=dist.get_rank(), rollout_id=0)
         finally:
             roles.forward_only = forward_only  # type: ignore[assignment]
         weights = {k: v for k, v in trainee.snapshot().items() if k.startswith("weights/")}
-        metrics = {f"metric:{k}": torch.tensor(float(v)) for k, v in result["metrics"].items()}
+        metrics = {f"metric:{k}": torch.tensor(float(v)) for k, v in result.metrics.items()}
         results.append(weights | metrics | {"forward_only_passes": torch.tensor(passes)})
     computed, reused = results
     out = work / "out"

@@ -208,9 +208,9 @@ def train(work: Path, phase: str, role: str) -> None:
         config = WorkerConfig(**base, **fields)  # type: ignore[arg-type]
         trainee = build_trainee(config, role, NoopBackend(), on_gpu=False)  # type: ignore[arg-type]
         run = roles.train_critic if role == "critic" else roles.train_actor
-        result = run(trainee, batch, None, dist.group.WORLD, rank=dist.get_rank(), rollout_id=0)
+        result = run(trainee, batch, dist.group.WORLD, rank=dist.get_rank(), rollout_id=0)
         weights = {k: v for k, v in trainee.snapshot().items() if k.startswith("weights/")}
-        metrics = {f"metric:{k}": torch.tensor(float(v)) for k, v in result["metrics"].items()}
+        metrics = {f"metric:{k}": torch.tensor(float(v)) for k, v in result.metrics.items()}
         results[variant] = weights | metrics
     padded = results["padded"]
     assert all(r.keys() == padded.keys() for r in results.values())

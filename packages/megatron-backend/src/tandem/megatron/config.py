@@ -215,7 +215,7 @@ class WorkerConfig:
     the rewards of both the critic's returns and the actor's advantages. Whenever it is not 0
     the driver runs the KL-first plan: the actor computes old and reference log-probs
     (`TrainWorker.compute_log_probs`) before the critic trains, and both roles get them as
-    `external_data`. The actor then keeps the reference weights on the host."""
+    `log_probs` (`ActorLogProbs`). The actor then keeps the reference weights on the host."""
 
     kl_penalty_type: KlKind = "k1"
     """KL estimator of the reward-level KL (`kl_coef`): k1 (the plain log-ratio, as in

@@ -10,13 +10,21 @@ agrees on the rendezvous address through rank 0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.payloads import route_payloads
+from tandem.megatron.payloads import (
+    ActorLogProbs,
+    CriticValues,
+    TrainResult,
+    critic_payloads,
+    last_stage_ranks,
+    route_payloads,
+)
 
 __all__ = ["ShareLedger", "TrainGroup", "create_train_group"]
 
@@ -63,10 +71,17 @@ class _WorkerHost:
     def init(self, config: WorkerConfig, role: Role, master_addr: str, master_port: int) -> int:
         return self._worker.init(config, role, master_addr, master_port)
 
-    def train(self, rollout_id: int, data_ref: Any, external_data: Any = None) -> dict[str, Any]:
-        return self._worker.train(rollout_id, data_ref, external_data)
+    def train(
+        self,
+        rollout_id: int,
+        data_ref: Any,
+        *,
+        critic: CriticValues | None = None,
+        log_probs: ActorLogProbs | None = None,
+    ) -> TrainResult:
+        return self._worker.train(rollout_id, data_ref, critic=critic, log_probs=log_probs)
 
-    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> dict[str, Any]:
+    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> ActorLogProbs | None:
         return self._worker.compute_log_probs(rollout_id, data_ref)
 
     def last_targets(self) -> dict[str, Any]:
@@ -148,40 +163,88 @@ class TrainGroup:
 
         return list(ray.get(self.call(method, *args, **kwargs)))
 
+    # --- the lifecycle and the checkpoints: the driver's calls, each waited for --------------------
+    def wake_up(self) -> list[dict[str, float]]:
+        """Bring every rank's memory back; each rank's seconds per lifecycle step, in rank order."""
+        return self.run("wake_up")
+
+    def sleep(self) -> list[dict[str, float]]:
+        """Put every rank's GPU memory away; each rank's seconds per lifecycle step, in rank order."""
+        return self.run("sleep")
+
+    def asleep(self) -> list[bool]:
+        """Whether each rank's model is asleep, in rank order."""
+        return self.run("asleep")
+
+    def save_model(self, rollout_id: int) -> None:
+        """Save every rank's checkpoint of rollout `rollout_id` (the model must be awake)."""
+        self.run("save_model", rollout_id)
+
+    def load_model(self) -> list[int | None]:
+        """Load the role's checkpoint on every rank; each rank's loaded rollout id (None: none)."""
+        return self.run("load_model")
+
+    def update_weights(self, engines: Sequence[Any], pack: Any = None) -> list[int]:
+        """Send the actor's weights to `engines` (every rank takes part); each rank's chunk count.
+
+        `pack`: the engines' `ipc_payload` when engine r shares rank r's GPU, else None (CPU copies).
+        """
+        return self.run("update_weights", list(engines), pack)
+
+    def shutdown(self) -> None:
+        """Every rank leaves its process groups (before `kill`)."""
+        self.run("shutdown")
+
+    # --- training -----------------------------------------------------------------------------
     def train(
         self,
         rollout_id: int,
         data_refs: Any,
-        external_data: Any = None,
         *,
+        critic: Sequence[TrainResult | CriticValues | None] | CriticValues | None = None,
+        log_probs: Sequence[ActorLogProbs | None] | ActorLogProbs | None = None,
         sample_indices: Sequence[Sequence[int]] | None = None,
     ) -> list[Any]:
-        """Start `train` on every rank with its payload of `external_data`; the refs, in rank order.
+        """Start `train` on every rank with its records; the refs (of `TrainResult`s), in rank order.
 
-        `external_data`: the other role's per-rank results (the critic's for the
-        actor, merged per rank with the actor's own `compute_log_probs` results in
-        the KL-first plan; the actor's `compute_log_probs` results for the critic),
-        a single payload for every rank, or None. `sample_indices`: this group's
-        samples, one list per rank (or per data-parallel rank), each in its batch's
-        order. Without it, payload `r` goes to rank `r` (`route_per_rank`); with it,
-        the other role's Boxes are routed by sample when they do not line up rank by
-        rank (actor and critic with different layouts), see `payloads.route_payloads`.
+        `critic` (the actor's): the critic's per-rank results of its `train`, or
+        their `CriticValues`; None when the run has no critic (values 0).
+        `log_probs`: the actor's per-rank `compute_log_probs` results (the KL-first
+        plan), for the critic and for the actor itself. Either may also be a single
+        record for every rank. `sample_indices`: this group's samples, one list per
+        rank (or per data-parallel rank), each in its batch's order. Without it,
+        record `r` goes to rank `r` (`route_per_rank`); with it, the records are
+        routed by sample when they do not line up rank by rank (actor and critic
+        with different layouts), see `payloads.route_payloads`.
         """
-        payloads = route_payloads(
-            self.role, external_data, len(self.workers), sample_indices=sample_indices, layout=self.layout
-        )
+        if critic is not None and self.role != "actor":
+            raise ValueError(
+                "train: critic= is the actor's input (the critic's values); the critic takes none"
+            )
+        world = len(self.workers)
+        route = functools.partial(route_payloads, sample_indices=sample_indices, layout=self.layout)
+        values = route("critic", critic_payloads(critic), world) if critic is not None else None
+        if values is not None:
+            for rank in last_stage_ranks(world, self.layout) or ():
+                if values[rank] is None:
+                    raise ValueError(
+                        f"critic: actor rank {rank} is on the pipeline-last stage but got no critic values; "
+                        "pass the critic's results of train as they came back (one per critic rank)"
+                    )
+        # The actor's own log-probs stay with their rank; the critic's are routed by sample if need be.
+        own = self.role == "actor"
+        routed = (route_payloads if own else route)("log_probs", log_probs, world)
         return [
-            w.train.remote(rollout_id, data_refs, payload)
-            for w, payload in zip(self.workers, payloads, strict=True)
+            w.train.remote(rollout_id, data_refs, critic=None if values is None else values[r], log_probs=lp)
+            for r, (w, lp) in enumerate(zip(self.workers, routed, strict=True))
         ]
 
     def compute_log_probs(self, rollout_id: int, data_refs: Any) -> list[Any]:
         """Start the actor's `compute_log_probs` on every rank (the KL-first plan); the refs, in rank order.
 
         The model must be awake (the driver wakes it). Each last-stage rank's result
-        is `{"log_probs": Box, "ref_log_probs": Box, "actor_sample_indices": ...}`,
-        other ranks' `{}`; pass the list as the critic's `external_data` and, merged
-        per rank with the critic's results, as the actor's.
+        is an `ActorLogProbs`, other ranks' None; pass the list as `log_probs` to the
+        critic's `train` and to the actor's own.
         """
         if self.role != "actor":
             raise ValueError(

@@ -1,53 +1,106 @@
-"""The payloads that cross from one role to the other, and their routing to the receiving group's ranks.
+"""The typed records that cross between the driver and the train workers, and their routing to ranks.
 
-Two payloads cross between the roles in a PPO step, both as per-rank dicts of
-`Box`es (tandem.value_transfer's `pack_values`, one tensor per sample):
+Three records cross the seam in a PPO step:
 
-- critic → actor: `TrainWorker.train`'s result on the critic's pipeline-last-stage
-  ranks, `{"metrics", "values", "critic_sample_indices"}`;
-- actor → critic, and back to the actor itself (the KL-first plan): the actor's
-  `TrainWorker.compute_log_probs` on its last-stage ranks,
-  `{"log_probs", "ref_log_probs", "actor_sample_indices"}`.
+- `TrainResult`: one rank's result of `train` (its metrics, its allocator
+  calls; on the critic's pipeline-last-stage ranks its old values as a
+  `CriticValues`);
+- `CriticValues`: critic → actor, one rank's old values as a `Box` (or, routed
+  by sample, a `SampleGather`) and the samples they belong to;
+- `ActorLogProbs`: actor → critic, and back to the actor itself (the KL-first
+  plan): the actor's old and reference log-probs of one rank's samples
+  (`TrainWorker.compute_log_probs` on its last-stage ranks).
 
-Each payload names its samples under a key of its own role, so that the driver
-may merge the two dicts of rank `r` (`{**critic_out[r], **log_probs_out[r]}`)
-without losing either list. When the two roles have the same layout (TP, PP,
-DP), payload `r` belongs to rank `r` (`route_per_rank`). When they do not (a
-critic with its own topology), the receiving group routes the other role's
-Boxes by sample (`route_by_sample`): every rank gets, for each of its samples in
-its order, exactly that sample's tensor. The receiving role's own Boxes (the
-actor's log-probs in the actor's merged dict) always stay with their rank.
+`TrainGroup.train(..., critic=..., log_probs=...)` takes them as named
+arguments, and `route_payloads` gives each receiving rank its record. When the
+two roles have the same layout (TP, PP, DP), record `r` belongs to rank `r`
+(`route_per_rank`). When they do not (a critic with its own topology), the
+Boxes are routed by sample (`route_by_sample`): every rank gets, for each of its
+samples in its order, exactly that sample's tensor, in a record that names the
+receiving rank's own samples.
 
 Torch-free: the driver side (`group`) imports it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-from tandem.megatron.choices import Role, check_role
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 __all__ = [
-    "ACTOR_SAMPLE_INDICES",
-    "CRITIC_SAMPLE_INDICES",
-    "LOG_PROBS",
-    "REF_LOG_PROBS",
-    "VALUES",
+    "ActorLogProbs",
+    "CriticValues",
+    "TrainResult",
+    "critic_payloads",
     "per_rank_sample_indices",
     "route_payloads",
 ]
 
-LOG_PROBS, REF_LOG_PROBS, VALUES = "log_probs", "ref_log_probs", "values"
-"""The keys of the Boxes in the payloads."""
-ACTOR_SAMPLE_INDICES, CRITIC_SAMPLE_INDICES = "actor_sample_indices", "critic_sample_indices"
-"""The keys under which a payload names the samples of its Boxes, in their order."""
 
-_FOREIGN: dict[str, tuple[tuple[str, ...], str]] = {
-    "actor": ((VALUES,), CRITIC_SAMPLE_INDICES),
-    "critic": ((LOG_PROBS, REF_LOG_PROBS), ACTOR_SAMPLE_INDICES),
-}
-"""For each receiving role: the keys that come from the other role, and the key of their samples."""
+@dataclass(frozen=True)
+class CriticValues:
+    """The critic's old values of one rank's samples, for the actor's advantages.
+
+    Attributes:
+        values: a `Box` of `pack_values` (one tensor per sample, its response
+            length), or a `SampleGather` once routed by sample.
+        sample_indices: the samples of `values`, in their order.
+    """
+
+    values: Any
+    sample_indices: tuple[int, ...]
+
+    BOXES: ClassVar[tuple[str, ...]] = ("values",)
+    """The fields that hold per-sample tensors (what `route_payloads` moves by sample)."""
+
+
+@dataclass(frozen=True)
+class ActorLogProbs:
+    """The actor's old and reference log-probs of one rank's samples (the KL-first plan).
+
+    Attributes:
+        log_probs: a `Box` of `pack_values` (one tensor per sample), or a `SampleGather`.
+        ref_log_probs: the same under the reference weights; None when the actor keeps none.
+        sample_indices: the samples of both, in their order.
+    """
+
+    log_probs: Any
+    ref_log_probs: Any
+    sample_indices: tuple[int, ...]
+
+    BOXES: ClassVar[tuple[str, ...]] = ("log_probs", "ref_log_probs")
+    """The fields that hold per-sample tensors (what `route_payloads` moves by sample)."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One rank's result of `train`.
+
+    Attributes:
+        metrics: the role's metrics of the rollout, the same on every rank.
+        allocator: the CUDA allocator calls this rank made during the train
+            (`alloc/device_mallocs`, `alloc/device_frees`; empty on CPU), not reduced.
+        values: the critic's old values on its pipeline-last-stage ranks; None
+            elsewhere and for the actor.
+    """
+
+    metrics: dict[str, float]
+    allocator: dict[str, float] = field(default_factory=dict)
+    values: CriticValues | None = None
+
+
+type Payload = CriticValues | ActorLogProbs
+
+
+def critic_payloads(critic: Any) -> Any:
+    """The critic's values as `CriticValues` per rank, from its `TrainResult`s (or the records themselves)."""
+    if critic is None or isinstance(critic, CriticValues):
+        return critic
+    if isinstance(critic, TrainResult):
+        return critic.values
+    return [c.values if isinstance(c, TrainResult) else c for c in critic]
 
 
 def per_rank_sample_indices(
@@ -77,66 +130,68 @@ def per_rank_sample_indices(
     )
 
 
-def route_payloads(
-    role: Role,
-    external_data: Any,
+def last_stage_ranks(world_size: int, layout: tuple[int, int] | None) -> list[int] | None:
+    """The ranks on the pipeline-last stage (Megatron's rank order), or None when `layout` is unknown."""
+    if layout is None:
+        return None
+    tp, pp = layout
+    per_stage = world_size // pp
+    return list(range(world_size - per_stage, world_size)) if tp * pp <= world_size else None
+
+
+def route_payloads[P: Payload](
+    name: str,
+    records: Sequence[P | None] | P | None,
     world_size: int,
     *,
     sample_indices: Sequence[Sequence[int]] | None = None,
     layout: tuple[int, int] | None = None,
-) -> list[Any]:
-    """One payload per rank of the receiving `role`'s group, from the other role's per-rank payloads.
+) -> list[P | None]:
+    """One record per rank of the receiving group, from the other role's per-rank records.
 
-    Without `sample_indices`: `route_per_rank` (payload `r` to rank `r`, or one
-    payload to every rank). With them (this group's samples, per rank or per
-    data-parallel rank): when every payload `r` names exactly rank `r`'s samples,
-    the same; otherwise each of the other role's Boxes is routed by sample
+    `name`: the argument they came in (`critic`, `log_probs`), for the errors.
+    Without `sample_indices`: `route_per_rank` (record `r` to rank `r`, or one
+    record to every rank). With them (the receiving group's samples, per rank or
+    per data-parallel rank): when every record `r` names exactly rank `r`'s
+    samples, the same; otherwise each of the record's Boxes is routed by sample
     (`route_by_sample`: a `SampleGather` per rank), tensor-parallel peers that
     return the same samples counting once. Nothing is lost or duplicated; a
-    sample that no payload holds, or that no rank owns, is a ValueError naming it.
+    sample that no record holds, or that no rank owns, is a ValueError naming it.
     """
     from tandem.value_transfer import IndexedValues, route_by_sample, route_per_rank
 
-    check_role(role)
-    payloads = route_per_rank(external_data, world_size)
-    if sample_indices is None or external_data is None:
-        return payloads
-    own = per_rank_sample_indices(sample_indices, world_size, layout)
-    if not all(p is None or isinstance(p, Mapping) for p in payloads):
+    routed: list[P | None] = route_per_rank(records, world_size)
+    if sample_indices is None or records is None:
+        return routed
+    if not all(p is None or isinstance(p, CriticValues | ActorLogProbs) for p in routed):
         raise TypeError(
-            "external_data: routing by sample needs the per-rank result dicts (with "
-            f"{_FOREIGN[role][1]!r}), not bare Boxes; pass the other role's results as they came back"
+            f"{name}: routing by sample needs the records with their samples (CriticValues or "
+            "ActorLogProbs), not bare Boxes; pass the other role's results as they came back"
         )
-    keys, index_key = _FOREIGN[role]
-    if all(p is not None and _indices(p, index_key) == own[r] for r, p in enumerate(payloads)):
-        return payloads  # they line up rank by rank
-    routed: list[dict[str, Any]] = [
-        {k: v for k, v in (p or {}).items() if k not in keys and k != index_key} for p in payloads
-    ]
+    own = per_rank_sample_indices(sample_indices, world_size, layout)
+    if all(p is not None and p.sample_indices == own[r] for r, p in enumerate(routed)):
+        return routed  # they line up rank by rank
+    template = next((p for p in routed if p is not None), None)
+    if template is None:
+        return routed
     distinct = list(dict.fromkeys(own))  # one entry per data-parallel rank, in order
-    for key in keys:
+    fields: dict[str, list[Any]] = {}
+    for key in template.BOXES:
         sources: dict[tuple[int, ...], Any] = {}
-        for r, p in enumerate(payloads):
-            if p is None or p.get(key) is None:
+        for p in routed:
+            if p is None or getattr(p, key) is None:
                 continue
-            indices = _indices(p, index_key)
-            if indices is None:
-                raise ValueError(
-                    f"external_data[{r}] has {key!r} but no {index_key!r}; route by sample needs the "
-                    "samples of each payload (pass the results of train / compute_log_probs unchanged)"
-                )
             # Tensor-parallel peers of the last stage return the same samples: one source.
-            sources.setdefault(indices, IndexedValues(values=p[key], sample_indices=indices))
-        if not sources:
-            continue
-        gathers = route_by_sample(
-            list(sources.values()), distinct, actor_dp_ranks=[distinct.index(i) for i in own]
-        )
-        for r, gather in enumerate(gathers):
-            routed[r][key] = gather
-    return routed
-
-
-def _indices(payload: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
-    value = payload.get(key)
-    return None if value is None else tuple(int(i) for i in value)
+            sources.setdefault(
+                p.sample_indices, IndexedValues(values=getattr(p, key), sample_indices=p.sample_indices)
+            )
+        if sources:
+            fields[key] = route_by_sample(
+                list(sources.values()), distinct, actor_dp_ranks=[distinct.index(i) for i in own]
+            )
+        else:
+            fields[key] = [None] * world_size
+    return [
+        dataclasses.replace(template, sample_indices=own[r], **{k: v[r] for k, v in fields.items()})
+        for r in range(world_size)
+    ]

@@ -9,15 +9,14 @@ of the group stops alike instead of hanging in a collective.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from tandem.megatron.batch import RolloutBatch, pad_responses
-from tandem.megatron.payloads import ACTOR_SAMPLE_INDICES, CRITIC_SAMPLE_INDICES, VALUES
+from tandem.megatron.payloads import ActorLogProbs, CriticValues
 
-__all__ = ["any_rank", "critic_values", "external", "raise_if"]
+__all__ = ["any_rank", "critic_values", "log_probs_for", "raise_if"]
 
 
 def any_rank(flags: list[bool], group: Any) -> list[bool]:
@@ -33,9 +32,7 @@ def raise_if(failed: bool, error: Exception | None) -> None:
     if error is not None:
         raise error
     if failed:
-        raise ValueError(
-            "external_data: another rank of this group refused its payload; see that rank's error"
-        )
+        raise ValueError("payload: another rank of this group refused its payload; see that rank's error")
 
 
 def unpack(payload: Any, batch: RolloutBatch, device: torch.device, what: str) -> torch.Tensor:
@@ -46,48 +43,53 @@ def unpack(payload: Any, batch: RolloutBatch, device: torch.device, what: str) -
     lengths = [int(t.numel()) for t in tensors]
     if lengths != list(batch.response_lengths):
         raise ValueError(
-            f"external_data[{what!r}]: per-sample lengths {lengths[:8]} do not match this rank's response "
+            f"{what}: per-sample lengths {lengths[:8]} do not match this rank's response "
             f"lengths {list(batch.response_lengths)[:8]}; the payload was made for other samples"
         )
     return pad_responses(tensors)
 
 
-def external(external_data: Any, key: str, batch: RolloutBatch, *, rank: int) -> torch.Tensor | None:
-    """`external_data[key]` (the actor's log-probs) for this rank's samples, padded; None when absent."""
-    if not isinstance(external_data, Mapping) or external_data.get(key) is None:
+def log_probs_for(
+    log_probs: ActorLogProbs | None, batch: RolloutBatch, *, rank: int, reference: bool = False
+) -> torch.Tensor | None:
+    """The actor's log-probs (`reference`: its reference log-probs) for this rank's samples, padded; None when absent."""
+    if log_probs is None:
         return None
-    indices = external_data.get(ACTOR_SAMPLE_INDICES)
-    if indices is not None and tuple(indices) != tuple(batch.sample_indices):
+    if not isinstance(log_probs, ActorLogProbs):
+        raise TypeError(
+            f"log_probs: expected the actor's ActorLogProbs (compute_log_probs), got {type(log_probs).__name__}"
+        )
+    name = "ref_log_probs" if reference else "log_probs"
+    payload = log_probs.ref_log_probs if reference else log_probs.log_probs
+    if payload is None:
+        return None
+    if tuple(log_probs.sample_indices) != tuple(batch.sample_indices):
         raise ValueError(
-            f"external_data: rank {rank} got {key!r} of samples {list(indices)[:8]} but holds samples "
-            f"{list(batch.sample_indices)[:8]}; route it with TrainGroup.train(..., sample_indices=...)"
+            f"log_probs: rank {rank} got {name!r} of samples {list(log_probs.sample_indices)[:8]} but holds "
+            f"samples {list(batch.sample_indices)[:8]}; route it with TrainGroup.train(..., sample_indices=...)"
         )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    return unpack(external_data[key], batch, device or torch.device("cpu"), key)
+    return unpack(payload, batch, device or torch.device("cpu"), name)
 
 
 def critic_values(
-    external_data: Any, batch: RolloutBatch, *, rank: int, device: torch.device
+    critic: CriticValues | None, batch: RolloutBatch, *, rank: int, device: torch.device
 ) -> torch.Tensor:
-    """The critic's old values for this last-stage rank's samples, padded; zeros when the run has no critic."""
-    from tandem.value_transfer import values_for_rank
+    """The critic's old values for this last-stage rank's samples, padded; zeros when the run has no critic.
 
-    payload = external_data.get(VALUES) if isinstance(external_data, Mapping) else external_data
-    # No critic: the payload is None, or holds only the actor's own log-probs (the KL-first plan).
-    # A critic's result without values (a rank off the last stage) is a routing bug: values_for_rank says so.
-    no_critic = external_data is None or (
-        isinstance(external_data, Mapping) and VALUES not in external_data and "metrics" not in external_data
-    )
-    if no_critic:
+    `TrainGroup.train` checks that every last-stage rank of an actor given the
+    critic's results gets its values, so None here means: no critic.
+    """
+    if critic is None:
         return torch.zeros(len(batch), batch.max_response_length, device=device)
-    indices = external_data.get(CRITIC_SAMPLE_INDICES) if isinstance(external_data, Mapping) else None
-    if indices is not None and tuple(indices) != tuple(batch.sample_indices):
+    if not isinstance(critic, CriticValues):
+        raise TypeError(
+            f"critic: expected the critic's CriticValues (TrainResult.values), got {type(critic).__name__}"
+        )
+    if tuple(critic.sample_indices) != tuple(batch.sample_indices):
         raise ValueError(
-            f"external_data: actor rank {rank} got the critic's values of samples {list(indices)[:8]} but "
+            f"critic: actor rank {rank} got the critic's values of samples {list(critic.sample_indices)[:8]} but "
             f"holds samples {list(batch.sample_indices)[:8]}; with another critic layout pass "
             "TrainGroup.train(..., sample_indices=...) so that values are routed by sample"
         )
-    # Raises, naming the rank, when a last-stage rank got no values.
-    payload = values_for_rank(payload, rank=rank, is_pipeline_last_stage=True)
-    assert payload is not None
-    return unpack(payload, batch, device, VALUES)
+    return unpack(critic.values, batch, device, "values")

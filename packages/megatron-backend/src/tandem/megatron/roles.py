@@ -47,14 +47,8 @@ from tandem.megatron.losses import (
     tis_weights,
     value_loss_and_metrics,
 )
-from tandem.megatron.payloads import (
-    ACTOR_SAMPLE_INDICES,
-    CRITIC_SAMPLE_INDICES,
-    LOG_PROBS,
-    REF_LOG_PROBS,
-    VALUES,
-)
-from tandem.megatron.received import any_rank, critic_values, external, raise_if
+from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
+from tandem.megatron.received import any_rank, critic_values, log_probs_for, raise_if
 from tandem.megatron.rollout_rewards import estimator_rewards
 from tandem.megatron.train_step import reduce_metrics, train_step
 
@@ -293,13 +287,12 @@ def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | No
     )
 
 
-def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> dict[str, Any]:
+def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> ActorLogProbs | None:
     """Stage 1 of the actor alone, for the KL-first plan: old and reference log-probs as Boxes.
 
-    Returns, on pipeline-last-stage ranks, `{"log_probs": Box, "ref_log_probs": Box,
-    "actor_sample_indices": (...)}`, each Box `pack_values` of one tensor per
-    sample (its response length); `ref_log_probs` only when the actor keeps
-    reference weights. `{}` on other stages.
+    Returns, on pipeline-last-stage ranks, an `ActorLogProbs`, each Box
+    `pack_values` of one tensor per sample (its response length); its
+    `ref_log_probs` only when the actor keeps reference weights. None on other stages.
     """
     from tandem.value_transfer import pack_values
 
@@ -309,31 +302,30 @@ def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> dict[str, Any]:
         with trainee.reference_weights():
             ref_log_probs = _actor_log_probs(trainee, batch)
     if old_log_probs is None:
-        return {}
-    out: dict[str, Any] = {
-        LOG_PROBS: pack_values(unpad_responses(old_log_probs, batch.response_lengths)),
-        ACTOR_SAMPLE_INDICES: tuple(batch.sample_indices),
-    }
-    if ref_log_probs is not None:
-        out[REF_LOG_PROBS] = pack_values(unpad_responses(ref_log_probs, batch.response_lengths))
-    return out
+        return None
+    return ActorLogProbs(
+        log_probs=pack_values(unpad_responses(old_log_probs, batch.response_lengths)),
+        ref_log_probs=None
+        if ref_log_probs is None
+        else pack_values(unpad_responses(ref_log_probs, batch.response_lengths)),
+        sample_indices=tuple(batch.sample_indices),
+    )
 
 
 def train_critic(
     trainee: Trainee,
     batch: RolloutBatch,
-    external_data: Any,
     group: Any,
     *,
+    log_probs: ActorLogProbs | None = None,
     rank: int,
     rollout_id: int,
     on_targets: TargetsHook | None = None,
-) -> dict[str, Any]:
-    """Step 3 on one critic rank: returns `{"metrics": ...}`, plus `"values"` (a Box) and
-    `"critic_sample_indices"` on last-stage ranks.
+) -> TrainResult:
+    """Step 3 on one critic rank: its metrics, and its old values (`CriticValues`) on last-stage ranks.
 
-    `external_data`: with `kl_coef != 0`, the actor's `compute_log_probs` payload
-    for this rank (routed by `TrainGroup.train`); ignored otherwise.
+    `log_probs`: with `kl_coef != 0`, the actor's `compute_log_probs` record for
+    this rank (routed by `TrainGroup.train`); ignored otherwise.
     """
     from megatron.core import parallel_state as mpu
     from tandem.value_transfer import pack_values
@@ -342,15 +334,15 @@ def train_critic(
     last = mpu.is_pipeline_last_stage()
     dp_group = mpu.get_data_parallel_group()
     # The actor's log-probs, checked on every rank before any collective, so that all fail alike.
-    log_probs = ref_log_probs = None
+    old_log_probs = ref_log_probs = None
     error: Exception | None = None
     if config.kl_coef != 0 and last:
         try:
-            log_probs = external(external_data, LOG_PROBS, batch, rank=rank)
-            ref_log_probs = external(external_data, REF_LOG_PROBS, batch, rank=rank)
+            old_log_probs = log_probs_for(log_probs, batch, rank=rank)
+            ref_log_probs = log_probs_for(log_probs, batch, rank=rank, reference=True)
         except (ValueError, TypeError) as exc:
             error = exc
-    missing = last and (log_probs is None or ref_log_probs is None)
+    missing = last and (old_log_probs is None or ref_log_probs is None)
     if config.kl_coef != 0:
         failed, missing = any_rank([error is not None, missing], group)
         raise_if(failed, error)
@@ -358,7 +350,7 @@ def train_critic(
             raise ValueError(
                 f"kl_coef: {config.kl_coef} folds the KL into the rewards, but critic ranks got no actor "
                 "log-probs and reference log-probs; run the actor's compute_log_probs first and pass its "
-                "results as the critic's external_data (the KL-first plan)"
+                "results as the critic's log_probs (the KL-first plan)"
             )
     # 1. old values
     old_values = forward_only(
@@ -373,7 +365,7 @@ def train_critic(
     figures: dict[str, torch.Tensor] = {}
     if old_values is not None:
         rewards, figures = reward_signal(
-            batch, log_probs, ref_log_probs, config, device=old_values.device, dp_group=dp_group
+            batch, old_log_probs, ref_log_probs, config, device=old_values.device, dp_group=dp_group
         )
         batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
         figures |= target_figures
@@ -390,29 +382,30 @@ def train_critic(
         rollout={k: figures.get(k) for k in rollout_metrics},
         last=last,
     )
-    result: dict[str, Any] = {"metrics": metrics}
+    values = None
     if old_values is not None:
-        result[VALUES] = pack_values(unpad_responses(old_values, batch.response_lengths))
-        result[CRITIC_SAMPLE_INDICES] = tuple(batch.sample_indices)
-    return result
+        values = CriticValues(
+            values=pack_values(unpad_responses(old_values, batch.response_lengths)),
+            sample_indices=tuple(batch.sample_indices),
+        )
+    return TrainResult(metrics=metrics, values=values)
 
 
 def train_actor(
     trainee: Trainee,
     batch: RolloutBatch,
-    external_data: Any,
     group: Any,
     *,
+    critic: CriticValues | None = None,
+    log_probs: ActorLogProbs | None = None,
     rank: int,
     rollout_id: int,
     on_targets: TargetsHook | None = None,
-) -> dict[str, Any]:
-    """Step 4 on one actor rank: returns `{"metrics": ...}`.
+) -> TrainResult:
+    """Step 4 on one actor rank: its metrics.
 
-    `external_data`: the critic's values for this rank (a Box, a `SampleGather`,
-    or a dict with `"values"`), None without a critic; in the KL-first plan a dict
-    that also holds this rank's own `compute_log_probs` payload (`"log_probs"`,
-    `"ref_log_probs"`).
+    `critic`: the critic's values for this rank, None without a critic (values 0);
+    `log_probs`: in the KL-first plan this rank's own `compute_log_probs` record, reused.
     """
     from megatron.core import parallel_state as mpu
 
@@ -428,8 +421,8 @@ def train_actor(
     error: Exception | None = None
     try:
         if last:
-            given_old = external(external_data, LOG_PROBS, batch, rank=rank)
-            given_ref = external(external_data, REF_LOG_PROBS, batch, rank=rank) if needs_ref else None
+            given_old = log_probs_for(log_probs, batch, rank=rank)
+            given_ref = log_probs_for(log_probs, batch, rank=rank, reference=True) if needs_ref else None
     except (ValueError, TypeError) as exc:
         error = exc
     failed, recompute_old, recompute_ref = any_rank(
@@ -453,7 +446,7 @@ def train_actor(
     if last:
         assert old_log_probs is not None or from_update, "the last stage computes or is given log-probs"
         device = trainee.device
-        values = critic_values(external_data, batch, rank=rank, device=device) if config.uses_critic else None
+        values = critic_values(critic, batch, rank=rank, device=device) if config.uses_critic else None
         dp_group = mpu.get_data_parallel_group()
         # Critic-free group estimators: each sample's reward less its prompt's baseline, pooled over DP.
         scalar_rewards, group_figures = estimator_rewards(
@@ -513,4 +506,4 @@ def train_actor(
         rollout={k: figures.get(k) for k in ACTOR_ROLLOUT_METRICS if k not in skip},
         last=last,
     )
-    return {"metrics": metrics}
+    return TrainResult(metrics=metrics)

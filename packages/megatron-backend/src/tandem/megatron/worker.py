@@ -5,12 +5,12 @@
 `save_model` never sleeps or wakes, and `sleep` / `wake_up` run the lifecycle
 that the driver asks for. This module imports Megatron: only worker processes
 import it. The driver starts workers through `group.create_train_group`, which
-never does (`TrainGroup`, `create_train_group` are re-exported here for old
-imports, at the price of Megatron's import).
+never does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -40,11 +40,11 @@ from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.fault_points import set_context as set_fault_context
 from tandem.megatron.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
-from tandem.megatron.group import TrainGroup, create_train_group
 from tandem.megatron.hf_weights import export_hf_weights, send_chunk
 from tandem.megatron.parallel import destroy_distributed, free_port, init_distributed
+from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 
-__all__ = ["TrainGroup", "TrainWorker", "WeightReceiver", "create_train_group"]
+__all__ = ["TrainWorker", "WeightReceiver"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,27 +144,31 @@ class TrainWorker:
         return 0 if loaded is None else loaded + 1
 
     # --- training --------------------------------------------------------------------------
-    def train(self, rollout_id: int, data_ref: Any, external_data: Any = None) -> dict[str, Any]:
+    def train(
+        self,
+        rollout_id: int,
+        data_ref: Any,
+        *,
+        critic: CriticValues | None = None,
+        log_probs: ActorLogProbs | None = None,
+    ) -> TrainResult:
         """Train on this rank's share of a rollout; wakes the model first if asleep, never sleeps after.
 
         Args:
             rollout_id: the rollout being trained on (logs; seeds the minibatch shuffling).
             data_ref: this rank's `RolloutBatch`, an ObjectRef or `Box` of it, or a
                 list with one of those per data-parallel rank (this rank takes its own).
-            external_data: this rank's payload from the other role (`TrainGroup.train`
-                routes it). Actor: the critic's values (a `Box` from the critic's
-                `{"values": Box}`, that dict itself, or a `SampleGather`), None when the
-                run has no critic (values are 0); in the KL-first plan the dict also holds
-                this rank's `compute_log_probs` results (`"log_probs"`, `"ref_log_probs"`),
-                which are then reused. Critic: with `kl_coef != 0`, the actor's
-                `compute_log_probs` payload for this rank (required); ignored otherwise.
+            critic: the actor's: this rank's old values from the critic (`TrainGroup.train`
+                routes them), None when the run has no critic (values are 0).
+            log_probs: the actor's: in the KL-first plan this rank's own
+                `compute_log_probs` record, which is then reused. The critic's: with
+                `kl_coef != 0`, the actor's record for this rank (required); ignored otherwise.
 
         Returns:
-            `{"metrics": {...}, "allocator": {...}}`: the metrics the same on every rank, the
-            allocator calls this rank made on CUDA (`alloc/device_mallocs`, `alloc/device_frees`;
-            `gpu_memory.AllocatorCalls`, empty on CPU); the critic's pipeline-last-stage ranks
-            add `"values"` (a `Box` of the old values) and `"critic_sample_indices"` (their
-            samples, in order).
+            A `TrainResult`: the metrics, the same on every rank; the allocator calls this
+            rank made on CUDA (`alloc/device_mallocs`, `alloc/device_frees`;
+            `gpu_memory.AllocatorCalls`, empty on CPU); on the critic's pipeline-last-stage
+            ranks its old values (`CriticValues`).
         """
         trainee = self._require_init()
         if self._lifecycle.asleep:
@@ -174,22 +178,26 @@ class TrainWorker:
             "rank %d: %s trains on rollout %d (%d samples)", self.rank, self.role, rollout_id, len(batch)
         )
         self._last_targets = {}
-        train = roles.train_critic if self.role == "critic" else roles.train_actor
+        if self.role == "critic" and critic is not None:
+            raise ValueError("train: the critic takes no critic values; pass them to the actor's train")
+        train = functools.partial(
+            roles.train_critic
+            if self.role == "critic"
+            else functools.partial(roles.train_actor, critic=critic),
+            trainee,
+            batch,
+            self._group,
+            log_probs=log_probs,
+            rank=self.rank,
+            rollout_id=rollout_id,
+            on_targets=self._keep_targets,
+        )
         with AllocatorCalls() as calls:
-            out = train(
-                trainee,
-                batch,
-                external_data,
-                self._group,
-                rank=self.rank,
-                rollout_id=rollout_id,
-                on_targets=self._keep_targets,
-            )
+            out = train()
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep.
-        out["allocator"] = calls.metrics()
-        return out
+        return dataclasses.replace(out, allocator=calls.metrics())
 
-    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> dict[str, Any]:
+    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> ActorLogProbs | None:
         """The actor's old and reference log-probs of this rank's samples, for the KL-first plan.
 
         Never wakes or sleeps: the driver wakes the actor before (RuntimeError if
@@ -198,10 +206,9 @@ class TrainWorker:
         (kept when `kl_coef != 0` or `use_kl_loss`). Every rank must take part.
 
         Returns:
-            On pipeline-last-stage ranks `{"log_probs": Box, "ref_log_probs": Box,
-            "actor_sample_indices": (...)}`, each Box `pack_values` of one tensor per
-            sample (its response length; `ref_log_probs` only with reference
-            weights); `{}` elsewhere.
+            On pipeline-last-stage ranks an `ActorLogProbs`, each Box `pack_values` of one
+            tensor per sample (its response length; `ref_log_probs` only with reference
+            weights); None elsewhere.
         """
         trainee = self._require_init()
         if self.role != "actor":

@@ -11,11 +11,26 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tandem.ppo.config import PPOConfig
 
-__all__ = ["check_ray_address", "start_groups", "start_ray", "weight_pack"]
+if TYPE_CHECKING:
+    from tandem.megatron.group import TrainGroup
+    from tandem.placement import Placements
+    from tandem.ppo.engines import EngineGroup
+
+__all__ = ["StartedGroups", "check_ray_address", "start_groups", "start_ray", "weight_pack"]
+
+
+class StartedGroups(NamedTuple):
+    """What `start_groups` started: the placement groups and the three groups on them."""
+
+    placements: Placements
+    actor: TrainGroup
+    critic: TrainGroup | None
+    """None with a critic-free advantage estimator."""
+    engines: EngineGroup
 
 
 def start_ray(
@@ -85,13 +100,14 @@ def check_ray_address(address: str) -> None:
 
 def start_groups(
     config: PPOConfig, worker_config: Any = None, *, lock_file: Path | None = None
-) -> tuple[Any, Any, Any, Any]:
-    """(placements, actor group, critic group or None, engine group), started concurrently.
+) -> StartedGroups:
+    """The placements, the actor group, the critic group (or None) and the engine group, started concurrently.
 
     `worker_config`: the train workers' config (default `config.worker_config()`).
     `lock_file`: the run folder's lock; with it, every node of the placement groups must see
     the model folders and the run folder before any worker starts (`node_checks`).
     """
+    from tandem.megatron.choices import Role
     from tandem.megatron.group import create_train_group
     from tandem.placement import create_placement_groups
     from tandem.ppo.engines import EngineOptions, create_engine_group
@@ -114,18 +130,18 @@ def start_groups(
         engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
     engine_options = EngineOptions(**engine_kwargs)
 
-    def start(role: str) -> Any:
+    def start(role: Role) -> TrainGroup:
         share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
         return create_train_group(
             worker_config,
-            role,  # type: ignore[arg-type]
+            role,
             actor_slot.pg,
             actor_slot.bundle_indices,
             num_gpus_per_worker=share,
             num_cpus_per_worker=share,
         )
 
-    def start_engines() -> Any:
+    def start_engines() -> EngineGroup:
         share, _ = rollout_bundle_shares(config)  # a reward model takes part of the engine's share
         return create_engine_group(
             config.hf_checkpoint,
@@ -143,7 +159,9 @@ def start_groups(
         actor = pool.submit(start, "actor")
         critic = pool.submit(start, "critic") if config.use_critic else None
         engines = pool.submit(start_engines)
-        return placements, actor.result(), critic.result() if critic is not None else None, engines.result()
+        return StartedGroups(
+            placements, actor.result(), critic.result() if critic is not None else None, engines.result()
+        )
 
 
 def weight_pack(config: PPOConfig) -> Any:

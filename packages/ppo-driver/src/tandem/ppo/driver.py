@@ -10,7 +10,7 @@ One step, exactly as DESIGN.md's "One PPO step" says:
 3. critic: wake, train (old values, GAE returns, value loss), sleep; it
    returns its old values per rank (GAE only: with a critic-free
    `--advantage-estimator` no critic exists, and the step has no critic phase);
-4. actor: wake, train with the critic's per-rank payloads as `external_data`,
+4. actor: wake, train with the critic's per-rank results as `critic=` (`CriticValues` inside),
    sleep (skipped during the critic-only warm-up);
 5. weights: the engines resume their weights, the actor (asleep) sends its
    weights, the engines flush and resume their KV cache (skipped in warm-up,
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.lifecycle import OffloadPlan
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
@@ -52,6 +52,13 @@ from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state
 from tandem.ppo.worker_logs import driver_log, logs_dir
+
+if TYPE_CHECKING:
+    from tandem.megatron.group import TrainGroup
+    from tandem.megatron.payloads import ActorLogProbs, TrainResult
+    from tandem.placement import Placements
+    from tandem.ppo.engines import EngineGroup
+    from tandem.ppo.reward_model._role import RewardModelRole
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +82,10 @@ class PPODriver:
         worker = config.worker_config()
         roles: tuple[Any, ...] = ("actor", "critic") if config.use_critic else ("actor",)
         self.data_parallel_sizes = {r: worker.data_parallel_size(config.actor_num_gpus, r) for r in roles}
-        self.actor: Any = None
-        self.critic: Any = None
-        self.engines: Any = None
-        self.placements: Any = None
+        self.actor: TrainGroup = None  # type: ignore[assignment]  # set by setup
+        self.critic: TrainGroup | None = None
+        self.engines: EngineGroup = None  # type: ignore[assignment]  # set by setup
+        self.placements: Placements | None = None
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
         self._driver_log = contextlib.ExitStack()
@@ -92,7 +99,7 @@ class PPODriver:
         self.engine_restarts = 0
         """Engines restarted so far in this run (`--max-engine-restarts`)."""
 
-        self.reward_model: Any = None
+        self.reward_model: RewardModelRole | None = None
         self._engines_released_to_score = False
 
     # --- setup -----------------------------------------------------------------------------
@@ -153,7 +160,7 @@ class PPODriver:
         assert self.folder is not None
         started = start_groups(self.config, self.folder.worker_config(), lock_file=self.folder.lock.path)
         self.placements, self.actor, self.critic, self.engines = started
-        slots = {"actor": self.placements.actor, "rollout": self.placements.rollout}
+        slots = {"actor": started.placements.actor, "rollout": started.placements.rollout}
         self.events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})
         from tandem.ppo.worker_logs import group_workers, name_worker_logs
 
@@ -212,7 +219,7 @@ class PPODriver:
             sinks=open_trackers(config),
         )
 
-    def _models(self) -> list[Any]:
+    def _models(self) -> list[TrainGroup]:
         return [g for g in (self.critic, self.actor) if g is not None]
 
     # --- the loop ----------------------------------------------------------------------------
@@ -359,18 +366,14 @@ class PPODriver:
         critic_out = None
         metrics: dict[str, Any] = {}
         if self.critic is not None:
-            critic_out = self._train(self.critic, rollout_id, sampled, external_data=log_probs)
-            metrics.update({f"critic/{k}": v for k, v in critic_out[0]["metrics"].items()})
+            critic_out = self._train(self.critic, rollout_id, sampled, log_probs=log_probs)
+            metrics.update({f"critic/{k}": v for k, v in critic_out[0].metrics.items()})
             metrics.update(self._allocator_calls("critic", critic_out))
 
         # 4. actor: wake, train with the critic's values (and its own log-probs), sleep
         if not critic_only:
-            external = critic_out
-            if log_probs is not None:
-                critic_parts = critic_out if critic_out is not None else [{}] * len(log_probs)
-                external = [{**c, **a} for c, a in zip(critic_parts, log_probs, strict=True)]
-            actor_out = self._train(self.actor, rollout_id, sampled, external_data=external)
-            metrics.update({f"actor/{k}": v for k, v in actor_out[0]["metrics"].items()})
+            actor_out = self._train(self.actor, rollout_id, sampled, critic=critic_out, log_probs=log_probs)
+            metrics.update({f"actor/{k}": v for k, v in actor_out[0].metrics.items()})
             metrics.update(self._allocator_calls("actor", actor_out))
 
         # 5. weights to the engines (weights back -> sync -> KV cache back)
@@ -407,11 +410,11 @@ class PPODriver:
         return metrics
 
     @staticmethod
-    def _allocator_calls(role: str, out: list[Any]) -> dict[str, float]:
+    def _allocator_calls(role: str, out: list[TrainResult]) -> dict[str, float]:
         """`alloc/<role>_train/device_mallocs` (and frees): the most any rank made in its train (GPU)."""
         figures: dict[str, float] = {}
         for rank_out in out:
-            for name, count in (rank_out.get("allocator") or {}).items():
+            for name, count in rank_out.allocator.items():
                 key = f"alloc/{role}_train/{name.removeprefix('alloc/')}"
                 figures[key] = max(figures.get(key, 0.0), float(count))
         return figures
@@ -451,6 +454,7 @@ class PPODriver:
         """Step 1b, the reward model's term: the engines release their memory (on shared GPUs), then
         the reward model wakes, scores prompt + response of every sample, and sleeps again."""
         rm = self.reward_model
+        assert rm is not None
         if not rm.sleeps:
             return list(rm.score(requests))
         if not self._engines_released_to_score:
@@ -467,10 +471,11 @@ class PPODriver:
             self._sleep_reward_model()
 
     def _sleep_reward_model(self) -> None:
+        assert self.reward_model is not None
         with self._phase("reward_model_sleep"):
             self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
 
-    def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[Any]:
+    def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[ActorLogProbs | None]:
         """The actor, woken briefly, computes its old and reference log-probs for the rollout."""
         import ray
 
@@ -478,13 +483,23 @@ class PPODriver:
             if self.plan.wake_up_before_train:
                 self._wake(self.actor)
             self.events.record("log_probs_begin", role="actor", rollout_id=rollout_id)
-            out: list[Any] = ray.get(self.actor.compute_log_probs(rollout_id, sampled.data_refs["actor"]))
+            out: list[ActorLogProbs | None] = ray.get(
+                self.actor.compute_log_probs(rollout_id, sampled.data_refs["actor"])
+            )
             self.events.record("log_probs_end", role="actor", rollout_id=rollout_id)
             if self.plan.sleep_after_train:
                 self._sleep(self.actor)
         return out
 
-    def _train(self, group: Any, rollout_id: int, sampled: Sampled, external_data: Any = None) -> list[Any]:
+    def _train(
+        self,
+        group: TrainGroup,
+        rollout_id: int,
+        sampled: Sampled,
+        *,
+        critic: list[TrainResult] | None = None,
+        log_probs: list[ActorLogProbs | None] | None = None,
+    ) -> list[TrainResult]:
         import ray
 
         role = group.role
@@ -495,23 +510,24 @@ class PPODriver:
             refs = group.train(
                 rollout_id,
                 sampled.data_refs[role],
-                external_data,
+                critic=critic,
+                log_probs=log_probs,
                 sample_indices=sampled.sample_indices[role],
             )
-            out: list[Any] = ray.get(refs)
+            out: list[TrainResult] = ray.get(refs)
             self.events.record("train_end", role=role, rollout_id=rollout_id)
         if self.plan.sleep_after_train:
             self._sleep(group)
         return out
 
-    def _wake(self, group: Any) -> None:
+    def _wake(self, group: TrainGroup) -> None:
         with self._phase(f"{group.role}_wake"):
             self.events.record("wake", role=group.role)
-            self.clock.record_lifecycle(f"{group.role}_wake", group.run("wake_up"))
+            self.clock.record_lifecycle(f"{group.role}_wake", group.wake_up())
 
-    def _sleep(self, group: Any) -> None:
+    def _sleep(self, group: TrainGroup) -> None:
         with self._phase(f"{group.role}_sleep"):
-            self.clock.record_lifecycle(f"{group.role}_sleep", group.run("sleep"))
+            self.clock.record_lifecycle(f"{group.role}_sleep", group.sleep())
             self.events.record("sleep", role=group.role)
 
     def _sync_weights(self) -> None:
@@ -522,13 +538,13 @@ class PPODriver:
         with self._phase("weight_sync"):
             self.events.record("weight_sync", path="ipc" if self.weight_pack is not None else "cpu")
             try:
-                self.actor.run("update_weights", self.engines.handles, self.weight_pack)
+                self.actor.update_weights(self.engines.handles, self.weight_pack)
             except Exception as exc:
                 # An engine that died during the sync is restarted (with these weights), then all
                 # engines get them again; any other failure is the sync's own.
                 if not self._restart_dead_engines(exc):
                     raise
-                self.actor.run("update_weights", self.engines.handles, self.weight_pack)
+                self.actor.update_weights(self.engines.handles, self.weight_pack)
             self.engines.flush_cache()
             self._check_engines_agree()
         if self.release_engines:
@@ -543,7 +559,7 @@ class PPODriver:
         digest = getattr(handle, "weights_digest", None)
         before = ray.get(digest.remote()) if digest is not None else None
         if self.weights_version > 0:
-            self.actor.run("update_weights", [handle], None)  # CPU copies: to this engine alone
+            self.actor.update_weights([handle])  # CPU copies: to this engine alone
         after = ray.get(digest.remote()) if digest is not None else None
         self.events.record(
             "engine_restart",
@@ -588,11 +604,11 @@ class PPODriver:
         """
         data = self.dataset.state_dict() if data_state is None else data_state
 
-        def save_model(group: Any) -> None:
+        def save_model(group: TrainGroup) -> None:
             if self.plan.wake_up_before_save:
                 self._wake(group)
             self.events.record("save", role=group.role, rollout_id=rollout_id)
-            group.run("save_model", rollout_id)
+            group.save_model(rollout_id)
             if self.plan.sleep_after_save:
                 self._sleep(group)
 
@@ -635,7 +651,7 @@ class PPODriver:
                 self.reward_model.shutdown()
         for group in self._models():
             with contextlib.suppress(Exception):
-                group.run("shutdown")
+                group.shutdown()
             with contextlib.suppress(Exception):
                 group.kill()
         if self.placements is not None:

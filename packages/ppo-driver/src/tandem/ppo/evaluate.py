@@ -196,7 +196,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
             try:
                 return export_actor(actor, out or Path(run_dir) / "hf", config.hf_checkpoint)
             finally:
-                actor.run("shutdown")
+                actor.shutdown()
                 actor.kill()
     finally:
         if started:

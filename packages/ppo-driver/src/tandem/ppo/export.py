@@ -84,7 +84,7 @@ def export_actor(actor: Any, out_dir: str | os.PathLike[str], base_hf_dir: str) 
         str(Path(out_dir).resolve()), str(Path(base_hf_dir).resolve())
     )
     try:
-        actor.run("update_weights", [writer])
+        actor.update_weights([writer])
         path: str = ray.get(writer.finish.remote())
         return path
     finally:

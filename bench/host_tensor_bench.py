@@ -25,7 +25,7 @@ from typing import Any
 import ray
 import torch
 
-from tandem.megatron.host_tensors import zero_copy
+from tandem.megatron.models.host_tensors import zero_copy
 
 
 @ray.remote

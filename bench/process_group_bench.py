@@ -68,7 +68,7 @@ def _rank_main(rank: int, world: int, port: int, tp: int, pp: int, cycles: int, 
     import torch.distributed as dist
 
     from tandem.lifecycle import destroy_all, reload_all, reloadable_groups, reloadable_process_groups
-    from tandem.megatron.parallel import destroy_distributed, init_distributed
+    from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
     on_gpu = torch.cuda.is_available()
     device = f"cuda:{rank}" if on_gpu else "cpu"

@@ -21,7 +21,7 @@ GPU host, from the repo root (about 100 s for the default shape):
     source .gpu-kit/setup.sh && python3 bench/train_profile.py --out "$OUT/train_profile.json"
 
 A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of our
-compiled one (`tandem.megatron.rope`; on by default with CUDA); the JSON records
+compiled one (`tandem.megatron.models.rope`; on by default with CUDA); the JSON records
 `fused_rope` (what the model ran) and `fused_rope_flag` (null: the default).
 
 CPU smoke run (tiny model, fp32, gloo; the profile then lists CPU operators):
@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from tandem.megatron.config import WorkerConfig
     from tandem.megatron.models import unwrap_model
-    from tandem.megatron.parallel import free_port
     from tandem.megatron.worker import TrainWorker
+    from tandem.megatron.worker.parallel import free_port
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="train-profile-"))
     if args.shape is not None and not (args.quick or args.tiny):

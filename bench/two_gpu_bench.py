@@ -132,7 +132,7 @@ def run_values(args: argparse.Namespace, name: str, paths: dict[str, Path]) -> d
 # --- measuring ----------------------------------------------------------------------------------------------
 def gpu_used_gib() -> list[float] | None:
     """Memory in use on each GPU (nvidia-smi), GiB; None without GPUs."""
-    from tandem.megatron.gpu_memory import all_devices_used_bytes
+    from tandem.megatron.worker.gpu_memory import all_devices_used_bytes
 
     used = all_devices_used_bytes()
     return None if used is None else [b / GIB for b in used]

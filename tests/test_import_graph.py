@@ -1,4 +1,4 @@
-"""No import cycles between the modules of a package (issue 10: `_backend` ⇄ `_memory_saver`, `_groups` ⇄ `_probe`).
+"""No import cycles between the modules of a package, and tandem.megatron's layers import only downwards.
 
 Every import counts, also one inside a function: a lazy import hides a cycle
 from the interpreter, not from the reader who has to know which module comes first.
@@ -16,6 +16,8 @@ PACKAGES = {  # folder -> import name
     "placement": "tandem.placement",
     "lifecycle": "tandem.lifecycle",
     "value-transfer": "tandem.value_transfer",
+    "megatron-backend": "tandem.megatron",
+    "ppo-driver": "tandem.ppo",
 }
 
 
@@ -90,3 +92,93 @@ def test_the_moved_names_are_still_public() -> None:
 
     assert PlacementTimeoutError is moved and issubclass(moved, TimeoutError)
     assert callable(require_cuda)
+
+
+MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("shared data", ("choices", "batch")),
+    ("algorithms", ("algorithms.",)),
+    ("models", ("models.",)),
+    ("the seam", ("config", "_config_checks", "payloads")),
+    ("worker", ("worker.",)),
+    ("group", ("group.",)),
+)
+"""tandem.megatron's layers, lowest first: a module may import its own layer's and lower layers' modules.
+
+Each subpackage's `__init__` docstring says the same in words."""
+
+PURE = {
+    "algorithms": {"megatron", "transformers", "ray", "safetensors", "tandem"},
+    "group": {"megatron", "torch", "transformers"},
+    "the seam": {"megatron", "transformers", "ray"},
+}
+"""Per layer, the top-level names of distributions its modules never import (`tandem` except
+`tandem.megatron.choices`, for the pure algorithms)."""
+
+
+def megatron_layer(module: str) -> int:
+    """The index of `module`'s layer in `MEGATRON_LAYERS`."""
+    for index, (_, members) in enumerate(MEGATRON_LAYERS):
+        if any(module == m or (m.endswith(".") and module.startswith(m)) for m in members):
+            return index
+    raise AssertionError(f"tandem.megatron.{module}: in no layer of MEGATRON_LAYERS; add it to one")
+
+
+def test_every_megatron_module_has_a_layer_and_imports_only_downwards() -> None:
+    graph = module_imports("megatron-backend", "tandem.megatron")
+    upward = []
+    for module, targets in graph.items():
+        if module.endswith("__init__"):
+            continue
+        for target in targets:
+            if megatron_layer(target) > megatron_layer(module):
+                upward.append(
+                    f"{module} ({MEGATRON_LAYERS[megatron_layer(module)][0]}) -> "
+                    f"{target} ({MEGATRON_LAYERS[megatron_layer(target)][0]})"
+                )
+    assert not upward, "tandem.megatron: imports against the layering: " + "; ".join(sorted(upward))
+
+
+def external_imports(path: Path) -> set[str]:
+    """The dotted names `path` imports absolutely (every import, also one inside a function)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(PURE))
+def test_the_pure_layers_import_no_heavy_stack(layer: str) -> None:
+    src = ROOT / "packages" / "megatron-backend" / "src" / "tandem" / "megatron"
+    (members,) = [m for name, m in MEGATRON_LAYERS if name == layer]
+    paths = [
+        p
+        for p in src.rglob("*.py")
+        if any(
+            (m.endswith(".") and p.relative_to(src).as_posix().startswith(m[:-1] + "/"))
+            or p.relative_to(src).as_posix() == f"{m}.py"
+            for m in members
+        )
+    ]
+    assert paths, layer
+    found = []
+    for path in paths:
+        for name in external_imports(path):
+            top = name.split(".")[0]
+            allowed = name == "tandem.megatron.choices" or (layer != "algorithms" and top == "tandem")
+            allowed = allowed or name.startswith("tandem.megatron.algorithms")
+            if top in PURE[layer] and not allowed:
+                found.append(f"{path.relative_to(src)} imports {name}")
+    assert not found, f"tandem.megatron {layer}: " + "; ".join(found)
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    assert (
+        megatron_layer("algorithms.gae")
+        < megatron_layer("worker.roles")
+        < megatron_layer("group.train_group")
+    )
+    with pytest.raises(AssertionError, match="in no layer"):
+        megatron_layer("stray")

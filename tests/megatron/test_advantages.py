@@ -12,8 +12,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.advantages import masked_mean_var, whiten_advantages
-from tandem.megatron.losses import explained_variance
+from tandem.megatron.algorithms.advantages import masked_mean_var, whiten_advantages
+from tandem.megatron.algorithms.losses import explained_variance
 
 
 @st.composite
@@ -93,8 +93,8 @@ _WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from tandem.megatron.advantages import whiten_advantages
-    from tandem.megatron.losses import explained_variance
+    from tandem.megatron.algorithms.advantages import whiten_advantages
+    from tandem.megatron.algorithms.losses import explained_variance
 
     rank, folder = int(sys.argv[1]), sys.argv[2]
     store = dist.FileStore(f"{folder}/store", 2)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.megatron.batch import RolloutBatch, resolve_batch, to_device
-from tandem.megatron.train_step import minibatch_size, pass_order, sum_to_host
+from tandem.megatron.worker.train_step import minibatch_size, pass_order, sum_to_host
 
 
 def make(response_lengths: list[int]) -> RolloutBatch:

@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tandem.megatron import checkpoint
+from tandem.megatron.worker import checkpoint
 
 
 class Crash(Exception):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.train_step import minibatch_size
+from tandem.megatron.worker.train_step import minibatch_size
 
 
 @pytest.fixture(scope="module")

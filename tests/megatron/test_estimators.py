@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.advantages import whiten_advantages
-from tandem.megatron.estimators import (
+from tandem.megatron.algorithms.advantages import whiten_advantages
+from tandem.megatron.algorithms.estimators import (
     GRPO_EPS,
     discounted_returns,
     group_centered_rewards,
@@ -30,7 +30,7 @@ from tandem.megatron.estimators import (
     token_advantages,
     whitens,
 )
-from tandem.megatron.kl import kl_penalized_rewards
+from tandem.megatron.algorithms.kl import kl_penalized_rewards
 
 
 # --- references, from the papers' formulas ----------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.gae import compute_gae, lambda_returns, scalar_at_last_token
+from tandem.megatron.algorithms.gae import compute_gae, lambda_returns, scalar_at_last_token
 
 
 def reference_gae(

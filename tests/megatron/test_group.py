@@ -23,9 +23,9 @@ def _public_methods(path: Path, cls: str) -> set[str]:
 
 
 def test_the_ray_actor_passes_every_worker_method_through() -> None:
-    # Read from the sources: importing worker.py would import Megatron.
-    worker = _public_methods(SOURCE / "worker.py", "TrainWorker")
-    host = _public_methods(SOURCE / "group.py", "_WorkerHost")
+    # Read from the sources: importing worker/train_worker.py would import Megatron.
+    worker = _public_methods(SOURCE / "worker" / "train_worker.py", "TrainWorker")
+    host = _public_methods(SOURCE / "group" / "train_group.py", "_WorkerHost")
     assert worker == host
     assert {"train", "sleep", "wake_up", "update_weights", "save_model"} <= host
 
@@ -87,7 +87,7 @@ def test_shares_past_one_gpu_are_refused_before_any_worker_starts(tmp_path: Path
 def test_kill_gives_the_shares_back(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from tandem.megatron.group import _Bundles
+    from tandem.megatron.group.train_group import _Bundles
 
     killed: list[Any] = []
     monkeypatch.setattr(ray, "kill", killed.append)

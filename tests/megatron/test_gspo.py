@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.gspo import gspo_policy_loss, sequence_log_ratio
-from tandem.megatron.losses import aggregate_loss, policy_loss
+from tandem.megatron.algorithms.gspo import gspo_policy_loss, sequence_log_ratio
+from tandem.megatron.algorithms.losses import aggregate_loss, policy_loss
 
 
 @st.composite

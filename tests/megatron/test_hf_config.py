@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.models.hf_config import ModelSpec
 
 SMALL: dict[str, Any] = dict(
     vocab_size=96,

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.conversion import (
+from tandem.megatron.models.conversion import (
     hf_shape,
     layer_names,
     param_map,
@@ -20,7 +20,7 @@ from tandem.megatron.conversion import (
     to_megatron,
     unshard,
 )
-from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.models.hf_config import ModelSpec
 
 
 def _spec(family: str, heads: int, kv_heads: int, head_dim: int, tie: bool = False) -> ModelSpec:
@@ -144,6 +144,6 @@ def test_layer_offset_and_family_specific_names() -> None:
 
 def test_conversion_does_not_import_megatron() -> None:
     # The pure mapping must stay usable (and testable) without megatron-core's 30 s import.
-    code = "import sys, tandem.megatron.conversion; print('megatron.core' in sys.modules)"
+    code = "import sys, tandem.megatron.models.conversion; print('megatron.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

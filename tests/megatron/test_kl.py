@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.kl import KL_KINDS, approx_kl, kl_penalized_rewards
+from tandem.megatron.algorithms.kl import KL_KINDS, approx_kl, kl_penalized_rewards
 
 log_prob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.entropy import entropy_from_logits, entropy_of_shifted
-from tandem.megatron.losses import (
+from tandem.megatron.algorithms.entropy import entropy_from_logits, entropy_of_shifted
+from tandem.megatron.algorithms.losses import (
     LOSS_AGGREGATIONS,
     LossAggregation,
     aggregate_loss,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.megatron.optimizer import check_one_param_dtype
+from tandem.megatron.worker.optimizer import check_one_param_dtype
 
 from .conftest import SaveRandomLlama
 

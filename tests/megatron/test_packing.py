@@ -22,8 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.megatron.batch import RolloutBatch
-from tandem.megatron.forward import micro_batches_by_tokens
-from tandem.megatron.packing import (
+from tandem.megatron.models.packing import (
     PackedRow,
     block_causal_mask,
     pack_lengths,
@@ -31,6 +30,7 @@ from tandem.megatron.packing import (
     position_ids,
     segments_of,
 )
+from tandem.megatron.worker.forward import micro_batches_by_tokens
 
 SCRIPTS = Path(__file__).parent / "_scripts"
 RUNS = {"1x1": 1, "2x1,1x2": 2}  # phases (TPxPP) -> processes

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.reward_shaping import overlong_penalty
+from tandem.megatron.algorithms.reward_shaping import overlong_penalty
 
 
 def dapo_eq13(length: int, max_len: int, cache: int) -> float:

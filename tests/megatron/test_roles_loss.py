@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tandem.megatron import RolloutBatch, WorkerConfig
-from tandem.megatron.forward import ResponseOutputs
-from tandem.megatron.roles import actor_loss
+from tandem.megatron.worker.forward import ResponseOutputs
+from tandem.megatron.worker.roles import actor_loss
 
 
 def _config(tmp_path: Path, **overrides: object) -> WorkerConfig:

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.estimators import sample_signal
-from tandem.megatron.rollout_rewards import estimator_rewards, gather_rollout_rewards, group_signal
+from tandem.megatron.algorithms.estimators import sample_signal
+from tandem.megatron.algorithms.rollout_rewards import estimator_rewards, gather_rollout_rewards, group_signal
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 

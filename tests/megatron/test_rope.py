@@ -1,4 +1,4 @@
-"""Our fused RoPE (`tandem.megatron.rope`) against Megatron's unfused RoPE, and the model wiring.
+"""Our fused RoPE (`tandem.megatron.models.rope`) against Megatron's unfused RoPE, and the model wiring.
 
 - `rope_sbhd` and the THD hook, eager, against Megatron's `_apply_rotary_pos_emb_bshd` /
   `_apply_rotary_pos_emb_thd` on random shapes (hypothesis): values and gradients.
@@ -33,7 +33,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron import rope
+from tandem.megatron.models import rope
 
 from .conftest import SaveRandomLlama
 

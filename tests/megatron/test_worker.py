@@ -332,7 +332,7 @@ def test_update_weights_asleep_and_awake_send_the_same_hf_tensors(workers: Worke
 
 
 def test_save_kill_restart_resumes_each_role_from_its_own_folder(workers: Workers) -> None:
-    from tandem.megatron.checkpoint import read_latest
+    from tandem.megatron.worker.checkpoint import read_latest
 
     critic, actor = workers.use("dp")
     config = workers.configs["dp"]

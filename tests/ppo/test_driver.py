@@ -244,7 +244,7 @@ def test_ctrl_c_stops_cleanly_with_a_loadable_checkpoint(tmp_path: Path) -> None
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, output[-3000:]
-    from tandem.megatron.checkpoint import read_latest
+    from tandem.megatron.worker.checkpoint import read_latest
 
     saved = read_latest(run_dir / "actor")
     assert saved is not None and saved >= 1, output[-3000:]

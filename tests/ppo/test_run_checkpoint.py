@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.checkpoint_folder import MARKER, iteration_dir, read_latest
+from tandem.megatron.worker.checkpoint_folder import MARKER, iteration_dir, read_latest
 from tandem.ppo.run_checkpoint import ModelFolders, find_resume_point, set_aside
 from tandem.ppo.state import load_state
 

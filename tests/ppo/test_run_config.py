@@ -15,9 +15,9 @@ import yaml
 from tandem.ppo import machine
 from tandem.ppo.cli import EvalArgs, run
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import read_yaml, unvalidated
+from tandem.ppo.config_file import read_run_config, read_yaml, unvalidated
 from tandem.ppo.evaluate import EVAL_DEFAULTS, eval_settings
-from tandem.ppo.run_config import RUN_CONFIG_MARKER, read_run_config, write_run_config
+from tandem.ppo.run_config import RUN_CONFIG_MARKER, write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

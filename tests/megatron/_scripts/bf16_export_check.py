@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import export_hf_weights, load_hf_checkpoint
 from tandem.megatron.models import build_model
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import export_hf_weights, load_hf_checkpoint
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 CHUNK_BYTES = 1 << 16
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from tandem.megatron.batch import RolloutBatch
-from tandem.megatron.forward import forward_only
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import load_hf_checkpoint
 from tandem.megatron.models import build_model
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import load_hf_checkpoint
+from tandem.megatron.worker.forward import forward_only
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 
 def main() -> None:

@@ -29,23 +29,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.megatron import roles
+from tandem.megatron.algorithms.kl import approx_kl
+from tandem.megatron.algorithms.losses import policy_loss, value_loss_and_metrics
 from tandem.megatron.batch import RolloutBatch, pad_responses
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.forward import (
+from tandem.megatron.models import build_model, unwrap_model
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import load_hf_checkpoint
+from tandem.megatron.worker import roles
+from tandem.megatron.worker.forward import (
     ResponseOutputs,
     _padded_tokens,
     _response_outputs,
     forward_only,
     run_micro_batches,
 )
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import load_hf_checkpoint
-from tandem.megatron.kl import approx_kl
-from tandem.megatron.losses import policy_loss, value_loss_and_metrics
-from tandem.megatron.models import build_model, unwrap_model
-from tandem.megatron.optimizer import wrap_ddp
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.worker.optimizer import wrap_ddp
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 VOCAB = 64
 

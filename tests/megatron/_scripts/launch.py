@@ -2,7 +2,7 @@
 
 Usage: python launch.py NPROC SCRIPT [ARGS...]
 Each process gets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` in its
-environment (the script passes them to `tandem.megatron.parallel.init_distributed`),
+environment (the script passes them to `tandem.megatron.worker.parallel.init_distributed`),
 and `LAUNCH_PORTS`: more free ports, comma-separated, for scripts that
 re-initialise torch.distributed several times (one port per initialisation).
 Exits non-zero if any process does; a process that hangs is killed after

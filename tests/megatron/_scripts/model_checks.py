@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from tandem.megatron.batch import RolloutBatch, unpad_responses
-from tandem.megatron.forward import ResponseOutputs, forward_only, micro_batches, run_micro_batches
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import export_hf_weights, load_hf_checkpoint
 from tandem.megatron.models import build_model
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import export_hf_weights, load_hf_checkpoint
+from tandem.megatron.worker.forward import ResponseOutputs, forward_only, micro_batches, run_micro_batches
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 CHUNK_BYTES = 6000
 

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from tandem.lifecycle import NoopBackend
-from tandem.megatron import roles
-from tandem.megatron._trainee import build_trainee
 from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.worker import roles
+from tandem.megatron.worker._trainee import build_trainee
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 VOCAB = 64
 

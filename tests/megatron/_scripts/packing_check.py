@@ -35,23 +35,23 @@ import torch
 import torch.distributed as dist
 
 from tandem.lifecycle import NoopBackend
-from tandem.megatron import roles
-from tandem.megatron._trainee import build_trainee
 from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.forward import (
+from tandem.megatron.models import build_model, unwrap_model
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import load_hf_checkpoint
+from tandem.megatron.models.packing import pack_lengths, pack_tokens, packed_seq_params, position_ids
+from tandem.megatron.worker import roles
+from tandem.megatron.worker._trainee import build_trainee
+from tandem.megatron.worker.forward import (
     _padded_tokens,
     forward_only,
     micro_batches,
     micro_batches_by_tokens,
     run_micro_batches,
 )
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import load_hf_checkpoint
-from tandem.megatron.models import build_model, unwrap_model
-from tandem.megatron.optimizer import wrap_ddp
-from tandem.megatron.packing import pack_lengths, pack_tokens, packed_seq_params, position_ids
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.worker.optimizer import wrap_ddp
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 VOCAB = 64
 

@@ -23,11 +23,11 @@ import torch
 from model_checks import full_logits
 
 from tandem.megatron.batch import RolloutBatch, unpad_responses
-from tandem.megatron.forward import forward_only, micro_batches, run_micro_batches
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import SafetensorsReader, export_hf_weights, load_hf_checkpoint
 from tandem.megatron.models import build_model
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import SafetensorsReader, export_hf_weights, load_hf_checkpoint
+from tandem.megatron.worker.forward import forward_only, micro_batches, run_micro_batches
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 
 def export_report(model: torch.nn.Module, spec: ModelSpec, reader: SafetensorsReader) -> dict[str, Any]:

@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 
-from tandem.megatron import rope
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.hf_weights import load_hf_checkpoint
-from tandem.megatron.models import build_model, unwrap_model
-from tandem.megatron.packing import pack_lengths, pack_tokens, packed_seq_params, position_ids
-from tandem.megatron.parallel import destroy_distributed, init_distributed
+from tandem.megatron.models import build_model, rope, unwrap_model
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.hf_weights import load_hf_checkpoint
+from tandem.megatron.models.packing import pack_lengths, pack_tokens, packed_seq_params, position_ids
+from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 VOCAB = 64
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tandem.megatron import rope
+from tandem.megatron.models import rope
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,7 +60,7 @@ def main() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             warnings.append(record.getMessage())
 
-    logging.getLogger("tandem.megatron.rope").addHandler(Keep(level=logging.WARNING))
+    logging.getLogger("tandem.megatron.models.rope").addHandler(Keep(level=logging.WARNING))
     result: dict[str, Any] = {}
     torch._dynamo.config.recompile_limit = 2
 

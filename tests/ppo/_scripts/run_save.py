@@ -3,7 +3,7 @@
 Usage: python run_save.py RUN_DIR FIRST LAST
 Saves rollouts FIRST..LAST (inclusive) with `save_run_checkpoint`: the driver's
 state (data cursor `{"epoch": 0, "cursor": 3 * (k + 1)}`), then the critic's and
-the actor's checkpoints through `tandem.megatron.checkpoint.save_folder` (the
+the actor's checkpoints through `tandem.megatron.worker.checkpoint.save_folder` (the
 real staging, publishing and marker steps, one rank), whose `write` puts a shard
 file naming the role and rollout and then `metadata.json`. `TANDEM_FAULT_POINT`
 kills the process at the named point, as in a real run.
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tandem.megatron.checkpoint_folder import save_folder
-from tandem.megatron.fault_points import set_context
+from tandem.megatron.worker.checkpoint_folder import save_folder
+from tandem.megatron.worker.fault_points import set_context
 from tandem.ppo.run_checkpoint import save_run_checkpoint
 from tandem.ppo.state import DriverState
 

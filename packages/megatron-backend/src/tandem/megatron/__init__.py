@@ -1,5 +1,16 @@
 """Tandem's Megatron-core backend: the train worker (actor and critic roles), models, HF weights, PPO math.
 
+The package is cut in layers; a module imports only from its own layer and the
+ones above it in this list (tests/test_import_graph.py):
+
+1. the shared data: `choices` (the literal choices of every field), `batch` (`RolloutBatch`);
+2. `algorithms`: the PPO math, pure torch;
+3. `models`: the Megatron networks, HF config, weights and conversion, RoPE, packing, attention;
+4. the seam both sides share: `config` (`WorkerConfig`), `payloads` (the typed records
+   that cross between driver and workers, and their routing);
+5. `worker`: the process side (`TrainWorker`, the roles' train steps, checkpoints); imports Megatron;
+6. `group`: the driver side (`TrainGroup`, `create_train_group`); never imports Megatron.
+
 Names are imported on first use, so `from tandem.megatron import compute_gae`
 loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
 30 s on a small CPU machine).
@@ -14,7 +25,8 @@ loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
   `export_hf_weights`, and the pure HF ⇄ Megatron mapping `param_map`, `to_megatron`, `to_hf`.
 - Forward passes: `forward_only`, `run_micro_batches`.
 - The worker: `WorkerConfig`; process side `TrainWorker` (imports Megatron); driver
-  side `TrainGroup`, `create_train_group` (never imports Megatron).
+  side `TrainGroup`, `create_train_group` (never imports Megatron); the records
+  `TrainResult`, `CriticValues`, `ActorLogProbs`.
 """
 
 from __future__ import annotations
@@ -30,63 +42,73 @@ except PackageNotFoundError:  # source tree on PYTHONPATH (the offline GPU host)
     __version__ = "0+unknown"
 
 _EXPORTS = {
-    "compute_gae": "gae",
-    "lambda_returns": "gae",
-    "loss_sum_and_count": "losses",
-    "policy_loss": "losses",
-    "value_loss": "losses",
-    "aggregate_loss": "losses",
-    "explained_variance": "losses",
-    "approx_kl": "kl",
-    "whiten_advantages": "advantages",
-    "grpo_advantages": "estimators",
-    "rloo_advantages": "estimators",
-    "group_centered_rewards": "estimators",
-    "discounted_returns": "estimators",
-    "token_advantages": "estimators",
-    "gspo_policy_loss": "gspo",
-    "entropy_from_logits": "entropy",
+    "compute_gae": "algorithms.gae",
+    "lambda_returns": "algorithms.gae",
+    "loss_sum_and_count": "algorithms.losses",
+    "policy_loss": "algorithms.losses",
+    "value_loss": "algorithms.losses",
+    "aggregate_loss": "algorithms.losses",
+    "explained_variance": "algorithms.losses",
+    "approx_kl": "algorithms.kl",
+    "whiten_advantages": "algorithms.advantages",
+    "grpo_advantages": "algorithms.estimators",
+    "rloo_advantages": "algorithms.estimators",
+    "group_centered_rewards": "algorithms.estimators",
+    "discounted_returns": "algorithms.estimators",
+    "token_advantages": "algorithms.estimators",
+    "gspo_policy_loss": "algorithms.gspo",
+    "entropy_from_logits": "algorithms.entropy",
     "RolloutBatch": "batch",
     "pad_responses": "batch",
     "unpad_responses": "batch",
-    "ModelSpec": "hf_config",
-    "build_model": "models",
-    "load_hf_checkpoint": "hf_weights",
-    "export_hf_weights": "hf_weights",
-    "param_map": "conversion",
-    "to_megatron": "conversion",
-    "to_hf": "conversion",
-    "forward_only": "forward",
-    "run_micro_batches": "forward",
+    "ModelSpec": "models.hf_config",
+    "build_model": "models.networks",
+    "load_hf_checkpoint": "models.hf_weights",
+    "export_hf_weights": "models.hf_weights",
+    "param_map": "models.conversion",
+    "to_megatron": "models.conversion",
+    "to_hf": "models.conversion",
+    "forward_only": "worker.forward",
+    "run_micro_batches": "worker.forward",
     "WorkerConfig": "config",
-    "TrainWorker": "worker",
-    "TrainGroup": "group",
-    "create_train_group": "group",
+    "TrainWorker": "worker.train_worker",
+    "TrainGroup": "group.train_group",
+    "create_train_group": "group.train_group",
+    "TrainResult": "payloads",
+    "CriticValues": "payloads",
+    "ActorLogProbs": "payloads",
 }
 
 if TYPE_CHECKING:
-    from .advantages import whiten_advantages
-    from .batch import RolloutBatch, pad_responses, unpad_responses
-    from .config import WorkerConfig
-    from .conversion import param_map, to_hf, to_megatron
-    from .entropy import entropy_from_logits
-    from .estimators import (
+    from .algorithms.advantages import whiten_advantages
+    from .algorithms.entropy import entropy_from_logits
+    from .algorithms.estimators import (
         discounted_returns,
         group_centered_rewards,
         grpo_advantages,
         rloo_advantages,
         token_advantages,
     )
-    from .forward import forward_only, run_micro_batches
-    from .gae import compute_gae, lambda_returns
-    from .group import TrainGroup, create_train_group
-    from .gspo import gspo_policy_loss
-    from .hf_config import ModelSpec
-    from .hf_weights import export_hf_weights, load_hf_checkpoint
-    from .kl import approx_kl
-    from .losses import aggregate_loss, explained_variance, loss_sum_and_count, policy_loss, value_loss
-    from .models import build_model
-    from .worker import TrainWorker
+    from .algorithms.gae import compute_gae, lambda_returns
+    from .algorithms.gspo import gspo_policy_loss
+    from .algorithms.kl import approx_kl
+    from .algorithms.losses import (
+        aggregate_loss,
+        explained_variance,
+        loss_sum_and_count,
+        policy_loss,
+        value_loss,
+    )
+    from .batch import RolloutBatch, pad_responses, unpad_responses
+    from .config import WorkerConfig
+    from .group.train_group import TrainGroup, create_train_group
+    from .models.conversion import param_map, to_hf, to_megatron
+    from .models.hf_config import ModelSpec
+    from .models.hf_weights import export_hf_weights, load_hf_checkpoint
+    from .models.networks import build_model
+    from .payloads import ActorLogProbs, CriticValues, TrainResult
+    from .worker.forward import forward_only, run_micro_batches
+    from .worker.train_worker import TrainWorker
 
 
 def __getattr__(name: str) -> Any:
@@ -103,9 +125,12 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ActorLogProbs",
+    "CriticValues",
     "ModelSpec",
     "RolloutBatch",
     "TrainGroup",
+    "TrainResult",
     "TrainWorker",
     "WorkerConfig",
     "__version__",

@@ -125,7 +125,7 @@ class PPOConfig(WorkerConfig):
     overlong_buffer_len: int | None = None
     """DAPO's soft overlong punishment: over the last this many tokens before
     `--rollout-max-response-len`, a response's reward loses up to `--overlong-penalty-factor`, in
-    proportion to how far into them it ran (DAPO eq. 13, `tandem.megatron.reward_shaping`;
+    proportion to how far into them it ran (DAPO eq. 13, `tandem.megatron.algorithms.reward_shaping`;
     `reward/overlong_penalty`); None: off."""
 
     overlong_penalty_factor: float = 1.0

@@ -19,7 +19,7 @@ from tandem.ppo.config import FLAG_NAMES, PPOConfig
 from tandem.ppo.estimator_plan import critic_flag_given, imply_critic
 from tandem.ppo.hub import resolve_checkpoints
 
-__all__ = ["config_fields", "parse_config", "read_yaml", "unvalidated", "write_yaml"]
+__all__ = ["config_fields", "parse_config", "read_run_config", "read_yaml", "unvalidated", "write_yaml"]
 
 
 def config_fields() -> dict[str, dataclasses.Field[Any]]:
@@ -130,3 +130,18 @@ def parse_config(
     if validate:
         config.validate()
     return config
+
+
+def read_run_config(run_dir: str | os.PathLike[str], *, flag: str = "RUN_DIR") -> PPOConfig:
+    """The (unvalidated) config of the run in `run_dir`; ValueError naming `flag` when it has none."""
+    from tandem.ppo.run_config import RUN_CONFIG_FILE
+
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{flag}: {str(run_dir)!r} has no {RUN_CONFIG_FILE}; pass the folder of a run "
+            "(`ppo-driver train` or `demo` writes RUN_DIR/config.yaml)"
+        )
+    values = read_yaml(path)
+    values["run_dir"] = str(run_dir)  # where the run is now, wherever it was written
+    return unvalidated(values)

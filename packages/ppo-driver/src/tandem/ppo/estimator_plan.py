@@ -15,16 +15,43 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 from tandem.megatron.choices import CRITIC_FREE_ESTIMATORS
-
-if TYPE_CHECKING:
-    from tandem.ppo.config import PPOConfig
 
 __all__ = ["check_estimator_plan", "critic_flag_given", "imply_critic"]
 
 CRITIC_FLAGS = ("--use-critic", "--no-use-critic")
+
+
+class EstimatorFields(Protocol):
+    """The fields of the run's config (`PPOConfig`) that the estimator's rules read."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def advantage_estimator(self) -> str: ...
+
+    @property
+    def use_critic(self) -> bool: ...
+
+    @property
+    def num_critic_only_steps(self) -> int: ...
+
+    @property
+    def overlong_buffer_len(self) -> int | None: ...
+
+    @property
+    def overlong_penalty_factor(self) -> float: ...
+
+    @property
+    def rollout_max_response_len(self) -> int: ...
+
+    @property
+    def rollout_ignore_eos(self) -> bool: ...
+
+    @property
+    def filter_truncated(self) -> bool: ...
 
 
 def critic_flag_given(values: Mapping[str, Any], argv: Sequence[str] = ()) -> bool:
@@ -33,14 +60,14 @@ def critic_flag_given(values: Mapping[str, Any], argv: Sequence[str] = ()) -> bo
     return "use_critic" in values or any(f in flags for f in CRITIC_FLAGS)
 
 
-def imply_critic(config: PPOConfig, *, given: bool) -> PPOConfig:
+def imply_critic[C: EstimatorFields](config: C, *, given: bool) -> C:
     """`config` with `use_critic` following `--advantage-estimator` (`gae`: a critic), unless `given`."""
     if given:
         return config
     return dataclasses.replace(config, use_critic=config.advantage_estimator not in CRITIC_FREE_ESTIMATORS)
 
 
-def check_estimator_plan(config: PPOConfig) -> None:
+def check_estimator_plan(config: EstimatorFields) -> None:
     """ValueError, naming both flags, for a critic the estimator cannot use or lacks, and bad long-response flags."""
     estimator = config.advantage_estimator
     critic_free = estimator in CRITIC_FREE_ESTIMATORS

@@ -52,7 +52,8 @@ EVAL_DEFAULTS = {
 
 def eval_settings(args: Any) -> EvalSettings:
     """`args`' flags over the run's config.yaml (when MODEL is a run folder) over `EVAL_DEFAULTS`."""
-    from tandem.ppo.run_config import RUN_CONFIG_FILE, read_run_config
+    from tandem.ppo.config_file import read_run_config
+    from tandem.ppo.run_config import RUN_CONFIG_FILE
 
     run_file = Path(args.model) / RUN_CONFIG_FILE
     base: dict[str, Any] = dict(EVAL_DEFAULTS)
@@ -168,13 +169,13 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     """Load the run's latest actor checkpoint and write it as a Hugging Face folder; its path."""
     import ray
 
-    from tandem.megatron.checkpoint import read_latest
     from tandem.megatron.group import create_train_group
+    from tandem.megatron.worker.checkpoint import read_latest
     from tandem.placement import PlacementSpec, create_placement_groups
     from tandem.ppo.cluster import start_ray
+    from tandem.ppo.config_file import read_run_config
     from tandem.ppo.export import export_actor
     from tandem.ppo.machine import adapt_to_machine, announce
-    from tandem.ppo.run_config import read_run_config
 
     config, changes = adapt_to_machine(read_run_config(run_dir))
     announce(changes)

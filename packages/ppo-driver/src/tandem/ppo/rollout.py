@@ -208,7 +208,7 @@ def training_rewards(rollout: Rollout, config: PPOConfig) -> tuple[list[float], 
     """
     if config.overlong_buffer_len is None:
         return list(rollout.rewards), {}
-    from tandem.megatron.reward_shaping import overlong_penalty
+    from tandem.megatron.algorithms.reward_shaping import overlong_penalty
 
     lengths = torch.tensor([len(g.token_ids) for g in rollout.generations])
     penalty = overlong_penalty(

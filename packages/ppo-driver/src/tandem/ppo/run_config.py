@@ -22,7 +22,6 @@ __all__ = [
     "PATH_FIELDS",
     "RUN_CONFIG_FILE",
     "RUN_CONFIG_MARKER",
-    "read_run_config",
     "resolve_run_paths",
     "run_config_text",
     "write_run_config",
@@ -109,18 +108,3 @@ def resolve_run_paths(values: Mapping[str, Any], folder: str | os.PathLike[str])
     """`values` of a run's config.yaml with its relative paths made relative to the working directory again."""
     base = Path(os.path.abspath(folder))
     return _paths_map(values, lambda v: _resolved(v, base))
-
-
-def read_run_config(run_dir: str | os.PathLike[str], *, flag: str = "RUN_DIR") -> Any:
-    """The (unvalidated) config of the run in `run_dir`; ValueError naming `flag` when it has none."""
-    from tandem.ppo.config_file import read_yaml, unvalidated
-
-    path = Path(run_dir) / RUN_CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(
-            f"{flag}: {str(run_dir)!r} has no {RUN_CONFIG_FILE}; pass the folder of a run "
-            "(`ppo-driver train` or `demo` writes RUN_DIR/config.yaml)"
-        )
-    values = read_yaml(path)
-    values["run_dir"] = str(run_dir)  # where the run is now, wherever it was written
-    return unvalidated(values)

@@ -156,7 +156,7 @@ class PhaseClock:
         nvidia-smi's figure includes what torch's caching allocators keep, so it is close
         to the phase's peak; on a machine without GPUs this turns itself off.
         """
-        from tandem.megatron.gpu_memory import all_devices_used_bytes
+        from tandem.megatron.worker.gpu_memory import all_devices_used_bytes
 
         used = all_devices_used_bytes()
         if used is None:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.megatron.fault_points import fault_point
+from tandem.megatron.worker.fault_points import fault_point
 
 
 @dataclass

@@ -100,7 +100,7 @@ class RewardModelWorker:
             return dict.fromkeys(
                 ("process", "process_baseline", "device_used", "device_before_context", "context"), 0
             )
-        from tandem.megatron.gpu_memory import device_used_bytes, process_gpu_bytes
+        from tandem.megatron.worker.gpu_memory import device_used_bytes, process_gpu_bytes
 
         return {"process": process_gpu_bytes(), "device_used": device_used_bytes(), **self._gpu_start}
 
@@ -199,7 +199,7 @@ def _gpu_baseline(device: torch.device) -> dict[str, int | None]:
     """The GPU memory before this process's CUDA context, that context's size, and the process's then."""
     if device.type != "cuda":
         return {}
-    from tandem.megatron.gpu_memory import device_used_bytes, process_gpu_bytes
+    from tandem.megatron.worker.gpu_memory import device_used_bytes, process_gpu_bytes
 
     before = device_used_bytes()
     torch.zeros(1, device=device)  # the CUDA context exists from here on

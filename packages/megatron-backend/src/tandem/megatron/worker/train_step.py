@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from tandem.megatron._trainee import Trainee
 from tandem.megatron.batch import RolloutBatch
-from tandem.megatron.forward import ResponseOutputs, plan_micro_batches, run_micro_batches
+from tandem.megatron.worker._trainee import Trainee
+from tandem.megatron.worker.forward import ResponseOutputs, plan_micro_batches, run_micro_batches
 
 COUNT = "count"
 """The key under which each step's loss denominator travels with the metric numerators."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.megatron.losses import LOG_RATIO_LIMIT, check_clip_ranges, clipped_surrogate
+from tandem.megatron.algorithms.losses import LOG_RATIO_LIMIT, check_clip_ranges, clipped_surrogate
 
 __all__ = ["gspo_policy_loss", "sequence_log_ratio"]
 

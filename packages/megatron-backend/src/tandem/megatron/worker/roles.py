@@ -30,27 +30,27 @@ from typing import Any
 
 import torch
 
-from tandem.megatron._trainee import Trainee
-from tandem.megatron.advantages import masked_mean_var, whiten_advantages
-from tandem.megatron.batch import RolloutBatch, pad_responses, to_device, unpad_responses
-from tandem.megatron.choices import GROUP_ESTIMATORS
-from tandem.megatron.config import WorkerConfig
-from tandem.megatron.estimators import token_advantages, whitens
-from tandem.megatron.forward import ResponseOutputs, forward_only
-from tandem.megatron.gae import lambda_returns
-from tandem.megatron.gspo import gspo_policy_loss
-from tandem.megatron.kl import approx_kl, kl_penalized_rewards
-from tandem.megatron.losses import (
+from tandem.megatron.algorithms.advantages import masked_mean_var, whiten_advantages
+from tandem.megatron.algorithms.estimators import token_advantages, whitens
+from tandem.megatron.algorithms.gae import lambda_returns
+from tandem.megatron.algorithms.gspo import gspo_policy_loss
+from tandem.megatron.algorithms.kl import approx_kl, kl_penalized_rewards
+from tandem.megatron.algorithms.losses import (
     explained_variance,
     loss_sum_and_count,
     policy_loss,
     tis_weights,
     value_loss_and_metrics,
 )
+from tandem.megatron.algorithms.rollout_rewards import estimator_rewards
+from tandem.megatron.batch import RolloutBatch, pad_responses, to_device, unpad_responses
+from tandem.megatron.choices import GROUP_ESTIMATORS
+from tandem.megatron.config import WorkerConfig
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
-from tandem.megatron.received import any_rank, critic_values, log_probs_for, raise_if
-from tandem.megatron.rollout_rewards import estimator_rewards
-from tandem.megatron.train_step import reduce_metrics, train_step
+from tandem.megatron.worker._trainee import Trainee
+from tandem.megatron.worker.forward import ResponseOutputs, forward_only
+from tandem.megatron.worker.received import any_rank, critic_values, log_probs_for, raise_if
+from tandem.megatron.worker.train_step import reduce_metrics, train_step
 
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
 """Exact means over each optimizer step of the critic."""

@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.models.hf_config import ModelSpec
 
 Split = Literal["replicated", "rows", "columns", "gated_rows"]
 Fuse = Literal["identity", "qkv", "gate_up"]

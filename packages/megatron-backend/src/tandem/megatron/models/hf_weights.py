@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.megatron._cpu_compat import enable_cpu_compat
 from tandem.megatron.choices import Role
-from tandem.megatron.conversion import (
+from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models.conversion import (
     ParamMap,
     hf_shape,
     param_map,
@@ -39,9 +39,9 @@ from tandem.megatron.conversion import (
     to_megatron,
     unshard,
 )
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.host_tensors import zero_copy
-from tandem.megatron.models import ValueHead, unwrap_model
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.host_tensors import zero_copy
+from tandem.megatron.models.networks import ValueHead, unwrap_model
 
 
 class SafetensorsReader:

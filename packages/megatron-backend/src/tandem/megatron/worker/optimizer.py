@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from tandem.megatron._cpu_compat import cpu_compat_active, enable_cpu_compat
 from tandem.megatron.config import Role, WorkerConfig
+from tandem.megatron.models._cpu_compat import cpu_compat_active, enable_cpu_compat
 
 
 def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool) -> Any:

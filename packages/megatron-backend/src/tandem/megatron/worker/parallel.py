@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.megatron._cpu_compat import cpu_compat_active, enable_cpu_compat
+from tandem.megatron.models._cpu_compat import cpu_compat_active, enable_cpu_compat
 
 
 def free_port() -> int:

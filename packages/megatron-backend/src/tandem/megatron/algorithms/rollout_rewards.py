@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tandem.megatron.algorithms.estimators import sample_signal, tied_groups
 from tandem.megatron.choices import GROUP_ESTIMATORS, AdvantageEstimator
-from tandem.megatron.estimators import sample_signal, tied_groups
 
 __all__ = ["RolloutRewards", "estimator_rewards", "gather_rollout_rewards", "group_signal"]
 

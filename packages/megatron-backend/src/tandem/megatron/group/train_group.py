@@ -61,7 +61,7 @@ class _WorkerHost:
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
-        from tandem.megatron.worker import TrainWorker
+        from tandem.megatron.worker.train_worker import TrainWorker
 
         self._worker = TrainWorker(rank, world_size)
 

@@ -97,7 +97,7 @@ def kl_penalized_rewards(
     Returns:
         Token rewards, shape `(batch, response_len)`, 0 at masked positions.
     """
-    from tandem.megatron.gae import scalar_at_last_token
+    from tandem.megatron.algorithms.gae import scalar_at_last_token
 
     if not (math.isfinite(kl_coef) and kl_coef >= 0):
         raise ValueError(f"kl_penalized_rewards: `kl_coef` must be a finite number >= 0, got {kl_coef}")

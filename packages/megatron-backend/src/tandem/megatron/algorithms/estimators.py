@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.megatron.algorithms.gae import compute_gae, lambda_returns
 from tandem.megatron.choices import ADVANTAGE_ESTIMATORS, AdvantageEstimator
-from tandem.megatron.gae import compute_gae, lambda_returns
 
 __all__ = [
     "GRPO_EPS",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tandem.megatron.advantages import masked_mean_var
+from tandem.megatron.algorithms.advantages import masked_mean_var
 from tandem.megatron.choices import LOSS_AGGREGATIONS, LossAggregation
 
 __all__ = [

@@ -33,11 +33,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.megatron._cpu_compat import enable_cpu_compat
+from tandem.megatron.algorithms.entropy import entropy_of_shifted
 from tandem.megatron.batch import RolloutBatch, pad_responses, to_device
 from tandem.megatron.choices import ROLES, Role
-from tandem.megatron.entropy import entropy_of_shifted
-from tandem.megatron.packing import PackedRow, pack_lengths, pack_tokens, packed_seq_params, position_ids
+from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models.packing import (
+    PackedRow,
+    pack_lengths,
+    pack_tokens,
+    packed_seq_params,
+    position_ids,
+)
 
 LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
 """`loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`: Megatron's per-token-loss form."""
@@ -255,7 +261,7 @@ def run_micro_batches(
         return []
     enable_cpu_compat()
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from tandem.megatron.models import unwrap_model
+    from tandem.megatron.models.networks import unwrap_model
 
     chunks = list(model) if isinstance(model, Sequence) else [model]
     gpt = unwrap_model(chunks)

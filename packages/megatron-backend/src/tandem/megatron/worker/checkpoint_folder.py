@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from tandem.megatron.fault_points import fault_point
+from tandem.megatron.worker.fault_points import fault_point
 
 logger = logging.getLogger(__name__)
 

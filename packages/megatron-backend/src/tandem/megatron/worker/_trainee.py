@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from tandem.lifecycle import MemoryBackend, PinnedHostBackend
-from tandem.megatron.checkpoint import TrainState
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.hf_config import ModelSpec
-from tandem.megatron.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
+from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.worker.checkpoint import TrainState
+from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
 
 WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
 """Memory tags: weights can come back alone (weight export while asleep)."""
@@ -211,8 +211,8 @@ class Trainee:
 
 def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, on_gpu: bool) -> Trainee:
     """Build, load and wrap `role`'s model on this rank; weights and optimizer in their memory regions."""
-    from tandem.megatron.hf_weights import load_hf_checkpoint as load_hf
-    from tandem.megatron.models import build_model
+    from tandem.megatron.models.hf_weights import load_hf_checkpoint as load_hf
+    from tandem.megatron.models.networks import build_model
 
     spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

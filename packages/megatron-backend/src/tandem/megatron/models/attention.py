@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.packing import PackedRow, block_causal_mask, segments_of
+from tandem.megatron.models.packing import PackedRow, block_causal_mask, segments_of
 
 
 @cache

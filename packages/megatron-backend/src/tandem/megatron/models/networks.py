@@ -22,11 +22,11 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from tandem.megatron import rope
-from tandem.megatron._cpu_compat import enable_cpu_compat
-from tandem.megatron.attention import local_attention, sdpa_attention
 from tandem.megatron.choices import ROLES, Role
-from tandem.megatron.hf_config import ModelSpec
+from tandem.megatron.models import rope
+from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models.attention import local_attention, sdpa_attention
+from tandem.megatron.models.hf_config import ModelSpec
 
 Attention = Literal["sdpa", "local"]
 _ATTENTIONS: tuple[str, ...] = get_args(Attention)

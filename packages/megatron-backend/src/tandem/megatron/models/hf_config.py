@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from tandem.megatron._cpu_compat import cpu_compat_active
+from tandem.megatron.models._cpu_compat import cpu_compat_active
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig

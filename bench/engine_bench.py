@@ -11,7 +11,7 @@ batch size, all from one run:
 3. `release_memory()` / `resume_memory()` seconds and the GPU memory held asleep;
 4. weight-sync seconds (`update_weights_from_tensors` of the whole model: CUDA tensors
    of this process, and CPU tensors) next to a device copy of the same bytes
-   (goal, DESIGN.md: ≤ 2× that copy + 0.1 s).
+   (goal, docs/design.md: ≤ 2× that copy + 0.1 s).
 
 Prompts are `--prompt-len` random tokens, responses exactly `--new-tokens` tokens
 (`ignore_eos`: random weights would stop anywhere). Decode tokens/s counts generated

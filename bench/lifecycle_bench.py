@@ -15,7 +15,7 @@ attention and MLP matrices, small norm vectors). All figures come from one run:
 3. torch_memory_saver: the same state allocated in its regions with CPU backup, paused
    and resumed, in a child process started with `torch_memory_saver_env()`.
 
-GB/s are 10^9 bytes a second; the goal (DESIGN.md) is each direction of the
+GB/s are 10^9 bytes a second; the goal (docs/design.md) is each direction of the
 pinned_host backend at >= 80 % of the memcpy figure. A checksum of the state is
 compared after the last wake, so a fast but wrong run cannot pass.
 

@@ -1,4 +1,4 @@
-"""Benchmark of the critic -> actor value hand-off (DESIGN.md target: at most 1 % of a PPO step).
+"""Benchmark of the critic -> actor value hand-off (docs/design.md target: at most 1 % of a PPO step).
 
 `--tokens` fp32 values (default 1 Mi) in samples of about `--mean-length` tokens,
 spread evenly over `--ranks` critic ranks (Ray actors), reach `--ranks` actor ranks

@@ -10,7 +10,7 @@ second, measured around the Ray call), and the GPU memory the worker holds
 asleep beyond its CUDA context (nvidia-smi; the whole GPU less the context
 where nvidia-smi cannot see the worker's pid). A plain pinned-host memcpy of
 the same bytes, measured first in this process, is the reference
-(DESIGN.md: each direction at >= 80 % of it; asleep <= 1 GiB).
+(docs/design.md: each direction at >= 80 % of it; asleep <= 1 GiB).
 
 GPU host, from the repo root (a few minutes for the default ~0.9 B model):
 

@@ -1,5 +1,5 @@
 """The monorepo's own rules: package layout, the pin scheme of docs/versioning.md, and
-the dependency boundaries of DESIGN.md ("Packages")."""
+the dependency boundaries of docs/design.md ("Packages")."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ PACKAGES = {  # folder -> import name
     "megatron-backend": "tandem.megatron",
     "ppo-driver": "tandem.ppo",
 }
-# Distributions each package must not declare (DESIGN.md, "must not depend on").
+# Distributions each package must not declare (docs/design.md, "must not depend on").
 FORBIDDEN = {
     "placement": {
         "torch",
@@ -90,7 +90,7 @@ def test_package_layout(folder: str) -> None:
 def test_internal_pins_follow_the_scheme(folder: str) -> None:
     versions = _versions()
     for dep in map(Requirement, _pyproject(folder)["project"].get("dependencies", [])):
-        assert dep.name not in FORBIDDEN[folder], f"{folder} must not depend on {dep.name} (DESIGN.md)"
+        assert dep.name not in FORBIDDEN[folder], f"{folder} must not depend on {dep.name} (docs/design.md)"
         if dep.name not in versions:
             continue
         current = versions[dep.name]

@@ -1,4 +1,4 @@
-"""Layout math: the table of DESIGN.md ("Layout rules") and the spec's validation, as properties."""
+"""Layout math: the table of docs/design.md ("Layout rules") and the spec's validation, as properties."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def expected_valid(f: dict[str, Any]) -> bool:
 
 
 def table(f: dict[str, Any]) -> tuple[int, int]:
-    """DESIGN.md's table, row by row: (num_gpus, rollout_offset)."""
+    """docs/design.md's table, row by row: (num_gpus, rollout_offset)."""
     a = f["actor_num_nodes"] * f["actor_num_gpus_per_node"]
     r = f["rollout_num_gpus"]
     if f["debug_train_only"]:

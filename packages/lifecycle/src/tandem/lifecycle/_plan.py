@@ -10,7 +10,7 @@ class OffloadPlan:
     """When the driver puts a model to sleep and wakes it; workers never decide this themselves.
 
     `train()` and `save_model()` never sleep or wake on their own initiative
-    (DESIGN.md, "Lifecycle rules"): the driver reads this plan and calls the
+    (docs/design.md, "Lifecycle rules"): the driver reads this plan and calls the
     worker's `sleep()` / `wake_up()` around them.
 
     Attributes:

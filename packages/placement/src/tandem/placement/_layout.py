@@ -30,7 +30,7 @@ class Layout:
     """
 
     case: LayoutCase
-    """Which row of the layout table matched (see DESIGN.md, "Layout rules")."""
+    """Which row of the layout table matched (see docs/design.md, "Layout rules")."""
     num_gpus: int
     """Bundles (one GPU each) in the placement group; 0 means no group at all."""
     rollout_offset: int

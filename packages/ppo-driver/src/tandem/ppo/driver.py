@@ -1,6 +1,6 @@
 """The PPO driver: it owns the plan (when each model sleeps and wakes); the workers own the mechanism.
 
-One step, exactly as DESIGN.md's "One PPO step" says:
+One step, exactly as docs/design.md's "One PPO step" says:
 
 1. rollout: the engines sample `rollout_batch_size * n_samples_per_prompt`
    responses, rewards are computed, the batch is split per data-parallel rank
@@ -329,7 +329,7 @@ class PPODriver:
         *,
         start_next: Callable[[], Future[Sampled]] | None = None,
     ) -> dict[str, Any]:
-        """One PPO step (DESIGN.md's six steps) on `sampled` (drawn now when None); its metrics.
+        """One PPO step (docs/design.md's six steps) on `sampled` (drawn now when None); its metrics.
 
         `time/step` is this call's wall clock, read once from one timer: it includes the
         rollout when the step draws it, and not when `sampled` was drawn before the call.

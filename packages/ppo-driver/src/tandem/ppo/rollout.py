@@ -5,7 +5,7 @@ rollout is cut into contiguous, equal shares per data-parallel rank, so that
 sample `i` of the rollout is the same sample for the actor and the critic
 (`sample_indices` carries `i`). Every response token is trainable
 (`loss_mask = 1`), truncated responses included (GAE treats the value after
-the last token as 0; DESIGN.md, "PPO math conventions"), unless
+the last token as 0; docs/design.md, "PPO math conventions"), unless
 `--filter-truncated` leaves them out (mask 0). The models train on the task
 reward plus DAPO's overlong penalty when `--overlong-buffer-len` is set
 (`training_rewards`); the `reward/` metrics are the task reward's.

@@ -5,7 +5,7 @@ The critic's pipeline-last-stage ranks pack their values (`pack_values`, one
 rank (`route_per_rank` when actor and critic share a topology, `route_by_sample`
 when their data-parallel splits differ); each actor rank checks the topology
 contract (`values_for_rank`) and fetches its values (`unpack_values`, one `ray.get`).
-See DESIGN.md, "One PPO step", steps 3 and 4.
+See docs/design.md, "One PPO step", steps 3 and 4.
 """
 
 from importlib.metadata import PackageNotFoundError

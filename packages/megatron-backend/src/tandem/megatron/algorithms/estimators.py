@@ -1,6 +1,6 @@
 """The actor's advantage estimators: GAE on the critic's values, or a baseline that needs no critic.
 
-Conventions (DESIGN.md, "PPO math conventions"): the samples of one prompt are
+Conventions (docs/design.md, "PPO math conventions"): the samples of one prompt are
 consecutive in the rollout, so sample `i` of the rollout belongs to group
 `i // group_size` (`group_size` = `n_samples_per_prompt`); per-token tensors are
 padded `(batch, response_len)` and 0 at masked positions; only trainable tokens

@@ -1,7 +1,7 @@
 """Generalised advantage estimation over the trainable tokens of padded responses.
 
 GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using
-Generalized Advantage Estimation", eq. 16) with the conventions of DESIGN.md
+Generalized Advantage Estimation", eq. 16) with the conventions of docs/design.md
 ("PPO math conventions"):
 
 - Only trainable tokens (`loss_mask != 0`) are steps. A masked token between two

@@ -82,7 +82,7 @@ def kl_penalized_rewards(
     Human Preferences", eq. 2) per token, as InstructGPT and OpenRLHF fold it:
     every trainable token pays `kl_coef` times its KL estimate (`approx_kl` with
     `kind`) of the policy that sampled it against the reference; the response's
-    scalar reward comes at its last trainable token (DESIGN.md, "PPO math
+    scalar reward comes at its last trainable token (docs/design.md, "PPO math
     conventions"). `gae.compute_gae` / `gae.lambda_returns` take the result as
     token-level rewards. Targets: computed under `no_grad`, in at least float32.
 

@@ -4,7 +4,7 @@ Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7 for the
 clipped surrogate, eq. 9 for the value term); dual clip from Ye et al. 2020,
 "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning"
 (eq. 5); asymmetric clip ranges (`eps_clip_high`) as in DAPO ("clip-higher").
-Conventions in DESIGN.md ("PPO math conventions").
+Conventions in docs/design.md ("PPO math conventions").
 
 Every function here works on padded `(batch, response_len)` tensors and returns
 per-token tensors; `aggregate_loss` reduces a per-token tensor (a loss or a
@@ -203,7 +203,7 @@ def value_loss_and_metrics(
     `v_loss_unclipped = (V − R)²`, `v_loss_clipped = (V_old + clip(V − V_old, ±value_clip) − R)²`,
     loss = `0.5 · max(v_loss_unclipped, v_loss_clipped)`.
 
-    The factor 0.5 (as in cleanrl, OpenRLHF and verl; DESIGN.md, "PPO math
+    The factor 0.5 (as in cleanrl, OpenRLHF and verl; docs/design.md, "PPO math
     conventions") makes the gradient with respect to `V` equal to `V − R`
     where unclipped, so critic learning rates carry over from those codebases.
 

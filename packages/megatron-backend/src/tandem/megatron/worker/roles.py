@@ -1,4 +1,4 @@
-"""One rank's PPO training of the critic and of the actor (DESIGN.md, "One PPO step", steps 3 and 4).
+"""One rank's PPO training of the critic and of the actor (docs/design.md, "One PPO step", steps 3 and 4).
 
 Both roles follow the same numbered stages, in this order (`train_critic`, `train_actor`):
 

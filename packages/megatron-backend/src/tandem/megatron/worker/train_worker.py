@@ -1,6 +1,6 @@
 """The train worker, process side: one rank of the actor or of the critic, inside its Ray actor process.
 
-`TrainWorker` owns the mechanism (DESIGN.md, "The driver owns the plan"):
+`TrainWorker` owns the mechanism (docs/design.md, "The driver owns the plan"):
 `train` wakes the model when it is asleep and never sleeps afterwards,
 `save_model` never sleeps or wakes, and `sleep` / `wake_up` run the lifecycle
 that the driver asks for. This module imports Megatron: only worker processes

@@ -6,7 +6,7 @@ across the engines in contiguous chunks and returns one `Generation` per prompt 
 input order; `release_memory` / `resume_memory` by tag (`weights`, `kv_cache`);
 weights reach each engine through its actor handle's `update_weights_from_tensors`
 (HF-named CPU tensors, or an `ipc_payload(...)` of CUDA tensors when the actor rank
-shares the engine's GPU). See DESIGN.md, "Rollout engines".
+shares the engine's GPU). See docs/design.md, "Real components and how they start".
 """
 
 from ._embedded import EmbeddedEngine, EngineMemoryReleasedError

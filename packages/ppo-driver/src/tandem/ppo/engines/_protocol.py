@@ -6,7 +6,7 @@ Memory is released and resumed by tag (`weights`, `kv_cache`), idempotently as
 in tandem-lifecycle: a second release is a no-op, and `release_memory` returns
 only once the memory is really free. Weights arrive HF-named, in buckets, from
 the actor (`update_weights_from_tensors`); the driver's sync order is: resume
-`weights` -> sync -> resume `kv_cache` (DESIGN.md, "Rollout engines").
+`weights` -> sync -> resume `kv_cache` (docs/design.md, "One PPO step", step 5).
 """
 
 from __future__ import annotations

@@ -30,13 +30,9 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.algorithms.advantages import masked_mean_var, whiten_advantages
-from tandem.megatron.algorithms.estimators import token_advantages, whitens
-from tandem.megatron.algorithms.gae import lambda_returns
 from tandem.megatron.algorithms.gspo import gspo_policy_loss
-from tandem.megatron.algorithms.kl import approx_kl, kl_penalized_rewards
+from tandem.megatron.algorithms.kl import approx_kl
 from tandem.megatron.algorithms.losses import (
-    explained_variance,
     loss_sum_and_count,
     policy_loss,
     tis_weights,
@@ -50,6 +46,7 @@ from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.worker._trainee import Trainee
 from tandem.megatron.worker.forward import ResponseOutputs, forward_only
 from tandem.megatron.worker.received import any_rank, critic_values, log_probs_for, raise_if
+from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
 
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
@@ -81,107 +78,6 @@ whose samples all got the same reward, with the group estimators)."""
 
 
 LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-
-
-# --- 2. targets -------------------------------------------------------------------------------------
-def reward_signal(
-    batch: RolloutBatch,
-    log_probs: torch.Tensor | None,
-    ref_log_probs: torch.Tensor | None,
-    config: WorkerConfig,
-    *,
-    device: torch.device,
-    dp_group: Any = None,
-    scalar_rewards: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The rewards the estimator runs on, and their figures: scalar rewards, or the KL-folded token rewards.
-
-    `scalar_rewards`: the per-sample rewards to use, shape `(n,)` (the estimator's,
-    `rollout_rewards.estimator_rewards`); None: `batch.rewards`. With `kl_coef == 0`:
-    those, exactly as without the KL-first plan (the log-probs are not read). Otherwise
-    `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
-    `(n, max_response_len)`; critic and actor call this with the same log-probs
-    (the actor's, from `compute_log_probs`), hence the same rewards bit for bit.
-    """
-    scalar = batch.rewards if scalar_rewards is None else scalar_rewards
-    if config.kl_coef == 0:
-        return scalar, {}
-    assert log_probs is not None and ref_log_probs is not None, "checked by the caller"
-    mask = batch.padded_loss_mask(device)
-    log_probs, ref_log_probs = log_probs.to(device), ref_log_probs.to(device)
-    rewards = kl_penalized_rewards(
-        scalar.to(device), log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
-    )
-    kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
-    return rewards, {"reward_kl": masked_mean_var(kl, mask, group=dp_group)[0]}
-
-
-def critic_targets(
-    batch: RolloutBatch,
-    old_values: torch.Tensor,
-    config: WorkerConfig,
-    *,
-    rewards: torch.Tensor | None = None,
-    dp_group: Any = None,
-) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
-    """The critic's targets: returns from its old values; (batch with `old_values`, `returns`; rollout figures).
-
-    `rewards`: what `reward_signal` gives; None: `batch.rewards`.
-    """
-    mask = batch.padded_loss_mask(old_values.device)
-    rewards = batch.rewards if rewards is None else rewards
-    returns = lambda_returns(rewards, old_values, mask, config.gamma, config.lambd)
-    figures = {
-        "values_mean": masked_mean_var(old_values, mask, group=dp_group)[0],
-        "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
-        "explained_variance": explained_variance(old_values, returns, mask, group=dp_group),
-    }
-    return batch.with_targets(old_values=old_values, returns=returns), figures
-
-
-def actor_targets(
-    batch: RolloutBatch,
-    old_log_probs: torch.Tensor | None,
-    ref_log_probs: torch.Tensor | None,
-    values: torch.Tensor | None,
-    config: WorkerConfig,
-    *,
-    rewards: torch.Tensor | None = None,
-    dp_group: Any = None,
-    device: torch.device | None = None,
-) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
-    """The actor's targets: the estimator's advantages (GAE on the critic's values), whitened when configured.
-
-    `values`: the critic's values (GAE), None for a critic-free estimator. `rewards`: what
-    `reward_signal` gives; None: `batch.rewards`. Returns the batch with `old_log_probs`,
-    `ref_log_probs`, `old_values` (the critic's values it used, if any) and `advantages`,
-    and the rollout figures (advantages before whitening). `old_log_probs` None: the update
-    takes them from its own forward (`reuse_old_log_probs`), and `log_prob` is not a figure.
-    `device`: where the targets go; None: the old log-probs' device.
-    """
-    if device is None:
-        assert old_log_probs is not None, "give the device when there are no old log-probs"
-        device = old_log_probs.device
-    mask = batch.padded_loss_mask(device)
-    values = None if values is None else values.to(device)
-    rewards = batch.rewards if rewards is None else rewards
-    estimator = config.advantage_estimator
-    advantages, returns = token_advantages(
-        estimator, rewards, values, mask, gamma=config.gamma, lambd=config.lambd
-    )
-    figures = {"advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0]}
-    if old_log_probs is not None:
-        figures["log_prob"] = masked_mean_var(old_log_probs, mask, group=dp_group)[0]
-    if values is not None:
-        figures["values_mean"] = masked_mean_var(values, mask, group=dp_group)[0]
-    if returns is not None:
-        figures["returns_mean"] = masked_mean_var(returns, mask, group=dp_group)[0]
-    if whitens(estimator, config.normalize_advantages):
-        advantages = whiten_advantages(advantages, mask, group=dp_group)
-    targets = batch.with_targets(
-        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, old_values=values, advantages=advantages
-    )
-    return targets, figures
 
 
 # --- 3. losses ----------------------------------------------------------------------------------------

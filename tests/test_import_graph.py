@@ -1,7 +1,9 @@
 """No import cycles between the modules of a package, and tandem.megatron's layers import only downwards.
 
-Every import counts, also one inside a function: a lazy import hides a cycle
-from the interpreter, not from the reader who has to know which module comes first.
+Every import that runs counts, also one inside a function: a lazy import hides a
+cycle from the interpreter, not from the reader who has to know which module comes
+first. An import under `if TYPE_CHECKING:` never runs; it names a type for the
+checker and orders nothing, so it is left out.
 """
 
 from __future__ import annotations
@@ -21,6 +23,20 @@ PACKAGES = {  # folder -> import name
 }
 
 
+def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of `tree` that run: all but those under `if TYPE_CHECKING:`."""
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+            (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+            or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+        ):
+            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [
+        n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in typing_only
+    ]
+
+
 def module_imports(folder: str, package: str) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports (the package's `__init__` left out)."""
     src = ROOT / "packages" / folder / "src" / Path(*package.split("."))
@@ -29,7 +45,7 @@ def module_imports(folder: str, package: str) -> dict[str, set[str]]:
     for name, path in modules.items():
         here = name.rsplit(".", 1)[0] if "." in name else ""
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in runtime_imports(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = here.split(".")[: len(here.split(".")) - (node.level - 1)] if here else []
@@ -78,6 +94,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles(folder: str) -> None:
     cycle = find_cycle(module_imports(folder, PACKAGES[folder]))
     assert cycle is None, f"tandem {folder}: import cycle {' -> '.join(cycle)}"
+
+
+def test_imports_for_the_type_checker_only_are_left_out() -> None:
+    tree = ast.parse("from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n")
+    assert [a.name for n in runtime_imports(tree) if isinstance(n, ast.Import) for a in n.names] == ["a"]
 
 
 def test_the_cycle_finder_finds_one() -> None:

@@ -26,18 +26,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import shutil
-import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.lifecycle import OffloadPlan
-from tandem.ppo.cluster import start_groups, start_ray, weight_pack
+from tandem.ppo import startup
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.hub import resolve_checkpoints
+from tandem.ppo.loop import run_loop
 from tandem.ppo.rollout import (
     Rollout,
     Sampled,
@@ -49,22 +48,34 @@ from tandem.ppo.rollout import (
 )
 from tandem.ppo.run_checkpoint import save_run_checkpoint
 from tandem.ppo.run_folder import RunFolder
-from tandem.ppo.run_log import EventLog, Interrupted, PhaseClock, RunSummary
+from tandem.ppo.run_log import PhaseClock, RunSummary
 from tandem.ppo.state import DriverState, load_state
-from tandem.ppo.worker_logs import driver_log, logs_dir
+from tandem.ppo.step_metrics import role_metrics, step_metrics
+from tandem.ppo.weight_sync import send_to_restarted, sync_weights
 
 if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
     from tandem.megatron.payloads import ActorLogProbs, TrainResult
     from tandem.placement import Placements
     from tandem.ppo.engines import EngineGroup
+    from tandem.ppo.metrics import MetricsLogger
     from tandem.ppo.reward_model._role import RewardModelRole
+    from tandem.ppo.run_log import EventLog
 
 logger = logging.getLogger(__name__)
 
 
 class PPODriver:
     """One PPO run: setup, the loop, checkpoints, eval, and clean shutdown."""
+
+    # Set by `setup` (`startup`), which a run calls before anything else.
+    events: EventLog
+    tokenizer: Any
+    reward_fn: Any
+    dataset: Any
+    eval_dataset: Any
+    start_rollout_id: int
+    logger: MetricsLogger
 
     def __init__(self, config: PPOConfig) -> None:
         config = resolve_checkpoints(config)  # hub ids -> local folders, before the checks read them
@@ -74,7 +85,6 @@ class PPODriver:
         self.plan = OffloadPlan.time_shared() if config.offload_train else OffloadPlan.resident()
         self.release_engines = config.colocate and config.offload_train
         self.metrics_so_far: list[dict[str, Any]] = []
-        self._stop_requested = False
         self._started_ray = False
         self.weights_version = 0
         self.weight_pack: Any = None
@@ -102,7 +112,7 @@ class PPODriver:
         self.reward_model: RewardModelRole | None = None
         self._engines_released_to_score = False
 
-    # --- setup -----------------------------------------------------------------------------
+    # --- setup and shutdown (`startup`) ------------------------------------------------------
     def setup(self) -> None:
         """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
 
@@ -110,30 +120,7 @@ class PPODriver:
         (`RunFolder.commit`): a start that fails leaves it as it was. A run whose
         folder holds every rollout already starts nothing (`complete`).
         """
-        config = self.config
-        self.folder = RunFolder.open(config)
-        if self.folder.complete:
-            return
-        self.events = EventLog(self.run_dir / "events.jsonl", defer=True)
-        self._setup_inputs()
-        self._setup_ray()
-        # From here on a failure is the run's own (the workers): its lines are kept in RUN_DIR/logs.
-        self._driver_log.enter_context(driver_log(self.run_dir))
-        self.started_logs = True
-        self._setup_groups()
-        self._setup_reward_model()
-        self._resume()
-        self.folder.commit()
-        self.events.start()
-        self._setup_metrics()
-
-    def _setup_inputs(self) -> None:
-        """Model folders, tokenizer, reward and prompts, each checked before Ray starts (`preflight`)."""
-        from tandem.ppo.preflight import read_inputs
-
-        inputs = read_inputs(self.config, reward_model=self._score_with_reward_model)
-        self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
-        self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
+        startup.setup(self)
 
     @property
     def complete(self) -> bool:
@@ -150,143 +137,13 @@ class PPODriver:
             self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
         )
 
-    def _setup_ray(self) -> None:
-        from tandem.ppo.worker_logs import ray_runtime_env
-
-        runtime_env = ray_runtime_env(self.run_dir)
-        self._started_ray = start_ray(self.config.ray_address, self.config.local_gpus, runtime_env)
-
-    def _setup_groups(self) -> None:
-        assert self.folder is not None
-        started = start_groups(self.config, self.folder.worker_config(), lock_file=self.folder.lock.path)
-        self.placements, self.actor, self.critic, self.engines = started
-        slots = {"actor": started.placements.actor, "rollout": started.placements.rollout}
-        self.events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})
-        from tandem.ppo.worker_logs import group_workers, name_worker_logs
-
-        roles = (("actor", self.actor), ("critic", self.critic), ("engine", self.engines))
-        name_worker_logs(
-            self.run_dir, [w for role, g in roles if g is not None for w in group_workers(role, g)]
-        )
-        self.weight_pack = weight_pack(self.config)
-        self.engines.on_restart = self._engine_restarted
-        self.events.record("setup_done")
-        if self.plan.sleep_after_train:
-            # Both models start awake; the engine needs the GPU first.
-            for group in self._models():
-                self._sleep(group)
-
-    def _setup_reward_model(self) -> None:
-        """The reward model's workers (`--rm-type model`), on the rollout bundles; asleep when the plan says."""
-        from tandem.ppo.reward_model import start_reward_model, uses_reward_model
-
-        if not uses_reward_model(self.config):
-            return
-        self.reward_model = start_reward_model(
-            self.config, self.placements, events=self.events, sleeps=self.release_engines
-        )
-        if self.reward_model.sleeps:
-            self._sleep_reward_model()
-
-    def _resume(self) -> None:
-        assert self.folder is not None
-        start = self.folder.resume.next_rollout_id
-        loaded = {g.role: g.start_rollout_id for g in self._models()}
-        if any(v != start for v in loaded.values()):
-            raise RuntimeError(f"the models loaded other rollouts than {start - 1}: {loaded}")
-        self.start_rollout_id = start
-        self.weights_version = start
-        if start > 0:
-            state = load_state(self.run_dir, start - 1)
-            self.dataset.load_state_dict(state.data)
-            state.restore_rng()
-            self.metrics_so_far = list(state.metrics)  # steps 0 .. start - 1, saved with the state
-            # The engines start from the HF folder: they need the resumed actor's weights.
-            self._sync_weights()
-            logger.info("resumed after rollout %d", start - 1)
-
-    def _setup_metrics(self) -> None:
-        from tandem.ppo.metrics import MetricsLogger
-        from tandem.ppo.trackers import open_trackers
-
-        config, start = self.config, self.start_rollout_id
-        self.logger = MetricsLogger(
-            self.run_dir,
-            total_steps=config.num_rollout,
-            start_step=start,
-            tensorboard=config.tensorboard,
-            progress=config.progress,
-            sinks=open_trackers(config),
-        )
-
     def _models(self) -> list[TrainGroup]:
         return [g for g in (self.critic, self.actor) if g is not None]
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> RunSummary:
-        """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end.
-
-        With `--async`, rollout k+1 is generated (on the engines' own GPUs, with the weights
-        of before step k) while the models train on rollout k; the weights reach the engines
-        once that generation is done, so every rollout but the first is one step off-policy.
-        """
-        config = self.config
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        last = self.start_rollout_id - 1
-        saved = last
-        pending: Future[Sampled] | None = None
-        try:
-            if (
-                self.eval_dataset is not None
-                and config.eval_interval is not None
-                and config.eval_before_train
-                and self.start_rollout_id == 0
-            ):
-                # The starting weights' eval, "after step -1" as every eval is after its step. A resumed
-                # run has logged its step start - 1 already: no second record of that step.
-                self.eval_before = self.evaluate()
-                self.logger.log(-1, self.eval_before)
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") as generation:
-                for rollout_id in range(self.start_rollout_id, config.num_rollout):
-                    # Sync loop: step() draws its own rollout (inside its clock). Async: the
-                    # rollout was generated in the background; step() starts the next one as
-                    # soon as this one is in hand.
-                    sampled = pending.result() if pending is not None else None
-                    pending = None
-                    ahead = None
-                    if config.async_mode and rollout_id + 1 < config.num_rollout:
-                        ahead = functools.partial(generation.submit, self._draw, rollout_id + 1, True)
-                    metrics = self.step(rollout_id, sampled, start_next=ahead)
-                    pending, drawn = self.generating, self.last_sampled
-                    assert drawn is not None
-                    last = rollout_id
-                    final = rollout_id == config.num_rollout - 1
-                    if self.eval_dataset is not None and (
-                        final or self._due(config.eval_interval, rollout_id)
-                    ):
-                        metrics.update(self.evaluate())
-                    self.metrics_so_far.append(metrics)
-                    self.logger.log(rollout_id, metrics)
-                    due = final or self._due(config.save_interval, rollout_id)
-                    if due or (self._stop_requested and config.save_on_interrupt):
-                        self.save(rollout_id, drawn.data_state)
-                        saved = rollout_id
-                    if self._stop_requested:
-                        raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
-            hf_dir = self.export_hf() if config.export_hf and last >= 0 else None
-            return RunSummary(self.run_dir, last, self.metrics_so_far, hf_dir, eval_before=self.eval_before)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    @staticmethod
-    def _due(interval: int | None, rollout_id: int) -> bool:
-        return interval is not None and (rollout_id + 1) % interval == 0
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self._stop_requested:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now; the last complete checkpoint stays
-        self._stop_requested = True
-        logger.warning("Ctrl-C: finishing the step under way, then stopping (Ctrl-C again: stop now)")
+        """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end (`loop`)."""
+        return run_loop(self)
 
     def _draw(self, rollout_id: int, background: bool = False) -> Sampled:
         """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank.
@@ -367,14 +224,12 @@ class PPODriver:
         metrics: dict[str, Any] = {}
         if self.critic is not None:
             critic_out = self._train(self.critic, rollout_id, sampled, log_probs=log_probs)
-            metrics.update({f"critic/{k}": v for k, v in critic_out[0].metrics.items()})
-            metrics.update(self._allocator_calls("critic", critic_out))
+            metrics.update(role_metrics("critic", critic_out))
 
         # 4. actor: wake, train with the critic's values (and its own log-probs), sleep
         if not critic_only:
             actor_out = self._train(self.actor, rollout_id, sampled, critic=critic_out, log_probs=log_probs)
-            metrics.update({f"actor/{k}": v for k, v in actor_out[0].metrics.items()})
-            metrics.update(self._allocator_calls("actor", actor_out))
+            metrics.update(role_metrics("actor", actor_out))
 
         # 5. weights to the engines (weights back -> sync -> KV cache back)
         if generating is not None:
@@ -389,44 +244,18 @@ class PPODriver:
 
         seconds = time.perf_counter() - step_start
         self.events.record("step_end", rollout_id=rollout_id, seconds=seconds)
-        rollout = sampled.rollout
-        metrics.update(rollout.metrics(accuracy_threshold=config.accuracy_threshold))
-        metrics.update(self._aliases(metrics))
-        metrics.update(sampled.seconds)
-        metrics.update(self.clock.values)
-        metrics.update(sampled.counts)
-        metrics.update(
-            {
-                "time/step": seconds,
-                "throughput/tokens_per_s": rollout.response_tokens() / seconds,
-                "data/epoch": float(sampled.data_state.get("epoch", 0)),
-                "data/dropped_prompts": float(self.dataset.num_dropped),
-                "step/critic_only": float(critic_only),
-                "async/staleness": float(rollout_id - sampled.weights_version),
-                "engine/restarts": float(self.engine_restarts - restarts_before),
-                "engine/restarts_total": float(self.engine_restarts),
-            }
+        return step_metrics(
+            metrics,
+            sampled,
+            seconds=seconds,
+            clock=self.clock.values,
+            rollout_id=rollout_id,
+            critic_only=critic_only,
+            accuracy_threshold=config.accuracy_threshold,
+            dropped_prompts=self.dataset.num_dropped,
+            restarts=self.engine_restarts - restarts_before,
+            restarts_total=self.engine_restarts,
         )
-        return metrics
-
-    @staticmethod
-    def _allocator_calls(role: str, out: list[TrainResult]) -> dict[str, float]:
-        """`alloc/<role>_train/device_mallocs` (and frees): the most any rank made in its train (GPU)."""
-        figures: dict[str, float] = {}
-        for rank_out in out:
-            for name, count in rank_out.allocator.items():
-                key = f"alloc/{role}_train/{name.removeprefix('alloc/')}"
-                figures[key] = max(figures.get(key, 0.0), float(count))
-        return figures
-
-    @staticmethod
-    def _aliases(metrics: dict[str, Any]) -> dict[str, Any]:
-        names = {
-            "loss/policy": "actor/pg_loss",
-            "loss/value": "critic/value_loss",
-            "actor/kl": "actor/approx_kl",
-        }
-        return {alias: metrics[name] for alias, name in names.items() if name in metrics}
 
     def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
         config = self.config
@@ -531,65 +360,22 @@ class PPODriver:
             self.events.record("sleep", role=group.role)
 
     def _sync_weights(self) -> None:
-        """Engines' weights back -> the actor's weights into them -> KV cache back."""
-        if self.release_engines:
-            with self._phase("engine_resume_weights"):
-                self.engines.resume_memory(["weights"])
-        with self._phase("weight_sync"):
-            self.events.record("weight_sync", path="ipc" if self.weight_pack is not None else "cpu")
-            try:
-                self.actor.update_weights(self.engines.handles, self.weight_pack)
-            except Exception as exc:
-                # An engine that died during the sync is restarted (with these weights), then all
-                # engines get them again; any other failure is the sync's own.
-                if not self._restart_dead_engines(exc):
-                    raise
-                self.actor.update_weights(self.engines.handles, self.weight_pack)
-            self.engines.flush_cache()
-            self._check_engines_agree()
-        if self.release_engines:
-            with self._phase("engine_resume_kv_cache"):
-                self.engines.resume_memory(["kv_cache"])
+        """Step 5: engines' weights back -> the actor's weights into them -> KV cache back (`weight_sync`)."""
+        sync_weights(
+            self.actor,
+            self.engines,
+            pack=self.weight_pack,
+            release_engines=self.release_engines,
+            events=self.events,
+            clock=self.clock,
+        )
 
     def _engine_restarted(self, rank: int, handle: Any) -> None:
         """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
-        import ray
-
         self.engine_restarts += 1
-        digest = getattr(handle, "weights_digest", None)
-        before = ray.get(digest.remote()) if digest is not None else None
-        if self.weights_version > 0:
-            self.actor.update_weights([handle])  # CPU copies: to this engine alone
-        after = ray.get(digest.remote()) if digest is not None else None
-        self.events.record(
-            "engine_restart",
-            rank=rank,
-            restarts=self.engines.restarts[rank],
-            weights_version=self.weights_version,
-            digest_before=before,
-            digest_after=after,
+        send_to_restarted(
+            self.actor, self.engines, rank, handle, weights_version=self.weights_version, events=self.events
         )
-
-    def _restart_dead_engines(self, exc: BaseException) -> bool:
-        """Restart the engines that no longer answer after `exc`; whether there were any."""
-        from tandem.ppo.engines import EngineDied
-
-        dead = [rank for rank, alive in enumerate(self.engines.health()) if not alive]
-        for rank in dead:
-            self.engines.restart(
-                rank, EngineDied(rank, f"weight sync failed: {' '.join(str(exc).split())[:300]}")
-            )
-        return bool(dead)
-
-    def _check_engines_agree(self) -> None:
-        """Every engine's weight fingerprints, into events.jsonl; a warning when they differ."""
-        digests = self.engines.weights_digest()
-        if digests is None:
-            return
-        agree = all(d == digests[0] for d in digests)
-        self.events.record("weights_received", digests=digests, agree=agree)
-        if not agree:
-            logger.warning("after the weight sync the engines hold different weights: %s", digests)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -636,35 +422,7 @@ class PPODriver:
     # --- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the workers and engines, release the placement groups, stop Ray if we started it."""
-        import ray
-
-        for name in ("logger", "events"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                with contextlib.suppress(Exception):
-                    obj.close()
-        if self.engines is not None:
-            with contextlib.suppress(Exception):
-                self.engines.shutdown()
-        if self.reward_model is not None:
-            with contextlib.suppress(Exception):
-                self.reward_model.shutdown()
-        for group in self._models():
-            with contextlib.suppress(Exception):
-                group.shutdown()
-            with contextlib.suppress(Exception):
-                group.kill()
-        if self.placements is not None:
-            with contextlib.suppress(Exception):
-                self.placements.remove()
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-        self._driver_log.close()
-        if self.folder is not None:
-            if self.refused and self.folder.created and not self.folder.committed:
-                # Nothing ran: the error line says why, and the new folder goes as if never made.
-                shutil.rmtree(logs_dir(self.run_dir), ignore_errors=True)
-            self.folder.close()
+        startup.close(self)
 
 
 def train(config: PPOConfig) -> RunSummary:

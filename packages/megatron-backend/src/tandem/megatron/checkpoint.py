@@ -6,12 +6,16 @@ newest complete checkpoint or from a given rollout's (`load_checkpoint(...,
 rollout_id=k)`: a run's driver resumes every model from the same rollout).
 The folder layout and the crash-safe save protocol (a staging folder, an atomic
 "latest" marker) are `checkpoint_folder`'s, whose names are re-exported here.
+
+Saves are synchronous, written by threads of the saving process
+(`in_process_write_results`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ __all__ = [
     "begin_save",
     "commit_save",
     "complete_rollouts",
+    "in_process_write_results",
     "incomplete_parts",
     "iteration_dir",
     "latest_dir",
@@ -119,6 +124,28 @@ def _sharded_state_dict(state: TrainState, *, is_loading: bool, rollout_id: int)
     }
 
 
+def in_process_write_results() -> bool:
+    """Let Megatron's synchronous save collect its writers' results in this process; whether it does.
+
+    Megatron's torch_dist writer hands each save's write results over a queue that it makes once per
+    process, as a `multiprocessing` Manager of the spawn context: a server process, a fresh interpreter
+    that imports the main module and torch (about 10 s on a small CPU machine, more than a small
+    model's whole save, paid by every actor and critic process at its first save). A synchronous save
+    runs its writers as threads of the saving process (`execute_sync`), so a thread-safe
+    `queue.Queue` serves the same. Set before the first save through megatron-core's module attribute
+    `filesystem_async._results_queue` (megatron-core is bounded in pyproject.toml); where a release
+    has no such attribute, nothing changes and saves keep Megatron's own queue. Asynchronous saves,
+    which Tandem does not make, would need Megatron's.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        return False
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    return isinstance(filesystem_async._results_queue, queue.Queue)
+
+
 def save_checkpoint(
     root: str | os.PathLike[str], rollout_id: int, state: TrainState, *, barrier: Callable[[], None]
 ) -> Path:
@@ -128,6 +155,8 @@ def save_checkpoint(
     Returns the published folder.
     """
     from megatron.core import dist_checkpointing
+
+    in_process_write_results()
 
     def write(staging: Path) -> None:
         sharded = _sharded_state_dict(state, is_loading=False, rollout_id=rollout_id)

@@ -100,7 +100,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state_dict(state: TrainState, *, is_loading: bool, rollout_id: int) -> dict[str, Any]:
+def _sharded_state_dict(
+    state: TrainState, *, is_loading: bool, rollout_id: int, with_optimizer: bool = True
+) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -112,11 +114,18 @@ def _sharded_state_dict(state: TrainState, *, is_loading: bool, rollout_id: int)
     flat_model_sd: dict[str, Any] = {}
     for sd in model_sd.values():
         flat_model_sd.update(sd)
+    optimizer = (
+        {
+            "optimizer": state.optimizer.sharded_state_dict(
+                flat_model_sd, is_loading=is_loading, metadata=state.sharding_metadata
+            )
+        }
+        if with_optimizer
+        else {}
+    )
     return {
         **model_sd,
-        "optimizer": state.optimizer.sharded_state_dict(
-            flat_model_sd, is_loading=is_loading, metadata=state.sharding_metadata
-        ),
+        **optimizer,
         "opt_param_scheduler": state.scheduler.state_dict(),
         "rollout_id": rollout_id,
         # Each rank's RNG differs; one shard per rank, restored on the same topology.
@@ -165,6 +174,14 @@ def save_checkpoint(
     return save_folder(root, rollout_id, write, rank=torch.distributed.get_rank(), barrier=barrier)
 
 
+def _holds_optimizer_state(folder: Path) -> bool:
+    """Whether the checkpoint in `folder` holds optimizer state tensors (Adam's moments): a model saves
+    them once it has taken an optimizer step."""
+    from megatron.core import dist_checkpointing
+
+    return any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(str(folder)))
+
+
 def load_checkpoint(
     root: str | os.PathLike[str] | None, state: TrainState, *, rollout_id: int | None = None
 ) -> int | None:
@@ -187,11 +204,16 @@ def load_checkpoint(
                 f"no complete checkpoint of rollout {rollout_id} under {root} (complete: {sorted(complete)})"
             )
         folder = complete[rollout_id]
-    template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id)
+    # A model saved before its first optimizer step (the actor during the critic-only warm-up) has no
+    # optimizer state to restore: its optimizer starts fresh, as it was. (Building the loading template
+    # would create Adam's moments without their step count.)
+    stepped = _holds_optimizer_state(folder)
+    template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id, with_optimizer=stepped)
     loaded = dist_checkpointing.load(template, str(folder))
     for i, chunk in enumerate(state.model):
         chunk.load_state_dict(loaded["model" if len(state.model) == 1 else f"model{i}"], strict=True)
-    state.optimizer.load_state_dict(loaded["optimizer"])
+    if stepped:
+        state.optimizer.load_state_dict(loaded["optimizer"])
     # The scheduler adds the saved step count to its own; count from 0 when loading in place.
     state.scheduler.num_steps = 0
     state.scheduler.load_state_dict(loaded["opt_param_scheduler"])

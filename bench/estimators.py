@@ -16,6 +16,9 @@ equals its span in the log (`clock_check`) and reports the time between steps.
 
 Tasks (`--task`):
 - `demo` (CPU): `ppo-driver demo`'s task and settings (a tiny Llama learns `d+1`).
+- `smollm2` (CPU): `ppo-driver demo --model smollm2`'s task and settings (the
+  pretrained SmolLM2-135M-Instruct learns one-digit sums; `ppo-driver fetch-model
+  smollm2` caches it, and this task fetches it the first time).
 - `hf`: a pretrained Hugging Face model (e.g. SmolLM2-135M-Instruct) on a prompt
   file, with `--hf-checkpoint`, `--prompt-data` and a reward
   (`--set custom_rm_path=...` or `--set rm_type=math`); CPU unless `--set device=cuda`.
@@ -103,6 +106,15 @@ def hf_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+def smollm2_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """`ppo-driver demo --model smollm2`'s task and settings (CPU): SmolLM2-135M-Instruct (fetched into
+    the cache once) learns one-digit sums; a critic-free run has no critic-only warm-up step."""
+    from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
+
+    values = {**SUMS_DEFAULTS, "run_dir": str(work / "smollm2"), "eval_interval": None}
+    return prepare_sums_demo(values)
+
+
 def qwen05b_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """bench/ppo_gpu_bench.py's 0.5B bench, built by that harness, with variable-length responses."""
     harness = _harness()
@@ -143,6 +155,7 @@ def qwen05b_task(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 TASKS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "demo": demo_task,
     "hf": hf_task,
+    "smollm2": smollm2_task,
     "qwen05b": qwen05b_task,
 }
 
@@ -286,6 +299,8 @@ def run_estimator(
         "progress": False,
         "export_hf": False,
     }
+    if not values.get("use_critic", True):
+        values["num_critic_only_steps"] = 0  # the task's critic warm-up has no critic to warm here
     result: dict[str, Any] = {"name": name, "config": _jsonable(values), "steps": [], "error": None}
     sampler = memory_sampler(values)
     sampler.start()
@@ -328,6 +343,9 @@ def run_estimator(
             ray.shutdown()
         sampler.stop()
     result["wall_s"] = time.time() - started
+    # The machine's load over the run (1-minute load average at its end against the cores): a CPU
+    # comparison's seconds are comparable only where both runs had the machine alike.
+    result["load_avg_1m"], result["cpu_count"] = os.getloadavg()[0], os.cpu_count()
     events = read_jsonl(run_dir / "events.jsonl")
     copy = paths["out"] / "estimators_runs" / name
     copy.mkdir(parents=True, exist_ok=True)
@@ -475,6 +493,10 @@ def markdown(report: dict[str, Any]) -> str:
         [fmt(runs[n].get("peak_memory_gib")) for n in names],
     )
     row("setup (s)", [fmt(runs[n].get("setup_s"), ".1f") for n in names])
+    row(
+        "machine load at the end (1-min load average / cores)",
+        [f"{fmt(runs[n].get('load_avg_1m'), '.1f')} / {runs[n].get('cpu_count', '–')}" for n in names],
+    )
     for m in table.get("step_marks", []):
         row(
             f"reward after {m} steps",
@@ -514,7 +536,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON, PNG, table and runs")
     parser.add_argument("--task", default="demo", help=f"{', '.join(TASKS)} or package.module:function")
     parser.add_argument("--estimators", nargs="+", default=["ppo", "grpo"], choices=list(ESTIMATORS))
-    parser.add_argument("--steps", type=int, default=None, help="steps of every run (demo 80, qwen05b 10)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps of every run (demo 80, smollm2 12, qwen05b 10)"
+    )
     parser.add_argument("--window", type=int, default=5, help="steps of the reward's trailing mean")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="qwen05b: the harness's tiny model, on the CPU")
@@ -535,7 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.set = dict(args.set)
     if args.steps is None:
-        args.steps = {"demo": 80, "qwen05b": 2 if args.quick else 10}.get(args.task, 20)
+        args.steps = {"demo": 80, "smollm2": 12, "qwen05b": 2 if args.quick else 10}.get(args.task, 20)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be at least 1")
     return args

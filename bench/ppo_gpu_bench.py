@@ -117,7 +117,7 @@ VERL_ANCHOR_S = {
     "actor_update": 20.8,
     "step": 66.0,
 }
-"""verl's PPO example (Qwen2.5-0.5B, GSM8K) on one GPU: seconds per phase of a step (issue 15)."""
+"""verl's PPO example (Qwen2.5-0.5B, GSM8K) on one GPU: seconds per phase of a step."""
 
 SHARING_PHASES = (
     "engine_release",
@@ -132,7 +132,7 @@ SHARING_PHASES = (
     "reward_model_wake",
     "reward_model_sleep",
 )
-"""Phases that sharing adds (weight sync included, as issue 15 counts it; it runs in both modes)."""
+"""Phases that sharing adds (weight sync included, though it runs in both modes)."""
 
 PHASES = (
     "rollout",

@@ -556,11 +556,20 @@ class Timeline:
 
 
 def traced_driver_class() -> type:
-    """PPODriver whose `_phase` also records each phase's wall-clock interval (for the memory peaks)."""
+    """PPODriver whose `_phase` also records each phase's wall-clock interval (for the memory peaks),
+    and the rollout's draw as a `rollout` interval (not a phase of the driver's clock: `step()` draws
+    it inside its own timer, or the async loop in the background)."""
     from tandem.ppo.driver import PPODriver
 
     class TracedDriver(PPODriver):
         timeline: Timeline
+
+        def _draw(self, rollout_id: int, background: bool = False) -> Any:
+            t0 = time.time()
+            try:
+                return super()._draw(rollout_id, background)
+            finally:
+                self.timeline.add("rollout", t0, time.time())
 
         @contextlib.contextmanager
         def _phase(self, name: str) -> Iterator[None]:

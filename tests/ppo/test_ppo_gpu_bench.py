@@ -77,6 +77,15 @@ def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
     for mode in ("shared", "resident"):
         # The driver's time/step is the wall clock of the bench's own span around each step.
         assert report["modes"][mode]["clock_gap_s"] < 0.05, report["modes"][mode]["clock_gap_s"]
+        # The memory peaks' timeline holds each step's rollout (cut into generate and reward) and
+        # its trained phases, each inside that step's span.
+        intervals = report["modes"][mode]["phase_intervals"]
+        for step in (0, 1):
+            (span,) = [i for i in intervals if i["phase"] == "step_total" and i["step"] == step]
+            mine = {i["phase"]: i for i in intervals if i["step"] == step and i["phase"] != "step_total"}
+            assert {"rollout", "critic_train", "actor_train"} <= set(mine), (mode, step, sorted(mine))
+            for i in mine.values():
+                assert span["t0"] <= i["t0"] <= i["t1"] <= span["t1"], (mode, i, span)
 
     probe = report["probe"]
     assert probe["error"] is None, probe["error"]

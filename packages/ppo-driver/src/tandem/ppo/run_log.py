@@ -41,10 +41,12 @@ class RunSummary:
                 f"run complete: {self.run_dir} holds every rollout (0..{self.last_rollout_id}); nothing to do "
                 "(raise --num-rollout to train on, or give another --run-dir)"
             )
+        lines += [f"run dir:      {self.run_dir}", f"metrics:      {self.run_dir / 'metrics.jsonl'}"]
+        if (self.run_dir / "tensorboard").is_dir():  # not with --no-tensorboard
+            lines.append(
+                f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}{_tensorboard_hint()}"
+            )
         lines += [
-            f"run dir:      {self.run_dir}",
-            f"metrics:      {self.run_dir / 'metrics.jsonl'}",
-            f"tensorboard:  tensorboard --logdir {self.run_dir / 'tensorboard'}{_tensorboard_hint()}",
             f"plots:        ppo-driver plot {self.run_dir}  (PNG files in {self.run_dir / 'plots'})",
             "checkpoints:  "
             + ", ".join(str(self.run_dir / m) for m in ("actor", "critic") if (self.run_dir / m).is_dir()),

@@ -6,12 +6,16 @@ newest complete checkpoint or from a given rollout's (`load_checkpoint(...,
 rollout_id=k)`: a run's driver resumes every model from the same rollout).
 The folder layout and the crash-safe save protocol (a staging folder, an atomic
 "latest" marker) are `checkpoint_folder`'s, whose names are re-exported here.
+
+Saves are synchronous, written by threads of the saving process
+(`in_process_write_results`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ __all__ = [
     "begin_save",
     "commit_save",
     "complete_rollouts",
+    "in_process_write_results",
     "incomplete_parts",
     "iteration_dir",
     "latest_dir",
@@ -95,7 +100,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state_dict(state: TrainState, *, is_loading: bool, rollout_id: int) -> dict[str, Any]:
+def _sharded_state_dict(
+    state: TrainState, *, is_loading: bool, rollout_id: int, with_optimizer: bool = True
+) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -107,16 +114,45 @@ def _sharded_state_dict(state: TrainState, *, is_loading: bool, rollout_id: int)
     flat_model_sd: dict[str, Any] = {}
     for sd in model_sd.values():
         flat_model_sd.update(sd)
+    optimizer = (
+        {
+            "optimizer": state.optimizer.sharded_state_dict(
+                flat_model_sd, is_loading=is_loading, metadata=state.sharding_metadata
+            )
+        }
+        if with_optimizer
+        else {}
+    )
     return {
         **model_sd,
-        "optimizer": state.optimizer.sharded_state_dict(
-            flat_model_sd, is_loading=is_loading, metadata=state.sharding_metadata
-        ),
+        **optimizer,
         "opt_param_scheduler": state.scheduler.state_dict(),
         "rollout_id": rollout_id,
         # Each rank's RNG differs; one shard per rank, restored on the same topology.
         "rng_state": ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0),
     }
+
+
+def in_process_write_results() -> bool:
+    """Let Megatron's synchronous save collect its writers' results in this process; whether it does.
+
+    Megatron's torch_dist writer hands each save's write results over a queue that it makes once per
+    process, as a `multiprocessing` Manager of the spawn context: a server process, a fresh interpreter
+    that imports the main module and torch (about 10 s on a small CPU machine, more than a small
+    model's whole save, paid by every actor and critic process at its first save). A synchronous save
+    runs its writers as threads of the saving process (`execute_sync`), so a thread-safe
+    `queue.Queue` serves the same. Set before the first save through megatron-core's module attribute
+    `filesystem_async._results_queue` (megatron-core is bounded in pyproject.toml); where a release
+    has no such attribute, nothing changes and saves keep Megatron's own queue. Asynchronous saves,
+    which Tandem does not make, would need Megatron's.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        return False
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    return isinstance(filesystem_async._results_queue, queue.Queue)
 
 
 def save_checkpoint(
@@ -129,11 +165,21 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
+    in_process_write_results()
+
     def write(staging: Path) -> None:
         sharded = _sharded_state_dict(state, is_loading=False, rollout_id=rollout_id)
         dist_checkpointing.save(sharded, str(staging))
 
     return save_folder(root, rollout_id, write, rank=torch.distributed.get_rank(), barrier=barrier)
+
+
+def _holds_optimizer_state(folder: Path) -> bool:
+    """Whether the checkpoint in `folder` holds optimizer state tensors (Adam's moments): a model saves
+    them once it has taken an optimizer step."""
+    from megatron.core import dist_checkpointing
+
+    return any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(str(folder)))
 
 
 def load_checkpoint(
@@ -158,11 +204,16 @@ def load_checkpoint(
                 f"no complete checkpoint of rollout {rollout_id} under {root} (complete: {sorted(complete)})"
             )
         folder = complete[rollout_id]
-    template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id)
+    # A model saved before its first optimizer step (the actor during the critic-only warm-up) has no
+    # optimizer state to restore: its optimizer starts fresh, as it was. (Building the loading template
+    # would create Adam's moments without their step count.)
+    stepped = _holds_optimizer_state(folder)
+    template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id, with_optimizer=stepped)
     loaded = dist_checkpointing.load(template, str(folder))
     for i, chunk in enumerate(state.model):
         chunk.load_state_dict(loaded["model" if len(state.model) == 1 else f"model{i}"], strict=True)
-    state.optimizer.load_state_dict(loaded["optimizer"])
+    if stepped:
+        state.optimizer.load_state_dict(loaded["optimizer"])
     # The scheduler adds the saved step count to its own; count from 0 when loading in place.
     state.scheduler.num_steps = 0
     state.scheduler.load_state_dict(loaded["opt_param_scheduler"])

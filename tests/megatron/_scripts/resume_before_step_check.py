@@ -49,7 +49,7 @@ def main() -> None:
         worker.save_model(0)
     else:
         assert worker.load_model() == 0
-    metrics = worker.train(1, batch())["metrics"]
+    metrics = worker.train(1, batch()).metrics
     torch.save({"state": worker.state_snapshot(), "metrics": metrics}, out)
     worker.shutdown()
 

@@ -50,7 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # a busy machine's node can time out starting: try again
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
     per_tensor = 8 * 1024 * 1024  # 16 MiB of bf16
     named = [(f"w{i}", torch.randn(per_tensor).to(torch.bfloat16)) for i in range(args.mib // 16)]
     per_chunk = max(1, args.chunk_mib // 16)

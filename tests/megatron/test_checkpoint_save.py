@@ -28,21 +28,26 @@ pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "_scripts"
 
 
-def test_a_save_starts_no_process_and_publishes_the_checkpoint(
-    tmp_path: Path, random_llama: Callable[..., None]
-) -> None:
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory, random_llama: Callable[..., None]) -> Path:
+    """A small random Llama folder, shared by the tests of this module."""
+    folder = tmp_path_factory.mktemp("hf")
     random_llama(
-        tmp_path / "hf",
+        folder,
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         max_position_embeddings=64,
     )
+    return folder
+
+
+def test_a_save_starts_no_process_and_publishes_the_checkpoint(tmp_path: Path, hf: Path) -> None:
     out, save = tmp_path / "save.json", tmp_path / "save"
     command = [sys.executable, str(SCRIPTS / "launch.py"), "1", str(SCRIPTS / "save_in_process_check.py")]
     proc = subprocess.run(
-        [*command, str(tmp_path / "hf"), str(save), str(out)], capture_output=True, text=True, timeout=600
+        [*command, str(hf), str(save), str(out)], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
@@ -54,20 +59,12 @@ def test_a_save_starts_no_process_and_publishes_the_checkpoint(
 
 
 def test_a_model_saved_before_its_first_step_resumes_and_trains_as_the_straight_run(
-    tmp_path: Path, random_llama: Callable[..., None]
+    tmp_path: Path, hf: Path
 ) -> None:
-    random_llama(
-        tmp_path / "hf",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-    )
     script = [sys.executable, str(SCRIPTS / "launch.py"), "1", str(SCRIPTS / "resume_before_step_check.py")]
     for phase in ("straight", "resumed"):
         proc = subprocess.run(
-            [*script, phase, str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / f"{phase}.pt")],
+            [*script, phase, str(hf), str(tmp_path / "ckpt"), str(tmp_path / f"{phase}.pt")],
             capture_output=True,
             text=True,
             timeout=600,

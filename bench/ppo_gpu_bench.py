@@ -72,6 +72,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import shutil
@@ -381,6 +382,14 @@ def run_mode(
         print(f"[{mode}] FAILED:\n{result['error']}", file=sys.stderr, flush=True)
     finally:
         if driver is not None:
+            # What the sleep backend keeps on the host for each model (pinned buffers, kept between
+            # cycles): the host-memory side of sharing, next to the sampled host memory in use.
+            with contextlib.suppress(Exception):
+                result["host_buffer_gib"] = {
+                    role: sum(b or 0 for b in group.run("host_buffer_bytes")) / 1024**3
+                    for role, group in (("actor", driver.actor), ("critic", driver.critic))
+                    if group is not None
+                }
             with contextlib.suppress(Exception):
                 driver.close()
         with contextlib.suppress(Exception):
@@ -579,6 +588,10 @@ def print_summary(report: dict[str, Any]) -> None:
         "response tokens/s": [modes[m].get("tokens_per_s") for m in names],
         "peak GPU GiB": [(modes[m].get("gpu_peak_gib") or {}).get("overall") for m in names],
         "peak host memory in use (GiB)": [modes[m].get("host_used_peak_gib") for m in names],
+        "host buffers of the sleep backend (GiB)": [
+            sum((modes[m].get("host_buffer_gib") or {}).values()) if modes[m].get("host_buffer_gib") else None
+            for m in names
+        ],
         "response length (mean tokens)": [modes[m].get("response_length_mean") for m in names],
         "truncated responses (%)": [
             None if modes[m].get("truncated_share") is None else 100 * modes[m]["truncated_share"]
@@ -756,6 +769,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.scaling:
         args.prompts = max(p for p, _ in args.scaling)
         args.response_len = max(r for _, r in args.scaling)
+        # The workers' global batch is fixed at start-up, so every cell must hold a whole one.
+        bad = [f"{p}x{r}" for p, r in args.scaling if p % args.global_batch_size]
+        if bad:
+            parser.error(
+                f"--scaling: cell(s) {', '.join(bad)} are not a multiple of --global-batch-size "
+                f"{args.global_batch_size} samples; pass --global-batch-size "
+                f"{math.gcd(*(p for p, _ in args.scaling))} (each cell then takes prompts / that "
+                "optimizer steps a rollout)"
+            )
     if args.packing is None:
         args.packing = args.lengths == "realistic"
     import yaml

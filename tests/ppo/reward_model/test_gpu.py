@@ -4,7 +4,8 @@ One worker on a fractional share of one GPU bundle (as beside a rollout engine)
 serves a random bf16 Llama sequence classifier of about 1.6 GB of weights, so
 that a sleep that kept them would break the bound: awake after scoring it holds
 at least its weights; asleep at most 1 GiB beyond its context; a sleep/wake cycle
-scores the same; its scores are transformers' own on the same GPU and dtype.
+scores the same; its bf16 scores are as close to transformers' fp32 ones as
+transformers' own bf16 scores are.
 
     source .gpu-kit/setup.sh && python3 -m pytest tests/ppo/reward_model/test_gpu.py -m gpu -q
 """
@@ -69,22 +70,37 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 
 def test_scores_match_transformers_on_the_gpu(worker: dict[str, Any]) -> None:
+    """Ours in bf16 are as close to transformers' fp32 scores as transformers' own bf16 scores are.
+
+    A deep random bf16 model's scores wander a few per cent from the fp32 truth, and
+    batched (ours) and single-sample kernels round differently, so a fixed tolerance
+    against transformers' bf16 would test the rounding, not the scorer. Against the
+    fp32 reference, a wrong position, mask or head shows up as an error many times
+    the rounding's.
+    """
     from transformers import AutoModelForSequenceClassification
 
     group = worker["group"]
     group.wake_up()
     rows = samples()
     ours = torch.tensor(group.score(rows))
-    model = AutoModelForSequenceClassification.from_pretrained(str(worker["folder"]), dtype=torch.bfloat16)
-    model = model.cuda().eval()
-    with torch.no_grad():
-        expected = torch.tensor(
-            [float(model(input_ids=torch.tensor([r], device="cuda")).logits[0, 0]) for r in rows]
-        )
-    del model
-    torch.cuda.empty_cache()
-    # bf16: batched and single-sample kernels round differently.
-    assert (ours - expected).abs().max().item() <= 0.03 * expected.abs().max().item() + 0.05, (ours, expected)
+
+    def transformers_scores(dtype: torch.dtype) -> torch.Tensor:
+        model = AutoModelForSequenceClassification.from_pretrained(str(worker["folder"]), dtype=dtype)
+        model = model.cuda().eval()
+        with torch.no_grad():
+            out = [float(model(input_ids=torch.tensor([r], device="cuda")).logits[0, 0]) for r in rows]
+        del model
+        torch.cuda.empty_cache()
+        return torch.tensor(out)
+
+    reference, theirs = transformers_scores(torch.float32), transformers_scores(torch.bfloat16)
+    our_error, their_error = (ours - reference).abs(), (theirs - reference).abs()
+    floor = 0.01 * reference.abs().max().item()
+    assert our_error.mean().item() <= 2 * their_error.mean().item() + floor, (ours, theirs, reference)
+    assert our_error.max().item() <= 2 * their_error.max().item() + floor, (ours, theirs, reference)
+    # and the scores rank the samples as the reference does
+    assert torch.corrcoef(torch.stack([ours, reference]))[0, 1].item() > 0.99
 
 
 def test_asleep_the_worker_holds_at_most_1_gib_beyond_its_context(worker: dict[str, Any]) -> None:

@@ -114,6 +114,9 @@ class _WorkerHost:
     def gpu_memory(self) -> dict[str, int | None]:
         return self._worker.gpu_memory()
 
+    def host_buffer_bytes(self) -> int | None:
+        return self._worker.host_buffer_bytes()
+
     def lifecycle_timings(self) -> dict[str, float]:
         return self._worker.lifecycle_timings()
 

@@ -77,6 +77,7 @@ class TrainWorker:
         self.world_size = world_size
         self._trainee: Trainee | None = None
         self._lifecycle: Any = None
+        self._backend: Any = None
         self._group: Any = None
         self._gpu_start: dict[str, int | None] = {}
         self._last_targets: dict[str, Any] = {}
@@ -98,7 +99,7 @@ class TrainWorker:
         device_before_context = device_used_bytes() if on_gpu else None
         self.config, self.role = config, role
         tp, pp = config.topology(role)
-        backend = make_backend(config.offload_backend)
+        backend = self._backend = make_backend(config.offload_backend)
         # Megatron's groups (and ours) are made reloadable so that sleep can tear their communicators down.
         with reloadable_groups(local_single_rank=config.local_single_rank_groups):
             init_distributed(
@@ -386,6 +387,12 @@ class TrainWorker:
         if self._lifecycle.asleep:
             raise RuntimeError("state_nbytes: the model is asleep; wake it up first")
         return trainee.state_nbytes()
+
+    def host_buffer_bytes(self) -> int | None:
+        """Bytes of host memory the sleep backend keeps for this worker's state (pinned, kept between
+        cycles, also while awake); None where the backend does not say (torch_memory_saver's CPU backup)."""
+        host_nbytes = getattr(self._backend, "host_nbytes", None)
+        return int(host_nbytes()) if host_nbytes is not None else None
 
     def gpu_memory(self) -> dict[str, int | None]:
         """This worker's GPU memory now and at start-up, in bytes, as nvidia-smi reports it.

@@ -128,7 +128,11 @@ COVERAGE = (
         r"source \.gpu-kit/setup\.sh && python3 bench/\w+\.py.*", "parse", "GPU only: its arguments parsed"
     ),
     Cover(r"\./uvw run python bench/\w+\.py.*", "parse", "its arguments parsed"),
-    Cover(r"source \.gpu-kit/setup\.sh && python3 -m pytest tests -m gpu", "static", "the GPU suite's setup"),
+    Cover(
+        r"source \.gpu-kit/setup\.sh && python3 -m pytest( tests\S*)+ -m gpu( .*)?",
+        "static",
+        "the GPU suite's setup, and the test paths it names",
+    ),
     Cover(r"tools/gpu-kit/prepare-host-kit\.sh \S+", "static", "the kit script (bash -n)"),
     Cover(r"\./uvw run (--locked )?pytest( -m \"not slow\")?", "ci", "the test suite"),
     Cover(r"\./uvw run (--locked )?(ruff|mypy) .*", "ci", "lint and types"),
@@ -262,7 +266,11 @@ def test_what_it_names_exists(command: DocCommand) -> None:
         assert os.access(script, os.X_OK), script
         subprocess.run(["bash", "-n", str(script)], check=True)
         assert "setup.sh" in script.read_text()
-    else:  # the GPU suite: the kit writes setup.sh, and `-m gpu` selects a registered marker
+    else:  # the GPU suite: the kit writes setup.sh, `-m gpu` selects a registered marker, the paths exist
+        words = shlex.split(text.removeprefix(GPU_KIT))
+        start = words.index("pytest") + 1
+        paths = words[start : words.index("-m", start)]
+        assert paths and all((ROOT / w).exists() for w in paths), (command.id, paths)
         assert "setup.sh" in (ROOT / "tools" / "gpu-kit" / "prepare-host-kit.sh").read_text()
         markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
             "markers"

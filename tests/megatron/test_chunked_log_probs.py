@@ -223,6 +223,57 @@ def test_bad_arguments_are_refused() -> None:
         chunked_log_probs(logits, targets[:2])
 
 
+def test_response_outputs_take_the_chunked_path_and_0_the_previous_one() -> None:
+    """`_response_outputs` with a chunk size and with 0 (the plain-autograd path): the same tensors, gradients."""
+    from tandem.megatron.batch import RolloutBatch
+    from tandem.megatron.worker.forward import _response_outputs
+
+    generator = torch.Generator().manual_seed(7)
+    lengths, responses, vocab = [9, 6, 12], [4, 1, 7], 40
+    mb = RolloutBatch(
+        tokens=[torch.randint(0, 33, (n,), generator=generator) for n in lengths],
+        response_lengths=responses,
+        loss_masks=[torch.ones(r) for r in responses],
+        rewards=torch.zeros(len(lengths)),
+    )
+    tokens = torch.nn.utils.rnn.pad_sequence(mb.tokens, batch_first=True)
+    output = torch.randn(len(lengths), max(lengths), vocab, generator=generator).mul(4).bfloat16()
+    upstream = torch.randn(len(lengths), max(responses), generator=generator)
+    results = []
+    saved_fp32_logits = []
+    for chunk in (0, 3):
+        leaf = output.clone().requires_grad_()
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, s=saved: s.append(t) or t, lambda t: t):
+            outputs = _response_outputs(
+                mb,
+                tokens,
+                leaf,
+                role="actor",
+                temperature=0.8,
+                with_entropy=True,
+                vocab_size=33,
+                log_probs_chunk_tokens=chunk,
+            )
+        saved_fp32_logits.append(any(t.dtype == torch.float32 and t.shape[-1:] == (vocab,) for t in saved))
+        assert outputs.log_probs is not None and outputs.entropy is not None
+        (grad,) = torch.autograd.grad((upstream * (outputs.log_probs + outputs.entropy)).sum(), leaf)
+        results.append((outputs.log_probs.detach(), outputs.entropy.detach(), grad))
+    (lp0, h0, g0), (lp, h, g) = results
+    assert saved_fp32_logits == [True, False]
+    assert torch.equal(lp, lp0) and torch.equal(h, h0)
+    assert (lp[0, 4:] == 0).all() and (lp[1, 1:] == 0).all()
+    torch.testing.assert_close(g.float(), g0.float(), rtol=2**-7, atol=1e-5)
+    assert g.abs().max() > 0
+
+
+def test_run_micro_batches_refuses_a_negative_chunk() -> None:
+    from tandem.megatron.worker.forward import run_micro_batches
+
+    with pytest.raises(ValueError, match="log_probs_chunk_tokens"):
+        run_micro_batches(torch.nn.Linear(1, 1), [], role="actor", log_probs_chunk_tokens=-1)
+
+
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_equal_the_whole_vocabulary(tmp_path: Path) -> None:
     """Each TP-2 rank's outputs and gradient slice against the TP-1 reference on the gathered logits."""

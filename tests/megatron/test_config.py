@@ -91,6 +91,9 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"value_clip": 0.0}, "value_clip"),
         ({"eps_clip": 1.0}, "eps_clip"),
         ({"loss_aggregation": "seq_sum"}, "loss_aggregation"),
+        ({"log_probs_chunk_tokens": -1}, "log_probs_chunk_tokens"),
+        ({"log_probs_chunk_tokens": 1.5}, "log_probs_chunk_tokens"),
+        ({"log_probs_chunk_tokens": True}, "log_probs_chunk_tokens"),
     ],
 )
 def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:

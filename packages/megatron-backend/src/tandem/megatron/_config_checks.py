@@ -51,6 +51,12 @@ def check_positive_ints(config: Any) -> None:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
+    value = config.log_probs_chunk_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"log_probs_chunk_tokens: got {value!r}; it must be an integer >= 0 "
+            "(rows of logits at a time, e.g. 4096; 0: the whole micro-batch through plain autograd)"
+        )
     value = config.load_rollout_id
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"load_rollout_id: got {value!r}; it must be a rollout id (an integer >= 0) or None")

@@ -14,8 +14,8 @@ response (the same in both layouts):
 
 - actor: `log_probs[t] = log softmax(logits / temperature)[token_t]` taken from
   the position that predicts response token `t`, computed vocab-parallel
-  (no rank gathers the full vocabulary); `entropy[t]` of that same
-  distribution when asked;
+  (no rank gathers the full vocabulary) a chunk of rows at a time
+  (`log_probs.py`); `entropy[t]` of that same distribution when asked;
 - critic: `values[t]` = the value head at that position (never divided by the
   temperature), fp32.
 
@@ -44,6 +44,7 @@ from tandem.megatron.models.packing import (
     packed_seq_params,
     position_ids,
 )
+from tandem.megatron.worker.log_probs import chunked_log_probs
 
 LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
 """`loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`: Megatron's per-token-loss form."""
@@ -192,20 +193,34 @@ def _response_outputs(
     with_entropy: bool,
     packed: PackedRow | None = None,
     vocab_size: int | None = None,
+    log_probs_chunk_tokens: int = 4096,
 ) -> ResponseOutputs:
     """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
-    `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row."""
+    `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row.
+
+    `log_probs_chunk_tokens`: rows of the actor's logits at a time through `chunked_log_probs`;
+    0: all of them through `vocab_parallel_log_probs` (plain autograd, fp32 copies of them all)."""
     rows = _response_rows(mb, packed)
     lengths = [end - begin for _, begin, end in rows]
     if role == "critic":
         values = torch.cat([output[i, begin:end, 0] for i, begin, end in rows]).float()
         return ResponseOutputs(values=pad_responses(values.split(lengths)))
     # Only the positions that predict response tokens: prompts never reach the softmax.
-    logits = torch.cat([output[i, begin:end] for i, begin, end in rows]).float() / temperature
+    logits = torch.cat([output[i, begin:end] for i, begin, end in rows])
     targets = torch.cat([tokens[i, begin + 1 : end + 1] for i, begin, end in rows])
-    log_probs, entropy = vocab_parallel_log_probs(
-        logits, targets, with_entropy=with_entropy, vocab_size=vocab_size
-    )
+    if log_probs_chunk_tokens:
+        log_probs, entropy = chunked_log_probs(
+            logits,
+            targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            vocab_size=vocab_size,
+            chunk_tokens=log_probs_chunk_tokens,
+        )
+    else:
+        log_probs, entropy = vocab_parallel_log_probs(
+            logits.float() / temperature, targets, with_entropy=with_entropy, vocab_size=vocab_size
+        )
     return ResponseOutputs(
         log_probs=pad_responses(log_probs.split(lengths)),
         entropy=None if entropy is None else pad_responses(entropy.split(lengths)),
@@ -222,6 +237,7 @@ def run_micro_batches(
     loss_fn: LossFn | None = None,
     with_entropy: bool = False,
     packed: bool = False,
+    log_probs_chunk_tokens: int = 4096,
 ) -> list[Mapping[str, Any]]:
     """Run Megatron's forward(-backward) schedule over the micro-batches `batches`; return each one's metrics.
 
@@ -248,6 +264,9 @@ def run_micro_batches(
         loss_fn: required with `backward`; `None` without it gives empty metrics.
         with_entropy: also compute the actor's per-token entropy.
         packed: each micro-batch as one packed row instead of padded rows (module docstring).
+        log_probs_chunk_tokens: rows of the actor's response logits processed at once by the
+            log-prob/entropy kernel (`log_probs.chunked_log_probs`); 0: the whole micro-batch
+            in one chunk through plain autograd (`vocab_parallel_log_probs`).
     """
     if role not in ROLES:
         raise ValueError(f"run_micro_batches: role {role!r} is not one of {ROLES}")
@@ -257,6 +276,11 @@ def run_micro_batches(
         raise ValueError("run_micro_batches: a loss_fn is required when backward=True")
     if with_entropy and role != "actor":
         raise ValueError("run_micro_batches: with_entropy applies to the actor only")
+    if log_probs_chunk_tokens < 0:
+        raise ValueError(
+            f"run_micro_batches: log_probs_chunk_tokens is {log_probs_chunk_tokens!r}; it must be an "
+            "integer >= 0 (0: the whole micro-batch through plain autograd)"
+        )
     if not batches:
         return []
     enable_cpu_compat()
@@ -288,6 +312,7 @@ def run_micro_batches(
             with_entropy=with_entropy,
             packed=row,
             vocab_size=vocab_size,
+            log_probs_chunk_tokens=log_probs_chunk_tokens,
         )
         if loss_fn is None:
             return output.new_zeros(()), torch.zeros((), dtype=torch.int64), {}
@@ -340,6 +365,7 @@ def forward_only(
     micro_batch_size: int = 1,
     packed: bool = False,
     max_tokens: int | None = None,
+    log_probs_chunk_tokens: int = 4096,
 ) -> torch.Tensor | None:
     """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 
@@ -348,7 +374,8 @@ def forward_only(
     actor; fp32 values, never divided by the temperature, for the critic),
     and None on other stages. Every rank of the model must call it. `packed`:
     each micro-batch as one packed row (`run_micro_batches`); `max_tokens`: micro-batches
-    cut by tokens instead of by `micro_batch_size` (`plan_micro_batches`).
+    cut by tokens instead of by `micro_batch_size` (`plan_micro_batches`); `log_probs_chunk_tokens`:
+    the actor's logits rows at a time through the log-prob kernel (`run_micro_batches`).
     """
     from megatron.core import parallel_state as mpu
 
@@ -372,6 +399,7 @@ def forward_only(
             temperature=temperature,
             loss_fn=keep,
             packed=packed,
+            log_probs_chunk_tokens=log_probs_chunk_tokens,
         )
     if not mpu.is_pipeline_last_stage():
         return None

@@ -180,6 +180,7 @@ def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | No
         micro_batch_size=config.micro_batch_size,
         packed=config.use_sequence_packing,
         max_tokens=config.micro_batch_tokens(forward_only=True),
+        log_probs_chunk_tokens=config.log_probs_chunk_tokens,
     )
 
 

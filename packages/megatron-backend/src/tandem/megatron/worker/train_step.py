@@ -138,6 +138,7 @@ def train_step(
                 loss_fn=counted,
                 with_entropy=with_entropy,
                 packed=config.use_sequence_packing,
+                log_probs_chunk_tokens=config.log_probs_chunk_tokens,
             )
             # 4. the optimizer step
             norm, sums.lr = trainee.optimizer_step()

@@ -149,11 +149,12 @@ class WorkerConfig:
     with `use_dynamic_batch_size`: these keep no activations for a backward pass, so a
     larger budget pays; None: `max_tokens_per_gpu`."""
 
-    log_probs_chunk_tokens: int = 4096
+    log_probs_chunk_tokens: int = 0
     """Rows of the response logits processed at once by the log-prob/entropy kernel
     (`worker/log_probs.py`), which keeps no fp32 copy of a whole micro-batch's logits
-    (each is ~20 GB for 35k tokens of a 152k vocabulary); 0: the whole micro-batch in one
-    chunk through plain autograd (the previous path)."""
+    (each is ~20 GB for 35k tokens of a 152k vocabulary), e.g. 4096; 0: the whole
+    micro-batch at once through plain autograd. 0 by default until the kernel's A/B on
+    the GPU is in docs/benchmarks.md."""
 
     # --- optimizer and learning-rate schedule --------------------------------------
     lr: float = 1e-6

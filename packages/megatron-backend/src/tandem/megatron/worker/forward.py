@@ -193,7 +193,7 @@ def _response_outputs(
     with_entropy: bool,
     packed: PackedRow | None = None,
     vocab_size: int | None = None,
-    log_probs_chunk_tokens: int = 4096,
+    log_probs_chunk_tokens: int = 0,
 ) -> ResponseOutputs:
     """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
     `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row.
@@ -237,7 +237,7 @@ def run_micro_batches(
     loss_fn: LossFn | None = None,
     with_entropy: bool = False,
     packed: bool = False,
-    log_probs_chunk_tokens: int = 4096,
+    log_probs_chunk_tokens: int = 0,
 ) -> list[Mapping[str, Any]]:
     """Run Megatron's forward(-backward) schedule over the micro-batches `batches`; return each one's metrics.
 
@@ -365,7 +365,7 @@ def forward_only(
     micro_batch_size: int = 1,
     packed: bool = False,
     max_tokens: int | None = None,
-    log_probs_chunk_tokens: int = 4096,
+    log_probs_chunk_tokens: int = 0,
 ) -> torch.Tensor | None:
     """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 

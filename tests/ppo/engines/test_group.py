@@ -25,6 +25,29 @@ from .conftest import random_prompts
 pytestmark = pytest.mark.slow
 
 
+def kill_and_wait(handle: Any, timeout_s: float = 60.0) -> None:
+    """`ray.kill` the engine, then wait until a call to it fails.
+
+    The kill is asynchronous: a call made at once can still reach the living actor
+    (then nothing died as far as the group could tell, and a test of what follows a
+    death tests nothing).
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    ray.kill(handle)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.released_tags.remote(), timeout=10)
+        except RayActorError:
+            return
+        except GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError(f"the killed engine still answers after {timeout_s:.0f} s")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(ray_start: Callable[[Callable[[], Any]], Any]) -> Iterator[Any]:
     import ray
@@ -138,14 +161,13 @@ def test_a_stuck_engine_is_named_within_the_timeout(ray_cluster: Any) -> None:
 
 
 def test_a_dead_engine_is_named(ray_cluster: Any, tiny_llama_dir: str) -> None:
-    import ray
 
     options = EngineOptions(device="cpu", request_timeout_s=60)
     engines = create_engine_group(
         tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options
     )
     try:
-        ray.kill(engines.handles[1])
+        kill_and_wait(engines.handles[1])
         with pytest.raises(EngineError, match="rank 1: generate failed: the engine's actor died"):
             engines.generate(random_prompts(4, seed=23), SamplingParams(max_new_tokens=2))
         assert engines.health() == [True, False]
@@ -156,7 +178,6 @@ def test_a_dead_engine_is_named(ray_cluster: Any, tiny_llama_dir: str) -> None:
 def test_a_dead_engine_is_restarted_on_its_bundle_and_given_its_prompts_again(
     ray_cluster: Any, group: EngineGroup, tiny_llama_dir: str
 ) -> None:
-    import ray
 
     options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
     engines = create_engine_group(
@@ -168,7 +189,7 @@ def test_a_dead_engine_is_restarted_on_its_bundle_and_given_its_prompts_again(
         prompts = random_prompts(9, seed=24)
         params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
         expected = [g.token_ids for g in group.generate(prompts, params)]  # a healthy group, same seeds
-        ray.kill(engines.handles[1])  # its process is gone, as after an OOM kill
+        kill_and_wait(engines.handles[1])  # its process is gone, as after an OOM kill
         assert [g.token_ids for g in engines.generate(prompts, params)] == expected
         assert engines.restarts == [0, 1]
         ((rank, handle),) = restarted
@@ -176,7 +197,7 @@ def test_a_dead_engine_is_restarted_on_its_bundle_and_given_its_prompts_again(
         assert engines.health() == [True, True]
 
         # One more death of rank 1 is one too many: the rank is named.
-        ray.kill(engines.handles[1])
+        kill_and_wait(engines.handles[1])
         with pytest.raises(
             EngineError, match=r"rank 1: died again after 1 restarts \(--max-engine-restarts 1\)"
         ):
@@ -196,7 +217,7 @@ def test_a_restarted_engine_is_put_back_in_the_groups_memory_state(
     )
     try:
         engines.release_memory()
-        ray.kill(engines.handles[0])
+        kill_and_wait(engines.handles[0])
         engines.resume_memory(["weights"])  # rank 0 dies in this call: restarted released, then resumed
         assert engines.restarts == [1, 0]
         assert [ray.get(h.released_tags.remote()) for h in engines.handles] == [["kv_cache"], ["kv_cache"]]

@@ -31,7 +31,8 @@ of response words starting with a..m), so the curves move.
 2. **Scaling** (`--scaling 64x512,256x1024,...`): one driver per mode runs
    `--scaling-steps` steps of each cell of work (prompts x response tokens), the
    first of each cell its warm-up; the table gives each cell's step, shared against
-   resident.
+   resident. A cell that fails (out of GPU memory, say) is kept as failed with its
+   error (`cell_errors`), and a fresh driver takes the next cell.
 3. **With a reward model** (`--reward-model`): a random one-label Qwen2 sequence
    classifier of the policy's shape (`ppo_harness.build_reward_model`, bf16, the
    policy's tokenizer) joins both modes (`--rm-type model`, reward = its score + the
@@ -231,7 +232,10 @@ def summarize_mode(
     gaps = [abs(float(s["time/step"]) - spans[s["step"]]) for s in steps if s["step"] in spans]
     result["clock_gap_s"] = max(gaps) if gaps else None
     cells: dict[str, list[float]] = {}
+    failed = result.get("cell_errors") or {}
     for row in steps:
+        if row["cell"] in failed:
+            continue  # a cell that failed has no step figure, even where one of its steps ran
         if row.get("cell_step", 0) > 0 or sum(r["cell"] == row["cell"] for r in steps) == 1:
             cells.setdefault(row["cell"], []).append(float(row["time/step"]))
     result["step_s_by_cell"] = {cell: mean(xs) for cell, xs in cells.items()}
@@ -344,7 +348,11 @@ def run_mode(
         plan = [
             (cell, k) for cell in cells for k in range(args.steps if not args.scaling else args.scaling_steps)
         ]
+        restarts = 0
         for rollout_id, ((prompts, response_len), k) in enumerate(plan):
+            cell = f"{prompts}x{response_len}"
+            if cell in result.get("cell_errors", {}):
+                continue  # the cell failed: its other steps are skipped
             last = result["steps"][-1]["time/step"] if result["steps"] else None
             if (
                 len(result["steps"]) >= 2
@@ -359,8 +367,33 @@ def run_mode(
                     config, rollout_batch_size=prompts, rollout_max_response_len=response_len
                 )
             timeline.step = rollout_id
-            with timeline.span("step_total"):
-                metrics = driver.step(rollout_id)
+            try:
+                with timeline.span("step_total"):
+                    metrics = driver.step(rollout_id)
+            except Exception:
+                if not args.scaling:
+                    raise
+                # In a sweep, a cell that fails (out of GPU memory, typically resident at the largest
+                # cells) ends its driver, not the sweep: its error is kept, and a fresh driver (its own
+                # run folder) takes the next cell, whose first step is its warm-up as always.
+                timeline.step = None
+                result.setdefault("cell_errors", {})[cell] = traceback.format_exc()[-3000:]
+                print(
+                    f"[{mode}] cell {cell} FAILED: {traceback.format_exc().strip().splitlines()[-1]}",
+                    flush=True,
+                )
+                with contextlib.suppress(Exception):
+                    driver.close()
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                restarts += 1
+                config = unvalidated({**values, "run_dir": f"{run_dir}-{restarts}"})
+                driver = traced_driver_class()(config)
+                driver.timeline = timeline
+                with timeline.span("setup"):
+                    driver.setup()
+                write_report(report, paths["json"])
+                continue
             timeline.step = None
             driver.metrics_so_far.append(metrics)
             driver.logger.log(rollout_id, metrics)
@@ -607,14 +640,24 @@ def print_summary(report: dict[str, Any]) -> None:
     for m in names:
         for key, counts in (modes[m].get("allocator_calls") or {}).items():
             print(f"\n{m} {key} by step: {counts}")
-    cells = sorted({c for m in names for c in (modes[m].get("step_s_by_cell") or {})})
+    cells = sorted(
+        {
+            c
+            for m in names
+            for c in (modes[m].get("step_s_by_cell") or {}) | (modes[m].get("cell_errors") or {})
+        }
+    )
     if len(cells) > 1:
         print("\n| prompts x response tokens | " + " | ".join(f"{m} step (s)" for m in names) + " | ratio |")
         print("|---|" + "---|" * (len(names) + 1))
         for cell in sorted(cells, key=lambda c: tuple(int(x) for x in c.split("x"))):
             steps = [(modes[m].get("step_s_by_cell") or {}).get(cell) for m in names]
             ratio = steps[0] / steps[1] - 1 if len(steps) == 2 and steps[0] and steps[1] else None
-            print(f"| {cell} | " + " | ".join(fmt(x) for x in steps) + f" | {fmt(ratio, '+.1%')} |")
+            shown = [
+                fmt(x) if x is not None or cell not in (modes[m].get("cell_errors") or {}) else "failed"
+                for m, x in zip(names, steps, strict=True)
+            ]
+            print(f"| {cell} | " + " | ".join(shown) + f" | {fmt(ratio, '+.1%')} |")
     for m in names:
         peaks = (modes[m].get("gpu_peak_gib") or {}).get("per_phase") or {}
         if peaks:

@@ -93,3 +93,28 @@ def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "ppo_gpu_bench_reward.png").is_file(), report.get("plot_error")
+
+
+def test_a_failing_scaling_cell_is_kept_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """The engine is killed in the second generate of the first cell, and may not be restarted: that
+    cell fails, its error is kept, and a fresh driver runs the next cell's two steps."""
+    out = tmp_path / "scaling.json"
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "TANDEM_FAULT_POINT": "engine.generate:call=2",
+        "TANDEM_FAULT_ONCE": str(tmp_path / "fired"),
+    }
+    cmd = [sys.executable, str(BENCH), "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")]
+    cmd += ["--skip-shared", "--skip-probe", "--scaling", "4x8,8x8", "--global-batch-size", "4"]
+    cmd += ["--set", "max_engine_restarts=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert (tmp_path / "fired").is_file()
+    result = json.loads(out.read_text())["modes"]["resident"]
+    assert result["error"] is None, result["error"]
+    assert set(result["cell_errors"]) == {"4x8"}, result.get("cell_errors")
+    assert [(s["cell"], s["cell_step"]) for s in result["steps"]] == [("4x8", 0), ("8x8", 0), ("8x8", 1)]
+    assert set(result["step_s_by_cell"]) == {"8x8"}
+    assert "| 4x8 | failed |" in proc.stdout

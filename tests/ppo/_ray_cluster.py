@@ -32,6 +32,8 @@ from typing import Any
 
 RAY = str(Path(sys.executable).parent / "ray")
 DEFAULT_ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+WORKER_PORTS = 201
+"""Ports of a node's worker range (`--min-worker-port` .. `--max-worker-port`)."""
 """Where `ray.init()` without an address looks for a cluster to join (Ray's default temp dir)."""
 
 
@@ -63,6 +65,7 @@ class TwoNodeCluster:
         # Short: Ray puts unix sockets under it (108 bytes at most for a socket path).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="tdm-ray-", dir="/tmp"))
         self.port, self.dashboard_port = free_ports(2)
+        self._taken: set[int] = {self.port, self.dashboard_port}
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -79,13 +82,24 @@ class TwoNodeCluster:
         }
 
     def _node_ports(self) -> list[str]:
-        manager, objects, agent, agent_grpc, metrics, runtime_env = free_ports(6)
+        """A node's ports: a range of 201 for its workers, then six free ports outside every range and
+        port this cluster already uses (a free port drawn on its own can fall inside the workers'
+        range, and `ray start` then refuses to start: "worker_ports is trying to use a port number
+        that is used by other components")."""
         low = free_ports(1)[0]
+        while low + WORKER_PORTS > 65535 or any(low <= p < low + WORKER_PORTS for p in self._taken):
+            low = free_ports(1)[0]
+        self._taken |= set(range(low, low + WORKER_PORTS))
+        picked: list[int] = []
+        while len(picked) < 6:
+            picked += [p for p in free_ports(6 - len(picked)) if p not in self._taken and p not in picked]
+        self._taken |= set(picked)
+        manager, objects, agent, agent_grpc, metrics, runtime_env = picked
         return [
             "--node-manager-port", str(manager), "--object-manager-port", str(objects),
             "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
             "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(runtime_env),
-            "--min-worker-port", str(low), "--max-worker-port", str(low + 200),
+            "--min-worker-port", str(low), "--max-worker-port", str(low + WORKER_PORTS - 1),
         ]  # fmt: skip
 
     def _start_node(self, name: str, args: list[str]) -> None:

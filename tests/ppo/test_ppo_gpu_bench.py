@@ -64,6 +64,11 @@ def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
         assert result["tokens_per_s"] > 0
         assert result["sharing_adds_share"] is not None
     assert report["modes"]["shared"]["config"]["offload_train"] is True
+    # What the sleep backend keeps on the host (bench/capacity_bench.py reads it): shared, both models'
+    # state; resident, nothing.
+    buffers = {m: report["modes"][m]["host_buffer_gib"] for m in ("shared", "resident")}
+    assert set(buffers["shared"]) == set(buffers["resident"]) == {"actor", "critic"}, buffers
+    assert all(v > 0 for v in buffers["shared"].values()) and not any(buffers["resident"].values()), buffers
     resident = report["modes"]["resident"]["config"]
     assert resident["offload_train"] is False
     assert resident["rollout_kv_cache_memory_fraction"] == pytest.approx(0.1)

@@ -10,17 +10,17 @@ through `vocab_parallel_log_probs` at TP 2. Rank 0 writes the cases' inputs to
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from launch import init_from_env
 
 from tandem.megatron.worker.forward import vocab_parallel_log_probs
 from tandem.megatron.worker.log_probs import chunked_log_probs
-from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
+from tandem.megatron.worker.parallel import destroy_distributed
 
 # name: (rows, whole padded vocabulary, tokenizer vocabulary or None, temperature, entropy, chunk, dtype)
 CASES: dict[str, tuple[int, int, int | None, float, bool, int, torch.dtype]] = {
@@ -66,14 +66,7 @@ def run(
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rank = int(os.environ["RANK"])
-    init_distributed(
-        rank,
-        int(os.environ["WORLD_SIZE"]),
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        tensor_parallel_size=2,
-    )
+    rank = init_from_env(tensor_parallel_size=2)
     everything = {}
     for index, (name, case) in enumerate(CASES.items()):
         inputs = case_inputs(index, case)

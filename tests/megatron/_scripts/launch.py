@@ -2,7 +2,8 @@
 
 Usage: python launch.py NPROC SCRIPT [ARGS...]
 Each process gets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` in its
-environment (the script passes them to `tandem.megatron.worker.parallel.init_distributed`),
+environment (the script passes them to `tandem.megatron.worker.parallel.init_distributed`,
+or calls `init_from_env` here),
 and `LAUNCH_PORTS`: more free ports, comma-separated, for scripts that
 re-initialise torch.distributed several times (one port per initialisation).
 Exits non-zero if any process does; a process that hangs is killed after
@@ -27,6 +28,20 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def init_from_env(**parallel: int) -> int:
+    """`init_distributed` from the variables this launcher sets (`parallel`: its sizes); the rank."""
+    from tandem.megatron.worker.parallel import init_distributed
+
+    rank = int(os.environ["RANK"])
+    world, addr, port = (
+        int(os.environ["WORLD_SIZE"]),
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+    )
+    init_distributed(rank, world, addr, port, **parallel)
+    return rank
 
 
 def main() -> int:

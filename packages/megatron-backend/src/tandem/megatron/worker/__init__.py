@@ -1,14 +1,15 @@
 """The train worker, process side: one rank of the actor or of the critic inside its Ray actor process.
 
 `train_worker.TrainWorker` (the mechanism: train, sleep and wake, save and load,
-weights to the engines), the role's stages (`roles`, `train_step`, `forward` and
-its log-prob kernel `log_probs`, `received`), the trainee it builds (`_trainee`,
-`optimizer`), checkpoints (`checkpoint`, `checkpoint_folder`), torch.distributed
-(`parallel`), GPU memory figures (`gpu_memory`) and the fault-injection points
-(`fault_points`). This layer may import everything below it: the shared modules
-(`choices`, `batch`, `config`, `payloads`), the algorithms and the models,
-megatron-core, tandem-lifecycle and tandem-value-transfer; never the driver side
-(`group`) (tests/test_import_graph.py).
+weights to the engines) and its process's start-up (`startup`), the role's
+stages (`roles`, `train_step`, `forward` and its log-prob kernel `log_probs`,
+`received`), the trainee it builds (`_trainee`, `optimizer`), checkpoints
+(`checkpoint`, `checkpoint_folder`), torch.distributed (`parallel`), GPU memory
+figures (`gpu_memory`) and the fault-injection points (`fault_points`). This
+layer may import everything below it: the shared modules (`choices`, `batch`,
+`config`, `payloads`), the algorithms and the models, megatron-core,
+tandem-lifecycle and tandem-value-transfer; never the driver side (`group`)
+(tests/test_import_graph.py).
 
 Names are imported on first use: `from tandem.megatron.worker import TrainWorker`
 loads megatron-core only then, and `checkpoint_folder` never does.

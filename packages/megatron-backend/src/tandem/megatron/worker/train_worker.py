@@ -3,7 +3,8 @@
 `TrainWorker` owns the mechanism (docs/design.md, "The driver owns the plan"):
 `train` wakes the model when it is asleep and never sleeps afterwards,
 `save_model` never sleeps or wakes, and `sleep` / `wake_up` run the lifecycle
-that the driver asks for. This module imports Megatron: only worker processes
+that the driver asks for; what `init` does to the process around building the
+trainee is `startup`'s. This module imports Megatron: only worker processes
 import it. The driver starts workers through `group.create_train_group`, which
 never does.
 """
@@ -18,19 +19,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import ray
 import torch
-import torch.storage
 
 from megatron.core import parallel_state as mpu
-from tandem.lifecycle import (
-    Lifecycle,
-    clear_torch_caches,
-    destroy_all,
-    forget_all,
-    make_backend,
-    reload_all,
-    reloadable_groups,
-    reloadable_process_groups,
-)
+from tandem.lifecycle import forget_all, make_backend, reloadable_process_groups
 from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
@@ -42,7 +33,15 @@ from tandem.megatron.worker._trainee import WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
 from tandem.megatron.worker.fault_points import set_context as set_fault_context
 from tandem.megatron.worker.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
-from tandem.megatron.worker.parallel import destroy_distributed, free_port, init_distributed
+from tandem.megatron.worker.parallel import destroy_distributed, free_port
+from tandem.megatron.worker.startup import (
+    build_lifecycle,
+    clear_caches,
+    gpu_start,
+    join_world,
+    keep_tensor_pickles_portable,
+    resolve_device,
+)
 
 __all__ = ["TrainWorker", "WeightReceiver"]
 
@@ -95,51 +94,16 @@ class TrainWorker:
         config.check_role(role)
         config.check_world(self.world_size, role=role)
         set_fault_context(role=role, rank=self.rank)
-        on_gpu = _resolve_device(config) == "cuda"
+        on_gpu = resolve_device(config) == "cuda"
         device_before_context = device_used_bytes() if on_gpu else None
         self.config, self.role = config, role
-        tp, pp = config.topology(role)
         backend = self._backend = make_backend(config.offload_backend)
-        # Megatron's groups (and ours) are made reloadable so that sleep can tear their communicators down.
-        with reloadable_groups(local_single_rank=config.local_single_rank_groups):
-            init_distributed(
-                self.rank,
-                self.world_size,
-                master_addr,
-                master_port,
-                tensor_parallel_size=tp,
-                pipeline_parallel_size=pp,
-                seed=config.seed,
-            )
-            self._group = torch.distributed.new_group(ranks=list(range(self.world_size)))
+        self._group = join_world(config, role, self.rank, self.world_size, master_addr, master_port)
         if on_gpu:
-            torch.zeros(1, device="cuda")  # the CUDA context exists from here on
-            after = device_used_bytes()
-            self._gpu_start = {
-                "process_baseline": process_gpu_bytes(),
-                "device_before_context": device_before_context,
-                "context": None
-                if after is None or device_before_context is None
-                else after - device_before_context,
-            }
+            self._gpu_start = gpu_start(device_before_context)
         self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu)
-        _keep_tensor_pickles_portable()
-        tags = self._trainee.register(backend)
-        # A full collection here walks ~0.5 M objects (torch, Megatron, Ray): freezing the
-        # survivors keeps each sleep's and wake's collection to what was made since.
-        clear_caches = functools.partial(clear_torch_caches, freeze_survivors=True)
-        self._lifecycle = Lifecycle(
-            backend,
-            tags=tags,
-            clear_caches=clear_caches,
-            # A wake frees nothing on the device; syncing it would wait for the optimizer state
-            # coming back in the background (background_optimizer_wake).
-            clear_caches_on_wake=functools.partial(clear_torch_caches, freeze_survivors=True, device=False),
-            destroy_process_groups=functools.partial(
-                destroy_all, keep_single_rank=config.keep_single_rank_groups
-            ),
-            reload_process_groups=reload_all,
-        )
+        keep_tensor_pickles_portable()
+        self._lifecycle = build_lifecycle(backend, self._trainee.register(backend), config)
         loaded = self.load_model()
         clear_caches()  # the objects of start-up are frozen before the first sleep
         return 0 if loaded is None else loaded + 1
@@ -422,38 +386,3 @@ class TrainWorker:
         if self._trainee is None:
             raise RuntimeError("TrainWorker: call init(config, role, master_addr, master_port) first")
         return self._trainee
-
-
-def _resolve_device(config: WorkerConfig) -> str:
-    """ "cuda" or "cpu" for this worker, checked against what it sees (`device`)."""
-    has_cuda = torch.cuda.is_available()
-    if config.device == "cuda" and not has_cuda:
-        raise ValueError("device: 'cuda' but this worker sees no GPU; give it a GPU or use device='auto'")
-    if config.device == "cpu" and has_cuda:
-        raise ValueError(
-            "device: 'cpu' on a worker that sees a GPU; Megatron's CPU path runs only without CUDA "
-            "(start the worker with num_gpus=0) or use device='auto'"
-        )
-    return "cuda" if has_cuda else "cpu"
-
-
-def _keep_tensor_pickles_portable() -> None:
-    """Make tensors this process pickles loadable by processes that never import Megatron.
-
-    Importing megatron.core replaces `torch.storage._load_from_bytes` (what a pickled
-    CPU storage names as its loader) with its own safe loader, so every tensor this
-    worker returns through Ray would name `megatron.core.safe_globals` and make the
-    receiver (driver, rollout engine) import Megatron to unpickle it. A loader that
-    calls the same safe function but carries torch's own name keeps loading safe
-    here and makes pickles name `torch.storage._load_from_bytes` again.
-    """
-    current = torch.storage._load_from_bytes
-    if getattr(current, "__module__", "") == "torch.storage":
-        return
-
-    def _load_from_bytes(b: bytes) -> Any:
-        return current(b)
-
-    _load_from_bytes.__module__ = "torch.storage"
-    _load_from_bytes.__qualname__ = "_load_from_bytes"
-    torch.storage._load_from_bytes = _load_from_bytes

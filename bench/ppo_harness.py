@@ -588,17 +588,22 @@ def mean(xs: list[float]) -> float | None:
 
 
 # --- the training-speed probe -------------------------------------------------------------------------
-def make_probe_batch(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int) -> Any:
+def make_probe_batch(
+    n: int, seq_len: int, prompt_len: int, vocab: int, seed: int, *, varied: bool = False
+) -> Any:
+    """`n` random samples of `prompt_len` prompt tokens and `seq_len - prompt_len` response tokens;
+    `varied`: each response's length drawn uniformly from 1 to that (a new draw per `seed`)."""
     import torch
 
     from tandem.megatron.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
-    response = seq_len - prompt_len
+    longest = seq_len - prompt_len
+    responses = torch.randint(1, longest + 1, (n,), generator=g).tolist() if varied else [longest] * n
     return RolloutBatch(
-        tokens=[torch.randint(0, vocab, (seq_len,), generator=g) for _ in range(n)],
-        response_lengths=[response] * n,
-        loss_masks=[torch.ones(response) for _ in range(n)],
+        tokens=[torch.randint(0, vocab, (prompt_len + r,), generator=g) for r in responses],
+        response_lengths=responses,
+        loss_masks=[torch.ones(r) for r in responses],
         rewards=torch.randn(n, generator=g),
     )
 

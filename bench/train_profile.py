@@ -23,6 +23,11 @@ GPU host, from the repo root (about 100 s for the default shape):
 A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of our
 compiled one (`tandem.megatron.models.rope`; on by default with CUDA); the JSON records
 `fused_rope` (what the model ran) and `fused_rope_flag` (null: the default).
+`--sdpa-cudnn` lets the attention use cuDNN's kernel, which `models/attention.py`
+leaves out by default. `--varied-lengths` draws every response's length anew for
+each call, as PPO's steps bring them, and `--packed` packs them: for example
+`--shape qwen2.5-0.5b --seq-len 640 --prompt-len 128 --samples 256
+--micro-batch-size 16 --varied-lengths --packed`, the PPO bench's realistic step.
 
 CPU smoke run (tiny model, fp32, gloo; the profile then lists CPU operators):
 
@@ -174,8 +179,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "samples_per_train": args.samples,
         "micro_batch_size": args.micro_batch_size,
         "packed": args.packed,
+        "varied_lengths": args.varied_lengths,
         "fused_rope_flag": args.fused_rope,
     }
+    if args.sdpa_cudnn:
+        from tandem.megatron.models.attention import allow_cudnn_attention
+
+        allow_cudnn_attention(True)
+    report["sdpa_cudnn"] = args.sdpa_cudnn
     worker = TrainWorker(0, 1)
     t0 = time.time()
     worker.init(config, "actor", "127.0.0.1", free_port())
@@ -183,21 +194,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # What the built model runs (the flag's None means auto: on with CUDA).
     assert worker._trainee is not None
     report["fused_rope"] = unwrap_model(worker._trainee.chunks).config.apply_rope_fusion
-    batch = single.make_probe_batch(args.samples, args.seq_len, args.prompt_len, shape["vocab_size"], 0)
-    tokens = args.samples * args.seq_len
 
-    def timed(call: Any) -> float:
+    def batch_of(seed: int) -> Any:
+        return single.make_probe_batch(
+            args.samples, args.seq_len, args.prompt_len, shape["vocab_size"], seed, varied=args.varied_lengths
+        )
+
+    # Fixed lengths: one batch throughout. Varied: a new draw of lengths for every call (as every
+    # PPO step brings), each call's tokens counted.
+    batches = [batch_of(i if args.varied_lengths else 0) for i in range(2 * args.iters + 2)]
+    tokens_of = [sum(int(t.numel()) for t in b.tokens) for b in batches]
+    batch = batches[0]
+    tokens = statistics.median(tokens_of)
+
+    def timed(call: Any, what: str = "") -> float:
         if on_gpu:
             torch.cuda.synchronize()
         t = time.perf_counter()
         call()
         if on_gpu:
             torch.cuda.synchronize()
-        return time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        if what:
+            print(f"[train_profile] {what}: {seconds:.2f} s", flush=True)
+        return seconds
 
-    report["warmup_train_s"] = timed(lambda: worker.train(0, batch))
-    train_s = [timed(lambda i=i: worker.train(i + 1, batch)) for i in range(args.iters)]
-    forward_s = [timed(lambda i=i: worker.compute_log_probs(i + 1, batch)) for i in range(args.iters)]
+    report["warmup_train_s"] = timed(lambda: worker.train(0, batch), "warm-up train()")
+    timed(lambda: worker.compute_log_probs(0, batch), "warm-up compute_log_probs()")
+    train_s = [timed(lambda i=i: worker.train(i + 1, batches[1 + i]), "train()") for i in range(args.iters)]
+    forward_s = [
+        timed(lambda i=i: worker.compute_log_probs(i + 1, batches[1 + args.iters + i]), "compute_log_probs()")
+        for i in range(args.iters)
+    ]
+    report["tokens_per_call"] = tokens_of
     train, forward = statistics.median(train_s), statistics.median(forward_s)
     update = train - forward
     peak = single.H200_BF16_PEAK_FLOPS
@@ -223,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with profile(activities=activities) as prof:
-            wall = timed(lambda: worker.train(args.iters + 1, batch))
+            wall = timed(lambda: worker.train(args.iters + 1, batches[-1]))
         report["profile"] = summarize_profile(prof, wall, on_gpu=on_gpu)
     worker.shutdown()
     return report
@@ -272,6 +301,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--packed", action="store_true", help="use_sequence_packing")
+    p.add_argument(
+        "--sdpa-cudnn",
+        action="store_true",
+        help="let attention use cuDNN's kernel (models/attention.py leaves it out by default)",
+    )
+    p.add_argument(
+        "--varied-lengths",
+        action="store_true",
+        help="responses of uniformly drawn lengths, a new draw for every call (as PPO steps bring)",
+    )
     p.add_argument(
         "--fused-rope",
         action=argparse.BooleanOptionalAction,

@@ -270,3 +270,22 @@ def test_use_sequence_packing_trains_a_rollout_as_padding_does(out_dir: Path, ph
             torch.testing.assert_close(
                 packed, padded, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def test_sdpa_on_the_gpu_leaves_cudnn_out_unless_allowed() -> None:
+    """cuDNN's attention builds a graph per new shape; `sdpa_backends` keeps SDPA on CUDA to the others."""
+    from tandem.megatron.models.attention import allow_cudnn_attention, sdpa_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with sdpa_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    allow_cudnn_attention(True)
+    try:
+        with sdpa_backends(torch.device("cuda")):
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    finally:
+        allow_cudnn_attention(False)

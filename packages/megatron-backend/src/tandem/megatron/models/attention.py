@@ -16,16 +16,51 @@ same `PackedSeqParams` interface with either choice of `models.Attention`:
   on CPU, and no `t x t` mask anywhere;
 - "local" (`local_attention`): Megatron's unfused attention over one packed row
   with an explicit block-diagonal causal mask (`packing.block_causal_mask`).
+
+The GPU kernels of "sdpa" (`sdpa_backends`): flash, then memory-efficient
+attention, never cuDNN's. cuDNN builds an execution graph for every new shape
+of its inputs (tens to hundreds of milliseconds on the host each), and PPO's
+shapes are new all the time: every packed sample has its own length, every
+padded micro-batch its own longest sample. On one H200 (torch 2.11, the 0.5B
+bench with EOS and packing) that build time made a step's training ten times
+slower than its kernels; flash and memory-efficient attention have no per-shape
+set-up. `allow_cudnn_attention(True)` lets PyTorch pick cuDNN again (an A/B
+lever of `bench/train_profile.py --sdpa-cudnn`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 import torch
 
 from tandem.megatron.models.packing import PackedRow, block_causal_mask, segments_of
+
+_ALLOW_CUDNN = False
+
+
+def allow_cudnn_attention(allow: bool) -> None:
+    """Let the "sdpa" attention's calls on the GPU use cuDNN's kernel (off by default; module docstring)."""
+    global _ALLOW_CUDNN
+    _ALLOW_CUDNN = allow
+
+
+@contextlib.contextmanager
+def sdpa_backends(device: torch.device) -> Iterator[None]:
+    """Within: SDPA on CUDA picks flash, memory-efficient or (last) the math kernel, not cuDNN's.
+
+    Elsewhere (CPU), and with `allow_cudnn_attention(True)`, PyTorch's own choice stands.
+    """
+    if device.type != "cuda" or _ALLOW_CUDNN:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 @cache
@@ -43,10 +78,11 @@ def sdpa_attention() -> type:
 
     class SdpaDotProductAttention(DotProductAttention):
         def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            """Causal attention of `[b, heads, s, d]` tensors."""
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            """Causal attention of `[b, heads, s, d]` tensors (on the GPU: `sdpa_backends`)."""
+            with sdpa_backends(q.device):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+                )
 
         def forward(
             self,

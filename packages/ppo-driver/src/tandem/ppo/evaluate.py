@@ -181,7 +181,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     announce(changes)
     if read_latest(config.actor_save) is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
-    worker_config = dataclasses.replace(config.worker_config(), load=config.actor_save, use_kl_loss=False)
+    worker_config = dataclasses.replace(config.actor_config(), load=config.actor_save, use_kl_loss=False)
     started = start_ray(None, config.local_gpus)
     try:
         spec = PlacementSpec(

@@ -266,13 +266,17 @@ def test_every_field_is_documented_and_in_help(capsys: pytest.CaptureFixture[str
     assert [f.name for f in dataclasses.fields(PPOConfig) if flag(f.name) not in text] == []
 
 
-def test_worker_config_resumes_from_the_run_dir(files: dict[str, str]) -> None:
+def test_the_role_configs_resume_from_the_run_dir(files: dict[str, str]) -> None:
     config = unvalidated(
         {**files, "device": "cpu", "params_dtype": "float32", "rollout_batch_size": 4, "global_batch_size": 4}
     )
-    worker = config.worker_config()
-    assert worker.save == worker.load == str(Path(files["run_dir"]) / "actor")
-    assert worker.critic_save == worker.critic_load == str(Path(files["run_dir"]) / "critic")
+    actor, critic = config.actor_config(), config.critic_config()
+    assert critic is not None
+    actor_dir, critic_dir = str(Path(files["run_dir"]) / "actor"), str(Path(files["run_dir"]) / "critic")
+    assert actor.save_of("actor") == actor.load_of("actor") == actor_dir
+    assert actor.critic_save is None and actor.critic_load is None  # the actor never reads them
+    assert critic.save_of("critic") == critic.load_of("critic") == critic_dir
+    assert critic.save == critic.load == actor_dir  # what the critic's own folders are checked against
 
 
 @pytest.mark.parametrize(
@@ -322,7 +326,8 @@ def test_a_critic_free_estimator_implies_no_critic(files: dict[str, str], tmp_pa
     for estimator in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         config = parse_config([*common, "--advantage-estimator", estimator])
         assert config.use_critic is False, estimator
-        assert config.worker_config().critic_save is None
+        assert config.critic_config() is None
+        assert config.actor_config().critic_save is None
         assert config.placement_spec().use_critic is False
     assert parse_config([*common, "--advantage-estimator", "grpo", "--no-use-critic"]).use_critic is False
     with pytest.raises(ValueError, match=r"^--use-critic: --advantage-estimator grpo needs no critic"):
@@ -392,4 +397,4 @@ def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[
     argv += ["--run-dir", files["run_dir"]]
     assert parse_config(argv).normalize_advantages is True  # as verl's GAE and cleanrl's norm_adv
     assert parse_config([*argv, "--no-normalize-advantages"]).normalize_advantages is False
-    assert parse_config(argv).worker_config().normalize_advantages is True  # what the workers get
+    assert parse_config(argv).actor_config().normalize_advantages is True  # what the workers get

@@ -145,7 +145,9 @@ def test_changed_fixed_flags_are_refused_naming_them_and_the_folder_is_untouched
     # What may change on resume: the run length, cadence, logging.
     folder = RunFolder.open(config(run_dir, hf_dir, num_rollout=4, lr=3e-3, save_interval=1, progress=False))
     assert folder.resume.rollout_id == 1 and not folder.complete
-    assert folder.worker_config().load_rollout_id == 1
+    critic = folder.critic_config()
+    assert folder.actor_config().load_rollout_id == 1
+    assert critic is not None and critic.load_rollout_id == 1
     folder.close()
     assert snapshot(run_dir) == before
 
@@ -172,7 +174,9 @@ def test_commit_sets_aside_the_critic_a_checkpoint_ahead_and_writes_the_config(
     (run_dir / "actor" / "latest_checkpointed_iteration.txt").write_text("0\n")
     folder = RunFolder.open(config(run_dir, hf_dir, num_rollout=3))
     assert folder.resume.rollout_id == 0
-    assert folder.worker_config().load_rollout_id == 0
+    critic = folder.critic_config()
+    assert folder.actor_config().load_rollout_id == 0
+    assert critic is not None and critic.load_rollout_id == 0
     folder.commit()
     folder.close()
     aside = sorted(
@@ -189,8 +193,9 @@ def test_a_fresh_start_loads_nothing_even_where_parts_exist(tmp_path: Path, hf_d
     (run_dir / "driver" / "iter_0000000.json").unlink()
     folder = RunFolder.open(cfg)
     assert folder.resume.rollout_id is None
-    worker = folder.worker_config()
-    assert worker.load is None and worker.critic_load is None and worker.load_rollout_id is None
+    for worker in (folder.actor_config(), folder.critic_config()):
+        assert worker is not None
+        assert worker.load is None and worker.critic_load is None and worker.load_rollout_id is None
     folder.close()
 
 

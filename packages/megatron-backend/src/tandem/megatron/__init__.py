@@ -6,7 +6,8 @@ ones above it in this list (tests/test_import_graph.py):
 1. the shared data: `choices` (the literal choices of every field), `batch` (`RolloutBatch`);
 2. `algorithms`: the PPO math, pure torch;
 3. `models`: the Megatron networks, HF config, weights and conversion, RoPE, packing, attention;
-4. the seam both sides share: `config` (`WorkerConfig`), `payloads` (the typed records
+4. the seam both sides share: `config` (`WorkerConfig`, the checked config, over its
+   check-free fields `WorkerFields`), `payloads` (the typed records
    that cross between driver and workers, and their routing);
 5. `worker`: the process side (`TrainWorker`, the roles' train steps, checkpoints); imports Megatron;
 6. `group`: the driver side (`TrainGroup`, `create_train_group`); never imports Megatron.
@@ -24,7 +25,7 @@ loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
 - Models and weights: `ModelSpec`, `build_model`, `load_hf_checkpoint`,
   `export_hf_weights`, and the pure HF ⇄ Megatron mapping `param_map`, `to_megatron`, `to_hf`.
 - Forward passes: `forward_only`, `run_micro_batches`.
-- The worker: `WorkerConfig`; process side `TrainWorker` (imports Megatron); driver
+- The worker: `WorkerConfig` (its fields alone, unchecked: `WorkerFields`); process side `TrainWorker` (imports Megatron); driver
   side `TrainGroup`, `create_train_group` (never imports Megatron); the records
   `TrainResult`, `CriticValues`, `ActorLogProbs`.
 """
@@ -71,6 +72,7 @@ _EXPORTS = {
     "forward_only": "worker.forward",
     "run_micro_batches": "worker.forward",
     "WorkerConfig": "config",
+    "WorkerFields": "config",
     "TrainWorker": "worker.train_worker",
     "TrainGroup": "group.train_group",
     "create_train_group": "group.train_group",
@@ -100,7 +102,7 @@ if TYPE_CHECKING:
         value_loss,
     )
     from .batch import RolloutBatch, pad_responses, unpad_responses
-    from .config import WorkerConfig
+    from .config import WorkerConfig, WorkerFields
     from .group.train_group import TrainGroup, create_train_group
     from .models.conversion import param_map, to_hf, to_megatron
     from .models.hf_config import ModelSpec
@@ -133,6 +135,7 @@ __all__ = [
     "TrainResult",
     "TrainWorker",
     "WorkerConfig",
+    "WorkerFields",
     "__version__",
     "aggregate_loss",
     "approx_kl",

@@ -1,14 +1,18 @@
-"""The train worker's configuration: one typed, validated object for both roles.
+"""The train worker's configuration: one typed, validated object, handed to a worker with its role.
 
 `WorkerConfig` holds everything a `TrainWorker` needs to build, train, save and
-load one rank of the actor or of the critic. The driver builds one from its own
-config and hands the same object to both roles; the role picked at `init` selects
-the role's fields (`lr` / `critic_lr`, `load` / `critic_load`, ...).
+load one rank of the actor or of the critic. Its fields are `WorkerFields`
+(`_config_fields.py`, check-free, shared with the driver's `PPOConfig`); this
+class adds the checks and the role helpers. The role picked at `init` selects
+the role's fields (`lr_of` picks `lr` / `critic_lr`, `load_of` picks `load` /
+`critic_load`, ...); the driver builds one config per role
+(`PPOConfig.actor_config()` / `critic_config()`).
 
-Checks that need only the config run at construction; checks that need the
-number of ranks or the role run in `check_world` / `check_role`, which the group
-helper calls on the driver before any worker starts, so a bad config fails fast.
-Every check raises a `ValueError` naming the field and the fix.
+The checks run here and nowhere else: those that need only the config at
+construction (`__post_init__`, from `_config_checks`); those that need the number
+of ranks or the role in `check_world` / `check_role` / `check_model`, which the
+group helper calls on the driver before any worker starts, so a bad config fails
+fast. Every check raises a `ValueError` naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -24,329 +28,18 @@ from tandem.megatron._config_checks import (
     check_positive_ints,
     check_ppo,
 )
-from tandem.megatron.choices import (
-    CRITIC_FREE_ESTIMATORS,
-    ROLES,
-    AdvantageEstimator,
-    Device,
-    KlKind,
-    LossAggregation,
-    LossType,
-    LrDecayStyle,
-    OffloadBackend,
-    ParamsDtype,
-    Role,
-    check_role,
-)
+from tandem.megatron._config_fields import WorkerFields
+from tandem.megatron.choices import CRITIC_FREE_ESTIMATORS, ROLES, Role, check_role
 
-__all__ = ["ROLES", "Role", "WorkerConfig"]
+__all__ = ["ROLES", "Role", "WorkerConfig", "WorkerFields"]
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Hyper-parameters and paths of the actor and critic train workers.
-
-    The one derived size, `samples_per_rollout`, is a property; the sizes that
-    depend on the data-parallel size are computed by the train step
-    (`train_step.minibatch_size`), the one place that uses them.
-    """
-
-    # --- weights and checkpoints -------------------------------------------------
-    hf_checkpoint: str
-    """Hugging Face folder (config.json + safetensors): the model's architecture, the
-    actor's and critic's initial weights and, by default, the reference weights."""
-
-    rollout_batch_size: int
-    """Prompts per rollout (over all data-parallel ranks)."""
-
-    global_batch_size: int
-    """Samples per optimizer step, over all data-parallel ranks."""
-
-    critic_hf_checkpoint: str | None = None
-    """Hugging Face folder with the critic's initial backbone weights and architecture; None:
-    `hf_checkpoint`. It may be another size (hidden size, layers, heads) than the actor, e.g. a
-    smaller critic; its tokenizer (vocabulary) must be the actor's, since it reads the same token ids.
-    It may be a reward model (a sequence-classification folder with num_labels=1, as OpenRLHF starts
-    its critic): its score head becomes the value head (bias 0 where it has none)."""
-
-    ref_load: str | None = None
-    """Hugging Face folder with the reference weights of the KL loss; None: `hf_checkpoint`."""
-
-    load: str | None = None
-    """Actor's Megatron checkpoint folder to resume from (its latest complete checkpoint).
-    None, or a folder with no checkpoint yet: start from `hf_checkpoint`. A folder that
-    does not exist is an error unless it is `save` (the first run of a resumable job)."""
-
-    save: str | None = None
-    """Actor's Megatron checkpoint folder that `save_model` writes to; None: saving is off."""
-
-    critic_load: str | None = None
-    """The critic's own checkpoint folder to resume from (never the actor's); same rules as `load`."""
-
-    critic_save: str | None = None
-    """The critic's own checkpoint folder that `save_model` writes to (never the actor's)."""
-
-    load_rollout_id: int | None = None
-    """Resume every model from its checkpoint of this rollout (complete in `load` and `critic_load`)
-    instead of the newest complete one; None: the newest. `ppo-driver train` picks the newest
-    rollout that every model and the driver's own state completed, and sets aside newer parts."""
-
-    # --- parallelism ------------------------------------------------------------
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel size of the actor."""
-
-    pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size of the actor."""
-
-    critic_tensor_model_parallel_size: int | None = None
-    """Tensor-parallel size of the critic; None: the actor's. It may differ from the actor's:
-    the critic runs on the actor's bundles (the same ranks), so TP * PP must divide the number
-    of ranks for each role (`check_world`); the critic's data-parallel size is then its own, and
-    its values reach the actor's ranks by sample (`TrainGroup.train(..., sample_indices=...)`)."""
-
-    critic_pipeline_model_parallel_size: int | None = None
-    """Pipeline-parallel size of the critic; None: the actor's. May differ (see
-    `critic_tensor_model_parallel_size`)."""
-
-    # --- batches ----------------------------------------------------------------
-    n_samples_per_prompt: int = 1
-    """Responses sampled per prompt; a rollout holds `rollout_batch_size * n_samples_per_prompt` samples."""
-
-    micro_batch_size: int = 1
-    """Samples per forward/backward pass on one rank; gradients accumulate over
-    `global_batch_size / (micro_batch_size * data_parallel_size)` micro-batches."""
-
-    ppo_epochs: int = 1
-    """Passes over each rollout (cleanrl's `update_epochs`): every pass takes
-    `samples_per_rollout / global_batch_size` optimizer steps against the same old
-    log-probs, old values and targets, computed once before the first pass."""
-
-    shuffle_minibatches: bool = False
-    """Shuffle each rank's samples before each pass, so that each optimizer step sees
-    another mix of them; the order is seeded by `seed`, the rollout id and the pass,
-    so a resumed or repeated step shuffles the same way. False: one pass in rollout order."""
-
-    use_sequence_packing: bool = False
-    """Pack each micro-batch's samples into one row with no padding between them
-    (Megatron's THD layout; positions restart and attention stops at every sample)
-    for every forward and backward pass of both roles, instead of padding every
-    sample to the micro-batch's longest one. Same outputs and losses, fewer tokens."""
-
-    use_dynamic_batch_size: bool = False
-    """Cut micro-batches by tokens instead of samples (slime's flag): consecutive samples
-    go into one micro-batch while it holds at most `max_tokens_per_gpu` tokens (the
-    packed row's length with `use_sequence_packing`, else samples x the longest one);
-    `micro_batch_size` is then not used. Fewer, fuller passes for short samples, and a
-    bounded activation memory for long ones; the same losses and gradients (the step's
-    loss is an exact mean over any cut)."""
-
-    max_tokens_per_gpu: int | None = None
-    """Tokens of one training micro-batch on one rank with `use_dynamic_batch_size`
-    (required there); a sample longer than this gets a micro-batch of its own."""
-
-    log_probs_max_tokens_per_gpu: int | None = None
-    """Tokens of one forward-only micro-batch (old and reference log-probs, old values)
-    with `use_dynamic_batch_size`: these keep no activations for a backward pass, so a
-    larger budget pays; None: `max_tokens_per_gpu`."""
-
-    log_probs_chunk_tokens: int = 0
-    """Rows of the response logits processed at once by the log-prob/entropy kernel
-    (`worker/log_probs.py`), which keeps no fp32 copy of a whole micro-batch's logits
-    (each is ~20 GB for 35k tokens of a 152k vocabulary), e.g. 4096; 0: the whole
-    micro-batch at once through plain autograd. 0 by default until the kernel's A/B on
-    the GPU is in docs/benchmarks.md."""
-
-    # --- optimizer and learning-rate schedule --------------------------------------
-    lr: float = 1e-6
-    """Actor's peak learning rate."""
-
-    critic_lr: float = 1e-5
-    """Critic's peak learning rate: ten times the actor's by default, as in verl (1e-5) and OpenRLHF
-    (9e-6), since its value head starts from scratch (docs/design.md, "Defaults")."""
-
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay (both roles, capped at the role's peak)."""
-
-    lr_decay_style: LrDecayStyle = "constant"
-    """Shape of the decay after warm-up (Megatron's OptimizerParamScheduler)."""
-
-    lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to the peak learning rate."""
-
-    lr_decay_steps: int | None = None
-    """Optimizer steps over which the rate decays to `min_lr`; None: no decay ends (constant after warm-up)."""
-
-    weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay."""
-
-    adam_beta1: float = 0.9
-    """Adam's first-moment decay."""
-
-    adam_beta2: float = 0.98
-    """Adam's second-moment decay."""
-
-    adam_eps: float = 1e-8
-    """Adam's epsilon."""
-
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (over all ranks of the model); 0 turns clipping off."""
-
-    params_dtype: ParamsDtype = "bfloat16"
-    """Dtype of every model weight (norms and the critic head included); bfloat16 keeps
-    fp32 main weights in the optimizer (GPU only). The critic head computes and
-    outputs fp32 either way."""
-
-    # --- PPO ------------------------------------------------------------------
-    eps_clip: float = 0.2
-    """Lower (and, without `eps_clip_high`, upper) clip range of the policy ratio."""
-
-    eps_clip_high: float | None = None
-    """Upper clip range of the policy ratio; None: `eps_clip`."""
-
-    eps_clip_c: float | None = None
-    """Dual-clip constant c > 1 for negative advantages; None: off."""
-
-    value_clip: float | None = 0.5
-    """Clip range (> 0) of the new values around the old values in the value loss, in reward units
-    (0.5 as verl's `cliprange_value` and OpenRLHF's `value_clip`); None: no clipping."""
-
-    gamma: float = 1.0
-    """GAE discount."""
-
-    lambd: float = 1.0
-    """GAE lambda."""
-
-    kl_coef: float = 0.0
-    """Weight of reward-level KL (finite, >= 0): each trainable token's reward pays
-    `kl_coef * KL_t` (estimator `kl_penalty_type`) against the reference weights, folded into
-    the rewards of both the critic's returns and the actor's advantages. Whenever it is not 0
-    the driver runs the KL-first plan: the actor computes old and reference log-probs
-    (`TrainWorker.compute_log_probs`) before the critic trains, and both roles get them as
-    `log_probs` (`ActorLogProbs`). The actor then keeps the reference weights on the host."""
-
-    kl_penalty_type: KlKind = "k1"
-    """KL estimator of the reward-level KL (`kl_coef`): k1 (the plain log-ratio, as in
-    InstructGPT / OpenRLHF), k2, k3 or low_var_kl."""
-
-    use_kl_loss: bool = False
-    """Add a KL penalty against the reference weights to the policy loss (computes
-    reference log-probs each step; reference weights stay on the host)."""
-
-    kl_loss_coef: float = 0.001
-    """Weight of the KL penalty in the policy loss (with `use_kl_loss`; 0.001 as verl's `kl_loss_coef`)."""
-
-    kl_loss_type: KlKind = "low_var_kl"
-    """KL estimator of the KL loss."""
-
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
-
-    normalize_advantages: bool = True
-    """Whiten the advantages (mean 0, std 1 over the trainable tokens of the whole data-parallel
-    group) before the policy loss: GAE's, and the REINFORCE++ family's (its global batch
-    normalisation); never GRPO's or RLOO's, whose normalisation is the group's
-    (`grpo_std_normalization`). On by default, as in verl (`masked_whiten` in its GAE) and cleanrl
-    (`norm_adv=True`): raw advantages of a pretrained model's rewards are small and uneven from step
-    to step, and a run on them barely moves; `--no-normalize-advantages` keeps them raw."""
-
-    advantage_estimator: AdvantageEstimator = "gae"
-    """How the actor's advantages are estimated (`estimators`): `gae` on the critic's values;
-    critic-free (no critic trains): `grpo` (group-normalised outcome reward), `rloo` (leave-one-out
-    baseline), `reinforce_plus_plus` (discounted return of the token rewards, `kl_coef` folded in),
-    `reinforce_plus_plus_baseline` (the same on the group-centred reward). The group is a prompt's
-    `n_samples_per_prompt` samples."""
-
-    grpo_std_normalization: bool = True
-    """`grpo`: divide each sample's group-centred reward by its group's std (+1e-6); False gives
-    Dr.GRPO (`r − mean` only), which does not weigh prompts with a small reward spread up."""
-
-    loss_type: LossType = "ppo"
-    """The actor's policy loss: `ppo`, the clipped ratio per token; `gspo`, GSPO's clipped
-    sequence ratio (the geometric mean of a response's token ratios; `gspo.py`), whose clip
-    ranges are usually far smaller (e.g. `eps_clip` 3e-4, `eps_clip_high` 4e-4)."""
-
-    loss_aggregation: LossAggregation = "sample_mean"
-    """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
-    mean over the whole global batch."""
-
-    use_tis: bool = False
-    """Truncated importance sampling for off-policy rollouts (engine log-probs differ from the
-    trainer's, or the rollout is a step stale): the actor's per-token policy loss is multiplied
-    by `min(exp(old_log_probs - rollout_log_probs), tis_cap)`, detached. Needs
-    `RolloutBatch.rollout_log_probs` from the engine."""
-
-    tis_cap: float = 2.0
-    """Upper bound of the truncated importance weight (with `use_tis`); finite, >= 1 so that an
-    on-policy token (weight 1) is never down-weighted."""
-
-    reuse_old_log_probs: bool | None = None
-    """Take the actor's old log-probs from its update's own forward pass (detached) instead of
-    a forward pass of their own before it. With one PPO epoch and one optimizer step per
-    rollout, the old log-probs are the trainer's log-probs under the very weights the update's
-    forward runs with, so the ratio is exactly 1 either way and the loss and gradients are the
-    same; one forward pass of the whole rollout less. Not with `kl_coef` (the KL-folded rewards
-    need them before the update) or `use_tis` (which weighs by them against the sampler's).
-    None: wherever that holds (`old_log_probs_redundant`); True: required (refused elsewhere,
-    with the reason); False: always computed. The rollout figure `log_prob` is then not
-    reported."""
-
-    temperature: float = 1.0
-    """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
-
-    # --- device, memory, system -------------------------------------------------
-    device: Device = "auto"
-    """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
-
-    fused_rope: bool | None = None
-    """Apply RoPE with our `torch.compile`d kernels (`rope.py`) through Megatron's
-    `apply_rope_fusion` instead of Megatron's unfused chain of kernels: the same bf16 results
-    bit for bit, a `train()` of the 1.2 B probe in 3.00 s instead of 3.33 s on an H200, for ~5 s
-    of compiling once per process. None: on when the model is built on CUDA, off on CPU
-    (where compiling needs a C++ compiler and takes ~20 s)."""
-
-    offload_backend: OffloadBackend = "pinned_host"
-    """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on
-    the GPU; pinned_host or none on the CPU."""
-
-    offload_grads: bool = False
-    """pinned_host: copy the gradient buffers to the host at a sleep and back at a wake. False:
-    they are freed without a copy and come back as zeros (they are zeroed before every
-    minibatch anyway), which moves 2 bytes less per parameter each way (fp32 `main_grad`)."""
-
-    background_optimizer_wake: bool = True
-    """pinned_host on CUDA: a wake brings the weights back and returns while the optimizer state
-    (fp32 main weights, Adam moments: most of the bytes) is still being copied back on a side
-    stream; the optimizer step (and any checkpoint) waits for it on the GPU, so the copy
-    overlaps the forward and backward passes before it. False: a wake returns with every byte
-    back."""
-
-    local_single_rank_groups: bool = True
-    """Answer the collectives of process groups of one rank in the process (a reduction over
-    one rank is the identity, a gather a copy), so that NCCL never builds their
-    communicators: nothing held, nothing torn down at a sleep or built at a wake (on one GPU
-    every Megatron group has one rank). False: they get communicators like any other group
-    (`reloadable_groups(local_single_rank=False)`), torn down at each sleep unless
-    `keep_single_rank_groups`."""
-
-    keep_single_rank_groups: bool = False
-    """With `local_single_rank_groups=False`: leave the process groups of one rank alive while
-    asleep (`destroy_all(keep_single_rank=True)`). Faster sleeps and first collectives after a
-    wake, at the price of the one-rank NCCL communicators' device memory while asleep: about
-    0.25 GiB a worker at DP 2 on two H200s, 1.9 GiB on one H200 (docs/benchmarks.md). False:
-    every group is torn down, for the smallest sleeping worker."""
-
-    make_vocab_size_divisible_by: int = 128
-    """Megatron's embedding and output head get the vocabulary rounded up to a multiple of this
-    times the tensor-parallel size (as Megatron's flag of that name): every TP rank holds an equal
-    slice whatever the tokenizer's size. The padding rows never reach a softmax and are not exported."""
-
-    update_weights_chunk_bytes: int = 512 * 1024**2
-    """Bytes of HF-named tensors per chunk sent to the rollout engine by `update_weights`."""
-
-    seed: int = 1234
-    """Seed of torch and of Megatron's RNG tracker (each rank derives its own)."""
+class WorkerConfig(WorkerFields):
+    """The train workers' fields (`WorkerFields`), checked at construction, with the role helpers."""
 
     def __post_init__(self) -> None:
+        # The one place the checks that need only the fields run (`_config_checks`).
         check_positive_ints(self)
         check_choices(self)
         check_ppo(self)
@@ -354,12 +47,7 @@ class WorkerConfig:
         check_batches(self)
         check_folders(self)
 
-    # --- derived sizes -------------------------------------------------------------
-    @property
-    def samples_per_rollout(self) -> int:
-        """Samples in one rollout, over all data-parallel ranks."""
-        return self.rollout_batch_size * self.n_samples_per_prompt
-
+    # --- what the fields imply, and each role's own fields -----------------------------
     def old_log_probs_redundant(self) -> str | None:
         """None when the old log-probs are the update's own (one epoch, one step, no KL in the
         rewards, no TIS); else why not, naming the field."""
@@ -392,16 +80,6 @@ class WorkerConfig:
     def needs_reference(self) -> bool:
         """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
         return self.use_kl_loss or self.kl_coef != 0
-
-    def topology(self, role: Role) -> tuple[int, int]:
-        """(tensor-parallel size, pipeline-parallel size) of `role`."""
-        _check_role(role)
-        if role == "critic":
-            return (
-                self.critic_tensor_model_parallel_size or self.tensor_model_parallel_size,
-                self.critic_pipeline_model_parallel_size or self.pipeline_model_parallel_size,
-            )
-        return self.tensor_model_parallel_size, self.pipeline_model_parallel_size
 
     def lr_of(self, role: Role) -> float:
         """Peak learning rate of `role`."""
@@ -449,11 +127,6 @@ class WorkerConfig:
             _check_role(role)
         for checked in ROLES if role is None else (role,):
             self._check_layout(world_size, checked)
-
-    def data_parallel_size(self, world_size: int, role: Role) -> int:
-        """`role`'s data-parallel size on `world_size` ranks (after `check_world`)."""
-        tp, pp = self.topology(role)
-        return world_size // (tp * pp)
 
     def _check_layout(self, world_size: int, role: Role) -> None:
         tp, pp = self.topology(role)

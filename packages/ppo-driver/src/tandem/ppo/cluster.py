@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tandem.ppo.config import PPOConfig
 
 if TYPE_CHECKING:
+    from tandem.megatron.config import WorkerConfig
     from tandem.megatron.group import TrainGroup
     from tandem.placement import Placements
     from tandem.ppo.engines import EngineGroup
@@ -99,11 +100,16 @@ def check_ray_address(address: str) -> None:
 
 
 def start_groups(
-    config: PPOConfig, worker_config: Any = None, *, lock_file: Path | None = None
+    config: PPOConfig,
+    actor_config: WorkerConfig,
+    critic_config: WorkerConfig | None,
+    *,
+    lock_file: Path | None = None,
 ) -> StartedGroups:
     """The placements, the actor group, the critic group (or None) and the engine group, started concurrently.
 
-    `worker_config`: the train workers' config (default `config.worker_config()`).
+    `actor_config` / `critic_config`: each train group's config (`RunFolder.actor_config()` /
+    `critic_config()`); no critic group starts where `critic_config` is None.
     `lock_file`: the run folder's lock; with it, every node of the placement groups must see
     the model folders and the run folder before any worker starts (`node_checks`).
     """
@@ -114,7 +120,6 @@ def start_groups(
     from tandem.ppo.node_checks import check_nodes_see_folders, folders_to_check
     from tandem.ppo.reward_model import rollout_bundle_shares
 
-    worker_config = worker_config or config.worker_config()
     placements = create_placement_groups(config.placement_spec())
     actor_slot, rollout_slot = placements.actor, placements.rollout
     if lock_file is not None:
@@ -130,7 +135,7 @@ def start_groups(
         engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
     engine_options = EngineOptions(**engine_kwargs)
 
-    def start(role: Role) -> TrainGroup:
+    def start(role: Role, worker_config: WorkerConfig) -> TrainGroup:
         share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
         return create_train_group(
             worker_config,
@@ -156,8 +161,8 @@ def start_groups(
 
     # The three groups do not depend on each other: they start at once.
     with ThreadPoolExecutor(max_workers=3) as pool:
-        actor = pool.submit(start, "actor")
-        critic = pool.submit(start, "critic") if config.use_critic else None
+        actor = pool.submit(start, "actor", actor_config)
+        critic = pool.submit(start, "critic", critic_config) if critic_config is not None else None
         engines = pool.submit(start_engines)
         return StartedGroups(
             placements, actor.result(), critic.result() if critic is not None else None, engines.result()

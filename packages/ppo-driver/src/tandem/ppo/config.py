@@ -1,45 +1,43 @@
 """The run's one typed config: every flag of `ppo-driver train`, read from YAML plus command-line overrides.
 
-`PPOConfig` extends the train worker's `WorkerConfig` (tandem-megatron-backend)
-with what the driver owns: data, rollout, rewards, placement, the offload plan,
-checkpoint cadence and logging. Flags use slime/miles names where they exist
-(`--use-critic`, `--colocate`, `--offload-train`, `--rollout-batch-size`, ...).
+`PPOConfig` holds the train workers' fields (`WorkerFields`, tandem-megatron-backend,
+each declared and documented there once) and what the driver owns: data, rollout,
+rewards, placement, the offload plan, checkpoint cadence and logging. The flags stay
+flat, with slime/miles names where they exist (`--use-critic`, `--colocate`,
+`--offload-train`, `--rollout-batch-size`, ...). It is not a `WorkerConfig`: it
+builds one per role, validated, with the role's checkpoint folders resolved
+(`actor_config()`, `critic_config()`), and those are what the train groups get.
 
 Construction never validates (so that a YAML file and flags can be merged
-first); `validate()` checks the whole config before Ray starts and raises a
-`ValueError` that names the flag and the fix. Derived sizes are properties,
-computed in one place.
+first); `validate()` (`config_checks`) checks the whole config before Ray starts,
+the workers' rules by building their configs, and raises a `ValueError` that names
+the flag and the fix. Derived sizes are properties, computed in one place.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tyro
 
-from tandem.megatron.config import WorkerConfig
-from tandem.ppo.estimator_plan import check_estimator_plan
-from tandem.ppo.reward_model import RM_TYPES, check_reward_config
+from tandem.megatron.config import WorkerConfig, WorkerFields
+from tandem.ppo.config_checks import FLAG_NAMES, check_config, flag
+
+__all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "PPOConfig", "flag"]
 
 BUILTIN_REWARDS = ("exact_match", "math")
 
 
-FLAG_NAMES = {"async_mode": "async"}
-"""Fields whose flag is not their name (`async` is a Python keyword)."""
-
-
-def flag(name: str) -> str:
-    """The command-line flag of config field `name` (`global_batch_size` -> `--global-batch-size`)."""
-    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
-
-
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(WorkerConfig):
-    """Everything one PPO run needs: the train workers' fields plus the driver's."""
+class PPOConfig(WorkerFields):
+    """Everything one PPO run needs: the train workers' fields plus the driver's.
+
+    The three fields below are the workers' too; a worker needs them given, while a run
+    has defaults for them (a YAML file may give them; `validate` names a missing
+    `--hf-checkpoint`) and help text that speaks of the whole run.
+    """
 
     hf_checkpoint: str = ""
     """Hugging Face folder (config.json, safetensors, tokenizer): the model's architecture, the
@@ -295,9 +293,6 @@ class PPOConfig(WorkerConfig):
     mlflow_experiment_name: str = "tandem"
     """The MLflow experiment the run is logged under (created when missing)."""
 
-    def __post_init__(self) -> None:
-        """Nothing: `validate()` checks the merged config (YAML + flags) before Ray starts."""
-
     # --- derived sizes -------------------------------------------------------------------
     @property
     def actor_num_gpus(self) -> int:
@@ -314,8 +309,7 @@ class PPOConfig(WorkerConfig):
     @property
     def actor_data_parallel_size(self) -> int:
         """Data-parallel size of the actor."""
-        tp, pp = self.topology("actor")
-        return self.actor_num_gpus // (tp * pp)
+        return self.data_parallel_size(self.actor_num_gpus, "actor")
 
     @property
     def reward_spec(self) -> str:
@@ -332,17 +326,33 @@ class PPOConfig(WorkerConfig):
         """The critic's checkpoint folder: `--critic-save`, else RUN_DIR/critic."""
         return self.critic_save or str(Path(self.run_dir) / "critic")
 
-    def worker_config(self) -> WorkerConfig:
-        """The train workers' config: this config's WorkerConfig fields, checkpoints resumable by default.
+    def actor_config(self) -> WorkerConfig:
+        """The actor group's config: this run's worker fields, checked, its checkpoints resumable.
 
-        Each model resumes from its `--load` / `--critic-load`, or else from its own save folder
-        (a run started again in the same RUN_DIR continues where it stopped).
+        The actor saves to `actor_save` and resumes from `--load`, or else from that folder (a
+        run started again in the same RUN_DIR continues where it stopped). The critic's folders
+        are left out: the actor never reads them. ValueError naming the field where the fields
+        break a rule of `WorkerConfig`.
         """
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)}
-        values["save"] = self.actor_save
-        values["critic_save"] = self.critic_save_dir if self.use_critic else None
-        values["load"] = self.load or self.actor_save
-        values["critic_load"] = (self.critic_load or self.critic_save_dir) if self.use_critic else None
+        return self._worker_config(critic_save=None, critic_load=None)
+
+    def critic_config(self) -> WorkerConfig | None:
+        """The critic group's config, as `actor_config` for the critic; None when the run trains no critic.
+
+        The critic saves to `critic_save_dir` and resumes from `--critic-load`, or else from that
+        folder. It holds the actor's folders too (the critic never reads them; `WorkerConfig`
+        checks against them that the critic's are its own). No critic: `--no-use-critic`, which
+        a critic-free `--advantage-estimator` implies.
+        """
+        if not self.use_critic:
+            return None
+        return self._worker_config(
+            critic_save=self.critic_save_dir, critic_load=self.critic_load or self.critic_save_dir
+        )
+
+    def _worker_config(self, **critic_folders: str | None) -> WorkerConfig:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerFields)}
+        values |= {"save": self.actor_save, "load": self.load or self.actor_save, **critic_folders}
         if self.async_mode and self.reuse_old_log_probs is None:
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
@@ -362,185 +372,5 @@ class PPOConfig(WorkerConfig):
 
     # --- validation ------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check the whole config; a ValueError naming the flag and the fix otherwise."""
-        self._check_required()
-        self._check_driver_numbers()
-        self._check_plan()
-        check_estimator_plan(self)
-        self._check_files()
-        from tandem.ppo.trackers import check_trackers
-
-        check_trackers(self)
-        check_reward_config(self)
-        try:
-            worker = self.worker_config()
-            worker.check_world(self.actor_num_gpus, role=None if self.use_critic else "actor")
-            worker.check_role("actor")
-            worker.check_model("actor")
-            if self.use_critic:
-                worker.check_role("critic")
-                worker.check_model("critic")
-        except ValueError as exc:
-            raise ValueError(_flagged(str(exc))) from None
-        self._check_split()
-
-    def _check_required(self) -> None:
-        if not self.hf_checkpoint:
-            raise ValueError(
-                "--hf-checkpoint: not set; point it at a Hugging Face model folder (config.json, "
-                "safetensors, tokenizer)"
-            )
-        if not self.prompt_data:
-            raise ValueError("--prompt-data: not set; point it at a JSONL file of prompts and labels")
-
-    def _check_driver_numbers(self) -> None:
-        positive = {
-            "num_rollout": self.num_rollout,
-            "max_prompt_len": self.max_prompt_len,
-            "rollout_max_response_len": self.rollout_max_response_len,
-            "actor_num_nodes": self.actor_num_nodes,
-            "actor_num_gpus_per_node": self.actor_num_gpus_per_node,
-            "n_samples_per_eval_prompt": self.n_samples_per_eval_prompt,
-            "dynamic_sampling_max_rounds": self.dynamic_sampling_max_rounds,
-        }
-        for name, value in positive.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer")
-        for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer, or unset")
-        if (
-            isinstance(self.max_engine_restarts, bool)
-            or not isinstance(self.max_engine_restarts, int)
-            or (self.max_engine_restarts < 0)
-        ):
-            raise ValueError(
-                f"--max-engine-restarts: got {self.max_engine_restarts!r}; it must be an integer >= 0 (0: never)"
-            )
-        if not 0 <= self.num_critic_only_steps <= self.num_rollout:
-            raise ValueError(
-                f"--num-critic-only-steps: got {self.num_critic_only_steps}; it must lie in "
-                f"[0, --num-rollout = {self.num_rollout}]"
-            )
-        fraction = self.rollout_kv_cache_memory_fraction
-        if fraction is not None and not 0 < fraction <= 1:
-            raise ValueError(
-                f"--rollout-kv-cache-memory-fraction: got {fraction}; it must lie in (0, 1], or unset"
-            )
-        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
-            raise ValueError(
-                "--dynamic-sampling: needs --n-samples-per-prompt of at least 2 (a prompt's samples are "
-                "compared with each other)"
-            )
-        if not 0 < self.rollout_top_p <= 1:
-            raise ValueError(f"--rollout-top-p: got {self.rollout_top_p}; it must lie in (0, 1]")
-        if self.rollout_top_k == 0 or self.rollout_top_k < -1:
-            raise ValueError(f"--rollout-top-k: got {self.rollout_top_k}; use a positive k, or -1 for off")
-        if not self.eval_temperature >= 0:
-            raise ValueError(f"--eval-temperature: got {self.eval_temperature}; it must be >= 0 (0: greedy)")
-        for name in ("actor_gpu_share", "critic_gpu_share", "engine_gpu_share"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(f"{flag(name)}: got {value}; it must lie in (0, 1]")
-        if self.rm_type not in RM_TYPES and self.custom_rm_path is None:
-            raise ValueError(
-                f"--rm-type: got {self.rm_type!r}; choose one of {', '.join(RM_TYPES)}, or give "
-                "--custom-rm-path module:function"
-            )
-
-    def _check_plan(self) -> None:
-        if self.use_critic and self.train_backend != "megatron":
-            raise ValueError(
-                f"--use-critic: the critic needs --train-backend megatron (got {self.train_backend!r})"
-            )
-        if self.use_critic and importlib.util.find_spec("megatron") is None:
-            raise ValueError(
-                "--use-critic: the critic trains with Megatron-core, which is not installed; "
-                "pip install megatron-core (or tandem-megatron-backend), or pass --no-use-critic"
-            )
-        if (
-            self.rollout_engine == "sglang"
-            and not self.sglang_urls
-            and importlib.util.find_spec("sglang") is None
-        ):
-            raise ValueError(
-                "--rollout-engine: sglang is not installed; pip install 'tandem-ppo-driver[sglang]', "
-                "give --sglang-urls of running servers, or use --rollout-engine embedded"
-            )
-        if self.sglang_urls and len(self.sglang_urls) != self.num_engines:
-            raise ValueError(
-                f"--sglang-urls: {len(self.sglang_urls)} URLs for {self.num_engines} rollout GPUs; give one "
-                "URL per rollout GPU (--rollout-num-gpus)"
-            )
-        if self.weight_sync == "ipc" and not (self.colocate and self.num_engines == self.actor_num_gpus):
-            raise ValueError(
-                "--weight-sync: ipc needs each engine on an actor rank's GPU (--colocate, one engine per "
-                "actor GPU); use --weight-sync auto or cpu"
-            )
-        if self.async_mode and self.colocate:
-            raise ValueError(
-                "--async: the next rollout is generated while the models train, so the engines need GPUs "
-                "of their own; pass --no-colocate with --async (and --rollout-num-gpus)"
-            )
-        if self.colocate and self.num_engines != self.actor_num_gpus:
-            raise ValueError(
-                f"--rollout-num-gpus: {self.num_engines} with --colocate, but the actor has "
-                f"{self.actor_num_gpus} GPUs; colocated engines sit one per training GPU, so leave "
-                "--rollout-num-gpus unset (or pass --no-colocate)"
-            )
-        shares = self.actor_gpu_share + (self.critic_gpu_share if self.use_critic else 0.0)
-        if self.colocate:
-            shares += self.engine_gpu_share
-        if shares > 1 + 1e-9:
-            raise ValueError(
-                f"--actor-gpu-share / --critic-gpu-share / --engine-gpu-share: they add up to {shares:g} of "
-                "one GPU; lower them so that the roles sharing a GPU add up to at most 1"
-            )
-
-    def _check_files(self) -> None:
-        hf = Path(self.hf_checkpoint)
-        if not (hf / "config.json").is_file():
-            raise ValueError(
-                f"--hf-checkpoint: {self.hf_checkpoint!r} is not a Hugging Face model folder (no "
-                "config.json); point it at a folder written by save_pretrained"
-            )
-        for name in ("prompt_data", "eval_prompt_data"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{flag(name)}: file {path!r} does not exist; fix the path")
-        if self.eval_interval is not None and self.eval_prompt_data is None:
-            raise ValueError("--eval-interval: set, but there is no --eval-prompt-data to evaluate on")
-        if self.custom_rm_path is not None and ":" not in self.custom_rm_path:
-            raise ValueError(
-                f"--custom-rm-path: got {self.custom_rm_path!r}; write it as package.module:function or "
-                "/path/to/file.py:function"
-            )
-        run_dir = Path(self.run_dir)
-        if run_dir.exists() and not run_dir.is_dir():
-            raise ValueError(f"--run-dir: {self.run_dir!r} is a file; it must be a folder (or not exist yet)")
-
-    def _check_split(self) -> None:
-        samples = self.samples_per_rollout
-        roles: tuple[Any, ...] = ("actor", "critic") if self.use_critic else ("actor",)
-        for role in roles:
-            dp = self.data_parallel_size(self.actor_num_gpus, role)
-            if samples % dp:
-                raise ValueError(
-                    f"--rollout-batch-size: a rollout's {samples} samples (rollout_batch_size * "
-                    f"n_samples_per_prompt) do not split evenly over the {role}'s {dp} data-parallel "
-                    f"ranks; make it a multiple of {dp}"
-                )
-
-
-def _flagged(message: str) -> str:
-    """A WorkerConfig message (`field_name: ...`) with its leading field, and each field it names in
-    backticks, turned into the flag."""
-    fields = {f.name for f in dataclasses.fields(PPOConfig)}
-    message = re.sub(
-        r"`([a-z_]+)`", lambda m: flag(m.group(1)) if m.group(1) in fields else m.group(0), message
-    )
-    match = re.match(r"^([a-z_]+)([ :/])", message)
-    if match is None:
-        return message
-    return flag(match.group(1)) + message[len(match.group(1)) :]
+        """Check the whole config; a ValueError naming the flag and the fix otherwise (`config_checks`)."""
+        check_config(self)

@@ -89,9 +89,8 @@ class PPODriver:
         self.weights_version = 0
         self.weight_pack: Any = None
         self.clock = PhaseClock(track_gpu_memory=config.gpu_memory_metrics and config.device != "cpu")
-        worker = config.worker_config()
         roles: tuple[Any, ...] = ("actor", "critic") if config.use_critic else ("actor",)
-        self.data_parallel_sizes = {r: worker.data_parallel_size(config.actor_num_gpus, r) for r in roles}
+        self.data_parallel_sizes = {r: config.data_parallel_size(config.actor_num_gpus, r) for r in roles}
         self.actor: TrainGroup = None  # type: ignore[assignment]  # set by setup
         self.critic: TrainGroup | None = None
         self.engines: EngineGroup = None  # type: ignore[assignment]  # set by setup

@@ -181,7 +181,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     announce(changes)
     if read_latest(config.actor_save) is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
-    worker_config = dataclasses.replace(config.worker_config(), load=config.actor_save, use_kl_loss=False)
+    actor_config = dataclasses.replace(config.actor_config(), load=config.actor_save, use_kl_loss=False)
     started = start_ray(None, config.local_gpus)
     try:
         spec = PlacementSpec(
@@ -192,7 +192,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
         with create_placement_groups(spec) as placements:
             slot = placements.actor
             actor = create_train_group(
-                worker_config, "actor", slot.pg, slot.bundle_indices, num_gpus_per_worker=1.0
+                actor_config, "actor", slot.pg, slot.bundle_indices, num_gpus_per_worker=1.0
             )
             try:
                 return export_actor(actor, out or Path(run_dir) / "hf", config.hf_checkpoint)

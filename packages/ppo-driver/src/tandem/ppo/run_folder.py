@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.megatron.choices import Role
+from tandem.megatron.config import WorkerConfig
 from tandem.ppo.config import PPOConfig, flag
 from tandem.ppo.run_checkpoint import ModelFolders, ResumePoint, find_resume_point, set_aside
 from tandem.ppo.run_lock import RunLock
@@ -115,9 +116,17 @@ class RunFolder:
         exported = not self.config.export_hf or (self.path / "hf" / "config.json").is_file()
         return done and exported
 
-    def worker_config(self) -> Any:
-        """The workers' config: every model loads the resume point's rollout, or nothing on a fresh start."""
-        worker = self.config.worker_config()
+    def actor_config(self) -> WorkerConfig:
+        """The actor's config (`PPOConfig.actor_config`), loading the resume point's rollout (or nothing)."""
+        return self._resumed(self.config.actor_config())
+
+    def critic_config(self) -> WorkerConfig | None:
+        """The critic's config (`PPOConfig.critic_config`) as `actor_config`; None when the run has no critic."""
+        critic = self.config.critic_config()
+        return None if critic is None else self._resumed(critic)
+
+    def _resumed(self, worker: WorkerConfig) -> WorkerConfig:
+        # Every model loads the resume point's rollout, or nothing on a fresh start.
         if self.resume.rollout_id is None:
             return dataclasses.replace(worker, load=None, critic_load=None, load_rollout_id=None)
         return dataclasses.replace(worker, load_rollout_id=self.resume.rollout_id)
@@ -169,13 +178,17 @@ class RunFolder:
 
 def model_folders(config: PPOConfig) -> list[ModelFolders]:
     """Each model's load and save folders (the critic's only when the run has one)."""
-    worker = config.worker_config()
-    roles: tuple[Role, ...] = ("critic", "actor") if config.use_critic else ("actor",)
+    workers: dict[Role, WorkerConfig | None] = {
+        "critic": config.critic_config(),
+        "actor": config.actor_config(),
+    }
 
     def path(value: str | None) -> Path | None:
         return None if value is None else Path(value)
 
-    return [ModelFolders(r, path(worker.load_of(r)), path(worker.save_of(r))) for r in roles]
+    return [
+        ModelFolders(r, path(w.load_of(r)), path(w.save_of(r))) for r, w in workers.items() if w is not None
+    ]
 
 
 def _remove_if_empty(path: Path) -> None:

@@ -72,7 +72,10 @@ def setup_ray(driver: PPODriver) -> None:
 def setup_groups(driver: PPODriver) -> None:
     """The placement groups, the train groups and the engines; the models asleep when the plan says."""
     assert driver.folder is not None
-    started = start_groups(driver.config, driver.folder.worker_config(), lock_file=driver.folder.lock.path)
+    folder = driver.folder
+    started = start_groups(
+        driver.config, folder.actor_config(), folder.critic_config(), lock_file=folder.lock.path
+    )
     driver.placements, driver.actor, driver.critic, driver.engines = started
     slots = {"actor": started.placements.actor, "rollout": started.placements.rollout}
     driver.events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})

@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         use_sequence_packing=args.packed,
         fused_rope=args.fused_rope,
+        log_probs_chunk_tokens=args.log_probs_chunk_tokens,
     )
     report: dict[str, Any] = {
         "bench": "train_profile",
@@ -180,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch_size": args.micro_batch_size,
         "packed": args.packed,
         "varied_lengths": args.varied_lengths,
+        "log_probs_chunk_tokens": args.log_probs_chunk_tokens,
         "fused_rope_flag": args.fused_rope,
     }
     if args.sdpa_cudnn:
@@ -301,6 +303,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--packed", action="store_true", help="use_sequence_packing")
+    p.add_argument(
+        "--log-probs-chunk-tokens",
+        type=int,
+        default=0,
+        help="WorkerConfig.log_probs_chunk_tokens (0: the whole micro-batch's logits at once)",
+    )
     p.add_argument(
         "--sdpa-cudnn",
         action="store_true",

@@ -22,9 +22,11 @@ attention, never cuDNN's. cuDNN builds an execution graph for every new shape
 of its inputs (tens to hundreds of milliseconds on the host each), and PPO's
 shapes are new all the time: every packed sample has its own length, every
 padded micro-batch its own longest sample. On one H200 (torch 2.11, the 0.5B
-bench with EOS and packing) that build time made a step's training ten times
-slower than its kernels; flash and memory-efficient attention have no per-shape
-set-up. `allow_cudnn_attention(True)` lets PyTorch pick cuDNN again (an A/B
+PPO bench with EOS and packing) a shared step took 59.4 s with cuDNN's builds
+and 17.8 s without (docs/benchmarks.md, "Realistic lengths"); flash and
+memory-efficient attention have no per-shape set-up. At fixed lengths cuDNN's
+kernel is about 5 % faster for a whole `train()`, which is what the default gives
+up there. `allow_cudnn_attention(True)` lets PyTorch pick cuDNN again (the A/B
 lever of `bench/train_profile.py --sdpa-cudnn`).
 """
 

@@ -34,3 +34,31 @@ def test_quick_profile_adds_up(tmp_path: Path) -> None:
     # The tiny model's matrix multiplies and SDPA show up under their kinds.
     assert prof["by_kind_s"]["matmul"] > 0 and prof["by_kind_s"]["attention"] > 0
     assert "aten::_local_scalar_dense" in prof["host_syncs"]
+
+
+def test_varied_lengths_draw_new_lengths_for_every_call(tmp_path: Path) -> None:
+    """`--varied-lengths --packed`: each call's batch has lengths of its own, counted in its tokens."""
+    out = tmp_path / "varied.json"
+    cmd = [
+        sys.executable,
+        "bench/train_profile.py",
+        "--quick",
+        "--varied-lengths",
+        "--packed",
+        "--iters",
+        "2",
+        "--no-profile",
+        "--out",
+        str(out),
+        "--workdir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    tokens = r["tokens_per_call"]
+    assert r["varied_lengths"] and r["packed"] and len(tokens) == 2 * 2 + 2
+    # 8 samples of 16 prompt tokens and 1..48 response tokens each, drawn anew per call.
+    assert all(8 * (16 + 1) <= t <= 8 * 64 for t in tokens) and len(set(tokens)) > 1
+    assert r["tokens_per_train"] == pytest.approx(sum(sorted(tokens)[2:4]) / 2)  # their median
+    assert "[train_profile] train()" in proc.stdout

@@ -73,8 +73,10 @@ class Turn:
     def describe(self) -> str:
         """The turn as "critic: wake, train, sleep"."""
         wake, sleep = _WORDS.get(self.role, ("wake", "sleep"))
-        steps = [wake] * self.wake_before + [self.work] * (self.work is not None) + [sleep] * self.sleep_after
-        return f"{self.role}: {', '.join(s for s in steps if s is not None)}"
+        steps = [wake] if self.wake_before else []
+        steps += [self.work] if self.work is not None else []
+        steps += [sleep] if self.sleep_after else []
+        return f"{self.role}: {', '.join(steps)}"
 
 
 @dataclass(frozen=True)

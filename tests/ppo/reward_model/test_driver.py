@@ -24,6 +24,7 @@ from tandem.ppo.config import PPOConfig
 from tandem.ppo.config_file import unvalidated
 from tandem.ppo.driver import PPODriver, RunSummary
 
+from ..test_schedule import check_run_follows_its_schedules
 from .conftest import save_reward_model
 
 pytestmark = pytest.mark.slow
@@ -133,9 +134,16 @@ def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
         critic_hf_checkpoint=demo_with_rm["rm"],
     )
     kept: dict[str, Any] = {}
-    summary = run(config, ray_start, after=lambda d: kept.update(rollout=d.last_sampled.rollout))
+    summary = run(
+        config,
+        ray_start,
+        after=lambda d: kept.update(
+            rollout=d.last_sampled.rollout, schedules=[d.schedule_of(k) for k in range(3)]
+        ),
+    )
     events = read_events(tmp_path / "run")
     check_turns(events)
+    check_run_follows_its_schedules(events, kept["schedules"])  # each step in its schedule's order
 
     # Each step: generate -> engine release -> rm wake -> score -> rm sleep -> critic -> actor.
     kinds = [(e["event"], e.get("role")) for e in events]

@@ -1,24 +1,14 @@
 """The PPO driver: it owns the plan (when each model sleeps and wakes); the workers own the mechanism.
 
-One step, exactly as docs/design.md's "One PPO step" says:
-
-1. rollout: the engines sample `rollout_batch_size * n_samples_per_prompt`
-   responses, rewards are computed, the batch is split per data-parallel rank
-   and put in Ray's object store; a reward model (`--rm-type model`) scores once
-   the engines have released their memory: wake, score, sleep (`_score_with_reward_model`);
-2. the engines release their GPU memory (weights, KV cache);
-3. critic: wake, train (old values, GAE returns, value loss), sleep; it
-   returns its old values per rank (GAE only: with a critic-free
-   `--advantage-estimator` no critic exists, and the step has no critic phase);
-4. actor: wake, train with the critic's per-rank results as `critic=` (`CriticValues` inside),
-   sleep (skipped during the critic-only warm-up);
-5. weights: the engines resume their weights, the actor (asleep) sends its
-   weights, the engines flush and resume their KV cache (skipped in warm-up,
-   where the engines just resume);
-6. checkpoint when due: the driver's state, then for each model wake -> save -> sleep.
-
-With `--no-offload-train` nothing sleeps and the engines keep their memory,
-so the same run can be compared with both models resident.
+One step is its schedule (`schedule.step_schedule`, docs/design.md's "The step's
+schedule"), e.g. on shared GPUs: engine: generate, release → critic: wake, train,
+sleep → actor: wake, train, sleep → engine: resume, weights. `PPODriver.step`
+takes the turns in order (`turns.StepTurns`): the rollout (sampled, scored, a
+reward model's wake, score and sleep inside it, split per data-parallel rank),
+the KL-first log-probs, the critic, the actor (not in the critic-only warm-up),
+the weights to the engines. Checkpoints when due: the driver's state, then for
+each model wake -> save -> sleep. With `--no-offload-train` nothing sleeps and
+the engines keep their memory, so the same run can be compared with both models resident.
 """
 
 from __future__ import annotations
@@ -37,6 +27,7 @@ from tandem.ppo import startup
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.hub import resolve_checkpoints
 from tandem.ppo.loop import run_loop
+from tandem.ppo.reward_model import uses_reward_model
 from tandem.ppo.rollout import (
     Rollout,
     Sampled,
@@ -49,13 +40,14 @@ from tandem.ppo.rollout import (
 from tandem.ppo.run_checkpoint import save_run_checkpoint
 from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import PhaseClock, RunSummary
+from tandem.ppo.schedule import StepFacts, StepSchedule, check_exclusive, step_schedule
 from tandem.ppo.state import DriverState, load_state
-from tandem.ppo.step_metrics import role_metrics, step_metrics
+from tandem.ppo.step_metrics import step_metrics
+from tandem.ppo.turns import StepTurns
 from tandem.ppo.weight_sync import send_to_restarted, sync_weights
 
 if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
-    from tandem.megatron.payloads import ActorLogProbs, TrainResult
     from tandem.placement import Placements
     from tandem.ppo.engines import EngineGroup
     from tandem.ppo.metrics import MetricsLogger
@@ -83,7 +75,15 @@ class PPODriver:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.plan = OffloadPlan.time_shared() if config.offload_train else OffloadPlan.resident()
-        self.release_engines = config.colocate and config.offload_train
+        self.facts = StepFacts(
+            colocate=config.colocate,
+            offload_train=config.offload_train,
+            critic=config.use_critic,
+            reward_model=uses_reward_model(config),
+            kl_first=config.kl_coef != 0 and config.use_critic,
+        )
+        """What decides each step's schedule (`schedule_of`)."""
+        self.release_engines = self.facts.engines_release
         self.metrics_so_far: list[dict[str, Any]] = []
         self._started_ray = False
         self.weights_version = 0
@@ -136,6 +136,12 @@ class PPODriver:
             self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
         )
 
+    def schedule_of(self, rollout_id: int, *, generate_ahead: bool = False) -> StepSchedule:
+        """Step `rollout_id`'s turns (`schedule`), checked by `check_exclusive`; `generate_ahead`:
+        the async loop generates the next rollout during the step."""
+        warm_up = rollout_id < self.config.num_critic_only_steps
+        return _checked_schedule(self.facts.replace(warm_up=warm_up, generate_ahead=generate_ahead))
+
     def _models(self) -> list[TrainGroup]:
         return [g for g in (self.critic, self.actor) if g is not None]
 
@@ -185,7 +191,7 @@ class PPODriver:
         *,
         start_next: Callable[[], Future[Sampled]] | None = None,
     ) -> dict[str, Any]:
-        """One PPO step (docs/design.md's six steps) on `sampled` (drawn now when None); its metrics.
+        """One PPO step, the turns of its schedule (`schedule_of`), on `sampled` (drawn now when None); its metrics.
 
         `time/step` is this call's wall clock, read once from one timer: it includes the
         rollout when the step draws it, and not when `sampled` was drawn before the call.
@@ -198,48 +204,13 @@ class PPODriver:
         restarts_before = self.engine_restarts
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
-        critic_only = rollout_id < config.num_critic_only_steps
-
-        # 1. rollout: sample, score, split per data-parallel rank
-        if sampled is None:
-            sampled = self._draw(rollout_id)
-        self.last_sampled = sampled
-        self._engines_released_to_score = False  # released from here to step 5 (step 2 holds them)
-        generating = self.generating = start_next() if start_next is not None else None
-
-        # 2. the engines hand their GPU memory back
-        if self.release_engines:
-            with self._phase("engine_release"):
-                self.engines.release_memory()
-
-        # 2b. KL-first plan (kl_coef != 0 with a critic): the actor's old and reference log-probs
-        #     before the critic trains, so that both fold the same per-token KL into their rewards
-        #     (without a critic the actor computes them in its own train step)
-        kl_first = config.kl_coef != 0 and self.critic is not None
-        log_probs = self._kl_first(rollout_id, sampled) if kl_first else None
-
-        # 3. critic (GAE only): wake, old values + returns + value loss, sleep
-        critic_out = None
-        metrics: dict[str, Any] = {}
-        if self.critic is not None:
-            critic_out = self._train(self.critic, rollout_id, sampled, log_probs=log_probs)
-            metrics.update(role_metrics("critic", critic_out))
-
-        # 4. actor: wake, train with the critic's values (and its own log-probs), sleep
-        if not critic_only:
-            actor_out = self._train(self.actor, rollout_id, sampled, critic=critic_out, log_probs=log_probs)
-            metrics.update(role_metrics("actor", actor_out))
-
-        # 5. weights to the engines (weights back -> sync -> KV cache back)
-        if generating is not None:
-            with self._phase("wait_for_next_rollout"):
-                generating.result()
-        if not critic_only:
-            self._sync_weights()
-            self.weights_version = rollout_id + 1
-        elif self.release_engines:
-            with self._phase("engine_resume"):
-                self.engines.resume_memory()
+        schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
+        # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout,
+        # 2. engines release, 2b. KL-first log-probs, 3. critic, 4. actor, 5. weights
+        turns = StepTurns(self, rollout_id, sampled, start_next)
+        for turn in schedule.turns:
+            turns.take(turn)
+        sampled, metrics = turns.rollout, turns.metrics
 
         seconds = time.perf_counter() - step_start
         self.events.record("step_end", rollout_id=rollout_id, seconds=seconds)
@@ -249,7 +220,7 @@ class PPODriver:
             seconds=seconds,
             clock=self.clock.values,
             rollout_id=rollout_id,
-            critic_only=critic_only,
+            critic_only=schedule.turn("actor", "train") is None,
             accuracy_threshold=config.accuracy_threshold,
             dropped_prompts=self.dataset.num_dropped,
             restarts=self.engine_restarts - restarts_before,
@@ -303,51 +274,6 @@ class PPODriver:
         with self._phase("reward_model_sleep"):
             self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
 
-    def _kl_first(self, rollout_id: int, sampled: Sampled) -> list[ActorLogProbs | None]:
-        """The actor, woken briefly, computes its old and reference log-probs for the rollout."""
-        import ray
-
-        with self._phase("kl_first"):
-            if self.plan.wake_up_before_train:
-                self._wake(self.actor)
-            self.events.record("log_probs_begin", role="actor", rollout_id=rollout_id)
-            out: list[ActorLogProbs | None] = ray.get(
-                self.actor.compute_log_probs(rollout_id, sampled.data_refs["actor"])
-            )
-            self.events.record("log_probs_end", role="actor", rollout_id=rollout_id)
-            if self.plan.sleep_after_train:
-                self._sleep(self.actor)
-        return out
-
-    def _train(
-        self,
-        group: TrainGroup,
-        rollout_id: int,
-        sampled: Sampled,
-        *,
-        critic: list[TrainResult] | None = None,
-        log_probs: list[ActorLogProbs | None] | None = None,
-    ) -> list[TrainResult]:
-        import ray
-
-        role = group.role
-        if self.plan.wake_up_before_train:
-            self._wake(group)
-        with self._phase(f"{role}_train"):
-            self.events.record("train_begin", role=role, rollout_id=rollout_id)
-            refs = group.train(
-                rollout_id,
-                sampled.data_refs[role],
-                critic=critic,
-                log_probs=log_probs,
-                sample_indices=sampled.sample_indices[role],
-            )
-            out: list[TrainResult] = ray.get(refs)
-            self.events.record("train_end", role=role, rollout_id=rollout_id)
-        if self.plan.sleep_after_train:
-            self._sleep(group)
-        return out
-
     def _wake(self, group: TrainGroup) -> None:
         with self._phase(f"{group.role}_wake"):
             self.events.record("wake", role=group.role)
@@ -358,13 +284,17 @@ class PPODriver:
             self.clock.record_lifecycle(f"{group.role}_sleep", group.sleep())
             self.events.record("sleep", role=group.role)
 
-    def _sync_weights(self) -> None:
-        """Step 5: engines' weights back -> the actor's weights into them -> KV cache back (`weight_sync`)."""
+    def _sync_weights(self, *, resume: bool | None = None) -> None:
+        """Step 5: engines' weights back -> the actor's weights into them -> KV cache back (`weight_sync`).
+
+        `resume`: whether the engines take their memory back around the sync (default: when they
+        release it in this run's steps).
+        """
         sync_weights(
             self.actor,
             self.engines,
             pack=self.weight_pack,
-            release_engines=self.release_engines,
+            release_engines=self.release_engines if resume is None else resume,
             events=self.events,
             clock=self.clock,
         )
@@ -422,6 +352,11 @@ class PPODriver:
     def close(self) -> None:
         """Stop the workers and engines, release the placement groups, stop Ray if we started it."""
         startup.close(self)
+
+
+@functools.cache
+def _checked_schedule(facts: StepFacts) -> StepSchedule:
+    return check_exclusive(step_schedule(facts))
 
 
 def train(config: PPOConfig) -> RunSummary:

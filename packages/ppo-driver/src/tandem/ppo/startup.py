@@ -100,8 +100,10 @@ def setup_reward_model(driver: PPODriver) -> None:
 
     if not uses_reward_model(driver.config):
         return
+    turn = driver.schedule_of(0).turn("reward_model", "score")  # the same turn in every step
+    assert turn is not None
     driver.reward_model = start_reward_model(
-        driver.config, driver.placements, events=driver.events, sleeps=driver.release_engines
+        driver.config, driver.placements, events=driver.events, sleeps=turn.sleep_after
     )
     if driver.reward_model.sleeps:
         driver._sleep_reward_model()

@@ -25,30 +25,14 @@ from hypothesis import strategies as st
 from tandem.ppo.config import PPOConfig, flag
 from tandem.ppo.config_file import config_fields, parse_config, unvalidated
 
+from ._config_files import LLAMA_CONFIG, write_config_files
+
 FLAGS = {flag(name) for name in config_fields()}
-
-
-LLAMA_CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 56,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-"""A small Llama's config.json: validation reads the architecture (heads and layers against TP and PP)."""
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("config")
-    hf = root / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(LLAMA_CONFIG))
-    prompts = root / "train.jsonl"
-    prompts.write_text(json.dumps({"prompt": "1+1", "label": "2"}) + "\n")
-    return {"hf_checkpoint": str(hf), "prompt_data": str(prompts), "run_dir": str(root / "run")}
+    return write_config_files(tmp_path_factory.mktemp("config"))
 
 
 def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:

@@ -10,7 +10,6 @@ gives them as flags, and finds each in both roles' configs.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -22,16 +21,7 @@ from tandem.megatron.config import WorkerConfig, WorkerFields
 from tandem.ppo.config import PPOConfig, flag
 from tandem.ppo.config_file import parse_config, unvalidated
 
-LLAMA_CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 56,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-"""A small Llama's config.json: 4 heads, 2 key/value heads and 2 layers split over TP 2 or PP 2."""
+from ._config_files import write_config_files
 
 CRITIC_FREE = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
@@ -41,13 +31,7 @@ FOLDERS = ("save", "load", "critic_save", "critic_load")
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("roles")
-    hf = root / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(LLAMA_CONFIG))
-    prompts = root / "train.jsonl"
-    prompts.write_text(json.dumps({"prompt": "1+1", "label": "2"}) + "\n")
-    return {"hf_checkpoint": str(hf), "prompt_data": str(prompts), "run_dir": str(root / "run")}
+    return write_config_files(tmp_path_factory.mktemp("roles"))
 
 
 def cpu_run(files: dict[str, str], **values: Any) -> PPOConfig:

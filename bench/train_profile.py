@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # Fixed lengths: one batch throughout. Varied: a new draw of lengths for every call (as every
     # PPO step brings), each call's tokens counted.
-    batches = [batch_of(i if args.varied_lengths else 0) for i in range(2 * args.iters + 2)]
+    calls = 2 * args.iters + 2
+    batches = [batch_of(i) for i in range(calls)] if args.varied_lengths else [batch_of(0)] * calls
     tokens_of = [sum(int(t.numel()) for t in b.tokens) for b in batches]
     batch = batches[0]
     tokens = statistics.median(tokens_of)

@@ -80,11 +80,10 @@ def sdpa_attention() -> type:
 
     class SdpaDotProductAttention(DotProductAttention):
         def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            """Causal attention of `[b, heads, s, d]` tensors (on the GPU: `sdpa_backends`)."""
-            with sdpa_backends(q.device):
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-                )
+            """Causal attention of `[b, heads, s, d]` tensors (within `forward`'s `sdpa_backends`)."""
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
 
         def forward(
             self,
@@ -112,12 +111,14 @@ def sdpa_attention() -> type:
                         "(no mask or bias of the caller's, no attention dropout, no softmax offset)"
                     )
                 # THD: query [t, heads, d]; each block is one sample, attending causally to itself.
+                # The kernels are chosen once for all the blocks (`sdpa_backends`).
                 blocks = []
-                for q, k, v in zip(
-                    *(t.split(segments_of(packed_seq_params)) for t in (query, key, value)), strict=True
-                ):
-                    # [n, heads, d] -> [1, heads, n, d]
-                    blocks.append(self._sdpa(*(t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))))
+                with sdpa_backends(query.device):
+                    for q, k, v in zip(
+                        *(t.split(segments_of(packed_seq_params)) for t in (query, key, value)), strict=True
+                    ):
+                        # [n, heads, d] -> [1, heads, n, d]
+                        blocks.append(self._sdpa(*(t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))))
                 # [1, heads, n, d] -> [n, heads * d], blocks back in row order: [t, heads * d]
                 return torch.cat([b[0].permute(1, 0, 2) for b in blocks]).reshape(
                     query.shape[0], self.hidden_size_per_partition
@@ -128,7 +129,8 @@ def sdpa_attention() -> type:
                 )
             # [s, b, heads, d] -> [b, heads, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            context = self._sdpa(q, k, v)
+            with sdpa_backends(query.device):
+                context = self._sdpa(q, k, v)
             # [b, heads, s, d] -> [s, b, heads * d]
             return context.permute(2, 0, 1, 3).reshape(
                 query.shape[0], query.shape[1], self.hidden_size_per_partition

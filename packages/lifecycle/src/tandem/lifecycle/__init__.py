@@ -5,7 +5,9 @@
 `TorchMemorySaverBackend` (GPU only; its process starts with
 `torch_memory_saver_env()`) or `NoopBackend`, chosen by `make_backend`.
 `ReloadableProcessGroup`s let the NCCL communicators go too, and `OffloadPlan`
-is the driver's side: when to sleep and wake.
+is the driver's side: when to sleep and wake. `HostCopies` keeps tensors that
+stay on the host for a run (an actor's reference weights) in one exact-size
+page-locked buffer.
 
 Importing this package imports torch, never ray, megatron or torch_memory_saver.
 """
@@ -14,6 +16,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._backend import BACKEND_NAMES, BackendName, MemoryBackend, NoopBackend, clear_torch_caches, make_backend
+from ._host_buffers import HostCopies
 from ._lifecycle import Lifecycle
 from ._memory_saver import TorchMemorySaverBackend, torch_memory_saver_env
 from ._pinned_host import PinnedHostBackend
@@ -37,6 +40,7 @@ except PackageNotFoundError:  # source tree on PYTHONPATH (the offline GPU host)
 __all__ = [
     "BACKEND_NAMES",
     "BackendName",
+    "HostCopies",
     "Lifecycle",
     "MemoryBackend",
     "NoopBackend",

@@ -10,14 +10,14 @@ backend, swaps reference weights in and out, and snapshots the training state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tandem.lifecycle import MemoryBackend, PinnedHostBackend
+from tandem.lifecycle import HostCopies, MemoryBackend, PinnedHostBackend
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
@@ -45,10 +45,9 @@ class Trainee:
         device: where the model lives.
         backend: the memory backend whose regions hold the weights and optimizer state.
         reference: host copies of the reference weights, one per parameter of
-            `chunks[0].module`, in `parameters()` order (pinned on the GPU); None
-            without a KL loss or reward-level KL (`WorkerConfig.needs_reference`).
-        spare: host buffers of the same shapes that receive the trained weights
-            while the reference weights are in the model (`reference_weights`).
+            `chunks[0].module`, in `parameters()` order (`HostCopies`: one exact-size
+            buffer, page-locked on the GPU); None without a KL loss or reward-level KL
+            (`WorkerConfig.needs_reference`).
     """
 
     role: Role
@@ -58,8 +57,7 @@ class Trainee:
     optim: OptimizerBundle
     device: torch.device
     backend: MemoryBackend
-    reference: list[torch.Tensor] | None = None
-    spare: list[torch.Tensor] = field(default_factory=list)
+    reference: Sequence[torch.Tensor] | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -143,43 +141,30 @@ class Trainee:
     # --- reference weights -----------------------------------------------------------------
     @contextmanager
     def reference_weights(self) -> Iterator[None]:
-        """The reference weights in the model for the duration of the block; the trained ones after."""
-        self._swap_reference()
-        try:
-            yield
-        finally:
-            self._swap_reference()
+        """The reference weights in the model for the duration of the block; the trained ones after.
 
-    @torch.no_grad()
-    def _swap_reference(self) -> None:
-        """Exchange the model's weights with the host-side reference weights.
-
-        The model's weights go to the spare host buffers and the reference weights
-        come in, both on a side stream into retained (pinned, on the GPU) buffers;
-        then the two host sets trade names. Nothing is allocated per swap.
+        The trained weights wait on the model's own device, in one transient copy of its
+        weight buffers (a forward-only block needs far less memory than training does), and
+        come back by a device-to-device copy; so the host holds the reference weights alone
+        (`HostCopies`: one exact-size page-locked buffer), not a second set for the trained
+        ones. Every copy runs on the current stream: no host sync.
         """
         if self.reference is None:
             raise RuntimeError(
                 "reference_weights: this model keeps no reference weights (use_kl_loss is off and kl_coef is 0)"
             )
-        if not self.spare:
-            self.spare = [torch.empty_like(t, pin_memory=t.is_pinned()) for t in self.reference]
-        params = self.parameters()
-        if self.device.type == "cuda":
-            stream = torch.cuda.Stream(device=self.device)
-            # The optimizer's last writes to the weights happen on the current stream.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for param, host, spare in zip(params, self.reference, self.spare, strict=True):
-                    # In stream order: each weight is out before the reference overwrites it.
-                    spare.copy_(param, non_blocking=True)
-                    param.copy_(host, non_blocking=True)
-            stream.synchronize()
-        else:
-            for param, host, spare in zip(params, self.reference, self.spare, strict=True):
-                spare.copy_(param)
-                param.copy_(host)
-        self.reference, self.spare = self.spare, self.reference
+        with torch.no_grad():
+            weights = self.weight_tensors()
+            kept = [t.clone() for t in weights]
+            for param, host in zip(self.parameters(), self.reference, strict=True):
+                param.copy_(host, non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, trained in zip(weights, kept, strict=True):
+                    t.copy_(trained)
+            del kept
 
     # --- state -------------------------------------------------------------------------------
     def train_state(self) -> TrainState:
@@ -228,10 +213,7 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
         reference = None
         if role == "actor" and config.needs_reference:
             load_hf(model, spec, config.ref_load or config.hf_checkpoint, role)
-            reference = [
-                p.detach().to("cpu", copy=True).pin_memory() if on_gpu else p.detach().clone()
-                for p in model.parameters()
-            ]
+            reference = HostCopies(p.detach() for p in model.parameters())
         load_hf(model, spec, config.hf_checkpoint_of(role), role)
         ddp = wrap_ddp(model, use_distributed_optimizer=on_gpu)
     with backend.region(OPTIMIZER):

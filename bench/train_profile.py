@@ -8,8 +8,11 @@ shapes with `--shape` (e.g. `--shape smollm2-135m --seq-len 80 --samples 512
 
 1. `train()` (old-log-prob forward, then the update) and `compute_log_probs()`
    (that forward alone), each the median of `--iters` calls after a warm-up
-   call; the update's seconds are their difference, and its MFU
-   6 * params * tokens / update seconds / 989 TFLOP/s (H200 dense bf16).
+   call; the update's seconds are the difference of their fastest calls (a
+   one-off slow call, such as a recompilation, drops out), and its MFU
+   6 * params * tokens / update seconds / 989 TFLOP/s (H200 dense bf16). Where
+   that difference is not positive the update's figures are null and
+   `update_unmeasured` says why.
 2. One `train()` under `torch.profiler`: the GPU's kernel time by kind (matrix
    multiplies, attention, optimizer, copies and casts, reductions, other
    element-wise work, NCCL), the share of the wall time the GPU was busy, the
@@ -231,21 +234,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     report["tokens_per_call"] = tokens_of
     train, forward = statistics.median(train_s), statistics.median(forward_s)
-    update = train - forward
     peak = single.H200_BF16_PEAK_FLOPS
     report.update(
         {
             "tokens_per_train": tokens,
             "train_s": train_s,
             "log_prob_forward_s": forward_s,
-            "update_s": update,
             "tokens_per_s_train": tokens / train,
-            "tokens_per_s_update": tokens / update,
             "mfu_train_6n": 6 * params * tokens / train / peak,
             "mfu_train_8n": 8 * params * tokens / train / peak,
-            "mfu_update_6n": 6 * params * tokens / update / peak,
             "mfu_forward_2n": 2 * params * tokens / forward / peak,
             "peak_flops": peak,
+            **update_figures(train_s, forward_s, tokens=tokens, params=params, peak=peak),
         }
     )
     if on_gpu:
@@ -261,6 +261,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def update_figures(
+    train_s: list[float], forward_s: list[float], *, tokens: float, params: int, peak: float
+) -> dict[str, Any]:
+    """The update's seconds (fastest `train()` less fastest forward), tokens/s and MFU; null where not positive."""
+    update = min(train_s) - min(forward_s)
+    if update <= 0:
+        return {
+            "update_s": None,
+            "tokens_per_s_update": None,
+            "mfu_update_6n": None,
+            "update_unmeasured": (
+                f"the fastest train() ({min(train_s):.3f} s) was not slower than the fastest forward "
+                f"({min(forward_s):.3f} s); run more --iters"
+            ),
+        }
+    return {
+        "update_s": update,
+        "tokens_per_s_update": tokens / update,
+        "mfu_update_6n": 6 * params * tokens / update / peak,
+    }
+
+
 def print_summary(r: dict[str, Any]) -> None:
     print(
         f"\n{r['params'] / 1e9:.2f} B params, {r['samples_per_train']} x {r['shape']['seq_len']} tokens a train(), "
@@ -271,7 +293,11 @@ def print_summary(r: dict[str, Any]) -> None:
         f"train() {statistics.median(r['train_s']):.2f} s ({r['tokens_per_s_train']:.0f} tokens/s, "
         f"MFU {r['mfu_train_6n']:.1%} 6N, {r['mfu_train_8n']:.1%} 8N); log-prob forward "
         f"{statistics.median(r['log_prob_forward_s']):.2f} s (MFU {r['mfu_forward_2n']:.1%} 2N); "
-        f"update {r['update_s']:.2f} s ({r['tokens_per_s_update']:.0f} tokens/s, MFU {r['mfu_update_6n']:.1%} 6N)"
+        + (
+            f"update {r['update_s']:.2f} s ({r['tokens_per_s_update']:.0f} tokens/s, MFU {r['mfu_update_6n']:.1%} 6N)"
+            if r["update_s"] is not None
+            else f"update not measured: {r['update_unmeasured']}"
+        )
     )
     prof = r.get("profile")
     if prof:

@@ -2,9 +2,10 @@
 
 The property test draws every combination of the facts that decide a step
 (shared or resident GPUs, critic, reward model, KL-first, warm-up, async) and
-checks the built schedule against `check_exclusive` and its expected shape; the
-checker refuses hand-made bad schedules; a demo-sized CPU run records its
-events in the order of each step's schedule.
+checks the built schedule against `check_exclusive` and its expected shape, and
+so for a checkpoint save's; the checker refuses hand-made bad schedules; a
+demo-sized CPU run records its events in the order of each step's schedule and
+of its save's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tandem.ppo.schedule import (
     Turn,
     check_exclusive,
     residents_at_each_turn,
+    save_schedule,
     step_schedule,
 )
 
@@ -89,6 +91,46 @@ def test_every_schedule_keeps_the_gpus_exclusive_and_has_its_shape(facts: StepFa
         for residents in residents_at_each_turn(schedule):
             if residents.computing:
                 assert residents.computing == residents.awake == {residents.turn.role}
+
+
+@given(facts_strategy)
+def test_every_save_keeps_the_gpus_exclusive_and_has_its_shape(facts: StepFacts) -> None:
+    schedule = check_exclusive(save_schedule(facts))
+    turns = schedule.turns
+    saves = [t for t in turns if t.work == "save"]
+    assert [t.role for t in saves] == (["critic", "actor"] if facts.critic else ["actor"])
+    assert all(t.wake_before == t.sleep_after == facts.offload_train for t in saves)
+    engines = [t for t in turns if t.role == "engine"]
+    if facts.engines_release:
+        # A model's whole state comes back for its save: the engines make room first, then
+        # take their memory back with the actor's weights, as at the end of a step.
+        assert turns[0] == Turn("engine", None, sleep_after=True)
+        assert turns[-1] == Turn("engine", "weights", wake_before=True)
+        for residents in residents_at_each_turn(schedule):
+            if residents.turn.work == "save":
+                assert residents.awake == residents.computing == {residents.turn.role}
+    else:
+        assert engines == []
+    assert save_schedule(facts.replace(warm_up=not facts.warm_up)) == save_schedule(facts)
+
+
+def test_a_save_beside_engines_that_keep_their_memory_is_refused() -> None:
+    # What a save did before it had a schedule: each model woke on the shared GPUs while the
+    # engines held their weights and KV cache.
+    before = StepSchedule(
+        (
+            Turn("engine", "generate"),
+            Turn("critic", "save", wake_before=True, sleep_after=True),
+            Turn("actor", "save", wake_before=True, sleep_after=True),
+        ),
+        colocated=True,
+    )
+    with pytest.raises(ScheduleError, match=r"\['critic', 'engine'\] are awake on the shared GPUs"):
+        check_exclusive(before)
+    shared = save_schedule(StepFacts(colocate=True, offload_train=True, critic=True))
+    assert shared.describe() == (
+        "engine: release → critic: wake, save, sleep → actor: wake, save, sleep → engine: resume, weights"
+    )
 
 
 def test_every_accepted_combination_is_checked() -> None:
@@ -181,6 +223,7 @@ _WORK_EVENT = {
     "log_probs": "log_probs_begin",
     "train": "train_begin",
     "weights": "weight_sync",
+    "save": "save",
 }
 STEP_EVENTS = {"generate_begin", "score_begin", "log_probs_begin", "train_begin", "weight_sync"}
 STEP_EVENTS |= {"wake", "sleep", "rm_wake", "rm_sleep"}
@@ -216,6 +259,19 @@ def steps_events(events: list[dict[str, Any]]) -> dict[int, list[str]]:
     return out
 
 
+def save_events(events: list[dict[str, Any]]) -> list[str]:
+    """The events of the save after the run's last step, as `expected_events` names them (the
+    engines' release is an event of its own here)."""
+    last_end = max(i for i, e in enumerate(events) if e["event"] == "step_end")
+    out = []
+    for e in events[last_end + 1 :]:
+        if e["event"] == "engine_release":
+            out.append("engine:release")
+        elif e["event"] in {"wake", "sleep", "save", "weight_sync"}:
+            out.append(f"{e.get('role') or 'engine'}:{e['event']}")
+    return out
+
+
 def check_run_follows_its_schedules(events: list[dict[str, Any]], schedules: list[StepSchedule]) -> None:
     """Every step's events come in the order of its schedule's turns."""
     recorded = steps_events(events)
@@ -240,9 +296,20 @@ def test_a_cpu_run_records_its_events_in_the_schedules_order(
         export_hf=False,
     )
     kept: dict[str, Any] = {}
-    run(config, ray_start, after=lambda d: kept.update(schedules=[d.schedule_of(k) for k in range(3)]))
+    run(
+        config,
+        ray_start,
+        after=lambda d: kept.update(schedules=[d.schedule_of(k) for k in range(3)], save=d.save_schedule()),
+    )
     schedules: list[StepSchedule] = kept["schedules"]
     assert schedules[0].describe() == (
         "engine: generate, release → actor: wake, log_probs, sleep → critic: wake, train, sleep → engine: resume"
     )
-    check_run_follows_its_schedules(read_jsonl(tmp_path / "run" / "events.jsonl"), schedules)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    check_run_follows_its_schedules(events, schedules)
+    # The final step's checkpoint, after it: the engines make room for each model's save.
+    save: StepSchedule = kept["save"]
+    assert save.describe() == (
+        "engine: release → critic: wake, save, sleep → actor: wake, save, sleep → engine: resume, weights"
+    )
+    assert save_events(events) == ["engine:release", *expected_events(save)]

@@ -6,8 +6,9 @@ sleep → actor: wake, train, sleep → engine: resume, weights. `PPODriver.step
 takes the turns in order (`turns.StepTurns`): the rollout (sampled, scored, a
 reward model's wake, score and sleep inside it, split per data-parallel rank),
 the KL-first log-probs, the critic, the actor (not in the critic-only warm-up),
-the weights to the engines. Checkpoints when due: the driver's state, then for
-each model wake -> save -> sleep. With `--no-offload-train` nothing sleeps and
+the weights to the engines. Checkpoints when due: the driver's state, then the
+save's turns (`schedule.save_schedule`: on shared GPUs the engines release, each
+model wakes, saves and sleeps, the engines resume with the weights). With `--no-offload-train` nothing sleeps and
 the engines keep their memory, so the same run can be compared with both models resident.
 """
 
@@ -40,7 +41,7 @@ from tandem.ppo.rollout import (
 from tandem.ppo.run_checkpoint import save_run_checkpoint
 from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import PhaseClock, RunSummary
-from tandem.ppo.schedule import StepFacts, StepSchedule, check_exclusive, step_schedule
+from tandem.ppo.schedule import StepFacts, StepSchedule, Turn, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.state import DriverState, load_state
 from tandem.ppo.step_metrics import step_metrics
 from tandem.ppo.turns import StepTurns
@@ -312,26 +313,39 @@ class PPODriver:
             yield
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
+    def save_schedule(self) -> StepSchedule:
+        """A checkpoint save's turns (`schedule.save_schedule`), checked by `check_exclusive`."""
+        return _checked_save_schedule(self.facts)
+
     def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:
-        """The driver's state, then each model: wake -> save -> sleep (as the plan says).
-
-        `data_state`: the data cursor right after this rollout (default: the cursor now).
-        """
+        """The driver's state, then each model, as the save's turns say (`save_schedule`); `data_state`:
+        the data cursor right after this rollout (default: the cursor now)."""
         data = self.dataset.state_dict() if data_state is None else data_state
+        turns = self.save_schedule().turns
 
-        def save_model(group: TrainGroup) -> None:
-            if self.plan.wake_up_before_save:
+        def save_model(turn: Turn) -> None:
+            group = self.critic if turn.role == "critic" else self.actor
+            assert group is not None and group.role == turn.role
+            if turn.wake_before:
                 self._wake(group)
             self.events.record("save", role=group.role, rollout_id=rollout_id)
             group.save_model(rollout_id)
-            if self.plan.sleep_after_save:
+            if turn.sleep_after:
                 self._sleep(group)
 
         state = DriverState.capture(rollout_id, data, self.metrics_so_far)
-        saves = [(g.role, functools.partial(save_model, g)) for g in self._models()]
+        saves = [(t.role, functools.partial(save_model, t)) for t in turns if t.work == "save"]
         with self._phase("save"):
+            # (An eval's reward model may have had the engines release already.)
+            if turns[0].role == "engine" and turns[0].sleep_after and not self._engines_released_to_score:
+                with self._phase("engine_release"):
+                    self.engines.release_memory()
+                self.events.record("engine_release")
             # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
             save_run_checkpoint(self.run_dir, state, saves)
+            if turns[-1].role == "engine" and turns[-1].work == "weights":
+                self._sync_weights(resume=True)
+                self._engines_released_to_score = False
 
     def evaluate(self) -> dict[str, float]:
         """Eval metrics on the eval JSONL (engines awake, holding the latest weights)."""
@@ -357,6 +371,11 @@ class PPODriver:
 @functools.cache
 def _checked_schedule(facts: StepFacts) -> StepSchedule:
     return check_exclusive(step_schedule(facts))
+
+
+@functools.cache
+def _checked_save_schedule(facts: StepFacts) -> StepSchedule:
+    return check_exclusive(save_schedule(facts))
 
 
 def train(config: PPOConfig) -> RunSummary:

@@ -9,6 +9,8 @@ a reward model:
     → actor: wake, train, sleep → engine: resume, weights
 
 `PPODriver.step` executes the turns in order, dispatching on each turn's work;
+`save_schedule(facts)` is a checkpoint save's turns between two steps, which
+`PPODriver.save` takes;
 the wakes and sleeps in them are the driver's decision, never a worker's.
 `check_exclusive` replays a schedule and refuses one in which two roles compute
 on the same GPUs at once, or a role that time-shares them is awake beside
@@ -31,11 +33,12 @@ __all__ = [
     "Work",
     "check_exclusive",
     "residents_at_each_turn",
+    "save_schedule",
     "step_schedule",
 ]
 
 Role = Literal["engine", "reward_model", "actor", "critic"]
-Work = Literal["generate", "score", "log_probs", "train", "start_next", "await_next", "weights"]
+Work = Literal["generate", "score", "log_probs", "train", "start_next", "await_next", "weights", "save"]
 """What a turn does:
 
 - `generate`: the engines sample the step's rollout (in the async loop, rollouts after the
@@ -46,7 +49,8 @@ Work = Literal["generate", "score", "log_probs", "train", "start_next", "await_n
 - `train`: the role's train step on the rollout;
 - `start_next` / `await_next`: the async loop's next rollout starts generating on the
   engines' own GPUs / is waited for;
-- `weights`: the actor's weights into the engines.
+- `weights`: the actor's weights into the engines;
+- `save`: the role's model into the run's checkpoint (a save between two steps, `save_schedule`).
 """
 
 TRAIN_ROLES: frozenset[Role] = frozenset({"actor", "critic"})
@@ -162,6 +166,25 @@ def step_schedule(facts: StepFacts) -> StepSchedule:
         turns.append(Turn("engine", "weights", wake_before=release))
     elif release:
         turns.append(Turn("engine", None, wake_before=True))
+    return StepSchedule(tuple(turns), colocated=facts.colocate)
+
+
+def save_schedule(facts: StepFacts) -> StepSchedule:
+    """The turns of a checkpoint save between two steps: each model wakes, saves and sleeps.
+
+    The critic saves before the actor (the driver's order). A model's save needs its whole
+    training state on the GPU, so on shared, time-shared GPUs the engines release their
+    memory first, as they do for a train, and take it back last with the actor's weights
+    (`weights`: a released engine need not keep its weights, SGLang's does not).
+    """
+    release = facts.engines_release
+    sleeps = facts.offload_train
+    turns = [Turn("engine", None, sleep_after=True)] if release else []
+    if facts.critic:
+        turns.append(Turn("critic", "save", wake_before=sleeps, sleep_after=sleeps))
+    turns.append(Turn("actor", "save", wake_before=sleeps, sleep_after=sleeps))
+    if release:
+        turns.append(Turn("engine", "weights", wake_before=True))
     return StepSchedule(tuple(turns), colocated=facts.colocate)
 
 

@@ -72,11 +72,14 @@ class StepTurns:
         if self.sampled is None:
             self.sampled = driver._draw(self.rollout_id)
         driver.last_sampled = self.sampled
+        released = driver._engines_released_to_score  # for a reward model's score, inside the rollout
         driver._engines_released_to_score = False  # released from here to the weights (step 2 holds them)
         driver.generating = None
         if turn.sleep_after:
             with driver._phase("engine_release"):
                 driver.engines.release_memory()
+            if not released:
+                driver.events.record("engine_release")
 
     def _score(self, turn: Turn) -> None:
         # 1b. Taken inside the rollout (`generate`), once per generation round, by the reward
@@ -149,3 +152,4 @@ class StepTurns:
         assert turn.role == "engine" and turn.wake_before and not turn.sleep_after, turn
         with self.driver._phase("engine_resume"):
             self.driver.engines.resume_memory()
+        self.driver.events.record("engine_resume")

@@ -223,13 +223,26 @@ def summarize_run(result: dict[str, Any], run_dir: Path) -> None:
     }
     result["lifecycle"] = median_of(rows, "lifecycle/")
     result["curves"] = {k: [r.get(k) for r in rows] for k in CURVE_KEYS}
-    received = [e for e in events if e["event"] == "weights_received"]
+    # The steps' syncs, and those after a save on shared GPUs (the engines release their memory
+    # for it and take the same weights back): those resend the weights of the step before.
+    received, after_saves, in_step, last = [], [], False, None
+    for e in events:
+        if e["event"] in ("step_begin", "step_end"):
+            in_step = e["event"] == "step_begin"
+        elif e["event"] == "weights_received":
+            if in_step:
+                received.append(e)
+            else:
+                after_saves.append(e["digests"][0] == last)
+            last = e["digests"][0]
     digests = [e["digests"][0] for e in received]
     result["weights_received"] = {
         "syncs": len(received),
         "engines": len(received[0]["digests"]) if received else 0,
         "all_engines_agree": bool(received) and all(e["agree"] for e in received),
         "changed_every_sync": all(a != b for a, b in itertools.pairwise(digests)),
+        "after_saves": len(after_saves),
+        "saves_resend_the_weights": all(after_saves),
     }
     result["metrics_rows"] = rows
 

@@ -38,7 +38,12 @@ def test_a_quick_dp2_pair_runs_and_sleeping_changes_nothing(tmp_path: Path) -> N
         "engines": 2,
         "all_engines_agree": True,
         "changed_every_sync": True,
+        # The final save on the shared GPUs: the engines released their memory for it and got the
+        # last step's weights again.
+        "after_saves": 1,
+        "saves_resend_the_weights": True,
     }
+    assert resident["weights_received"]["after_saves"] == 0
     assert shared["vs_resident"]["metrics"]["identical"], shared["vs_resident"]
     assert shared["vs_resident"]["weights"]["identical"], shared["vs_resident"]
     # Only the shared run sleeps.

@@ -258,10 +258,8 @@ class PPODriver:
         if not rm.sleeps:
             return list(rm.score(requests))
         if not self._engines_released_to_score:
-            with self._phase("engine_release"):
-                self.engines.release_memory()
+            self._release_engines()
             self._engines_released_to_score = True
-            self.events.record("engine_release")
         with self._phase("reward_model_wake"):
             self.clock.record_lifecycle("reward_model_wake", rm.wake())
         try:
@@ -274,6 +272,12 @@ class PPODriver:
         assert self.reward_model is not None
         with self._phase("reward_model_sleep"):
             self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
+
+    def _release_engines(self) -> None:
+        """The engines hand their memory back (`engine_release`, its phase and its event)."""
+        with self._phase("engine_release"):
+            self.engines.release_memory()
+        self.events.record("engine_release")
 
     def _wake(self, group: TrainGroup) -> None:
         with self._phase(f"{group.role}_wake"):
@@ -338,9 +342,7 @@ class PPODriver:
         with self._phase("save"):
             # (An eval's reward model may have had the engines release already.)
             if turns[0].role == "engine" and turns[0].sleep_after and not self._engines_released_to_score:
-                with self._phase("engine_release"):
-                    self.engines.release_memory()
-                self.events.record("engine_release")
+                self._release_engines()
             # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
             save_run_checkpoint(self.run_dir, state, saves)
             if turns[-1].role == "engine" and turns[-1].work == "weights":

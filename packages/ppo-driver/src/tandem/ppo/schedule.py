@@ -175,7 +175,8 @@ def save_schedule(facts: StepFacts) -> StepSchedule:
     The critic saves before the actor (the driver's order). A model's save needs its whole
     training state on the GPU, so on shared, time-shared GPUs the engines release their
     memory first, as they do for a train, and take it back last with the actor's weights
-    (`weights`: a released engine need not keep its weights, SGLang's does not).
+    (`weights`: a released engine need not keep its weights; SGLang's keeps them only
+    when started to back them up).
     """
     release = facts.engines_release
     sleeps = facts.offload_train

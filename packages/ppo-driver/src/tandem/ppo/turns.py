@@ -76,10 +76,11 @@ class StepTurns:
         driver._engines_released_to_score = False  # released from here to the weights (step 2 holds them)
         driver.generating = None
         if turn.sleep_after:
-            with driver._phase("engine_release"):
-                driver.engines.release_memory()
-            if not released:
-                driver.events.record("engine_release")
+            if released:  # idempotent: only the phase's time, no second event
+                with driver._phase("engine_release"):
+                    driver.engines.release_memory()
+            else:
+                driver._release_engines()
 
     def _score(self, turn: Turn) -> None:
         # 1b. Taken inside the rollout (`generate`), once per generation round, by the reward

@@ -178,6 +178,20 @@ def bench_decode(
         "engine_tokens_per_s": tokens / engine_s,
         "engine_ms_per_step": 1000 * engine_s / args.new_tokens,
     }
+    if args.profile:
+        # One more call of the same work under torch.profiler: the GPU's kernel time by kind.
+        from torch.profiler import ProfilerActivity, profile
+        from train_profile import print_profile, summarize_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            sync(device)
+            t0 = time.perf_counter()
+            engine.generate(prompts, params)
+            sync(device)
+            wall = time.perf_counter() - t0
+        row["profile"] = summarize_profile(prof, wall, on_gpu=device.type == "cuda")
+        print_profile(f"generate (batch {batch})", row["profile"])
     if not args.skip_hf:
         hf_new = args.hf_new_tokens or args.new_tokens
         ids = torch.tensor(prompts, device=device)
@@ -226,6 +240,9 @@ def main() -> None:
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument(
         "--compile", action="store_true", help="EngineOptions.compile (torch.compile the decode step)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more generate a row (kernel time by kind)"
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -130,6 +130,11 @@ def summarize_profile(prof: Any, wall_s: float, *, on_gpu: bool) -> dict[str, An
             syncs[e.key] += e.count
             sync_us[e.key] += float(e.cpu_time_total)
     top = sorted(kernels, key=lambda k: -k[1])[:25]
+    # The host's own time by operator (self CPU time): where a host-bound call spends its seconds.
+    host = sorted(
+        ((e.key, float(e.self_cpu_time_total), e.count) for e in averages if e.device_type == DeviceType.CPU),
+        key=lambda k: -k[1],
+    )[:25]
     return {
         "wall_s": wall_s,
         "kernel_s": total_us / 1e6,
@@ -137,6 +142,7 @@ def summarize_profile(prof: Any, wall_s: float, *, on_gpu: bool) -> dict[str, An
         "by_kind_s": {k: v / 1e6 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top": [{"name": n[:160], "s": us / 1e6, "count": c, "kind": kind_of(n)} for n, us, c in top],
         "host_syncs": {k: {"count": syncs[k], "s": sync_us[k] / 1e6} for k in syncs},
+        "host_top": [{"name": n[:160], "s": us / 1e6, "count": c} for n, us, c in host],
     }
 
 
@@ -192,9 +198,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         allow_cudnn_attention(True)
     report["sdpa_cudnn"] = args.sdpa_cudnn
+    report["role"] = args.role
     worker = TrainWorker(0, 1)
     t0 = time.time()
-    worker.init(config, "actor", "127.0.0.1", free_port())
+    worker.init(config, args.role, "127.0.0.1", free_port())
     report["init_s"] = time.time() - t0
     # What the built model runs (the flag's None means auto: on with CUDA).
     assert worker._trainee is not None
@@ -225,11 +232,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[train_profile] {what}: {seconds:.2f} s", flush=True)
         return seconds
 
+    def role_forward(rollout_id: int, data: Any) -> Any:
+        """The role's forward pass alone: the actor's old log-probs, the critic's old values."""
+        if args.role == "actor":
+            return worker.compute_log_probs(rollout_id, data)
+        from tandem.megatron.worker.forward import forward_only
+
+        cfg = worker._trainee.config
+        return forward_only(
+            worker._trainee.chunks,
+            data,
+            role="critic",
+            micro_batch_size=cfg.micro_batch_size,
+            packed=cfg.use_sequence_packing,
+            max_tokens=cfg.micro_batch_tokens(forward_only=True),
+        )
+
     report["warmup_train_s"] = timed(lambda: worker.train(0, batch), "warm-up train()")
-    timed(lambda: worker.compute_log_probs(0, batch), "warm-up compute_log_probs()")
+    timed(lambda: role_forward(0, batch), "warm-up forward")
     train_s = [timed(lambda i=i: worker.train(i + 1, batches[1 + i]), "train()") for i in range(args.iters)]
     forward_s = [
-        timed(lambda i=i: worker.compute_log_probs(i + 1, batches[1 + args.iters + i]), "compute_log_probs()")
+        timed(lambda i=i: role_forward(i + 1, batches[1 + args.iters + i]), f"{args.role} forward")
         for i in range(args.iters)
     ]
     report["tokens_per_call"] = tokens_of
@@ -257,8 +280,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with profile(activities=activities) as prof:
             wall = timed(lambda: worker.train(args.iters + 1, batches[-1]))
         report["profile"] = summarize_profile(prof, wall, on_gpu=on_gpu)
+        if args.profile_forward:
+            with profile(activities=activities) as prof:
+                wall = timed(lambda: role_forward(args.iters + 2, batches[-1]))
+            report["profile_forward"] = summarize_profile(prof, wall, on_gpu=on_gpu)
+    if args.cprofile:
+        report["cprofile"] = python_profile(lambda: worker.train(args.iters + 3, batches[-1]))
     worker.shutdown()
     return report
+
+
+def python_profile(call: Any, top: int = 30) -> dict[str, Any]:
+    """One call under cProfile: the Python functions with the most own time, and the most time below them."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    t = time.perf_counter()
+    profiler.runcall(call)
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(profiler)
+    rows = [
+        {"function": f"{Path(file).name}:{line}({name})", "calls": nc, "own_s": tt, "total_s": ct}
+        for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items()  # type: ignore[attr-defined]
+    ]
+    return {
+        "wall_s": wall,
+        "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
+        "by_total": sorted(rows, key=lambda r: -r["total_s"])[:top],
+    }
 
 
 def update_figures(
@@ -299,19 +349,36 @@ def print_summary(r: dict[str, Any]) -> None:
             else f"update not measured: {r['update_unmeasured']}"
         )
     )
-    prof = r.get("profile")
-    if prof:
+    for what, prof in (("train()", r.get("profile")), ("forward", r.get("profile_forward"))):
+        if prof:
+            print_profile(what, prof)
+    if r.get("cprofile"):
+        c = r["cprofile"]
         print(
-            f"\nprofiled train(): wall {prof['wall_s']:.2f} s, kernels {prof['kernel_s']:.2f} s "
-            f"(busy {prof['busy_share']:.0%})\n\n| kind | s | share of kernel time |\n|---|---:|---:|"
+            f"\ntrain() under cProfile: {c['wall_s']:.2f} s\n\n| function | calls | own s | total s |\n|---|---:|---:|---:|"
         )
-        for kind, s in prof["by_kind_s"].items():
-            print(f"| {kind} | {s:.3f} | {s / prof['kernel_s']:.1%} |")
-        print("\n| top kernel | kind | s | calls |\n|---|---|---:|---:|")
-        for k in prof["top"][:15]:
-            print(f"| `{k['name'][:90]}` | {k['kind']} | {k['s']:.3f} | {k['count']} |")
-        print(f"\nhost syncs: {prof['host_syncs']}")
+        for row in c["by_own"][:20]:
+            print(
+                f"| `{row['function'][:80]}` | {row['calls']} | {row['own_s']:.3f} | {row['total_s']:.3f} |"
+            )
     print(f"\ncommand: {r['command']}")
+
+
+def print_profile(what: str, prof: dict[str, Any]) -> None:
+    """One profiled call: kernel time by kind, the top kernels, host syncs and host operators."""
+    print(
+        f"\nprofiled {what}: wall {prof['wall_s']:.2f} s, kernels {prof['kernel_s']:.2f} s "
+        f"(busy {prof['busy_share']:.0%})\n\n| kind | s | share of kernel time |\n|---|---:|---:|"
+    )
+    for kind, s in prof["by_kind_s"].items():
+        print(f"| {kind} | {s:.3f} | {s / prof['kernel_s']:.1%} |")
+    print("\n| top kernel | kind | s | calls |\n|---|---|---:|---:|")
+    for k in prof["top"][:15]:
+        print(f"| `{k['name'][:90]}` | {k['kind']} | {k['s']:.3f} | {k['count']} |")
+    print(f"\nhost syncs: {prof['host_syncs']}")
+    print("\n| top host operator | self s | calls |\n|---|---:|---:|")
+    for k in prof["host_top"][:12]:
+        print(f"| `{k['name'][:90]}` | {k['s']:.3f} | {k['count']} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -354,6 +421,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--iters", type=int, default=3, help="timed calls of each (after one warm-up train())")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled train()")
+    p.add_argument(
+        "--profile-forward", action="store_true", help="also profile one forward pass (the role's, below)"
+    )
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="one more train() under cProfile (the host's Python functions)",
+    )
+    p.add_argument(
+        "--role",
+        choices=("actor", "critic"),
+        default="actor",
+        help="the worker's role; its forward is the actor's old log-probs or the critic's old values",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workdir", type=Path, default=None, help="the probe model's folder's parent (reused)")
     args = p.parse_args(argv)

@@ -45,6 +45,7 @@ IMPORT_TO_DIST = {
     "math_verify": "math-verify",
     "safetensors": "safetensors",
     "torch": "torch",
+    "triton": "triton",
     "ray": "ray",
     "megatron": "megatron-core",
     "transformers": "transformers",

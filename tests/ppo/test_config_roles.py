@@ -159,6 +159,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "temperature": _one_of(1.0, 0.7),
     "device": _one_of("cpu"),
     "fused_rope": _one_of(None, False),
+    "fused_log_probs": _one_of(None, False),
     "offload_backend": _one_of("pinned_host", "none"),
     "offload_grads": st.booleans(),
     "background_optimizer_wake": st.booleans(),

@@ -1,6 +1,8 @@
 """`chunked_log_probs` under tensor parallel 2 (CPU, gloo), for `test_chunked_log_probs.py`.
 
-Usage (under launch.py): python launch.py 2 chunked_log_probs_check.py OUT_DIR
+Usage (under launch.py): python launch.py 2 chunked_log_probs_check.py OUT_DIR [--fused]
+(`--fused`: `fused_log_probs`, the Triton kernels, in place of the chunked kernel; run it
+with TRITON_INTERPRET=1 on a CPU.)
 Both ranks build the same whole-vocabulary logits for each case, take their own half
 of the columns, and write `OUT_DIR/<case>-rank<r>.pt`: the chunked kernel's log-probs,
 entropy and gradient slice (of fixed upstream gradients of both outputs), and the same
@@ -66,6 +68,7 @@ def run(
 
 def main() -> None:
     out = Path(sys.argv[1])
+    fused = "--fused" in sys.argv[2:]
     rank = init_from_env(tensor_parallel_size=2)
     everything = {}
     for index, (name, case) in enumerate(CASES.items()):
@@ -74,7 +77,12 @@ def main() -> None:
         mine = inputs["logits"].chunk(2, dim=-1)[rank].contiguous()
         kwargs = {"with_entropy": inputs["with_entropy"], "vocab_size": inputs["vocab_size"]}
         temperature, targets = inputs["temperature"], inputs["targets"]
-        chunked = partial(chunked_log_probs, temperature=temperature, chunk_tokens=case[5], **kwargs)
+        if fused:
+            from tandem.megatron.worker.fused_log_probs import fused_log_probs
+
+            chunked = partial(fused_log_probs, temperature=temperature, **kwargs)
+        else:
+            chunked = partial(chunked_log_probs, temperature=temperature, chunk_tokens=case[5], **kwargs)
         log_probs, entropy, grad = run(lambda z, f=chunked, t=targets: f(z, t), mine, inputs)
         reference = partial(vocab_parallel_log_probs, **kwargs)
         ref_log_probs, _, ref_grad = run(

@@ -96,6 +96,14 @@ def check_choices(config: Any) -> None:
     ):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")
+    for name in ("fused_rope", "fused_log_probs"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name}: got {value!r}; it must be True, False or None (auto)")
+    if config.device == "cpu" and config.fused_log_probs is True:
+        raise ValueError(
+            "fused_log_probs: True needs CUDA (Triton kernels) but device is 'cpu'; leave it unset (auto) or False"
+        )
     if config.device == "cpu" and config.offload_backend == "torch_memory_saver":
         raise ValueError(
             "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "

@@ -144,7 +144,15 @@ class WorkerFields:
     (each is ~20 GB for 35k tokens of a 152k vocabulary), e.g. 4096; 0: the whole
     micro-batch at once through plain autograd. 0 by default: on the H200 (docs/benchmarks.md,
     "Chunked log-probs") 4096 saved 5.2 GiB of peak memory and cost 0.48 s a forward of
-    the 0.5B bench's work; a memory lever for long responses or large micro-batches."""
+    the 0.5B bench's work; a memory lever for long responses or large micro-batches.
+    Not used where `fused_log_probs` is on."""
+
+    fused_log_probs: bool | None = None
+    """Log-probs and entropies of the response logits through two Triton kernels
+    (`worker/fused_log_probs.py`): one read of the logits forward, one read and one write
+    backward, no fp32 copy of them, instead of plain autograd's ~eight fp32 passes each way.
+    The same values to fp32 rounding. None: on where the model is on CUDA and Triton is
+    installed (it comes with PyTorch's CUDA builds), else off; True needs both."""
 
     # --- optimizer and learning-rate schedule --------------------------------------
     lr: float = 1e-6

@@ -44,6 +44,7 @@ from tandem.megatron.models.packing import (
     packed_seq_params,
     position_ids,
 )
+from tandem.megatron.worker.fused_log_probs import fused_log_probs, fused_log_probs_available
 from tandem.megatron.worker.log_probs import chunked_log_probs
 
 LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
@@ -139,6 +140,49 @@ def _response_rows(mb: RolloutBatch, packed: PackedRow | None = None) -> list[tu
     return rows
 
 
+@dataclass(frozen=True)
+class ResponseIndex:
+    """Where a micro-batch's response positions are, as flat indices for one gather and one scatter.
+
+    `source[k]`: the k-th response position (samples in order) in the model output
+    flattened over `(rows, seq)`; the response token it predicts is at `source[k] + 1`
+    of the flattened tokens. `dest[k]`: where that position goes in the flattened
+    `(samples, longest response)` result. One `index_select` and one `index_put`
+    instead of a slice per sample: autograd then scatters the gradient of the whole
+    micro-batch into the model output at once, where per-sample slices would each
+    allocate and add an output-sized gradient (the vocabulary's logits, gigabytes).
+    """
+
+    source: torch.Tensor
+    dest: torch.Tensor
+    samples: int
+    longest: int
+
+    @classmethod
+    def of(cls, rows: Sequence[tuple[int, int, int]], seq_len: int, device: torch.device) -> ResponseIndex:
+        """The index of `_response_rows`' `rows` in an output of `seq_len` positions a row, on `device`."""
+        lengths = [end - begin for _, begin, end in rows]
+        longest = max(lengths, default=0)
+        source = torch.cat(
+            [torch.arange(row * seq_len + begin, row * seq_len + end) for row, begin, end in rows]
+        )
+        dest = torch.cat([torch.arange(i * longest, i * longest + n) for i, n in enumerate(lengths)])
+        return cls(to_device(source, device), to_device(dest, device), len(rows), longest)
+
+    def gather(self, output: torch.Tensor) -> torch.Tensor:
+        """The response positions of `output` (`(rows, seq, ...)`) as `(positions, ...)`."""
+        return output.reshape(-1, *output.shape[2:]).index_select(0, self.source)
+
+    def targets(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The response tokens that the positions predict, from `tokens` (`(rows, seq)`)."""
+        return tokens.reshape(-1).index_select(0, self.source + 1)
+
+    def padded(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position `values` as `(samples, longest)`, 0 past each response (differentiable)."""
+        flat = values.new_zeros(self.samples * self.longest).index_put((self.dest,), values)
+        return flat.view(self.samples, self.longest)
+
+
 def vocab_parallel_log_probs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -194,21 +238,25 @@ def _response_outputs(
     packed: PackedRow | None = None,
     vocab_size: int | None = None,
     log_probs_chunk_tokens: int = 0,
+    fused: bool = False,
 ) -> ResponseOutputs:
     """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
     `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row.
 
+    `fused`: the actor's log-probs through `fused_log_probs` (Triton, CUDA); else
     `log_probs_chunk_tokens`: rows of the actor's logits at a time through `chunked_log_probs`;
     0: all of them through `vocab_parallel_log_probs` (plain autograd, fp32 copies of them all)."""
-    rows = _response_rows(mb, packed)
-    lengths = [end - begin for _, begin, end in rows]
+    index = ResponseIndex.of(_response_rows(mb, packed), tokens.shape[1], output.device)
     if role == "critic":
-        values = torch.cat([output[i, begin:end, 0] for i, begin, end in rows]).float()
-        return ResponseOutputs(values=pad_responses(values.split(lengths)))
+        return ResponseOutputs(values=index.padded(index.gather(output[..., 0]).float()))
     # Only the positions that predict response tokens: prompts never reach the softmax.
-    logits = torch.cat([output[i, begin:end] for i, begin, end in rows])
-    targets = torch.cat([tokens[i, begin + 1 : end + 1] for i, begin, end in rows])
-    if log_probs_chunk_tokens:
+    logits = index.gather(output)
+    targets = index.targets(tokens)
+    if fused:
+        log_probs, entropy = fused_log_probs(
+            logits, targets, temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size
+        )
+    elif log_probs_chunk_tokens:
         log_probs, entropy = chunked_log_probs(
             logits,
             targets,
@@ -222,8 +270,7 @@ def _response_outputs(
             logits.float() / temperature, targets, with_entropy=with_entropy, vocab_size=vocab_size
         )
     return ResponseOutputs(
-        log_probs=pad_responses(log_probs.split(lengths)),
-        entropy=None if entropy is None else pad_responses(entropy.split(lengths)),
+        log_probs=index.padded(log_probs), entropy=None if entropy is None else index.padded(entropy)
     )
 
 
@@ -238,6 +285,7 @@ def run_micro_batches(
     with_entropy: bool = False,
     packed: bool = False,
     log_probs_chunk_tokens: int = 0,
+    fused_log_probs: bool | None = None,
 ) -> list[Mapping[str, Any]]:
     """Run Megatron's forward(-backward) schedule over the micro-batches `batches`; return each one's metrics.
 
@@ -267,6 +315,9 @@ def run_micro_batches(
         log_probs_chunk_tokens: rows of the actor's response logits processed at once by the
             log-prob/entropy kernel (`log_probs.chunked_log_probs`); 0: the whole micro-batch
             in one chunk through plain autograd (`vocab_parallel_log_probs`).
+        fused_log_probs: the actor's log-probs through the Triton kernels of
+            `fused_log_probs.fused_log_probs` (which then replace the two above); None: where
+            the model is on CUDA and Triton is installed; True there only.
     """
     if role not in ROLES:
         raise ValueError(f"run_micro_batches: role {role!r} is not one of {ROLES}")
@@ -297,6 +348,12 @@ def run_micro_batches(
             "divide each loss_sum by its count and the number of micro-batches; build it with build_model"
         )
     device = next(chunks[0].parameters()).device
+    fused = fused_log_probs_available(device) if fused_log_probs is None else fused_log_probs
+    if fused and not fused_log_probs_available(device):
+        raise ValueError(
+            f"fused_log_probs: True needs the model on CUDA with Triton installed (the model is on "
+            f"{device}); set it to None (auto) or False"
+        )
     # Sequence parallelism splits the row over the tensor-parallel ranks: it must divide evenly.
     multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
 
@@ -313,6 +370,7 @@ def run_micro_batches(
             packed=row,
             vocab_size=vocab_size,
             log_probs_chunk_tokens=log_probs_chunk_tokens,
+            fused=fused,
         )
         if loss_fn is None:
             return output.new_zeros(()), torch.zeros((), dtype=torch.int64), {}
@@ -366,6 +424,7 @@ def forward_only(
     packed: bool = False,
     max_tokens: int | None = None,
     log_probs_chunk_tokens: int = 0,
+    fused_log_probs: bool | None = None,
 ) -> torch.Tensor | None:
     """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 
@@ -374,8 +433,8 @@ def forward_only(
     actor; fp32 values, never divided by the temperature, for the critic),
     and None on other stages. Every rank of the model must call it. `packed`:
     each micro-batch as one packed row (`run_micro_batches`); `max_tokens`: micro-batches
-    cut by tokens instead of by `micro_batch_size` (`plan_micro_batches`); `log_probs_chunk_tokens`:
-    the actor's logits rows at a time through the log-prob kernel (`run_micro_batches`).
+    cut by tokens instead of by `micro_batch_size` (`plan_micro_batches`); `log_probs_chunk_tokens`,
+    `fused_log_probs`: how the actor's log-probs are computed (`run_micro_batches`).
     """
     from megatron.core import parallel_state as mpu
 
@@ -400,6 +459,7 @@ def forward_only(
             loss_fn=keep,
             packed=packed,
             log_probs_chunk_tokens=log_probs_chunk_tokens,
+            fused_log_probs=fused_log_probs,
         )
     if not mpu.is_pipeline_last_stage():
         return None

@@ -139,6 +139,7 @@ def train_step(
                 with_entropy=with_entropy,
                 packed=config.use_sequence_packing,
                 log_probs_chunk_tokens=config.log_probs_chunk_tokens,
+                fused_log_probs=config.fused_log_probs,
             )
             # 4. the optimizer step
             norm, sums.lr = trainee.optimizer_step()

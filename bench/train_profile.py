@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         use_sequence_packing=args.packed,
         fused_rope=args.fused_rope,
         log_probs_chunk_tokens=args.log_probs_chunk_tokens,
+        fused_log_probs=args.fused_log_probs,
     )
     report: dict[str, Any] = {
         "bench": "train_profile",
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "packed": args.packed,
         "varied_lengths": args.varied_lengths,
         "log_probs_chunk_tokens": args.log_probs_chunk_tokens,
+        "fused_log_probs_flag": args.fused_log_probs,
         "fused_rope_flag": args.fused_rope,
     }
     if args.sdpa_cudnn:
@@ -402,6 +404,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="WorkerConfig.log_probs_chunk_tokens (0: the whole micro-batch's logits at once)",
+    )
+    p.add_argument(
+        "--fused-log-probs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="WorkerConfig.fused_log_probs (the Triton log-prob kernels); default: on with CUDA",
     )
     p.add_argument(
         "--sdpa-cudnn",

@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fused_rope=args.fused_rope,
         log_probs_chunk_tokens=args.log_probs_chunk_tokens,
         fused_log_probs=args.fused_log_probs,
+        jit_fusions=args.jit_fusions,
     )
     report: dict[str, Any] = {
         "bench": "train_profile",
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "varied_lengths": args.varied_lengths,
         "log_probs_chunk_tokens": args.log_probs_chunk_tokens,
         "fused_log_probs_flag": args.fused_log_probs,
+        "jit_fusions": args.jit_fusions,
         "fused_rope_flag": args.fused_rope,
     }
     if args.sdpa_cudnn:
@@ -410,6 +412,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="WorkerConfig.fused_log_probs (the Triton log-prob kernels); default: on with CUDA",
+    )
+    p.add_argument(
+        "--jit-fusions",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="WorkerConfig.jit_fusions: Megatron's torch.compile'd SwiGLU and residual add",
     )
     p.add_argument(
         "--sdpa-cudnn",

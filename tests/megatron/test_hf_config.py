@@ -139,3 +139,17 @@ def test_parallel_sizes_that_do_not_divide_raise() -> None:
         spec.transformer_config(tensor_parallel_size=4)  # 6 heads
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         spec.transformer_config(pipeline_parallel_size=3)  # 2 layers
+
+
+@pytest.mark.parametrize("jit_fusions", [False, True])
+def test_jit_fusions_off_unless_asked_for(jit_fusions: bool, tmp_path: Path) -> None:
+    """`WorkerConfig.jit_fusions` False turns Megatron's compiled SwiGLU and residual add off;
+    True leaves the spec's own choice (on with CUDA, off on the CPU)."""
+    from tandem.megatron.worker._trainee import _jit_fusion_overrides
+
+    _config("llama").save_pretrained(tmp_path)
+    spec = ModelSpec.from_hf(tmp_path)
+    default = spec.transformer_config()
+    config = spec.transformer_config(**_jit_fusion_overrides(jit_fusions))
+    for name in ("bias_activation_fusion", "bias_dropout_fusion"):
+        assert getattr(config, name) == (getattr(default, name) if jit_fusions else False)

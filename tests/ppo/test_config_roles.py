@@ -160,6 +160,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "device": _one_of("cpu"),
     "fused_rope": _one_of(None, False),
     "fused_log_probs": _one_of(None, False),
+    "jit_fusions": st.booleans(),
     "offload_backend": _one_of("pinned_host", "none"),
     "offload_grads": st.booleans(),
     "background_optimizer_wake": st.booleans(),

@@ -93,6 +93,7 @@ def check_choices(config: Any) -> None:
         "offload_grads",
         "background_optimizer_wake",
         "grpo_std_normalization",
+        "jit_fusions",
     ):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")

@@ -302,6 +302,14 @@ class WorkerFields:
     of compiling once per process. None: on when the model is built on CUDA, off on CPU
     (where compiling needs a C++ compiler and takes ~20 s)."""
 
+    jit_fusions: bool = False
+    """Megatron's `torch.compile`d fusions of the SwiGLU activation and of the residual add
+    (`bias_activation_fusion`, `bias_dropout_fusion`) on CUDA. Off by default: each call of a
+    compiled function costs the host about a tenth of a millisecond (dynamo's guards, its
+    runtime wrappers, its autograd node), several a layer and micro-batch, while with no bias
+    and no dropout the eager residual add is the same one kernel and the eager SwiGLU two
+    small element-wise kernels (`bench/train_profile.py --cprofile` shows the host's share)."""
+
     offload_backend: OffloadBackend = "pinned_host"
     """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on
     the GPU; pinned_host or none on the CPU."""

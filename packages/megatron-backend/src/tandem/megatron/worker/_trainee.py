@@ -209,6 +209,7 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
             seed=config.seed,
             fused_rope=config.fused_rope,
             vocab_multiple=config.make_vocab_size_divisible_by,
+            **_jit_fusion_overrides(config.jit_fusions),
         )
         reference = None
         if role == "actor" and config.needs_reference:
@@ -224,3 +225,9 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
 def _storage_key(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage, stable while the storage is resized (sleep frees it by resizing)."""
     return int(tensor.untyped_storage()._cdata)
+
+
+def _jit_fusion_overrides(jit_fusions: bool) -> dict[str, Any]:
+    """`TransformerConfig` fields that leave Megatron's compiled fusions out unless `jit_fusions`
+    (the CPU never has them: `ModelSpec.transformer_config`)."""
+    return {} if jit_fusions else {"bias_activation_fusion": False, "bias_dropout_fusion": False}

@@ -20,6 +20,7 @@ from .conftest import INTERPRETED
 KERNEL_TESTS = Path(__file__).with_name("test_decode_kernels.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     torch.cuda.is_available() or INTERPRETED, reason="test_decode_kernels.py runs in this process"
 )

@@ -23,7 +23,8 @@ from ._decode_ops import MIN_UNIFORM, ROW_SEED_STRIDE
 _MIN_UNIFORM = tl.constexpr(MIN_UNIFORM)
 _ROW_SEED_STRIDE = tl.constexpr(ROW_SEED_STRIDE)
 _MAX_SPLITS = 16
-_ATTENTION_BLOCK_N = 64
+_ATTENTION_BLOCK_N = {2: 64, 4: 32}
+"""Keys per attention block by element size: fp32 blocks of 64 keys of 128 dims would overfill shared memory."""
 _SAMPLE_BLOCK = 1024
 _ELEMENTWISE_BLOCK = 1024
 
@@ -352,7 +353,7 @@ class TritonOps:
             BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_N=_ATTENTION_BLOCK_N,
+            BLOCK_N=_ATTENTION_BLOCK_N[q.element_size()],
             SPLITS=splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=4,

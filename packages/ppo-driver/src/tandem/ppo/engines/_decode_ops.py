@@ -225,7 +225,9 @@ def philox_uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     # uint_to_uniform_float: the word as an int32, negative ones bit-flipped, times the scale.
     signed = torch.where(c0 >= 1 << 31, c0 - (1 << 32), c0)
     signed = torch.where(signed < 0, -signed - 1, signed)
-    return signed.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=c0.device)
+    # A Python float scales an fp32 tensor in fp32, as Triton's constant (and no host-to-device copy,
+    # which a CUDA graph capture would refuse).
+    return signed.to(torch.float32) * _UNIFORM_SCALE
 
 
 def _umulhi(a: int, b: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,13 @@ GPU host, from the repo root:
 
     source .gpu-kit/setup.sh && python3 bench/engine_bench.py --out engine-bench.json
 
+The engine decodes with the fused step where it applies (`--no-fused-decode`: transformers'
+step); `--ab-decode` times the other path too, from a second engine on the same prompts and
+seed (each row's `ab`: ms a step of each, whole call and decode only, and their greedy
+tokens' agreement):
+
+    python3 bench/engine_bench.py --shapes qwen2-0.5b --batches 256 --skip-hf --ab-decode
+
 CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
 
     python bench/engine_bench.py --quick --out /tmp/engine-bench.json
@@ -29,6 +36,7 @@ CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -150,18 +158,11 @@ def used_gib(device: torch.device) -> float | None:
     return (total - free) / 2**30
 
 
-def bench_decode(
-    engines: types.ModuleType,
-    engine: Any,
-    model: Any,
-    batch: int,
-    args: argparse.Namespace,
-    device: torch.device,
+def time_engine(
+    engines: types.ModuleType, engine: Any, prompts: list[list[int]], params: Any, device: torch.device
 ) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(batch)
-    vocab = model.config.vocab_size
-    prompts = torch.randint(2, vocab, (batch, args.prompt_len), generator=g).tolist()
-    params = engines.SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+    """One engine's decode timings: the first call (graph captures, compilations) and the second, whose
+    prefill (a call of one new token) is subtracted for the decode-only ms a step."""
     sync(device)
     t0 = time.perf_counter()
     gens = engine.generate(prompts, params)
@@ -169,15 +170,64 @@ def bench_decode(
     t0 = time.perf_counter()
     gens = engine.generate(prompts, params)
     engine_s = time.perf_counter() - t0
-    assert all(len(x.token_ids) == args.new_tokens for x in gens)
-    tokens = batch * args.new_tokens
-    row: dict[str, Any] = {
-        "batch": batch,
+    assert all(len(x.token_ids) == params.max_new_tokens for x in gens)
+    one = engines.SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True, seed=1)
+    engine.generate(prompts, one)
+    t0 = time.perf_counter()
+    engine.generate(prompts, one)
+    prefill_s = time.perf_counter() - t0
+    steps = params.max_new_tokens
+    return {
         "engine_first_call_s": first_s,
         "engine_s": engine_s,
-        "engine_tokens_per_s": tokens / engine_s,
-        "engine_ms_per_step": 1000 * engine_s / args.new_tokens,
+        "engine_tokens_per_s": len(prompts) * steps / engine_s,
+        "engine_ms_per_step": 1000 * engine_s / steps,
+        "engine_prefill_s": prefill_s,
+        "engine_decode_ms_per_step": 1000 * (engine_s - prefill_s) / max(1, steps - 1),
     }
+
+
+def greedy_agreement(engines: types.ModuleType, a: Any, b: Any, prompts: list[list[int]]) -> float:
+    """The share of equal tokens between two engines' greedy responses (32 tokens) to `prompts`."""
+    params = engines.SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    pairs = [
+        (x, y)
+        for ga, gb in zip(a.generate(prompts, params), b.generate(prompts, params), strict=True)
+        for x, y in zip(ga.token_ids, gb.token_ids, strict=True)
+    ]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def bench_decode(
+    engines: types.ModuleType,
+    engine: Any,
+    model: Any,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    other_engine: Any = None,
+) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(batch)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(2, vocab, (batch, args.prompt_len), generator=g).tolist()
+    params = engines.SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+    row: dict[str, Any] = {"batch": batch, **time_engine(engines, engine, prompts, params, device)}
+    if other_engine is not None:
+        # The A/B: the same prompts and seed through the other decode path, timed the same way.
+        other = time_engine(engines, other_engine, prompts, params, device)
+        fused, plain = (row, other) if engine._fused is not None else (other, row)
+        row["ab"] = {
+            "paths_differ": (engine._fused is None) != (other_engine._fused is None),  # False on CPU
+            "fused_ms_per_step": fused["engine_ms_per_step"],
+            "transformers_ms_per_step": plain["engine_ms_per_step"],
+            "fused_decode_ms_per_step": fused["engine_decode_ms_per_step"],
+            "transformers_decode_ms_per_step": plain["engine_decode_ms_per_step"],
+            "decode_speedup": plain["engine_decode_ms_per_step"] / fused["engine_decode_ms_per_step"],
+            "fused_first_call_s": fused["engine_first_call_s"],
+            "transformers_first_call_s": plain["engine_first_call_s"],
+            "greedy_token_agreement": greedy_agreement(engines, engine, other_engine, prompts[:64]),
+        }
+        print(json.dumps({"batch": batch, "ab": row["ab"]}), flush=True)
     if args.profile:
         # One more call of the same work under torch.profiler: the GPU's kernel time by kind.
         from torch.profiler import ProfilerActivity, profile
@@ -239,6 +289,19 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="no plain transformers generate")
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument(
+        "--fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineOptions.fused_decode of the engine measured (default on)",
+    )
+    parser.add_argument(
+        "--ab-decode",
+        action="store_true",
+        help="also time the other decode path (--no-fused-decode's, or the fused one) on the same prompts "
+        "and seed, from a second engine: `ab` in each row (ms a step of each, the decode speedup, greedy "
+        "token agreement)",
+    )
+    parser.add_argument(
         "--compile", action="store_true", help="EngineOptions.compile (torch.compile the decode step)"
     )
     parser.add_argument(
@@ -271,7 +334,12 @@ def main() -> None:
                 cuda_graph=not args.no_cuda_graph,
                 compile=args.compile,
                 max_context_len=4096,
+                fused_decode=args.fused_decode,
             )
+            other_engine = None
+            if args.ab_decode:
+                other_options = dataclasses.replace(options, fused_decode=not args.fused_decode)
+                other_engine = engines.EmbeddedEngine(tmp, other_options)
             allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             t0 = time.perf_counter()
             engine = engines.EmbeddedEngine(tmp, options)
@@ -284,10 +352,11 @@ def main() -> None:
             "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
             "weight_gib": weight_bytes / 2**30,
             "load_s": load_s,
+            "fused_decode": engine._fused is not None,
             "rows": [],
         }
         for batch in [int(b) for b in args.batches.split(",")]:
-            row = bench_decode(engines, engine, model, batch, args, device)
+            row = bench_decode(engines, engine, model, batch, args, device, other_engine)
             avg_len = args.prompt_len + args.new_tokens / 2
             step_weights = weight_bytes / bandwidth
             step_kv = step_weights + batch * avg_len * kv_bytes_per_token / bandwidth
@@ -336,7 +405,9 @@ def main() -> None:
         entry["sync_goal_met"] = entry["sync_device_tensors_s"] <= entry["sync_goal_s"]
         report["models"].append(entry)
         engine.shutdown()
-        del engine, model
+        if other_engine is not None:
+            other_engine.shutdown()
+        del engine, model, other_engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

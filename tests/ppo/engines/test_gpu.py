@@ -146,3 +146,122 @@ def test_weights_arrive_through_cuda_ipc_handles(tmp_path: Any) -> None:
         expected = source_model(ids).logits
         got = engine.model(ids.cuda()).logits.cpu()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _small_qwen2(tmp_path: Any, dtype: torch.dtype, *, seed: int = 0) -> tuple[str, Any]:
+    """A small random Qwen2 (4 layers, 8 heads over 2 KV heads of 64, q/k/v biases), sharp logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    model = model.to(dtype)
+    return save_model(model, tmp_path / f"qwen2-{dtype}-{seed}"), model
+
+
+def _assert_same_greedy(fused: list[Any], plain: list[Any], *, exact: bool) -> None:
+    """Equal greedy responses, but where the top two tokens are near-tied: two sets of kernels (and in
+    bf16 their roundings) may pick either. There, both picks have about the same log-prob."""
+    tie, tolerance, agree = (1e-3, 1e-3, 0.95) if exact else (0.1, 0.25, 0.7)
+    identical = 0
+    for a, b in zip(fused, plain, strict=True):
+        pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))
+        split = next((i for i, (x, y) in pairs if x != y), None)
+        if split is None:
+            identical += 1
+        else:
+            assert abs(a.log_probs[split] - b.log_probs[split]) < tie, (split, a.log_probs, b.log_probs)
+        same = len(a.token_ids) if split is None else split
+        assert a.log_probs[:same] == pytest.approx(b.log_probs[:same], abs=tolerance)
+    assert identical >= agree * len(fused), f"{identical} of {len(fused)} responses identical"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_greedy_equals_the_transformers_path(tmp_path: Any, dtype: str) -> None:
+    engines = _engines()
+    folder, _ = _small_qwen2(tmp_path, getattr(torch, dtype))
+    prompts = random_prompts(48, seed=60, min_len=3, max_len=40)
+    params = engines.SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    fused = engines.EmbeddedEngine(folder, engines.EngineOptions(dtype=dtype))
+    plain = engines.EmbeddedEngine(folder, engines.EngineOptions(dtype=dtype, fused_decode=False))
+    assert fused._fused is not None and fused._fused.ops_kind == "triton" and plain._fused is None
+    _assert_same_greedy(
+        fused.generate(prompts, params), plain.generate(prompts, params), exact=dtype == "float32"
+    )
+    sampled = engines.SamplingParams(max_new_tokens=40, temperature=1.0, seed=4, ignore_eos=True)
+    first = fused.generate(prompts, sampled)
+    assert [g.token_ids for g in fused.generate(prompts, sampled)] == [g.token_ids for g in first]
+
+
+def test_fused_decode_captures_one_graph_per_batch_bucket(tmp_path: Any) -> None:
+    engines = _engines()
+    folder = _medium_model(tmp_path)
+    prompts = random_prompts(64, seed=61, min_len=60, max_len=100)
+    params = engines.SamplingParams(max_new_tokens=300, temperature=1.0, seed=2, ignore_eos=True)
+    fused = engines.EmbeddedEngine(folder)
+    gens = fused.generate(prompts, params)  # 300 steps over positions 100..400: three KV blocks of 128
+    assert all(len(g.token_ids) == 300 for g in gens)
+    assert list(fused._graphs) == [(64, 0)], "one graph for the batch bucket, none per KV length"
+    fused.release_memory(["kv_cache"])
+    fused.resume_memory(["kv_cache"])
+    again = fused.generate(prompts, params)
+    assert list(fused._graphs) == [(64, 0)]
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens], "the same seed, the same tokens"
+    # Responses that end at different lengths (the context limit) are packed into smaller buckets: a graph each.
+    packing = engines.EmbeddedEngine(folder, engines.EngineOptions(max_context_len=160))
+    packing.generate(
+        prompts, engines.SamplingParams(max_new_tokens=100, temperature=1.0, seed=3, ignore_eos=True)
+    )
+    rows = sorted(r for r, _ in packing._graphs)
+    assert len(rows) > 1 and all(kv_len == 0 for _, kv_len in packing._graphs), packing._graphs.keys()
+    assert len(set(rows)) == len(rows) and all(r in (8, 16, 32, 64) for r in rows)
+    del packing
+    plain = engines.EmbeddedEngine(folder, engines.EngineOptions(fused_decode=False))
+    plain.generate(prompts, params)
+    assert len(plain._graphs) == 3, "transformers' step: one graph per KV-length bucket"
+
+
+def test_fused_decode_survives_release_resume_and_weight_updates(tmp_path: Any) -> None:
+    engines = _engines()
+    folder, _ = _small_qwen2(tmp_path, torch.float32)
+    source_folder, source = _small_qwen2(tmp_path, torch.float32, seed=1)
+    prompts = random_prompts(16, seed=62, min_len=3, max_len=30)
+    params = engines.SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    engine = engines.EmbeddedEngine(folder, engines.EngineOptions(dtype="float32"))
+    before = engine.generate(prompts, params)
+    engine.release_memory()
+    assert torch.cuda.memory_allocated() < 64 * 2**20 and engine._fused._cos is None
+    engine.resume_memory(["weights"])
+    engine.update_weights_from_tensors([(n, t.detach().cuda()) for n, t in source.state_dict().items()])
+    engine.resume_memory(["kv_cache"])
+    after = engine.generate(prompts, params)
+    plain = engines.EmbeddedEngine(source_folder, engines.EngineOptions(dtype="float32", fused_decode=False))
+    _assert_same_greedy(after, plain.generate(prompts, params), exact=True)
+    assert [g.token_ids for g in after] != [g.token_ids for g in before]
+
+
+def test_an_unsupported_model_decodes_with_transformers(tmp_path: Any) -> None:
+    engines = _engines()
+    folder = save_model(make_tiny_model("llama", hidden_act="gelu"), tmp_path / "gelu")
+    engine = engines.EmbeddedEngine(folder)
+    assert engine._fused is None
+    gens = engine.generate(
+        random_prompts(8, seed=63), engines.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    )
+    assert [len(g.token_ids) for g in gens] == [6] * 8
+    assert engine._graphs and all(kv_len > 0 for _, kv_len in engine._graphs)

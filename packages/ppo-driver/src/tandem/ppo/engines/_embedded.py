@@ -3,11 +3,13 @@
 The model code is transformers' own; the engine owns the loop around it:
 
 - prompts are left-padded into one batch; the prefill writes a `StaticKVCache`;
-- each decode step is one forward pass of the last tokens with explicit
-  positions and a ready 4D mask, on CUDA replayed from a CUDA graph captured per
-  (batch bucket, KV-length bucket), reading only the key positions written so far
-  (rounded up to `kv_block`);
-- sampling runs on the device with a seeded generator; the host syncs only every
+- each decode step is, for Llama-family models on CUDA, the fused decode step
+  (`_fused_decode.py`: Triton kernels around torch GEMMs, one CUDA graph per batch
+  bucket, reading exactly the key positions written so far); otherwise one
+  transformers forward pass of the last tokens with explicit positions and a ready
+  4D mask, on CUDA replayed from a CUDA graph captured per (batch bucket,
+  KV-length bucket), reading the key positions written so far rounded up to `kv_block`;
+- sampling runs on the device with seeded random streams (`Draws`); the host syncs only every
   `sync_every` steps, to stop when all sequences are done and to pack the
   unfinished ones into a smaller batch bucket (finished sequences are dropped);
 - release/resume: the weights go to retained host buffers through tandem.lifecycle
@@ -31,10 +33,11 @@ from tandem.megatron.worker.fault_points import fault_point
 
 from ._errors import EngineMemoryReleasedError
 from ._forward import ForwardPasses
+from ._fused_decode import DecodeOpsKind, build_fused_decoder
 from ._kv_cache import StaticKVCache, register_attention
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
-from ._sampling import sample
+from ._sampling import Draws
 from ._weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
@@ -51,10 +54,17 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         memory_backend: where released weights go; None: built from `options.offload_backend`.
             Must offer `register(tag, tensors)` like tandem.lifecycle's `PinnedHostBackend`
             (tests pass one that fails on demand).
+        decode_ops: None: the fused decode where `options.fused_decode` applies (CUDA, Triton);
+            "reference" (tests): the fused decode on any device with its pure-torch operations.
     """
 
     def __init__(
-        self, hf_dir: str, options: EngineOptions | None = None, *, memory_backend: Any = None
+        self,
+        hf_dir: str,
+        options: EngineOptions | None = None,
+        *,
+        memory_backend: Any = None,
+        decode_ops: DecodeOpsKind | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -90,6 +100,10 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
             )
         self._eos_ids = _eos_ids(self.model)
         self._params_by_name: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        # Before the memory backend sees the weights: the fused decode makes q/k/v (gate/up) views of one buffer.
+        self._fused = build_fused_decoder(
+            self.model, options=options, max_context_len=self._max_context_len, ops=decode_ops
+        )
 
         if memory_backend is None:
             if options.offload_backend == "none":
@@ -116,6 +130,8 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         self._start = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._arange = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._temperature = torch.zeros(1, dtype=torch.float32, device=self.device)
 
     # -- facts -------------------------------------------------------------------------------------
 
@@ -155,6 +171,8 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 self._kv_released = True
             if "weights" in chosen and not self._lifecycle.asleep:
                 self._drop_graphs()  # they point at the weights' storages, which move
+                if self._fused is not None:
+                    self._fused.release()
                 self._lifecycle.sleep(["weights"])
             self._empty_device_cache()
 
@@ -177,6 +195,8 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         """Free the KV cache and CUDA graphs before the actor goes away."""
         with self._lock:
             self._drop_cache()
+            if self._fused is not None:
+                self._fused.release()
             self._empty_device_cache()
 
     # -- generation ---------------------------------------------------------------------------------
@@ -198,12 +218,12 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
             if params.max_new_tokens == 0:
                 return [Generation([], [], "length") for _ in token_lists]
             seed = params.seed if params.seed is not None else secrets.randbits(62)
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            draws = Draws.from_seed(seed, self.device)
+            self._temperature.fill_(params.temperature)
             results: list[Generation] = []
             with torch.no_grad():
                 for lo, hi in self._waves(token_lists, params):
-                    results.extend(self._generate_wave(token_lists[lo:hi], params, generator))
+                    results.extend(self._generate_wave(token_lists[lo:hi], params, draws))
             return results
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -247,7 +267,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         return -(-(prompt_len + max_new_tokens) // block) * block
 
     def _generate_wave(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], params: SamplingParams, draws: Draws
     ) -> list[Generation]:
         dev = self.device
         rows = len(prompts)
@@ -285,17 +305,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         for t in range(steps):
             if t > 0:
                 self._pos.fill_(prompt_len + t - 1)
-                kv_len = min(
-                    cache.length, -(-(prompt_len + t) // self.options.kv_block) * self.options.kv_block
-                )
-                logits = self._decode(active, kv_len)
-            tokens, logps = sample(
-                logits,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                generator=generator,
-            )
+            tokens, logps = self._next_tokens(t, active, prompt_len, logits, params, draws)
             out_tokens[orig, t] = tokens
             out_logps[orig, t] = logps
             is_stop = ~done & torch.isin(tokens, stop_ids) if stop_ids.numel() else torch.zeros_like(done)

@@ -2,10 +2,13 @@
 
 `ForwardPasses` is a mixin of `EmbeddedEngine` (which sets the attributes it
 declares): the prefill writes the prompts into a `StaticKVCache`; each decode step
-is one forward pass of the static inputs (`_ids`, `_start`, `_pos`, `_arange`),
-eager, compiled, or on CUDA replayed from a graph captured per (rows, kv_len) in
-one memory pool. The cache and the static inputs grow together (`_ensure_cache`);
-dropping the cache drops the graphs that read it.
+reads the static inputs (`_ids`, `_start`, `_pos`, and `_arange` or the fused
+sampler's `_seed` and `_temperature`) and is either transformers' forward pass
+(eager, compiled, or on CUDA a graph per (rows, kv_len)) or the fused decode step
+(`_fused_decode.FusedDecoder`, on CUDA one graph per rows), the graphs in one
+memory pool. `_next_tokens` gives a step's tokens either way. The cache and the
+static inputs grow together (`_ensure_cache`); dropping the cache drops the graphs
+that read it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ from typing import Any
 
 import torch
 
+from ._fused_decode import FusedDecoder
 from ._kv_cache import StaticKVCache, cache_keyword
 from ._options import EngineOptions
+from ._protocol import SamplingParams
+from ._sampling import Draws, restricts_draw, sample
+
+_FUSED = 0
+"""The kv_len of the fused step's graph keys: it reads every position up to `_pos`, no bucket."""
 
 
 class ForwardPasses:
@@ -31,15 +40,67 @@ class ForwardPasses:
     _head_dim: int
     _cache: StaticKVCache | None
     _last_cache_shape: tuple[int, int] | None
-    _graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]]
+    _graphs: dict[tuple[int, int], tuple[Any, Any]]
     _graph_pool: Any
     _side_stream: Any
     _decode_fn: Callable[[int, int], torch.Tensor]
+    _fused: FusedDecoder | None
+    _vocab: int
     # Static inputs of the decode step (CUDA graphs read these very tensors).
     _ids: torch.Tensor
     _start: torch.Tensor
     _pos: torch.Tensor
     _arange: torch.Tensor
+    _seed: torch.Tensor
+    _temperature: torch.Tensor
+
+    # -- a step's tokens -----------------------------------------------------------------------------
+
+    def _next_tokens(
+        self,
+        t: int,
+        rows: int,
+        prompt_len: int,
+        first_logits: torch.Tensor,
+        params: SamplingParams,
+        draws: Draws,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step t's tokens and log-probs for rows [:rows]: from the prefill's logits (t == 0) or a decode step.
+
+        Decode step t writes cache position `prompt_len + t - 1` (`_pos`, set by the caller) and
+        reads the keys up to it.
+        """
+        if self._fused is None:
+            logits = first_logits
+            if t > 0:
+                assert self._cache is not None
+                block = self.options.kv_block
+                kv_len = min(self._cache.length, -(-(prompt_len + t) // block) * block)
+                logits = self._decode(rows, kv_len)
+            return sample(
+                logits,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                generator=draws.generator,
+            )
+        self._seed.fill_(draws.next_seed())
+        if t == 0:
+            logits = first_logits
+            tokens, log_probs = self._fused.ops.sample(logits, temperature=self._temperature, seed=self._seed)
+        else:
+            tokens, log_probs, logits = self._fused_decode(rows)
+        if restricts_draw(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, vocab=self._vocab
+        ):
+            return sample(
+                logits.float(),
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                generator=draws.generator,
+            )
+        return tokens, log_probs
 
     # -- forward passes ------------------------------------------------------------------------------
 
@@ -82,33 +143,60 @@ class ForwardPasses:
         return out.logits[:, -1].float()
 
     def _decode(self, rows: int, kv_len: int) -> torch.Tensor:
+        """transformers' decode step over keys [:kv_len]; fp32 logits (a graph's static output on CUDA)."""
         if self.device.type != "cuda" or not self.options.cuda_graph:
             return self._decode_fn(rows, kv_len)
-        entry = self._graphs.get((rows, kv_len))
-        if entry is None:
-            entry = self._capture(rows, kv_len)
-        graph, logits = entry
-        graph.replay()
+        logits: torch.Tensor = self._replay((rows, kv_len), lambda: self._decode_fn(rows, kv_len))
         return logits
 
-    def _capture(self, rows: int, kv_len: int) -> tuple[Any, torch.Tensor]:
-        # Warm up on a side stream (lazy inits must not be captured). The warm-up step computes
-        # exactly what the replay will (same inputs, same cache writes), so it is harmless.
+    def _fused_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused decode step of rows [:rows] (`FusedDecoder.step`): tokens, log-probs, logits."""
+        fused, cache = self._fused, self._cache
+        assert fused is not None and cache is not None
+
+        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return fused.step(
+                cache,
+                ids=self._ids[:rows, 0],
+                start=self._start[:rows],
+                pos=self._pos,
+                temperature=self._temperature,
+                seed=self._seed,
+            )
+
+        if self.device.type != "cuda" or not self.options.cuda_graph:
+            return step()
+        outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self._replay((rows, _FUSED), step)
+        return outputs
+
+    def _replay(self, key: tuple[int, int], step: Callable[[], Any]) -> Any:
+        """Replay the graph of `key` (captured from `step` the first time); its static outputs."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, step)
+        graph, outputs = entry
+        graph.replay()
+        return outputs
+
+    def _capture(self, key: tuple[int, int], step: Callable[[], Any]) -> tuple[Any, Any]:
+        # Warm up on a side stream (lazy inits and Triton's compilations must not be captured). The
+        # warm-up step computes exactly what the replay will (same inputs, same cache writes), so it
+        # is harmless.
         if self._side_stream is None:
             # One side stream for every capture: cuBLAS keeps a workspace per stream it has seen.
             self._side_stream = torch.cuda.Stream(self.device)
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._decode_fn(rows, kv_len)
+            step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._decode_fn(rows, kv_len)
-        self._graphs[(rows, kv_len)] = (graph, logits)
-        return graph, logits
+            outputs = step()
+        self._graphs[key] = (graph, outputs)
+        return graph, outputs
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros((), dtype=self.dtype, device=self.device)

@@ -24,20 +24,32 @@ class EngineOptions:
     """Longest prompt + response, in tokens; None: the model config's `max_position_embeddings`.
     A longer prompt is refused (ValueError naming its index); a response stops (`length`) at the limit."""
 
+    fused_decode: bool = True
+    """Decode with the engine's fused step (Triton kernels around torch GEMMs on transformers' weights:
+    fused add+RMSNorm, RoPE + KV-cache write, split-KV grouped-query attention, SiLU*up, a one-pass
+    sampler; `_fused_decode.py`) instead of transformers' forward. Applies on CUDA to model types
+    llama, qwen2 and mistral without sliding-window layers; elsewhere, or off, the engine decodes
+    with transformers' code (the engine logs which). Samples from the same distribution with another
+    random stream than the transformers path: the same seed gives the same tokens run to run, not the
+    same tokens as with the option off. The prefill is transformers' forward either way."""
+
     cuda_graph: bool = True
-    """Capture the decode step as CUDA graphs (one per batch bucket and KV-length bucket); CUDA only."""
+    """Capture the decode step as CUDA graphs; CUDA only. The fused decode captures one graph per batch
+    bucket; transformers' step one per batch bucket and KV-length bucket (`kv_block`)."""
 
     compile: bool = False
-    """Compile the decode step with `torch.compile` (no CUDA graphs of its own; `cuda_graph` still
-    captures it). Costs a compilation per batch/KV-length bucket; off by default."""
+    """Compile transformers' decode step with `torch.compile` (no CUDA graphs of its own; `cuda_graph`
+    still captures it). Costs a compilation per batch/KV-length bucket; off by default. Not used by
+    the fused decode (`fused_decode`)."""
 
     kv_cache_memory_fraction: float = 0.3
     """At most this fraction of the device's total memory holds the KV cache; a batch that needs more
     is generated in successive waves. CUDA only (on CPU a batch is one wave)."""
 
     kv_block: int = 128
-    """Decode attends over the KV cache in buckets of this many positions (a CUDA graph per bucket),
-    so a step reads only about the keys written so far."""
+    """The KV cache's length is a multiple of this many positions; transformers' decode step attends
+    over buckets of it (a CUDA graph per bucket), so a step reads only about the keys written so far
+    (the fused decode reads exactly those, whatever the bucket)."""
 
     sync_every: int = 8
     """Decode steps between the host's checks for finished sequences (the only host syncs of the loop):

@@ -2,7 +2,50 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class Draws:
+    """One generate's random source: the generator of `sample` and the fused sampler's per-step seeds.
+
+    The fused sampler (`DecodeOps.sample`) draws with Philox keyed by a device tensor; the
+    decode loop sets it to `next_seed()` before each step, so a step's draw depends only
+    on the generate's seed and the step's index.
+    """
+
+    generator: torch.Generator
+    base_seed: int
+    steps: int = 0
+
+    @classmethod
+    def from_seed(cls, seed: int, device: torch.device) -> Draws:
+        """The draws of a generate with `seed`: the generator seeded with it, Philox keys from its hash."""
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return cls(generator, _splitmix62(seed))
+
+    def next_seed(self) -> int:
+        """The Philox seed of the next sampling step (consecutive: rows are spread 2**40 apart)."""
+        self.steps += 1
+        return self.base_seed + self.steps
+
+
+def restricts_draw(*, temperature: float, top_k: int, top_p: float, vocab: int) -> bool:
+    """True when top-k or top-p restricts the draw (the fused sampler draws from the whole vocabulary)."""
+    return temperature > 0.0 and (0 < top_k < vocab or top_p < 1.0)
+
+
+def _splitmix62(seed: int) -> int:
+    """SplitMix64's output for `seed`, in [0, 2**62): neighbouring seeds get unrelated Philox keys."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 2
 
 
 def sample(
@@ -20,7 +63,9 @@ def sample(
     restrict the draw, not the reported log-prob (`log softmax(logits / T)[token]`,
     as the `Generation` contract says). The draw is the exponential race
     (`argmax p / E`, E ~ Exp(1)), equivalent to a categorical draw and free of the
-    host syncs that `torch.multinomial` may need.
+    host syncs that `torch.multinomial` may need. The fused decode's sampler
+    (`DecodeOps.sample`) keeps this contract without top-k / top-p, with Gumbel noise
+    from Philox instead; with them, the engine calls this function on its logits.
     """
     if temperature <= 0.0:
         tokens = logits.argmax(dim=-1)

@@ -184,8 +184,13 @@ def requires_dist(wheel: Path) -> tuple[set[str], dict[str, set[str]]]:
         if marker is None:
             base.add(name)
             continue
+        # A platform or Python-version marker holds (or not) whatever the extra: still a base
+        # dependency. Only a marker that holds for some extras and not without one names extras.
+        if marker.evaluate({"extra": ""}):
+            base.add(name)
+            continue
         matched = [extra for extra in extras if marker.evaluate({"extra": extra})]
-        if not matched:  # a platform or Python-version marker: still a base dependency
+        if not matched:
             base.add(name)
         for extra in matched:
             extras[extra].add(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -177,7 +178,9 @@ def _small_qwen2(tmp_path: Any, dtype: torch.dtype, *, seed: int = 0) -> tuple[s
 def _assert_same_greedy(fused: list[Any], plain: list[Any], *, exact: bool) -> None:
     """Equal greedy responses, but where the top two tokens are near-tied: two sets of kernels (and in
     bf16 their roundings) may pick either. There, both picks have about the same log-prob."""
-    tie, tolerance, agree = (1e-3, 1e-3, 0.95) if exact else (0.1, 0.25, 0.7)
+    # In bf16 a random model's 40-token greedy responses split at such a near-tie in about half of
+    # the rows (23 of 48 on an H200); every split is checked to be one below.
+    tie, tolerance, agree = (1e-3, 1e-3, 0.95) if exact else (0.1, 0.25, 0.4)
     identical = 0
     for a, b in zip(fused, plain, strict=True):
         pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))
@@ -233,7 +236,10 @@ def test_fused_decode_captures_one_graph_per_batch_bucket(tmp_path: Any) -> None
     del packing
     plain = engines.EmbeddedEngine(folder, engines.EngineOptions(fused_decode=False))
     plain.generate(prompts, params)
-    assert len(plain._graphs) == 3, "transformers' step: one graph per KV-length bucket"
+    # Keys up to positions 101..399 of a 512-long cache, in blocks of 128: 128, 256, 384 and 512.
+    prompt_len, block = max(len(p) for p in prompts), plain.options.kv_block
+    buckets = {-(-(prompt_len + t) // block) * block for t in range(1, 300)}
+    assert len(plain._graphs) == len(buckets) == 4, "transformers' step: one graph per KV-length bucket"
 
 
 def test_fused_decode_survives_release_resume_and_weight_updates(tmp_path: Any) -> None:
@@ -242,10 +248,13 @@ def test_fused_decode_survives_release_resume_and_weight_updates(tmp_path: Any) 
     source_folder, source = _small_qwen2(tmp_path, torch.float32, seed=1)
     prompts = random_prompts(16, seed=62, min_len=3, max_len=30)
     params = engines.SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    # What this engine holds, not the process: an earlier test's engines may still be referenced.
+    gc.collect()
+    allocated_before = torch.cuda.memory_allocated()
     engine = engines.EmbeddedEngine(folder, engines.EngineOptions(dtype="float32"))
     before = engine.generate(prompts, params)
     engine.release_memory()
-    assert torch.cuda.memory_allocated() < 64 * 2**20 and engine._fused._cos is None
+    assert torch.cuda.memory_allocated() - allocated_before < 64 * 2**20 and engine._fused._cos is None
     engine.resume_memory(["weights"])
     engine.update_weights_from_tensors([(n, t.detach().cuda()) for n, t in source.state_dict().items()])
     engine.resume_memory(["kv_cache"])

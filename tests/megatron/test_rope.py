@@ -393,3 +393,20 @@ def test_the_compiled_kernels_in_bf16_on_cuda_match_megatron(rope_utils: ModuleT
             _values_and_grad(rope.fused_apply_rotary_pos_emb_thd, t, cu, freqs),
             _values_and_grad(megatron_thd, t, cu, freqs),
         )
+
+
+@pytest.mark.parametrize("hidden_size", [576, 896, 1536, 2048, 4096])
+@pytest.mark.parametrize("on_cuda", [False, True])
+@pytest.mark.parametrize("fused_rope", [None, False, True])
+def test_fused_rope_by_default_only_on_cuda_from_the_threshold(
+    fused_rope: bool | None, on_cuda: bool, hidden_size: int
+) -> None:
+    """The compiled RoPE's host cost outweighs its GPU savings below FUSED_ROPE_MIN_HIDDEN_SIZE (auto);
+    an explicit choice always wins."""
+    from tandem.megatron.models.networks import FUSED_ROPE_MIN_HIDDEN_SIZE, uses_fused_rope
+
+    chosen = uses_fused_rope(fused_rope, hidden_size, on_cuda=on_cuda)
+    if fused_rope is not None:
+        assert chosen is fused_rope
+    else:
+        assert chosen == (on_cuda and hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import json
 import sys
@@ -368,6 +369,13 @@ def main() -> None:
             entry["rows"].append(row)
             print(json.dumps({"shape": shape, **row}), flush=True)
 
+        if other_engine is not None:
+            # Its KV cache and graphs would count as this engine's memory asleep below.
+            other_engine.shutdown()
+            other_engine = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         # Release / resume.
         sync(device)
         t0 = time.perf_counter()
@@ -405,9 +413,7 @@ def main() -> None:
         entry["sync_goal_met"] = entry["sync_device_tensors_s"] <= entry["sync_goal_s"]
         report["models"].append(entry)
         engine.shutdown()
-        if other_engine is not None:
-            other_engine.shutdown()
-        del engine, model, other_engine
+        del engine, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

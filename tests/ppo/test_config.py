@@ -382,3 +382,26 @@ def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[
     assert parse_config(argv).normalize_advantages is True  # as verl's GAE and cleanrl's norm_adv
     assert parse_config([*argv, "--no-normalize-advantages"]).normalize_advantages is False
     assert parse_config(argv).actor_config().normalize_advantages is True  # what the workers get
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
+    """`--rollout-fused-decode` / `--no-rollout-fused-decode` and the other rollout fields become the
+    embedded engines' `EngineOptions` (`cluster.engine_options_of`)."""
+    from tandem.ppo.cluster import engine_options_of
+    from tandem.ppo.config import PPOConfig
+
+    config = PPOConfig(
+        hf_checkpoint="",
+        rollout_batch_size=32,
+        global_batch_size=32,
+        rollout_fused_decode=fused,
+        rollout_dtype="bfloat16",
+        rollout_kv_cache_memory_fraction=0.2,
+    )
+    options = engine_options_of(config)
+    assert options.fused_decode is fused
+    assert (options.dtype, options.kv_cache_memory_fraction) == ("bfloat16", 0.2)
+    assert engine_options_of(
+        PPOConfig(hf_checkpoint="", rollout_batch_size=32, global_batch_size=32)
+    ).fused_decode

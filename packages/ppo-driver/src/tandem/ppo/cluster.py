@@ -116,7 +116,7 @@ def start_groups(
     from tandem.megatron.choices import Role
     from tandem.megatron.group import create_train_group
     from tandem.placement import create_placement_groups
-    from tandem.ppo.engines import EngineOptions, create_engine_group
+    from tandem.ppo.engines import create_engine_group
     from tandem.ppo.node_checks import check_nodes_see_folders, folders_to_check
     from tandem.ppo.reward_model import rollout_bundle_shares
 
@@ -128,12 +128,7 @@ def start_groups(
         except BaseException:
             placements.remove()
             raise
-    engine_kwargs: dict[str, Any] = {"dtype": config.rollout_dtype}
-    if config.rollout_kv_cache_memory_fraction is not None:
-        engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
-    if config.sglang_urls:
-        engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
-    engine_options = EngineOptions(**engine_kwargs)
+    engine_options = engine_options_of(config)
 
     def start(role: Role, worker_config: WorkerConfig) -> TrainGroup:
         share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
@@ -181,3 +176,18 @@ def weight_pack(config: PPOConfig) -> Any:
     if config.weight_sync == "ipc" or (shared_gpus and config.device != "cpu" and torch.cuda.is_available()):
         return ipc_payload
     return None
+
+
+def engine_options_of(config: PPOConfig) -> Any:
+    """The rollout engines' `EngineOptions` from the run's `rollout_*` and SGLang fields."""
+    from tandem.ppo.engines import EngineOptions
+
+    engine_kwargs: dict[str, Any] = {
+        "dtype": config.rollout_dtype,
+        "fused_decode": config.rollout_fused_decode,
+    }
+    if config.rollout_kv_cache_memory_fraction is not None:
+        engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
+    if config.sglang_urls:
+        engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
+    return EngineOptions(**engine_kwargs)

@@ -100,6 +100,11 @@ class PPOConfig(WorkerFields):
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the rollout engine's weights; auto: bfloat16 on a GPU, float32 on the CPU."""
 
+    rollout_fused_decode: bool = True
+    """Embedded engine: the fused decode step (Triton kernels, one CUDA graph per batch bucket) for
+    Llama, Qwen2 and Mistral models on CUDA; off: transformers' own decode step. The same
+    distribution either way, but not the same random numbers (`EngineOptions.fused_decode`)."""
+
     rollout_kv_cache_memory_fraction: float | None = None
     """Embedded engine: at most this fraction of the GPU's memory holds the KV cache (a larger batch is
     generated in waves); None: the engine's default. Lower it when the models stay resident."""

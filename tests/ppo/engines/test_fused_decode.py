@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from tandem.ppo.engines import EmbeddedEngine, EngineOptions, SamplingParams
 from tandem.ppo.engines._decode_ops import ReferenceOps
@@ -181,9 +182,12 @@ def test_unsupported_models_are_named_and_keep_transformers_decode(
 ) -> None:
     assert unsupported_reason(make_tiny_model("llama"), 64) is None
     assert "hidden_act" in str(unsupported_reason(make_tiny_model("llama", hidden_act="gelu"), 64))
-    dynamic = make_tiny_model(
-        "llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
-    )
+    # transformers 5 names the RoPE scaling `rope_parameters` (theta inside); 4.x `rope_scaling`.
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        scaling = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}
+    else:
+        scaling = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    dynamic = make_tiny_model("llama", **scaling)
     assert "dynamic" in str(unsupported_reason(dynamic, 64))
     sliding = make_tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
     assert "sliding" in str(unsupported_reason(sliding, 64))

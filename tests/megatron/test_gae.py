@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.megatron.algorithms import gae
 from tandem.megatron.algorithms.gae import compute_gae, lambda_returns, scalar_at_last_token
 
 
@@ -39,7 +40,8 @@ unit = st.floats(min_value=0.0, max_value=1.0)
 @st.composite
 def gae_batches(draw: st.DrawFn) -> tuple[list[float], list[list[float]], list[list[bool]], float, float]:
     batch = draw(st.integers(1, 4))
-    length = draw(st.integers(1, 8))
+    # Short rows, and rows over several of the blocked sums' blocks (`gae._BLOCK`).
+    length = draw(st.one_of(st.integers(1, 8), st.integers(gae._BLOCK - 2, 3 * gae._BLOCK + 5)))
     rewards = draw(st.lists(finite, min_size=batch, max_size=batch))
     values = [draw(st.lists(finite, min_size=length, max_size=length)) for _ in range(batch)]
     # Arbitrary masks: holes, leading/trailing padding and all-masked rows all occur.
@@ -214,3 +216,23 @@ def test_scalar_rewards_are_token_rewards_at_the_last_trainable_token(
         strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(0, 5 * gae._BLOCK + 3),
+    st.sampled_from([0.0, 1e-3, 0.3, 0.9, 0.999, 1.0]) | unit,
+    st.integers(0, 2**31 - 1),
+)
+def test_suffix_sums_match_the_loop(batch: int, length: int, decay: float, seed: int) -> None:
+    # Tiny decays over long rows: a cumulative sum of decay^(-j) terms would overflow there.
+    terms = torch.randn(batch, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    expected = torch.zeros_like(terms)
+    running = torch.zeros(batch, dtype=torch.float64)
+    for k in reversed(range(length)):
+        running = terms[:, k] + decay * running
+        expected[:, k] = running
+    got = gae._suffix_sums(terms, decay)
+    assert got.dtype == terms.dtype and got.shape == terms.shape
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

@@ -1,10 +1,13 @@
-"""The actor's old log-probs taken from its update's own forward (`reuse_old_log_probs`).
+"""The actor's old log-probs and the critic's old values taken from their update's own forward
+(`reuse_old_log_probs`, `reuse_old_values`).
 
 `_scripts/old_log_probs_check.py` trains one rollout (one epoch, one optimizer step) with the
 old log-probs computed by a forward pass of their own and taken from the update's forward, in
 fresh processes (1 process, then 2 under data parallel 2 and under pipeline parallel 2), for
-PPO's and GSPO's policy loss: the losses, metrics and trained weights must agree, with one
-forward-only pass fewer. The config's rule of when that is exact is tested here directly.
+PPO's and GSPO's policy loss, then the critic with its old values computed and reused: the
+losses, metrics and trained weights (and the critic's targets and the values it sends the
+actor) must agree, with one forward-only pass fewer. The config's rule of when that is exact
+is tested here directly.
 """
 
 from __future__ import annotations
@@ -73,6 +76,27 @@ def test_old_log_probs_from_the_update_train_as_a_forward_of_their_own_does(
             )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PHASES))
+def test_old_values_from_the_update_train_as_a_forward_of_their_own_does(
+    out_dirs: dict[int, Path], case: str
+) -> None:
+    phase, nproc = PHASES[case]
+    for rank in range(nproc):
+        saved: dict[str, Any] = torch.load(out_dirs[nproc] / f"{phase}-critic-rank{rank}.pt")
+        computed_passes, reused_passes = saved.pop("forward_only_passes")
+        assert (int(computed_passes), int(reused_passes)) == (1, 0)  # no forward of their own
+        assert any(k.startswith("weights/") for k in saved) and saved["metric:grad_norm"][0] > 1e-3
+        # The last stage's targets and the values it sends the actor; other stages have none.
+        last = phase == "1x1" or rank == nproc - 1
+        assert {"old_values", "returns", "sent_values"} <= set(saved) if last else "returns" not in saved
+        for name, (computed, reused) in saved.items():
+            assert reused is not None, name
+            torch.testing.assert_close(
+                reused, computed, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
 def _config(tmp_path: Path, random_llama: Callable[..., None], **fields: Any) -> WorkerConfig:
     hf = tmp_path / "hf"
     if not (hf / "config.json").is_file():
@@ -111,3 +135,22 @@ def test_the_old_log_probs_are_the_updates_own_only_for_one_epoch_and_one_step(
         with pytest.raises(ValueError, match=rf"^reuse_old_log_probs: .*{field}"):
             _config(tmp_path, random_llama, reuse_old_log_probs=True, **fields)
     assert not _config(tmp_path, random_llama, reuse_old_log_probs=False).reuses_old_log_probs
+
+
+def test_the_old_values_are_the_updates_own_only_for_one_epoch_and_one_step(
+    tmp_path: Path, random_llama: Callable[..., None]
+) -> None:
+    # kl_coef and use_tis change the actor's loss, not the critic's: its old values stay the update's own.
+    assert _config(tmp_path, random_llama, kl_coef=0.05, use_tis=True).reuses_old_values
+    for field, fields in {
+        "ppo_epochs": {"ppo_epochs": 2},
+        "global_batch_size": {"global_batch_size": 4},
+    }.items():
+        auto = _config(tmp_path, random_llama, **fields)
+        assert not auto.reuses_old_values, field
+        assert field in (auto.old_values_redundant() or ""), field
+        with pytest.raises(ValueError, match=rf"^reuse_old_values: .*{field}"):
+            _config(tmp_path, random_llama, reuse_old_values=True, **fields)
+    assert not _config(tmp_path, random_llama, reuse_old_values=False).reuses_old_values
+    with pytest.raises(ValueError, match=r"^reuse_old_values: got 'yes'"):
+        _config(tmp_path, random_llama, reuse_old_values="yes")

@@ -156,6 +156,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "use_tis": st.booleans(),
     "tis_cap": _one_of(2.0, 1.5),
     "reuse_old_log_probs": _one_of(None, False),
+    "reuse_old_values": _one_of(None, False),
     "temperature": _one_of(1.0, 0.7),
     "device": _one_of("cpu"),
     "fused_rope": _one_of(None, False),

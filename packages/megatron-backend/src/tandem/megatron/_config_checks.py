@@ -162,6 +162,17 @@ def check_ppo(config: Any) -> None:
                 f"reuse_old_log_probs: the old log-probs are not the update's own here: {why}; leave "
                 "reuse_old_log_probs unset (auto) or False"
             )
+    if config.reuse_old_values is not None and not isinstance(config.reuse_old_values, bool):
+        raise ValueError(
+            f"reuse_old_values: got {config.reuse_old_values!r}; it must be True, False or None (auto)"
+        )
+    if config.reuse_old_values is True:
+        why = config.old_values_redundant()
+        if why is not None:
+            raise ValueError(
+                f"reuse_old_values: the old values are not the update's own here: {why}; leave "
+                "reuse_old_values unset (auto) or False"
+            )
     if not isinstance(config.use_tis, bool):
         raise ValueError(f"use_tis: got {config.use_tis!r}; it must be True or False")
     if isinstance(config.tis_cap, bool) or not isinstance(config.tis_cap, int | float):

@@ -288,6 +288,15 @@ class WorkerFields:
     with the reason); False: always computed. The rollout figure `log_prob` is then not
     reported."""
 
+    reuse_old_values: bool | None = None
+    """Take the critic's old values from its update's own forward pass (detached) instead of a
+    forward pass of their own before it, and compute its returns from them micro-batch by
+    micro-batch. With one PPO epoch and one optimizer step per rollout, that forward runs with
+    the very weights the old values are those of, so the value clipping is inactive either way
+    and the loss and gradients are the same; one forward pass of the whole rollout less. The
+    actor's GAE gets those same values. None: wherever that holds (`old_values_redundant`);
+    True: required (refused elsewhere, with the reason); False: always computed."""
+
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
 

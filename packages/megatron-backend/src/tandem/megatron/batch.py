@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-TARGETS = ("old_log_probs", "ref_log_probs", "old_values", "advantages", "returns")
+TARGETS = ("old_log_probs", "ref_log_probs", "old_values", "advantages", "returns", "token_rewards")
 """The padded per-token fields that the train step fills in (`with_targets`)."""
 
 
@@ -65,6 +65,9 @@ class RolloutBatch:
         old_values: critic: values under the weights its training started from. Same shape.
         advantages: actor: GAE advantages (whitened when configured). Same shape.
         returns: critic: GAE (λ-)returns, the value loss's targets. Same shape.
+        token_rewards: critic whose old values come from its update's forward
+            (`WorkerConfig.reuse_old_values`): the rewards its returns are computed from, per
+            token (the scalar reward at the last trainable token, KL-folded or not). Same shape.
     """
 
     tokens: list[torch.Tensor]
@@ -78,6 +81,7 @@ class RolloutBatch:
     old_values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

@@ -71,6 +71,25 @@ class WorkerConfig(WorkerFields):
             return self.old_log_probs_redundant() is None
         return self.reuse_old_log_probs
 
+    def old_values_redundant(self) -> str | None:
+        """None when the critic's old values are its update's own (one epoch, one step); else why
+        not, naming the field."""
+        if self.ppo_epochs != 1:
+            return f"ppo_epochs is {self.ppo_epochs} (later epochs train against the first's values)"
+        if self.global_batch_size != self.samples_per_rollout:
+            return (
+                f"global_batch_size ({self.global_batch_size}) is below a rollout's {self.samples_per_rollout} "
+                "samples (later optimizer steps train against the weights before the first)"
+            )
+        return None
+
+    @property
+    def reuses_old_values(self) -> bool:
+        """Whether the critic takes its old values from its update's forward (`reuse_old_values`)."""
+        if self.reuse_old_values is None:
+            return self.old_values_redundant() is None
+        return self.reuse_old_values
+
     @property
     def uses_critic(self) -> bool:
         """Whether the advantage estimator needs a critic's values (only `gae` does)."""

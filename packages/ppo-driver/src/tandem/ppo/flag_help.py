@@ -55,7 +55,7 @@ _GROUP_MEMBERS: dict[str, str] = {
     "PPO algorithm": (
         "global_batch_size ppo_epochs shuffle_minibatches eps_clip eps_clip_high eps_clip_c gamma lambd "
         "normalize_advantages loss_aggregation kl_coef kl_penalty_type use_kl_loss kl_loss_coef "
-        "kl_loss_type entropy_coef use_tis tis_cap reuse_old_log_probs filter_truncated lr min_lr lr_decay_style lr_warmup_steps "
+        "kl_loss_type entropy_coef use_tis tis_cap reuse_old_log_probs reuse_old_values filter_truncated lr min_lr lr_decay_style lr_warmup_steps "
         "lr_decay_steps weight_decay adam_beta1 adam_beta2 adam_eps clip_grad"
     ),
     "critic": (

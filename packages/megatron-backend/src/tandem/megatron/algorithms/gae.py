@@ -17,11 +17,19 @@ Generalized Advantage Estimation", eq. 16) with the conventions of docs/design.m
 - `δ_t = r_t + γ V_{t+1} − V_t`, `A_t = δ_t + γ λ A_{t+1}` (t, t+1 are
   consecutive trainable tokens), `returns = A + V`.
 - Masked positions of both outputs are 0, whatever `values` holds there.
+
+Both recursions run without a loop over positions (`_suffix_sums`): each row's trainable
+tokens are first gathered to the front in order (`_Steps`), which turns the recursions into
+discounted sums over consecutive steps, `x_k + a x_{k+1} + a² x_{k+2} + ...`. A loop over
+positions costs a handful of kernel launches per token, which on a GPU is host time that grows
+with the response length (the critic computes its returns once per micro-batch when its old
+values come from its update's forward, `WorkerConfig.reuse_old_values`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["compute_gae", "lambda_returns", "scalar_at_last_token"]
 
@@ -97,17 +105,11 @@ def lambda_returns(
     0 at masked positions.
     """
     rewards, values, mask = _checked("lambda_returns", rewards, values, loss_mask, gamma, lambd)
-    token_rewards = _token_rewards(rewards, mask)
-    returns = torch.zeros_like(values)
-    next_value = values.new_zeros(values.shape[0])
-    next_return = values.new_zeros(values.shape[0])
-    for t in reversed(range(values.shape[1])):
-        trainable = mask[:, t]
-        g = token_rewards[:, t] + gamma * ((1.0 - lambd) * next_value + lambd * next_return)
-        returns[:, t] = torch.where(trainable, g, 0.0)
-        next_value = torch.where(trainable, values[:, t], next_value)
-        next_return = torch.where(trainable, g, next_return)
-    return returns
+    steps = _Steps(mask)
+    token_rewards, step_values = steps.gather(_token_rewards(rewards, mask)), steps.gather(values)
+    # G_k = c_k + γλ G_{k+1}, with c_k = r_k + γ(1 − λ) V_{k+1}.
+    terms = token_rewards + gamma * (1.0 - lambd) * steps.following(step_values)
+    return steps.scatter(_suffix_sums(terms, gamma * lambd))
 
 
 def compute_gae(
@@ -121,7 +123,7 @@ def compute_gae(
 
     Runs under `no_grad` on detached inputs: advantages and returns are targets,
     never differentiated through. Computed in at least float32 (`values`'s dtype
-    if wider). The loop runs over time steps only (vectorised over the batch).
+    if wider; the sums themselves in float64), with no loop over positions.
 
     Args:
         rewards: one scalar reward per response, shape `(batch,)`, added at its last
@@ -138,21 +140,73 @@ def compute_gae(
         `(advantages, returns)`, each of shape `(batch, response_len)`, 0 at masked positions.
     """
     rewards, values, mask = _checked("compute_gae", rewards, values, loss_mask, gamma, lambd)
-    batch, response_len = values.shape
-    token_rewards = _token_rewards(rewards, mask)
-
-    advantages = torch.zeros_like(values)
-    # Carried across masked tokens unchanged, so a hole is not a step.
-    next_value = values.new_zeros(batch)
-    next_advantage = values.new_zeros(batch)
-    for t in reversed(range(response_len)):
-        trainable = mask[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lambd * next_advantage
-        # `where`, not multiplication: a NaN/inf value at a masked position must not leak.
-        advantages[:, t] = torch.where(trainable, advantage, 0.0)
-        next_value = torch.where(trainable, values[:, t], next_value)
-        next_advantage = torch.where(trainable, advantage, next_advantage)
-
+    steps = _Steps(mask)
+    token_rewards, step_values = steps.gather(_token_rewards(rewards, mask)), steps.gather(values)
+    # δ_k = r_k + γ V_{k+1} − V_k over consecutive steps, A_k = δ_k + γλ A_{k+1}.
+    deltas = token_rewards + gamma * steps.following(step_values) - step_values
+    advantages = steps.scatter(_suffix_sums(deltas, gamma * lambd))
+    # `where`, not multiplication: a NaN/inf value at a masked position must not leak.
     returns = torch.where(mask, advantages + values, 0.0)
     return advantages, returns
+
+
+_BLOCK = 64
+"""Positions per block of `_suffix_sums`' blocked form."""
+
+
+class _Steps:
+    """The trainable tokens of each row gathered to its front, in order: the steps of the recursions.
+
+    `gather` moves a `(batch, response_len)` tensor's trainable entries to the front of each row
+    and zeroes the rest (whatever they held, NaN included); `scatter` puts step-ordered entries
+    back at their tokens, 0 at masked ones. A hole is then no step at all, as the conventions ask.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        # A stable sort of "masked?" keeps the trainable tokens first and in order.
+        self.order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+        counts = mask.sum(dim=1, keepdim=True)
+        self.live = torch.arange(mask.shape[1], device=mask.device)[None, :] < counts
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.live, x.gather(1, self.order), 0.0)
+
+    def following(self, x: torch.Tensor) -> torch.Tensor:
+        """Each step's next step's entry, 0 after the last (`x` from `gather`, 0 past the steps)."""
+        return F.pad(x[:, 1:], (0, 1))
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x).scatter(1, self.order, torch.where(self.live, x, 0.0))
+
+
+def _suffix_sums(terms: torch.Tensor, decay: float) -> torch.Tensor:
+    """`out[:, k] = Σ_{j ≥ k} decay^(j − k) · terms[:, j]` along rows, in float64, in `terms`' dtype.
+
+    Blocked, with two matrix products and no loop over positions: within each block of
+    `_BLOCK` positions, the block's upper-triangular matrix of powers; across blocks, the sums
+    at each block's first position. Every coefficient is a power of `decay` <= 1, so nothing
+    overflows or cancels, unlike a cumulative sum of `decay^(−j) · terms_j` would.
+    """
+    batch, length = terms.shape
+    if length == 0 or decay == 0.0:
+        return terms.clone()
+    x = terms.to(torch.float64)
+    if decay == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1).to(terms.dtype)
+    block = min(_BLOCK, length)
+    blocks = -(-length // block)
+    x = F.pad(x, (0, blocks * block - length)).view(batch, blocks, block)
+
+    def powers(size: int, scale: int, shift: int) -> torch.Tensor:
+        """`[k, j] = decay^(scale · (j − k − shift))` where `j − k >= shift`, else 0."""
+        at = torch.arange(size, device=x.device)
+        ahead = at[None, :] - at[:, None] - shift
+        exponent = (scale * ahead.clamp(min=0)).to(torch.float64)
+        return torch.where(ahead >= 0, torch.full_like(exponent, decay).pow(exponent), 0.0)
+
+    within = x @ powers(block, 1, 0).T  # each block's own sums
+    # The sum at the first position of the block after each block: decay^(block) per block.
+    following = within[..., 0] @ powers(blocks, block, 1).T
+    tail = powers(block + 1, 1, 0)[0, 1:].flip(0)  # decay^(block − k) for k = 0 .. block − 1
+    out = within + tail * following[..., None]
+    return out.view(batch, blocks * block)[:, :length].to(terms.dtype)

@@ -6,6 +6,9 @@ Both roles follow the same numbered stages, in this order (`train_critic`, `trai
    old values (critic); the old log-probs and, with a KL loss or reward-level
    KL, the reference log-probs with the reference weights swapped in (actor),
    or those that `compute_log_probs` already returned (the KL-first plan).
+   With one epoch and one optimizer step the update's own forward runs with
+   those weights and supplies the old log-probs (`reuse_old_log_probs`) and the
+   old values (`reuse_old_values`, the returns then computed in the loss).
 2. Targets, pure functions of those (`critic_targets`, `actor_targets`),
    stored in the batch as padded per-token fields so that every micro-batch
    carries its own. The rewards are the scalar rewards, or with `kl_coef != 0`
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tandem.megatron.algorithms.gae import lambda_returns, scalar_at_last_token
 from tandem.megatron.algorithms.gspo import gspo_policy_loss
 from tandem.megatron.algorithms.kl import approx_kl
 from tandem.megatron.algorithms.losses import (
@@ -83,10 +87,18 @@ LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 # --- 3. losses ----------------------------------------------------------------------------------------
 def critic_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
     """The clipped value loss of a micro-batch as (sum, count, metric numerators) (`losses.loss_sum_and_count`)."""
-    assert mb.old_values is not None and mb.returns is not None, "critic_targets fills them"
     values = outputs["values"]
     mask = mb.padded_loss_mask(values.device)
-    per_token, token_metrics = value_loss_and_metrics(values, mb.old_values, mb.returns, config.value_clip)
+    if mb.old_values is None:
+        # reuse_old_values: this forward runs on the weights the rollout's training starts from
+        # (one epoch, one step), so its values are the old values, and the returns follow from them.
+        assert mb.token_rewards is not None, "train_critic fills them"
+        old_values = values.detach()
+        returns = lambda_returns(mb.token_rewards, old_values, mask, config.gamma, config.lambd)
+    else:
+        assert mb.returns is not None, "critic_targets fills them"
+        old_values, returns = mb.old_values, mb.returns
+    per_token, token_metrics = value_loss_and_metrics(values, old_values, returns, config.value_clip)
     loss_sum, count = loss_sum_and_count(per_token, mask, config.loss_aggregation)
     clip_sum, _ = loss_sum_and_count(token_metrics["value_clip_frac"], mask, config.loss_aggregation)
     return loss_sum, count, {"value_loss": loss_sum.detach(), "value_clip_frac": clip_sum}
@@ -250,27 +262,50 @@ def train_critic(
                 "log-probs and reference log-probs; run the actor's compute_log_probs first and pass its "
                 "results as the critic's log_probs (the KL-first plan)"
             )
-    # 1. old values
-    old_values = forward_only(
-        trainee.chunks,
-        batch,
-        role="critic",
-        micro_batch_size=config.micro_batch_size,
-        packed=config.use_sequence_packing,
-        max_tokens=config.micro_batch_tokens(forward_only=True),
-    )
+    # 1. old values: a forward pass of their own, or (reuse_old_values) the update's own forward's
+    from_update = config.reuses_old_values
+    old_values = None
+    if not from_update:
+        old_values = forward_only(
+            trainee.chunks,
+            batch,
+            role="critic",
+            micro_batch_size=config.micro_batch_size,
+            packed=config.use_sequence_packing,
+            max_tokens=config.micro_batch_tokens(forward_only=True),
+        )
     # 2. targets, on the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}
-    if old_values is not None:
+    rewards: torch.Tensor | None = None
+    if last:
         rewards, figures = reward_signal(
-            batch, old_log_probs, ref_log_probs, config, device=old_values.device, dp_group=dp_group
+            batch, old_log_probs, ref_log_probs, config, device=trainee.device, dp_group=dp_group
         )
+    if old_values is not None:
         batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
         figures |= target_figures
         if on_targets is not None:
             on_targets(batch)
-    # 3. train step
-    sums = train_step(trainee, batch, lambda mb, out: critic_loss(config, mb, out), rollout_id=rollout_id)
+    elif last:
+        assert rewards is not None
+        if rewards.dim() == 1:
+            rewards = scalar_at_last_token(rewards, batch.padded_loss_mask(trainee.device))
+        batch = batch.with_targets(token_rewards=rewards)
+    # 3. train step; with reuse_old_values each micro-batch's values are kept (last stage)
+    seen: list[tuple[list[int], torch.Tensor]] = []
+
+    def loss(mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
+        if from_update:
+            seen.append((mb.sample_indices, outputs["values"].detach()))
+        return critic_loss(config, mb, outputs)
+
+    sums = train_step(trainee, batch, loss, rollout_id=rollout_id)
+    if from_update and last:
+        old_values = _update_values(batch, seen)
+        batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
+        figures |= target_figures
+        if on_targets is not None:
+            on_targets(batch)
     # 4. metrics, and the old values for the actor
     rollout_metrics = [k for k in CRITIC_ROLLOUT_METRICS if k != "reward_kl" or config.kl_coef != 0]
     metrics = reduce_metrics(
@@ -287,6 +322,19 @@ def train_critic(
             sample_indices=tuple(batch.sample_indices),
         )
     return TrainResult(metrics=metrics, values=values)
+
+
+def _update_values(batch: RolloutBatch, seen: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """The values the update's micro-batches computed, `(n, max_response_len)` in `batch`'s order."""
+    position = {index: i for i, index in enumerate(batch.sample_indices)}
+    rows = [position[index] for indices, _ in seen for index in indices]
+    assert sorted(rows) == list(range(len(batch))), "one epoch, one step: every sample exactly once"
+    device = seen[0][1].device
+    values = torch.zeros(len(batch), batch.max_response_length, device=device)
+    for indices, mb_values in seen:
+        at = torch.tensor([position[index] for index in indices], dtype=torch.long)
+        values[to_device(at, device), : mb_values.shape[1]] = mb_values
+    return values
 
 
 def train_actor(

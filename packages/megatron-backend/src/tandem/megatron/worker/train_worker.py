@@ -193,7 +193,8 @@ class TrainWorker:
         """Host copies of this rank's per-token targets of its last `train` call (tests, debugging).
 
         On pipeline-last-stage ranks: `sample_indices` and the padded targets that
-        were set (critic: `old_values`, `returns`; actor: `old_log_probs`,
+        were set (critic: `old_values`, `returns`, and `token_rewards` when its old values
+        come from its update; actor: `old_log_probs`,
         `ref_log_probs`, `old_values` (the critic's values it used), `advantages`);
         `{}` elsewhere or before any `train`.
         """

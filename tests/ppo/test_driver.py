@@ -172,18 +172,6 @@ def test_step_clock_is_the_wall_clock_however_step_is_called(
     assert event_time(events, "generate_end", 3) <= spans[3][0] - 0.5
 
 
-def test_no_offload_keeps_both_models_resident(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
-    config = demo_config(
-        tmp_path / "run", num_rollout=2, offload_train=False, eval_interval=None, export_hf=False
-    )
-    summary = run(config, ray_start)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
-    assert not [e for e in events if e["event"] in ("wake", "sleep")]
-    assert "time/engine_release" not in summary.metrics[-1]
-
-
 def test_resume_continues_exactly(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
     common = {"eval_interval": None, "export_hf": False, "save_interval": 2}
     straight = run(demo_config(tmp_path / "straight", num_rollout=4, **common), ray_start, snapshot=True)
@@ -213,7 +201,7 @@ def _last_state(run_dir: Path, role: str) -> Path:
     return run_dir / f"{role}_state.pt"
 
 
-def test_user_reward_module_from_a_file(
+def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_file(
     tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
 ) -> None:
     reward_file = tmp_path / "elsewhere" / "my_reward.py"
@@ -224,13 +212,17 @@ def test_user_reward_module_from_a_file(
     )
     config = demo_config(
         tmp_path / "run",
-        num_rollout=1,
+        num_rollout=2,
+        offload_train=False,
         custom_rm_path=f"{reward_file}:reward",
         eval_interval=None,
         export_hf=False,
     )
     summary = run(config, ray_start)
-    assert 0.0 <= summary.metrics[0]["reward/mean"] <= 1.0
+    assert all(0.0 <= m["reward/mean"] <= 1.0 for m in summary.metrics)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert not [e for e in events if e["event"] in ("wake", "sleep")]
+    assert "time/engine_release" not in summary.metrics[-1]
 
 
 def test_ctrl_c_stops_cleanly_with_a_loadable_checkpoint(tmp_path: Path) -> None:
@@ -310,26 +302,6 @@ def test_async_is_refused_with_colocate(tmp_path: Path) -> None:
         demo_config(tmp_path / "run", async_mode=True).validate()
 
 
-def test_kl_first_plan_with_a_shared_critic(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
-    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None, export_hf=False)
-    summary = run(config, ray_start)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
-    for k in (0, 1):
-        (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
-        (critic,) = [
-            e["t"]
-            for e in events
-            if e["event"] == "train_begin" and e["role"] == "critic" and e["rollout_id"] == k
-        ]
-        assert logp < critic  # the actor's log-probs exist before the critic trains
-    for m in summary.metrics:
-        assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
-        assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
-    assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
-
-
 def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
     config = demo_config(
         tmp_path / "run",
@@ -349,15 +321,16 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callabl
     assert received and all(e["agree"] and len(e["digests"]) == 2 for e in received), received
 
 
-def test_exported_folder_matches_the_actor(
+def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
     tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
 ) -> None:
-    """The run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
+    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan);
+    the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
     from transformers import AutoModelForCausalLM
 
     from tandem.value_transfer import unpack_values
 
-    config = demo_config(tmp_path / "run", num_rollout=2, eval_interval=None)
+    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None)
     got: dict[str, Any] = {}
 
     def actor_log_probs(driver: PPODriver) -> None:
@@ -368,6 +341,20 @@ def test_exported_folder_matches_the_actor(
         got["log_probs"] = unpack_values(out.log_probs, "cpu")
 
     summary = run(config, ray_start, after=actor_log_probs)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    for k in (0, 1):
+        (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
+        (critic,) = [
+            e["t"]
+            for e in events
+            if e["event"] == "train_begin" and e["role"] == "critic" and e["rollout_id"] == k
+        ]
+        assert logp < critic  # the actor's log-probs exist before the critic trains
+    for m in summary.metrics:
+        assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
+        assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
+    assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
+
     assert summary.hf_dir is not None
     model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)
     base: Any = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=torch.float32)

@@ -1,6 +1,9 @@
 """bench/ppo_gpu_bench.py --quick on CPU: both modes and the probe run, and the JSON holds their figures.
 
-Nothing is timed here: the figures only have to exist (the real run is on an H200).
+Nothing is timed here: the figures only have to exist (the real run is on an H200). The quick run
+scores with a reward model (`--reward-model`) beside the rule reward: shared, the reward model
+wakes, scores and sleeps each step; resident, it never sleeps. (One bench run for both: each
+costs minutes of CI; the rule reward's own path runs in the scaling-cell test.)
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,10 +42,11 @@ SHARED_PHASES = (
 RESIDENT_PHASES = ("rollout", "generate", "reward", "critic_train", "actor_train", "weight_sync", "step")
 
 
-def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
+def test_quick_run_writes_both_modes_the_probe_and_the_reward_model(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-    cmd = [sys.executable, str(BENCH), "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")]
+    cmd = [sys.executable, str(BENCH), "--quick", "--reward-model", "--out", str(out)]
+    cmd += ["--workdir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     path = out / "ppo_gpu_bench.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
@@ -92,12 +97,50 @@ def test_quick_run_writes_both_modes_and_the_probe(tmp_path: Path) -> None:
             for i in mine.values():
                 assert span["t0"] <= i["t0"] <= i["t1"] <= span["t1"], (mode, i, span)
 
+    _check_the_reward_model(report, out)
+
     probe = report["probe"]
     assert probe["error"] is None, probe["error"]
     assert probe["tokens_per_s"] > 0 and probe["mfu_6n"] > 0 and probe["params"] > 0
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "ppo_gpu_bench_reward.png").is_file(), report.get("plot_error")
+
+
+def _check_the_reward_model(report: dict[str, Any], out: Path) -> None:
+    assert report["reward_model"]["params"] > 0 and "reward model" in report["shape"]
+    for mode in ("shared", "resident"):
+        result = report["modes"][mode]
+        assert result["config"]["rm_type"] == "model"
+        for step in result["steps"]:
+            assert "reward/model" in step and "reward/custom" in step
+            assert step["reward/mean"] == pytest.approx(
+                step["reward/model"] + step["reward/custom"], abs=1e-6
+            )
+            assert step["time/reward_model"] > 0
+        events = [
+            json.loads(line)
+            for line in (out / "ppo_gpu_bench_runs" / mode / "events.jsonl").read_text().splitlines()
+        ]
+        kinds = [e["event"] for e in events]
+        assert kinds.count("score_begin") == len(result["steps"])
+        if mode == "shared":
+            assert kinds.count("rm_wake") == kinds.count("rm_sleep") - 1 == len(result["steps"])  # + setup's
+            for step in result["steps"]:
+                for phase in (
+                    "reward_model_wake",
+                    "reward_model_score",
+                    "reward_model_sleep",
+                    "engine_release",
+                ):
+                    assert f"time/{phase}" in step, phase
+            assert result["phase_s_mean"]["reward_model_wake"] is not None
+        else:
+            assert "rm_wake" not in kinds and "rm_sleep" not in kinds
+    # Same seed, data and reward model: the two modes score the same rollouts alike.
+    assert report["modes"]["shared"]["reward_mean"] == pytest.approx(
+        report["modes"]["resident"]["reward_mean"]
+    )
 
 
 def test_a_failing_scaling_cell_is_kept_and_the_sweep_goes_on(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,18 @@ def check_choices(config: Any) -> None:
         )
 
 
+def _check_reuse(config: Any, field: str, what: str, redundant: Callable[[], str | None]) -> None:
+    """A `reuse_old_*` field: True, False or None; True only where the old `what` are the update's own."""
+    value = getattr(config, field)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{field}: got {value!r}; it must be True, False or None (auto)")
+    why = redundant() if value is True else None
+    if why is not None:
+        raise ValueError(
+            f"{field}: the old {what} are not the update's own here: {why}; leave {field} unset (auto) or False"
+        )
+
+
 def check_ppo(config: Any) -> None:
     """Learning rates, loss coefficients, clip ranges, GAE and Adam constants are finite and in range."""
     non_negative = {
@@ -151,28 +164,8 @@ def check_ppo(config: Any) -> None:
         raise ValueError(f"eps_clip_high: got {config.eps_clip_high}; it must be > 0 or None")
     if config.eps_clip_c is not None and not config.eps_clip_c > 1:
         raise ValueError(f"eps_clip_c: got {config.eps_clip_c}; the dual-clip constant must be > 1 or None")
-    if config.reuse_old_log_probs is not None and not isinstance(config.reuse_old_log_probs, bool):
-        raise ValueError(
-            f"reuse_old_log_probs: got {config.reuse_old_log_probs!r}; it must be True, False or None (auto)"
-        )
-    if config.reuse_old_log_probs is True:
-        why = config.old_log_probs_redundant()
-        if why is not None:
-            raise ValueError(
-                f"reuse_old_log_probs: the old log-probs are not the update's own here: {why}; leave "
-                "reuse_old_log_probs unset (auto) or False"
-            )
-    if config.reuse_old_values is not None and not isinstance(config.reuse_old_values, bool):
-        raise ValueError(
-            f"reuse_old_values: got {config.reuse_old_values!r}; it must be True, False or None (auto)"
-        )
-    if config.reuse_old_values is True:
-        why = config.old_values_redundant()
-        if why is not None:
-            raise ValueError(
-                f"reuse_old_values: the old values are not the update's own here: {why}; leave "
-                "reuse_old_values unset (auto) or False"
-            )
+    _check_reuse(config, "reuse_old_log_probs", "log-probs", config.old_log_probs_redundant)
+    _check_reuse(config, "reuse_old_values", "values", config.old_values_redundant)
     if not isinstance(config.use_tis, bool):
         raise ValueError(f"use_tis: got {config.use_tis!r}; it must be True or False")
     if isinstance(config.tis_cap, bool) or not isinstance(config.tis_cap, int | float):

@@ -17,6 +17,7 @@ fast. Every check raises a `ValueError` naming the field and the fix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.megatron._config_checks import (
@@ -48,47 +49,42 @@ class WorkerConfig(WorkerFields):
         check_folders(self)
 
     # --- what the fields imply, and each role's own fields -----------------------------
-    def old_log_probs_redundant(self) -> str | None:
-        """None when the old log-probs are the update's own (one epoch, one step, no KL in the
-        rewards, no TIS); else why not, naming the field."""
+    def _one_epoch_one_step(self, what: str) -> str | None:
+        """None with one PPO epoch and one optimizer step a rollout; else why `what` (the old
+        log-probs or values) are not the update's own, naming the field."""
         if self.ppo_epochs != 1:
-            return f"ppo_epochs is {self.ppo_epochs} (later epochs train against the first's log-probs)"
+            return f"ppo_epochs is {self.ppo_epochs} (later epochs train against the first's {what})"
         if self.global_batch_size != self.samples_per_rollout:
             return (
                 f"global_batch_size ({self.global_batch_size}) is below a rollout's {self.samples_per_rollout} "
                 "samples (later optimizer steps train against the weights before the first)"
             )
-        if self.kl_coef != 0:
-            return "kl_coef folds the KL into the rewards before the update"
-        if self.use_tis:
-            return "use_tis weighs each token by the old against the sampler's log-probs"
         return None
+
+    def old_log_probs_redundant(self) -> str | None:
+        """None when the old log-probs are the update's own (one epoch, one step, no KL in the
+        rewards, no TIS); else why not, naming the field."""
+        why = self._one_epoch_one_step("log-probs")
+        if why is None and self.kl_coef != 0:
+            why = "kl_coef folds the KL into the rewards before the update"
+        if why is None and self.use_tis:
+            why = "use_tis weighs each token by the old against the sampler's log-probs"
+        return why
 
     @property
     def reuses_old_log_probs(self) -> bool:
         """Whether the actor takes its old log-probs from its update's forward (`reuse_old_log_probs`)."""
-        if self.reuse_old_log_probs is None:
-            return self.old_log_probs_redundant() is None
-        return self.reuse_old_log_probs
+        return _reuses(self.reuse_old_log_probs, self.old_log_probs_redundant)
 
     def old_values_redundant(self) -> str | None:
         """None when the critic's old values are its update's own (one epoch, one step); else why
         not, naming the field."""
-        if self.ppo_epochs != 1:
-            return f"ppo_epochs is {self.ppo_epochs} (later epochs train against the first's values)"
-        if self.global_batch_size != self.samples_per_rollout:
-            return (
-                f"global_batch_size ({self.global_batch_size}) is below a rollout's {self.samples_per_rollout} "
-                "samples (later optimizer steps train against the weights before the first)"
-            )
-        return None
+        return self._one_epoch_one_step("values")
 
     @property
     def reuses_old_values(self) -> bool:
         """Whether the critic takes its old values from its update's forward (`reuse_old_values`)."""
-        if self.reuse_old_values is None:
-            return self.old_values_redundant() is None
-        return self.reuse_old_values
+        return _reuses(self.reuse_old_values, self.old_values_redundant)
 
     @property
     def uses_critic(self) -> bool:
@@ -198,3 +194,8 @@ class WorkerConfig(WorkerFields):
 
 def _check_role(role: str) -> None:
     check_role(role)
+
+
+def _reuses(flag: bool | None, redundant: Callable[[], str | None]) -> bool:
+    """A `reuse_old_*` field's meaning: as set, or (None) wherever its `*_redundant` rule holds."""
+    return redundant() is None if flag is None else flag

@@ -3,8 +3,10 @@
 The actor's rank 0 sends its weights, HF-named and in chunks, exactly as it
 does to a rollout engine (`TrainWorker.update_weights`); `HfFolderWriter`, a
 small Ray actor on the driver's node, takes the engine's place and writes each
-chunk as one safetensors shard, then the index, the base model's config and
-the tokenizer.
+chunk as one safetensors shard, then the index and the base model's config.
+The driver, on the same node, writes the tokenizer into the same staging
+folder (it has `transformers` loaded already; the writer's process never
+imports it), and the writer publishes the folder.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class HfFolderWriter:
     def __init__(self, out_dir: str, base_hf_dir: str) -> None:
         self.out = Path(out_dir)
         self.base = Path(base_hf_dir)
-        self.staging = self.out.with_name(self.out.name + ".partial")
+        self.staging = staging_folder(self.out)
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
         self.weight_map: dict[str, str] = {}
@@ -47,9 +49,7 @@ class HfFolderWriter:
             self.dtypes.add(tensor.dtype)
 
     def finish(self) -> str:
-        """Write the index, config and tokenizer; publish the folder (replacing an older one). Its path."""
-        from transformers import AutoTokenizer
-
+        """Write the index and config; publish the folder (replacing an older one). Its path."""
         index = {
             "metadata": {"total_size": self.total_bytes},
             "weight_map": dict(sorted(self.weight_map.items())),
@@ -61,12 +61,23 @@ class HfFolderWriter:
         (self.staging / "config.json").write_text(json.dumps(config, indent=2))
         if (self.base / "generation_config.json").is_file():
             shutil.copy(self.base / "generation_config.json", self.staging / "generation_config.json")
-        with contextlib.suppress(OSError, ValueError):  # a base without a tokenizer: weights and config only
-            AutoTokenizer.from_pretrained(str(self.base)).save_pretrained(str(self.staging))
         if self.out.exists():
             shutil.rmtree(self.out)
         os.replace(self.staging, self.out)
         return str(self.out)
+
+
+def staging_folder(out: Path) -> Path:
+    """Where the folder for `out` is written before it is published."""
+    return out.with_name(out.name + ".partial")
+
+
+def save_tokenizer(base_hf_dir: str | os.PathLike[str], folder: Path) -> None:
+    """The base model's tokenizer, loaded and saved into `folder`; nothing for a base without one."""
+    from transformers import AutoTokenizer
+
+    with contextlib.suppress(OSError, ValueError):  # a base without a tokenizer: weights and config only
+        AutoTokenizer.from_pretrained(str(base_hf_dir)).save_pretrained(str(folder))
 
 
 def export_actor(actor: Any, out_dir: str | os.PathLike[str], base_hf_dir: str) -> str:
@@ -80,11 +91,13 @@ def export_actor(actor: Any, out_dir: str | os.PathLike[str], base_hf_dir: str) 
     node = ray.get_runtime_context().get_node_id()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    out = Path(out_dir).resolve()
     writer = writer_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-        str(Path(out_dir).resolve()), str(Path(base_hf_dir).resolve())
+        str(out), str(Path(base_hf_dir).resolve())
     )
     try:
-        actor.update_weights([writer])
+        actor.update_weights([writer])  # returns once the writer has made the staging folder and every shard
+        save_tokenizer(base_hf_dir, staging_folder(out))
         path: str = ray.get(writer.finish.remote())
         return path
     finally:

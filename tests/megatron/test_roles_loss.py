@@ -1,4 +1,4 @@
-"""The actor's loss with truncated importance sampling, by hand (no Megatron: `roles.actor_loss` is pure)."""
+"""The actor's loss with truncated importance sampling, by hand (no Megatron: `role_losses.actor_loss` is pure)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from tandem.megatron import RolloutBatch, WorkerConfig
 from tandem.megatron.worker.forward import ResponseOutputs
-from tandem.megatron.worker.roles import actor_loss
+from tandem.megatron.worker.role_losses import actor_loss
 
 
 def _config(tmp_path: Path, **overrides: object) -> WorkerConfig:

@@ -11,7 +11,7 @@ worker) compute the gradient of one optimizer step over uneven micro-batches:
   all-reduced over the data-parallel group beforehand, each micro-batch's loss
   divided by it, times the data-parallel size (DDP averages) and times the
   number of micro-batches (Megatron divides a two-output loss by it);
-- new: `forward.run_micro_batches` with `roles.actor_loss` / `roles.critic_loss`,
+- new: `forward.run_micro_batches` with `role_losses.actor_loss` / `role_losses.critic_loss`,
   which return `(sum, count, metrics)` and let Megatron divide once.
 
 Writes `WORK_DIR/out/<phase>-<role>-<mode>-rank<r>.pt` with both gradients by name.
@@ -36,7 +36,7 @@ from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models import build_model, unwrap_model
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.hf_weights import load_hf_checkpoint
-from tandem.megatron.worker import roles
+from tandem.megatron.worker import role_losses
 from tandem.megatron.worker.forward import (
     ResponseOutputs,
     _padded_tokens,
@@ -207,7 +207,7 @@ def check(work: Path, phase: str, role: str, mode: str) -> None:
     for ddp in (old, new):
         ddp.zero_grad_buffer()
     old_step_gradients(old, config, role, mbs)
-    loss = roles.critic_loss if role == "critic" else roles.actor_loss
+    loss = role_losses.critic_loss if role == "critic" else role_losses.actor_loss
     run_micro_batches(
         new,
         mbs,

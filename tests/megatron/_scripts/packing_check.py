@@ -10,8 +10,8 @@ padded and with packed micro-batches (uneven: 2, 3 and 1 samples of uneven lengt
   control that the comparison can fail, from the packed row run as one plain
   sequence (`leaky...`: samples attend across boundaries and positions run on);
 - `forward_only`'s response log-probs (actor) or values (critic);
-- one optimizer step's backward (`run_micro_batches` with `roles.actor_loss`
-  with KL loss and entropy / `roles.critic_loss`, Megatron DDP): the metrics
+- one optimizer step's backward (`run_micro_batches` with `role_losses.actor_loss`
+  with KL loss and entropy / `role_losses.critic_loss`, Megatron DDP): the metrics
   of each micro-batch and every gradient.
 
 Writes `WORK_DIR/out/<phase>-<attention>-<role>-rank<r>.pt`: `{name: (padded, packed)}`.
@@ -41,7 +41,7 @@ from tandem.megatron.models import build_model, unwrap_model
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.hf_weights import load_hf_checkpoint
 from tandem.megatron.models.packing import pack_lengths, pack_tokens, packed_seq_params, position_ids
-from tandem.megatron.worker import roles
+from tandem.megatron.worker import role_losses, roles
 from tandem.megatron.worker._trainee import build_trainee
 from tandem.megatron.worker.forward import (
     _padded_tokens,
@@ -115,7 +115,7 @@ def raw_outputs(model: Any, mb: RolloutBatch) -> dict[str, tuple[torch.Tensor, t
 def step(ddp: Any, config: WorkerConfig, role: str, mbs: list[RolloutBatch], packed: bool) -> dict[str, Any]:
     """Metrics of each micro-batch and the gradients of one backward over `mbs`."""
     ddp.zero_grad_buffer()
-    loss = roles.critic_loss if role == "critic" else roles.actor_loss
+    loss = role_losses.critic_loss if role == "critic" else role_losses.actor_loss
     metrics = run_micro_batches(
         ddp,
         mbs,

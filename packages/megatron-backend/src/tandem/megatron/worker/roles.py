@@ -20,8 +20,9 @@ Both roles follow the same numbered stages, in this order (`train_critic`, `trai
    (`rollout_rewards`) or REINFORCE++'s discounted returns → whitening over the
    data-parallel group when asked (`estimators.whitens`).
 3. The train step (`train_step.train_step`): `ppo_epochs` passes of
-   minibatches, each an optimizer step on the role's loss (`critic_loss`,
-   `actor_loss`, pure, in Megatron's per-token form).
+   minibatches, each an optimizer step on the role's loss
+   (`role_losses.critic_loss`, `role_losses.actor_loss`, pure, in Megatron's
+   per-token form).
 4. Metrics, the same on every rank (`train_step.reduce_metrics`); the
    critic's pipeline-last-stage ranks add their old values (a `Box`) for the actor.
 """
@@ -33,148 +34,25 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.algorithms.gae import lambda_returns, scalar_at_last_token
-from tandem.megatron.algorithms.gspo import gspo_policy_loss
-from tandem.megatron.algorithms.kl import approx_kl
-from tandem.megatron.algorithms.losses import (
-    loss_sum_and_count,
-    policy_loss,
-    tis_weights,
-    value_loss_and_metrics,
-)
+from tandem.megatron.algorithms.gae import scalar_at_last_token
 from tandem.megatron.algorithms.rollout_rewards import estimator_rewards
-from tandem.megatron.batch import RolloutBatch, pad_responses, to_device, unpad_responses
+from tandem.megatron.batch import RolloutBatch, to_device, unpad_responses
 from tandem.megatron.choices import GROUP_ESTIMATORS
-from tandem.megatron.config import WorkerConfig
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.worker._trainee import Trainee
 from tandem.megatron.worker.forward import ResponseOutputs, forward_only
 from tandem.megatron.worker.received import any_rank, critic_values, log_probs_for, raise_if
+from tandem.megatron.worker.role_losses import (
+    ACTOR_ROLLOUT_METRICS,
+    ACTOR_STEP_METRICS,
+    CRITIC_ROLLOUT_METRICS,
+    CRITIC_STEP_METRICS,
+    LossResult,
+    actor_loss,
+    critic_loss,
+)
 from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
-
-CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
-"""Exact means over each optimizer step of the critic."""
-ACTOR_STEP_METRICS = (
-    "pg_loss",
-    "clip_frac",
-    "dual_clip_frac",
-    "approx_kl",
-    "kl_loss",
-    "entropy",
-    "tis_weight",
-)
-"""Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured)."""
-CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance", "reward_kl")
-"""Figures of the rollout's targets, over the data-parallel group (`reward_kl` only with `kl_coef != 0`)."""
-ACTOR_ROLLOUT_METRICS = (
-    "log_prob",
-    "advantages_mean",
-    "values_mean",
-    "returns_mean",
-    "reward_kl",
-    "tied_groups",
-)
-"""Figures of the rollout's targets, over the data-parallel group (advantages before whitening;
-`values_mean` with GAE only; `returns_mean` with GAE and REINFORCE++(-baseline); `reward_kl`, the
-mean per-token KL of the reward, only with `kl_coef != 0`; `tied_groups`, the fraction of prompts
-whose samples all got the same reward, with the group estimators)."""
-
-
-LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-
-
-# --- 3. losses ----------------------------------------------------------------------------------------
-def critic_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
-    """The clipped value loss of a micro-batch as (sum, count, metric numerators) (`losses.loss_sum_and_count`)."""
-    values = outputs["values"]
-    mask = mb.padded_loss_mask(values.device)
-    if mb.old_values is None:
-        # reuse_old_values: this forward runs on the weights the rollout's training starts from
-        # (one epoch, one step), so its values are the old values, and the returns follow from them.
-        assert mb.token_rewards is not None, "train_critic fills them"
-        old_values = values.detach()
-        returns = lambda_returns(mb.token_rewards, old_values, mask, config.gamma, config.lambd)
-    else:
-        assert mb.returns is not None, "critic_targets fills them"
-        old_values, returns = mb.old_values, mb.returns
-    per_token, token_metrics = value_loss_and_metrics(values, old_values, returns, config.value_clip)
-    loss_sum, count = loss_sum_and_count(per_token, mask, config.loss_aggregation)
-    clip_sum, _ = loss_sum_and_count(token_metrics["value_clip_frac"], mask, config.loss_aggregation)
-    return loss_sum, count, {"value_loss": loss_sum.detach(), "value_clip_frac": clip_sum}
-
-
-def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
-    """Policy loss + KL loss − entropy bonus of a micro-batch as (sum, count, metric numerators).
-
-    All terms share the loss mask and aggregation mode, hence one count.
-    """
-    assert mb.advantages is not None, "actor_targets fills them"
-    log_probs = outputs["log_probs"]
-    # With one epoch and one step the old log-probs are this forward's own (reuse_old_log_probs):
-    # the ratio is exactly 1 and the gradient flows through `log_probs` alone.
-    old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
-    mask = mb.padded_loss_mask(log_probs.device)
-    mode = config.loss_aggregation
-    if config.loss_type == "gspo":
-        per_token, token_metrics = gspo_policy_loss(
-            log_probs,
-            old_log_probs,
-            mb.advantages,
-            mask,
-            config.eps_clip,
-            config.eps_clip_high,
-            config.eps_clip_c,
-        )
-    else:
-        per_token, token_metrics = policy_loss(
-            log_probs,
-            old_log_probs,
-            mb.advantages,
-            config.eps_clip,
-            config.eps_clip_high,
-            config.eps_clip_c,
-        )
-    metrics: dict[str, torch.Tensor] = {}
-    if config.use_tis:
-        # Truncated importance sampling: the rollout came from the engine's policy, not from π_old.
-        weights = tis_weights(old_log_probs, _rollout_log_probs(mb, log_probs), config.tis_cap)
-        per_token = per_token * weights
-        metrics["tis_weight"] = loss_sum_and_count(weights, mask, mode)[0]
-    pg_sum, count = loss_sum_and_count(per_token, mask, mode)
-    loss_sum = pg_sum
-    metrics["pg_loss"] = pg_sum.detach()
-    for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
-        metrics[name] = loss_sum_and_count(token_metrics[name], mask, mode)[0]
-    if config.use_kl_loss:
-        assert mb.ref_log_probs is not None, "actor_targets fills them with use_kl_loss"
-        kl_sum, _ = loss_sum_and_count(
-            approx_kl(log_probs, mb.ref_log_probs, config.kl_loss_type), mask, mode
-        )
-        loss_sum = loss_sum + config.kl_loss_coef * kl_sum
-        metrics["kl_loss"] = kl_sum.detach()
-    if config.entropy_coef > 0:
-        entropy_sum, _ = loss_sum_and_count(outputs["entropy"], mask, mode)
-        loss_sum = loss_sum - config.entropy_coef * entropy_sum
-        metrics["entropy"] = entropy_sum.detach()
-    return loss_sum, count, metrics
-
-
-def _rollout_log_probs(mb: RolloutBatch, like: torch.Tensor) -> torch.Tensor:
-    """The engine's log-probs of the micro-batch, padded like `like`; ValueError naming `use_tis` if absent."""
-    if mb.rollout_log_probs is None:
-        raise ValueError(
-            "use_tis: the rollout batch has no rollout_log_probs; truncated importance sampling needs the "
-            "engine's per-token log-probs (RolloutBatch.rollout_log_probs), or set use_tis=False"
-        )
-    lengths = [int(lp.numel()) for lp in mb.rollout_log_probs]
-    if lengths != list(mb.response_lengths):
-        raise ValueError(
-            f"use_tis: rollout_log_probs have lengths {lengths[:8]} but the responses {mb.response_lengths[:8]}; "
-            "the engine must report one log-prob per response token"
-        )
-    return to_device(pad_responses(mb.rollout_log_probs), like.device).to(like.dtype)
-
 
 # --- the two roles, stage by stage ------------------------------------------------------------------
 TargetsHook = Callable[[RolloutBatch], None]

@@ -39,7 +39,8 @@ COUNT = "count"
 RoleLoss = Callable[
     [RolloutBatch, ResponseOutputs], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 ]
-"""`loss(micro_batch, outputs) -> (loss_sum, count, metric numerators)`, as `roles.critic_loss` / `roles.actor_loss`."""
+"""`loss(micro_batch, outputs) -> (loss_sum, count, metric numerators)`, as `role_losses.critic_loss`
+and `role_losses.actor_loss`."""
 
 
 @dataclass

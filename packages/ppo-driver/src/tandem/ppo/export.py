@@ -27,7 +27,7 @@ class HfFolderWriter:
     def __init__(self, out_dir: str, base_hf_dir: str) -> None:
         self.out = Path(out_dir)
         self.base = Path(base_hf_dir)
-        self.staging = staging_folder(self.out)
+        self.staging = _staging_folder(self.out)
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
         self.weight_map: dict[str, str] = {}
@@ -67,12 +67,12 @@ class HfFolderWriter:
         return str(self.out)
 
 
-def staging_folder(out: Path) -> Path:
+def _staging_folder(out: Path) -> Path:
     """Where the folder for `out` is written before it is published."""
     return out.with_name(out.name + ".partial")
 
 
-def save_tokenizer(base_hf_dir: str | os.PathLike[str], folder: Path) -> None:
+def _save_tokenizer(base_hf_dir: str | os.PathLike[str], folder: Path) -> None:
     """The base model's tokenizer, loaded and saved into `folder`; nothing for a base without one."""
     from transformers import AutoTokenizer
 
@@ -97,7 +97,7 @@ def export_actor(actor: Any, out_dir: str | os.PathLike[str], base_hf_dir: str) 
     )
     try:
         actor.update_weights([writer])  # returns once the writer has made the staging folder and every shard
-        save_tokenizer(base_hf_dir, staging_folder(out))
+        _save_tokenizer(base_hf_dir, _staging_folder(out))
         path: str = ray.get(writer.finish.remote())
         return path
     finally:

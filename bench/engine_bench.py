@@ -28,6 +28,11 @@ tokens' agreement):
 
     python3 bench/engine_bench.py --shapes qwen2-0.5b --batches 256 --skip-hf --ab-decode
 
+`--ab-sampler` times the fused step's sampler alone at each batch, on random logits of the
+shape's vocabulary: one program a row against the vocabulary split over programs (the
+default), with the tokens of the two compared (`sampler_ab` in each row); and its attention
+alone at the generate's average position, for 1, 2, 4 and 8 splits of the keys (`attention_ab`).
+
 CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
 
     python bench/engine_bench.py --quick --out /tmp/engine-bench.json
@@ -275,6 +280,88 @@ def bench_decode(
     return row
 
 
+def sampler_ab(device: torch.device, rows: int, vocab: int, iters: int = 200) -> dict[str, Any]:
+    """The fused step's sampler alone, one program a row against the default split: ms a call (CUDA
+    events around `iters` calls, after a warm-up), the share of the logits' read bandwidth, and
+    whether both draw the same tokens (they must: the split changes where a key is compared, not
+    the key)."""
+    from tandem.ppo.engines._decode_kernels import TritonOps
+
+    logits = (3 * torch.randn(rows, vocab, device=device)).to(torch.bfloat16)
+    args = {
+        "temperature": torch.ones(1, device=device),
+        "seed": torch.tensor([7], device=device),
+    }
+    out: dict[str, Any] = {"rows": rows, "vocab": vocab}
+    drawn = {}
+    for name, programs in (
+        ("one_program_a_row", 1),
+        ("split", TritonOps(device).sample_programs_per_processor),
+    ):
+        ops = TritonOps(device, sample_programs_per_processor=programs)
+        drawn[name] = ops.sample(logits, **args)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            ops.sample(logits, **args)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / iters
+        out[name] = {
+            "splits": ops.sample_splits(rows, vocab)[0],
+            "ms": ms,
+            "logits_read_gbps": logits.numel() * logits.element_size() / (ms / 1e3) / 1e9,
+        }
+    (a_tokens, a_lp), (b_tokens, b_lp) = drawn["one_program_a_row"], drawn["split"]
+    out["same_tokens"] = bool(torch.equal(a_tokens, b_tokens))
+    out["max_log_prob_diff"] = float((a_lp - b_lp).abs().max())
+    out["speedup"] = out["one_program_a_row"]["ms"] / out["split"]["ms"]
+    print(f"sampler, {rows} x {vocab}: {json.dumps(out)}", flush=True)
+    return out
+
+
+def attention_ab(
+    device: torch.device, rows: int, cfg: Any, length: int, pos: int, iters: int = 200
+) -> dict[str, Any]:
+    """The fused step's attention alone over a bf16 KV cache of `length` positions, every row at
+    position `pos` (the average of a generate): ms a call for 1, 2, 4 and 8 splits of the keys
+    (the default takes `TritonOps.attention_splits`), and the outputs' largest difference from 1."""
+    from tandem.ppo.engines._decode_kernels import TritonOps
+
+    ops = TritonOps(device)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // heads
+    q = torch.randn(rows, heads, head_dim, device=device, dtype=torch.bfloat16)
+    keys = torch.randn(rows, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    kw = {
+        "start": torch.zeros(rows, dtype=torch.int64, device=device),
+        "pos": torch.tensor([pos], device=device),
+        "scale": head_dim**-0.5,
+    }
+    out: dict[str, Any] = {"rows": rows, "pos": pos, "default_splits": ops.attention_splits(rows, kv_heads)}
+    first = ops.attention(q, keys, values, splits=1, **kw)
+    kv_bytes = 2 * rows * kv_heads * (pos + 1) * head_dim * 2
+    for splits in (1, 2, 4, 8):
+        got = ops.attention(q, keys, values, splits=splits, **kw)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            ops.attention(q, keys, values, splits=splits, **kw)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / iters
+        out[f"splits_{splits}"] = {
+            "ms": ms,
+            "kv_read_gbps": kv_bytes / (ms / 1e3) / 1e9,
+            "max_diff_from_1": float((got.float() - first.float()).abs().max()),
+        }
+    print(f"attention, {rows} rows at {pos}: {json.dumps(out)}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -301,6 +388,12 @@ def main() -> None:
         help="also time the other decode path (--no-fused-decode's, or the fused one) on the same prompts "
         "and seed, from a second engine: `ab` in each row (ms a step of each, the decode speedup, greedy "
         "token agreement)",
+    )
+    parser.add_argument(
+        "--ab-sampler",
+        action="store_true",
+        help="also time the fused step's sampler alone (CUDA): one program a row against the default "
+        "split of the vocabulary, on random logits of each batch (`sampler_ab` in each row)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="EngineOptions.compile (torch.compile the decode step)"
@@ -358,6 +451,12 @@ def main() -> None:
         }
         for batch in [int(b) for b in args.batches.split(",")]:
             row = bench_decode(engines, engine, model, batch, args, device, other_engine)
+            avg_pos = args.prompt_len + args.new_tokens // 2
+            if args.ab_sampler and device.type == "cuda":
+                row["sampler_ab"] = sampler_ab(device, batch, model.config.vocab_size)
+                row["attention_ab"] = attention_ab(
+                    device, batch, model.config, args.prompt_len + args.new_tokens, avg_pos
+                )
             avg_len = args.prompt_len + args.new_tokens / 2
             step_weights = weight_bytes / bandwidth
             step_kv = step_weights + batch * avg_len * kv_bytes_per_token / bandwidth

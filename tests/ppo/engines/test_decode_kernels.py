@@ -248,6 +248,7 @@ def test_philox_in_torch_is_triton_rand(kernels: tuple[Any, torch.device]) -> No
     temperature=st.sampled_from([0.0, 0.6, 1.0, 1.7]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**62),
+    programs=st.sampled_from([1, 8, 64]),
 )
 def test_sampler_draws_the_references_tokens_with_their_log_probs(
     kernels: tuple[Any, torch.device],
@@ -256,8 +257,11 @@ def test_sampler_draws_the_references_tokens_with_their_log_probs(
     temperature: float,
     dtype: torch.dtype,
     seed: int,
+    programs: int,
 ) -> None:
-    ops, device = kernels
+    """Whatever the vocabulary's split over programs (one a row up to one a block), the same tokens."""
+    device = kernels[1]
+    ops = type(kernels[0])(device, sample_programs_per_processor=programs)
     logits = (3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))).to(dtype)
     logits = logits.to(device)
     args = {
@@ -275,22 +279,52 @@ def test_sampler_draws_the_references_tokens_with_their_log_probs(
         assert tokens.tolist() == logits.float().argmax(-1).tolist()
 
 
-def test_greedy_takes_the_first_of_tied_maxima(kernels: tuple[Any, torch.device]) -> None:
-    ops, device = kernels
+@pytest.mark.parametrize("programs", [1, 64])
+def test_greedy_takes_the_first_of_tied_maxima(kernels: tuple[Any, torch.device], programs: int) -> None:
+    device = kernels[1]
+    ops = type(kernels[0])(device, sample_programs_per_processor=programs)
     logits = torch.zeros(3, 3000, device=device)
-    logits[0, [5, 1029, 2053]] = 4.0  # the kernel's block is 1024: one lane sees all three
+    # The kernel's block is 1024: one lane sees all three of row 0; split a block a program (64),
+    # each of them is in a split of its own.
+    logits[0, [5, 1029, 2053]] = 4.0
     logits[1, [976, 2000]] = 4.0
     logits[2, [1500, 2999]] = 4.0
     zero = {
         "temperature": torch.zeros(1, device=device),
         "seed": torch.zeros(1, dtype=torch.long, device=device),
     }
+    if programs > 1:
+        assert ops.sample_splits(3, 3000)[0] == 3
     assert ops.sample(logits, **zero)[0].tolist() == [5, 976, 1500]
     assert REFERENCE.sample(logits.cpu(), **{k: v.cpu() for k, v in zero.items()})[0].tolist() == [
         5,
         976,
         1500,
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 512),
+    vocab=st.integers(1, 300_000),
+    programs=st.integers(1, 16),
+    processors=st.sampled_from([8, 132]),
+)
+def test_the_samplers_splits_cover_the_vocabulary_once(
+    kernels: tuple[Any, torch.device], rows: int, vocab: int, programs: int, processors: int
+) -> None:
+    from tandem.ppo.engines import _decode_kernels
+
+    ops = type(kernels[0])(kernels[1], sample_programs_per_processor=programs)
+    ops._processors = processors
+    splits, span = ops.sample_splits(rows, vocab)
+    block = _decode_kernels._SAMPLE_BLOCK
+    assert span % block == 0 and 1 <= splits <= _decode_kernels._MAX_SAMPLE_SPLITS
+    assert (splits - 1) * span < vocab <= splits * span  # no split empty, none left out
+    # At least half the programs asked for, where the vocabulary's blocks and the cap allow (equal
+    # spans of whole blocks: 9 blocks over 8 programs are 5 spans of 2).
+    wanted = -(-programs * processors // rows)
+    assert 2 * splits >= min(wanted, -(-vocab // block), _decode_kernels._MAX_SAMPLE_SPLITS)
 
 
 def test_the_engine_on_the_kernels_generates_what_transformers_and_the_reference_do(

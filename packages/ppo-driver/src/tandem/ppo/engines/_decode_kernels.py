@@ -17,11 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_ops import MIN_UNIFORM, ROW_SEED_STRIDE
+from ._sample_kernels import sample_combine_kernel, sample_split_kernel
 
-# Kernels read module globals only as constexprs.
-_MIN_UNIFORM = tl.constexpr(MIN_UNIFORM)
-_ROW_SEED_STRIDE = tl.constexpr(ROW_SEED_STRIDE)
 _MAX_SPLITS = 16
 _ATTENTION_BLOCK_N = {2: 64, 4: 32}
 """Keys per attention block by element size: fp32 blocks of 64 keys of 128 dims would overfill shared memory."""
@@ -207,94 +204,6 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, total, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, (act * up).to(dtype), mask=mask)
 
 
-@triton.jit
-def _sample_split_kernel(
-    logits_ptr,
-    temperature_ptr,
-    seed_ptr,
-    part_ptr,
-    part_idx_ptr,
-    vocab,
-    stride_row,
-    span,
-    SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One split of a row's vocabulary: its best Gumbel key and that key's index, and its log-sum-exp
-    as (max, sum of exp below it). `span` is a multiple of BLOCK."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    temperature = tl.load(temperature_ptr)
-    greedy = temperature <= 0.0
-    divisor = tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seed_ptr) + row.to(tl.int64) * _ROW_SEED_STRIDE
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    lanes = tl.arange(0, BLOCK)
-    lo = split * span
-    hi = tl.minimum(lo + span, vocab)
-    # Per lane: the best key so far (strict: a lane keeps its first index on ties). The log-sum-exp
-    # is kept per program, updated once a block: one exp an element.
-    best_key = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    run_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    run_sum = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    for v0 in range(lo, hi, BLOCK):
-        idx = v0 + lanes
-        valid = idx < hi
-        z = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) / divisor
-        u = tl.maximum(tl.rand(seed, idx), _MIN_UNIFORM)
-        key = tl.where(greedy, z, z - tl.log(-tl.log(u)))
-        key = tl.where(valid, key, float("-inf"))
-        better = key > best_key
-        best_key = tl.where(better, key, best_key)
-        best_idx = tl.where(better, idx, best_idx)
-        new_max = tl.maximum(run_max, tl.max(z, axis=0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no inf - inf in a block without keys
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
-        run_max = new_max
-    top = tl.max(best_key, axis=0)
-    slot = row.to(tl.int64) * SPLITS + split
-    tl.store(part_ptr + slot * 3, top)
-    tl.store(part_ptr + slot * 3 + 1, run_max)
-    tl.store(part_ptr + slot * 3 + 2, run_sum)
-    tl.store(part_idx_ptr + slot, tl.min(tl.where(best_key == top, best_idx, vocab), axis=0))
-
-
-@triton.jit
-def _sample_combine_kernel(
-    logits_ptr,
-    temperature_ptr,
-    part_ptr,
-    part_idx_ptr,
-    tokens_ptr,
-    log_probs_ptr,
-    vocab,
-    stride_row,
-    SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """A row's token: the first index of its largest key over the splits (so the first over the whole
-    vocabulary, whatever the splits), and its log-prob from the splits' log-sum-exps."""
-    row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr)
-    divisor = tl.where(temperature <= 0.0, 1.0, temperature)
-    s = tl.arange(0, BLOCK_S)
-    here = s < SPLITS
-    slot = row.to(tl.int64) * SPLITS + s
-    keys = tl.load(part_ptr + slot * 3, mask=here, other=float("-inf"))
-    maxes = tl.load(part_ptr + slot * 3 + 1, mask=here, other=float("-inf"))
-    sums = tl.load(part_ptr + slot * 3 + 2, mask=here, other=0.0)
-    idxs = tl.load(part_idx_ptr + slot, mask=here, other=vocab)
-    top = tl.max(keys, axis=0)
-    token = tl.min(tl.where(keys == top, idxs, vocab), axis=0)
-    m = tl.max(maxes, axis=0)
-    total = tl.sum(tl.where(maxes == float("-inf"), 0.0, sums * tl.exp(maxes - m)), axis=0)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    z_token = tl.load(base + token).to(tl.float32) / divisor
-    tl.store(tokens_ptr + row, token.to(tl.int64))
-    tl.store(log_probs_ptr + row, z_token - m - tl.log(total))
-
-
 class TritonOps:
     """`DecodeOps` as Triton kernels (CUDA; or any device under `TRITON_INTERPRET=1`).
 
@@ -444,7 +353,7 @@ class TritonOps:
         log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
         part = torch.empty(rows, splits, 3, dtype=torch.float32, device=logits.device)
         part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
-        _sample_split_kernel[(rows, splits)](
+        sample_split_kernel[(rows, splits)](
             logits,
             temperature,
             seed,
@@ -456,7 +365,7 @@ class TritonOps:
             SPLITS=splits,
             BLOCK=_SAMPLE_BLOCK,
         )
-        _sample_combine_kernel[(rows,)](
+        sample_combine_kernel[(rows,)](
             logits,
             temperature,
             part,

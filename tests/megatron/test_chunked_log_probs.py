@@ -1,4 +1,4 @@
-"""`log_probs.chunked_log_probs` against `forward.vocab_parallel_log_probs`, its plain-autograd reference.
+"""`log_probs.chunked_log_probs` against `response_outputs.vocab_parallel_log_probs`, its plain-autograd reference.
 
 On the CPU in one gloo process (TP 1): the forward values of any shape, padding,
 temperature, chunk size and input dtype equal the reference's on the logits cast to
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.worker.forward import vocab_parallel_log_probs
 from tandem.megatron.worker.log_probs import chunked_log_probs
+from tandem.megatron.worker.response_outputs import vocab_parallel_log_probs
 
 SCRIPTS = Path(__file__).parent / "_scripts"
 
@@ -225,9 +225,9 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_response_outputs_take_the_chunked_path_and_0_the_previous_one() -> None:
-    """`_response_outputs` with a chunk size and with 0 (the plain-autograd path): the same tensors, gradients."""
+    """`response_outputs` with a chunk size and with 0 (the plain-autograd path): the same tensors, gradients."""
     from tandem.megatron.batch import RolloutBatch
-    from tandem.megatron.worker.forward import _response_outputs
+    from tandem.megatron.worker.response_outputs import response_outputs
 
     generator = torch.Generator().manual_seed(7)
     lengths, responses, vocab = [9, 6, 12], [4, 1, 7], 40
@@ -246,7 +246,7 @@ def test_response_outputs_take_the_chunked_path_and_0_the_previous_one() -> None
         leaf = output.clone().requires_grad_()
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, s=saved: s.append(t) or t, lambda t: t):
-            outputs = _response_outputs(
+            outputs = response_outputs(
                 mb,
                 tokens,
                 leaf,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tandem.megatron.batch import RolloutBatch, pad_responses
 from tandem.megatron.models.packing import pack_lengths
-from tandem.megatron.worker.forward import ResponseIndex, _response_rows
+from tandem.megatron.worker.response_outputs import ResponseIndex, response_rows
 
 
 def _batch(draw_lengths: list[tuple[int, int]]) -> RolloutBatch:
@@ -31,7 +31,7 @@ def test_gather_and_padding_equal_the_per_sample_slices(
 ) -> None:
     mb = _batch(lengths)
     row = pack_lengths([p + r for p, r in lengths], 1) if packed else None
-    rows = _response_rows(mb, row)
+    rows = response_rows(mb, row)
     seq = row.total if row is not None else max(p + r for p, r in lengths)
     n_rows = 1 if packed else len(lengths)
     output = torch.randn(n_rows, seq, vocab, requires_grad=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.megatron import RolloutBatch, WorkerConfig
-from tandem.megatron.worker.forward import ResponseOutputs
+from tandem.megatron.worker.response_outputs import ResponseOutputs
 from tandem.megatron.worker.role_losses import actor_loss
 
 

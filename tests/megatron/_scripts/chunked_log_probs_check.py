@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from launch import init_from_env
 
-from tandem.megatron.worker.forward import vocab_parallel_log_probs
 from tandem.megatron.worker.log_probs import chunked_log_probs
 from tandem.megatron.worker.parallel import destroy_distributed
+from tandem.megatron.worker.response_outputs import vocab_parallel_log_probs
 
 # name: (rows, whole padded vocabulary, tokenizer vocabulary or None, temperature, entropy, chunk, dtype)
 CASES: dict[str, tuple[int, int, int | None, float, bool, int, torch.dtype]] = {

@@ -37,15 +37,10 @@ from tandem.megatron.models import build_model, unwrap_model
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.hf_weights import load_hf_checkpoint
 from tandem.megatron.worker import role_losses
-from tandem.megatron.worker.forward import (
-    ResponseOutputs,
-    _padded_tokens,
-    _response_outputs,
-    forward_only,
-    run_micro_batches,
-)
+from tandem.megatron.worker.forward import _padded_tokens, forward_only, run_micro_batches
 from tandem.megatron.worker.optimizer import wrap_ddp
 from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
+from tandem.megatron.worker.response_outputs import ResponseOutputs, response_outputs
 
 VOCAB = 64
 
@@ -107,7 +102,7 @@ def old_step_gradients(ddp: Any, config: WorkerConfig, role: str, mbs: list[Roll
     def loss_func(
         mb: RolloutBatch, tokens: torch.Tensor, output: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        outputs = _response_outputs(
+        outputs = response_outputs(
             mb,
             tokens,
             output,

@@ -25,8 +25,9 @@ from tandem.megatron.batch import RolloutBatch, unpad_responses
 from tandem.megatron.models import build_model
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.hf_weights import export_hf_weights, load_hf_checkpoint
-from tandem.megatron.worker.forward import ResponseOutputs, forward_only, micro_batches, run_micro_batches
+from tandem.megatron.worker.forward import forward_only, micro_batches, run_micro_batches
 from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
+from tandem.megatron.worker.response_outputs import ResponseOutputs
 
 CHUNK_BYTES = 6000
 

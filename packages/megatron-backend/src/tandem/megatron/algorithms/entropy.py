@@ -2,7 +2,7 @@
 
 One form serves both the full vocabulary (`entropy_from_logits`) and the
 training path, where each tensor-parallel rank holds a slice of it
-(`forward.vocab_parallel_log_probs` passes its cross-rank sum): with the
+(`response_outputs.vocab_parallel_log_probs` passes its cross-rank sum): with the
 logits shifted by their maximum, `s = l − max l ≤ 0`,
 
     H = log Σ_v e^{s_v} − Σ_v p_v s_v,

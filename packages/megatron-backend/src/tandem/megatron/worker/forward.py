@@ -26,14 +26,11 @@ response (the same in both layouts):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tandem.megatron.algorithms.entropy import entropy_of_shifted
 from tandem.megatron.batch import RolloutBatch, pad_responses, to_device
 from tandem.megatron.choices import ROLES, Role
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
@@ -44,34 +41,11 @@ from tandem.megatron.models.packing import (
     packed_seq_params,
     position_ids,
 )
-from tandem.megatron.worker.fused_log_probs import fused_log_probs, fused_log_probs_available
-from tandem.megatron.worker.log_probs import chunked_log_probs
+from tandem.megatron.worker.fused_log_probs import fused_log_probs_available
+from tandem.megatron.worker.response_outputs import ResponseOutputs, response_outputs
 
-LossFn = Callable[[RolloutBatch, "ResponseOutputs"], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
+LossFn = Callable[[RolloutBatch, ResponseOutputs], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
 """`loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`: Megatron's per-token-loss form."""
-
-
-@dataclass
-class ResponseOutputs:
-    """The model's response tensors of one micro-batch, each `(b, max_response_len)`, 0 past each response.
-
-    Attributes:
-        log_probs: actor only: log-probs of the response tokens under `logits / temperature`.
-        entropy: actor only, when asked: entropy of that distribution at each response token.
-        values: critic only: fp32 values of the state before each response token.
-
-    Also readable as a mapping (`outputs["log_probs"]`).
-    """
-
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        value = getattr(self, key, None) if key in ("log_probs", "entropy", "values") else None
-        if value is None:
-            raise KeyError(key)
-        return value
 
 
 def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
@@ -125,153 +99,6 @@ def _padded_tokens(mb: RolloutBatch, device: torch.device) -> torch.Tensor:
 def _packed_row(mb: RolloutBatch, multiple: int) -> PackedRow:
     """Where the micro-batch's samples lie in its packed row (a multiple of `multiple` tokens)."""
     return pack_lengths([int(t.numel()) for t in mb.tokens], multiple)
-
-
-def _response_rows(mb: RolloutBatch, packed: PackedRow | None = None) -> list[tuple[int, int, int]]:
-    """(row, first position, last position + 1) of the positions that predict each sample's response.
-
-    Padded: sample `i` is row `i`, from position 0. Packed: every sample is in row 0, from its offset.
-    """
-    rows = []
-    offsets = packed.offsets if packed is not None else (0,) * len(mb)
-    for i, (toks, rlen, offset) in enumerate(zip(mb.tokens, mb.response_lengths, offsets, strict=True)):
-        end = offset + int(toks.numel())
-        rows.append((0 if packed is not None else i, end - rlen - 1, end - 1))
-    return rows
-
-
-@dataclass(frozen=True)
-class ResponseIndex:
-    """Where a micro-batch's response positions are, as flat indices for one gather and one scatter.
-
-    `source[k]`: the k-th response position (samples in order) in the model output
-    flattened over `(rows, seq)`; the response token it predicts is at `source[k] + 1`
-    of the flattened tokens. `dest[k]`: where that position goes in the flattened
-    `(samples, longest response)` result. One `index_select` and one `index_put`
-    instead of a slice per sample: autograd then scatters the gradient of the whole
-    micro-batch into the model output at once, where per-sample slices would each
-    allocate and add an output-sized gradient (the vocabulary's logits, gigabytes).
-    """
-
-    source: torch.Tensor
-    dest: torch.Tensor
-    samples: int
-    longest: int
-
-    @classmethod
-    def of(cls, rows: Sequence[tuple[int, int, int]], seq_len: int, device: torch.device) -> ResponseIndex:
-        """The index of `_response_rows`' `rows` in an output of `seq_len` positions a row, on `device`."""
-        lengths = [end - begin for _, begin, end in rows]
-        longest = max(lengths, default=0)
-        source = torch.cat(
-            [torch.arange(row * seq_len + begin, row * seq_len + end) for row, begin, end in rows]
-        )
-        dest = torch.cat([torch.arange(i * longest, i * longest + n) for i, n in enumerate(lengths)])
-        return cls(to_device(source, device), to_device(dest, device), len(rows), longest)
-
-    def gather(self, output: torch.Tensor) -> torch.Tensor:
-        """The response positions of `output` (`(rows, seq, ...)`) as `(positions, ...)`."""
-        return output.reshape(-1, *output.shape[2:]).index_select(0, self.source)
-
-    def targets(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The response tokens that the positions predict, from `tokens` (`(rows, seq)`)."""
-        return tokens.reshape(-1).index_select(0, self.source + 1)
-
-    def padded(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-position `values` as `(samples, longest)`, 0 past each response (differentiable)."""
-        flat = values.new_zeros(self.samples * self.longest).index_put((self.dest,), values)
-        return flat.view(self.samples, self.longest)
-
-
-def vocab_parallel_log_probs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    with_entropy: bool = False,
-    vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of `targets` (and entropies) from this TP rank's vocabulary slice of `logits`.
-
-    Shape: logits `(n, padded_vocab / tp)`, targets `(n,)` global token ids; returns `(n,)` tensors.
-    `vocab_size`: the tokenizer's vocabulary; the columns of the padding rows past it
-    (`ModelSpec.padded_vocab_size`) are left out of the softmax, so the distribution is
-    the Hugging Face model's. None: every column is a token.
-    Differentiable: the sums over the vocabulary are all-reduced with Megatron's
-    `reduce_from_tensor_model_parallel_region` (identity backward), so each rank's
-    gradient reaches only its own slice, as Megatron's vocab-parallel cross entropy does.
-    """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    tp_size = mpu.get_tensor_model_parallel_world_size()
-    vocab_local = logits.shape[-1]
-    start = mpu.get_tensor_model_parallel_rank() * vocab_local
-    if vocab_size is not None and start + vocab_local > vocab_size:
-        # The finite floor, not -inf: exp gives exactly 0, and 0 * floor stays 0 in the entropy.
-        padding = torch.arange(start, start + vocab_local, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
-    # A shift for stability only: no gradient flows through it.
-    shift = logits.detach().max(dim=-1).values
-    if tp_size > 1:
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
-    shifted = logits - shift.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
-    log_z = sum_exp.log()
-    in_slice = (targets >= start) & (targets < start + vocab_local)
-    local_target = (targets - start).clamp(0, vocab_local - 1)
-    picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_slice
-    log_probs = reduce_from_tensor_model_parallel_region(picked) - log_z
-    if not with_entropy:
-        return log_probs, None
-    return log_probs, entropy_of_shifted(shifted, exp, sum_exp, reduce_from_tensor_model_parallel_region)
-
-
-def _response_outputs(
-    mb: RolloutBatch,
-    tokens: torch.Tensor,
-    output: torch.Tensor,
-    *,
-    role: Role,
-    temperature: float,
-    with_entropy: bool,
-    packed: PackedRow | None = None,
-    vocab_size: int | None = None,
-    log_probs_chunk_tokens: int = 0,
-    fused: bool = False,
-) -> ResponseOutputs:
-    """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
-    `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row.
-
-    `fused`: the actor's log-probs through `fused_log_probs` (Triton, CUDA); else
-    `log_probs_chunk_tokens`: rows of the actor's logits at a time through `chunked_log_probs`;
-    0: all of them through `vocab_parallel_log_probs` (plain autograd, fp32 copies of them all)."""
-    index = ResponseIndex.of(_response_rows(mb, packed), tokens.shape[1], output.device)
-    if role == "critic":
-        return ResponseOutputs(values=index.padded(index.gather(output[..., 0]).float()))
-    # Only the positions that predict response tokens: prompts never reach the softmax.
-    logits = index.gather(output)
-    targets = index.targets(tokens)
-    if fused:
-        log_probs, entropy = fused_log_probs(
-            logits, targets, temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size
-        )
-    elif log_probs_chunk_tokens:
-        log_probs, entropy = chunked_log_probs(
-            logits,
-            targets,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            vocab_size=vocab_size,
-            chunk_tokens=log_probs_chunk_tokens,
-        )
-    else:
-        log_probs, entropy = vocab_parallel_log_probs(
-            logits.float() / temperature, targets, with_entropy=with_entropy, vocab_size=vocab_size
-        )
-    return ResponseOutputs(
-        log_probs=index.padded(log_probs), entropy=None if entropy is None else index.padded(entropy)
-    )
 
 
 def run_micro_batches(
@@ -360,7 +187,7 @@ def run_micro_batches(
     def loss_func(
         mb: RolloutBatch, tokens: torch.Tensor, row: PackedRow | None, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        outputs = _response_outputs(
+        outputs = response_outputs(
             mb,
             tokens,
             output,

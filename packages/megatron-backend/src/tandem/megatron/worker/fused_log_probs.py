@@ -1,6 +1,6 @@
 """Log-probs and entropies over a vocabulary-parallel slice of logits with two Triton kernels, on CUDA.
 
-The plain-autograd path (`forward.vocab_parallel_log_probs` on `logits.float() / T`)
+The plain-autograd path (`response_outputs.vocab_parallel_log_probs` on `logits.float() / T`)
 makes about eight passes over fp32 copies of the response logits forward and as
 many backward: on the 0.5B PPO bench (8,192 response positions a micro-batch over a
 151,936-token vocabulary) each copy is 5 GB. `fused_log_probs` reads the logits once
@@ -131,7 +131,7 @@ def fused_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` (and entropies) under `softmax(logits / temperature)`, through Triton.
 
-    The values of `forward.vocab_parallel_log_probs(logits.float() / temperature, ...)`
+    The values of `response_outputs.vocab_parallel_log_probs(logits.float() / temperature, ...)`
     to fp32 rounding, with no fp32 copy of `logits` (module docstring).
 
     Args:

@@ -1,6 +1,6 @@
 """Log-probs and entropies over a vocabulary-parallel slice of logits, a chunk of rows at a time.
 
-`forward.vocab_parallel_log_probs` computes the same values through plain autograd,
+`response_outputs.vocab_parallel_log_probs` computes the same values through plain autograd,
 which keeps several fp32 tensors the size of the response logits alive for the
 backward pass (the scaled logits, their shifted form, its exponentials): on a
 151,936-token vocabulary and a micro-batch of 35k response tokens each is ~20 GB.
@@ -153,7 +153,7 @@ def chunked_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` (and entropies) under `softmax(logits / temperature)`, `chunk_tokens` rows at a time.
 
-    The values of `forward.vocab_parallel_log_probs(logits.float() / temperature, ...)`,
+    The values of `response_outputs.vocab_parallel_log_probs(logits.float() / temperature, ...)`,
     without its fp32 copies of the whole `logits` (module docstring).
 
     Args:

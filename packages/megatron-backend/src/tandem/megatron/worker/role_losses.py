@@ -22,7 +22,7 @@ from tandem.megatron.algorithms.losses import (
 )
 from tandem.megatron.batch import RolloutBatch, pad_responses, to_device
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.worker.forward import ResponseOutputs
+from tandem.megatron.worker.response_outputs import ResponseOutputs
 
 CRITIC_STEP_METRICS = ("value_loss", "value_clip_frac")
 """Exact means over each optimizer step of the critic."""

@@ -40,8 +40,9 @@ from tandem.megatron.batch import RolloutBatch, to_device, unpad_responses
 from tandem.megatron.choices import GROUP_ESTIMATORS
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.worker._trainee import Trainee
-from tandem.megatron.worker.forward import ResponseOutputs, forward_only
+from tandem.megatron.worker.forward import forward_only
 from tandem.megatron.worker.received import any_rank, critic_values, log_probs_for, raise_if
+from tandem.megatron.worker.response_outputs import ResponseOutputs
 from tandem.megatron.worker.role_losses import (
     ACTOR_ROLLOUT_METRICS,
     ACTOR_STEP_METRICS,

@@ -31,7 +31,8 @@ import torch
 
 from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.worker._trainee import Trainee
-from tandem.megatron.worker.forward import ResponseOutputs, plan_micro_batches, run_micro_batches
+from tandem.megatron.worker.forward import plan_micro_batches, run_micro_batches
+from tandem.megatron.worker.response_outputs import ResponseOutputs
 
 COUNT = "count"
 """The key under which each step's loss denominator travels with the metric numerators."""

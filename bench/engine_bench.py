@@ -29,8 +29,8 @@ tokens' agreement):
     python3 bench/engine_bench.py --shapes qwen2-0.5b --batches 256 --skip-hf --ab-decode
 
 `--ab-sampler` times the fused step's sampler alone at each batch, on random logits of the
-shape's vocabulary: one program a row against the vocabulary split over programs (the
-default), with the tokens of the two compared (`sampler_ab` in each row); and its attention
+shape's vocabulary: one program a row (the default) against the vocabulary split over
+programs, with the tokens of the two compared (`sampler_ab` in each row); and its attention
 alone at the generate's average position, for 1, 2, 4 and 8 splits of the keys (`attention_ab`).
 
 CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
@@ -280,9 +280,13 @@ def bench_decode(
     return row
 
 
+SPLIT_SAMPLER_PROGRAMS = 8
+"""`--ab-sampler`'s split sampler: about this many programs a multiprocessor."""
+
+
 def sampler_ab(device: torch.device, rows: int, vocab: int, iters: int = 200) -> dict[str, Any]:
-    """The fused step's sampler alone, one program a row against the default split: ms a call (CUDA
-    events around `iters` calls, after a warm-up), the share of the logits' read bandwidth, and
+    """The fused step's sampler alone, one program a row (the default) against the vocabulary split
+    over programs (`TritonOps(sample_programs_per_processor=8)`): ms a call (CUDA events around `iters` calls, after a warm-up), the share of the logits' read bandwidth, and
     whether both draw the same tokens (they must: the split changes where a key is compared, not
     the key)."""
     from tandem.ppo.engines._decode_kernels import TritonOps
@@ -294,10 +298,7 @@ def sampler_ab(device: torch.device, rows: int, vocab: int, iters: int = 200) ->
     }
     out: dict[str, Any] = {"rows": rows, "vocab": vocab}
     drawn = {}
-    for name, programs in (
-        ("one_program_a_row", 1),
-        ("split", TritonOps(device).sample_programs_per_processor),
-    ):
+    for name, programs in (("one_program_a_row", None), ("split", SPLIT_SAMPLER_PROGRAMS)):
         ops = TritonOps(device, sample_programs_per_processor=programs)
         drawn[name] = ops.sample(logits, **args)
         torch.cuda.synchronize(device)
@@ -309,7 +310,7 @@ def sampler_ab(device: torch.device, rows: int, vocab: int, iters: int = 200) ->
         end.synchronize()
         ms = start.elapsed_time(end) / iters
         out[name] = {
-            "splits": ops.sample_splits(rows, vocab)[0],
+            "splits": 1 if programs is None else ops.sample_splits(rows, vocab)[0],
             "ms": ms,
             "logits_read_gbps": logits.numel() * logits.element_size() / (ms / 1e3) / 1e9,
         }
@@ -392,8 +393,8 @@ def main() -> None:
     parser.add_argument(
         "--ab-sampler",
         action="store_true",
-        help="also time the fused step's sampler alone (CUDA): one program a row against the default "
-        "split of the vocabulary, on random logits of each batch (`sampler_ab` in each row)",
+        help="also time the fused step's sampler alone (CUDA): one program a row (the default) against "
+        "the vocabulary split over programs, on random logits of each batch (`sampler_ab` in each row)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="EngineOptions.compile (torch.compile the decode step)"

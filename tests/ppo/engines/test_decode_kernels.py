@@ -248,7 +248,7 @@ def test_philox_in_torch_is_triton_rand(kernels: tuple[Any, torch.device]) -> No
     temperature=st.sampled_from([0.0, 0.6, 1.0, 1.7]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**62),
-    programs=st.sampled_from([1, 8, 64]),
+    programs=st.sampled_from([None, 1, 8, 64]),
 )
 def test_sampler_draws_the_references_tokens_with_their_log_probs(
     kernels: tuple[Any, torch.device],
@@ -257,9 +257,10 @@ def test_sampler_draws_the_references_tokens_with_their_log_probs(
     temperature: float,
     dtype: torch.dtype,
     seed: int,
-    programs: int,
+    programs: int | None,
 ) -> None:
-    """Whatever the vocabulary's split over programs (one a row up to one a block), the same tokens."""
+    """One program a row (None, the default) or the vocabulary split over programs (down to one
+    block a program): the same tokens."""
     device = kernels[1]
     ops = type(kernels[0])(device, sample_programs_per_processor=programs)
     logits = (3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))).to(dtype)
@@ -279,8 +280,10 @@ def test_sampler_draws_the_references_tokens_with_their_log_probs(
         assert tokens.tolist() == logits.float().argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("programs", [1, 64])
-def test_greedy_takes_the_first_of_tied_maxima(kernels: tuple[Any, torch.device], programs: int) -> None:
+@pytest.mark.parametrize("programs", [None, 1, 64])
+def test_greedy_takes_the_first_of_tied_maxima(
+    kernels: tuple[Any, torch.device], programs: int | None
+) -> None:
     device = kernels[1]
     ops = type(kernels[0])(device, sample_programs_per_processor=programs)
     logits = torch.zeros(3, 3000, device=device)
@@ -293,7 +296,7 @@ def test_greedy_takes_the_first_of_tied_maxima(kernels: tuple[Any, torch.device]
         "temperature": torch.zeros(1, device=device),
         "seed": torch.zeros(1, dtype=torch.long, device=device),
     }
-    if programs > 1:
+    if programs == 64:
         assert ops.sample_splits(3, 3000)[0] == 3
     assert ops.sample(logits, **zero)[0].tolist() == [5, 976, 1500]
     assert REFERENCE.sample(logits.cpu(), **{k: v.cpu() for k, v in zero.items()})[0].tolist() == [

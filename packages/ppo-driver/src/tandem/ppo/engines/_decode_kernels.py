@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._sample_kernels import sample_combine_kernel, sample_split_kernel
+from ._sample_kernels import sample_combine_kernel, sample_row_kernel, sample_split_kernel
 
 _MAX_SPLITS = 16
 _ATTENTION_BLOCK_N = {2: 64, 4: 32}
@@ -210,11 +210,12 @@ class TritonOps:
     Args:
         device: where the tensors live; its multiprocessor count sizes the attention's and the
             sampler's splits.
-        sample_programs_per_processor: the sampler splits each row's vocabulary over programs until
-            there are about this many a multiprocessor (1 gives one program a row at large batches).
+        sample_programs_per_processor: None (the default): the sampler runs one program a row; N:
+            it splits each row's vocabulary over programs until there are about N a multiprocessor
+            (the same tokens; `bench/engine_bench.py --ab-sampler` times the two).
     """
 
-    def __init__(self, device: torch.device, *, sample_programs_per_processor: int = 8) -> None:
+    def __init__(self, device: torch.device, *, sample_programs_per_processor: int | None = None) -> None:
         self.sample_programs_per_processor = sample_programs_per_processor
         self._processors = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -348,9 +349,14 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, vocab = logits.shape
         assert logits.stride(-1) == 1
-        splits, span = self.sample_splits(rows, vocab)
         tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
         log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        if self.sample_programs_per_processor is None:
+            sample_row_kernel[(rows,)](
+                logits, temperature, seed, tokens, log_probs, vocab, logits.stride(0), BLOCK=_SAMPLE_BLOCK
+            )
+            return tokens, log_probs
+        splits, span = self.sample_splits(rows, vocab)
         part = torch.empty(rows, splits, 3, dtype=torch.float32, device=logits.device)
         part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
         sample_split_kernel[(rows, splits)](
@@ -380,11 +386,12 @@ class TritonOps:
         return tokens, log_probs
 
     def sample_splits(self, rows: int, vocab: int) -> tuple[int, int]:
-        """(programs a row, vocabulary entries each): enough programs for `sample_programs_per_processor`
-        a multiprocessor, each at least one block. One program a row (256 at the 0.5B bench's batch)
-        left the H200 mostly idle: 0.30 ms a decode step over a 152 k vocabulary."""
+        """(programs a row, vocabulary entries each) of the split sampler: enough programs for
+        `sample_programs_per_processor` a multiprocessor, each at least one block. One program a row
+        (256 at the 0.5B bench's batch) took 0.30 ms of a 2.0 ms decode step on the H200 to read
+        78 MB of logits (engine_profile_fused_dfaa394.json)."""
         blocks = triton.cdiv(vocab, _SAMPLE_BLOCK)
-        wanted = triton.cdiv(self.sample_programs_per_processor * self._processors, rows)
+        wanted = triton.cdiv((self.sample_programs_per_processor or 1) * self._processors, rows)
         splits = max(1, min(_MAX_SAMPLE_SPLITS, blocks, wanted))
         span = triton.cdiv(blocks, splits) * _SAMPLE_BLOCK
         return triton.cdiv(vocab, span), span

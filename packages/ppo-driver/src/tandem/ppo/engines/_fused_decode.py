@@ -7,7 +7,7 @@ same step on the same weights as torch GEMMs plus five operations (`DecodeOps`):
 per layer fused add+RMSNorm, the q/k/v GEMM, RoPE + KV-cache write, split-KV
 grouped-query attention over the keys [start, pos] of each row, the o GEMM,
 add+RMSNorm, the gate/up GEMM, SiLU*up, the down GEMM; then the final norm,
-lm_head on the rows and a sampler that splits each row's vocabulary over programs. Every input a step varies by
+lm_head on the rows and a one-pass sampler. Every input a step varies by
 (token ids, left pads, the write position, the sampler's seed and temperature) is
 read from a device tensor, so one CUDA graph per batch bucket serves every step.
 

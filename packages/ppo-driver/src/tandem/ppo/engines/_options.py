@@ -26,7 +26,7 @@ class EngineOptions:
 
     fused_decode: bool = True
     """Decode with the engine's fused step (Triton kernels around torch GEMMs on transformers' weights:
-    fused add+RMSNorm, RoPE + KV-cache write, split-KV grouped-query attention, SiLU*up, a split-vocabulary
+    fused add+RMSNorm, RoPE + KV-cache write, split-KV grouped-query attention, SiLU*up, a one-pass
     sampler; `_fused_decode.py`) instead of transformers' forward. Applies on CUDA to model types
     llama, qwen2 and mistral without sliding-window layers; elsewhere, or off, the engine decodes
     with transformers' code (the engine logs which). Samples from the same distribution with another

@@ -1,11 +1,12 @@
-"""The fused decode step's sampler as two Triton kernels (`TritonOps.sample` launches them).
+"""The fused decode step's sampler as Triton kernels (`TritonOps.sample` launches them).
 
-Each row's vocabulary is split over programs: `sample_split_kernel` gives each split's best
-Gumbel key, that key's first index and the split's log-sum-exp (as its max and the sum of exp
-below it); `sample_combine_kernel` takes the first index of the row's largest key and the
-token's log-prob. The keys do not depend on the split (the noise of index v is
-`tl.rand(seed + row * ROW_SEED_STRIDE, v)`), so every split draws the same tokens as
-`_decode_ops.ReferenceOps.sample`.
+By default one program a row (`sample_row_kernel`). Where asked
+(`TritonOps(sample_programs_per_processor=N)`), each row's vocabulary is split over programs
+instead: `sample_split_kernel` gives each split's best Gumbel key, that key's first index and
+the split's log-sum-exp (as its max and the sum of exp below it); `sample_combine_kernel`
+takes the first index of the row's largest key and the token's log-prob. The keys do not
+depend on the split (the noise of index v is `tl.rand(seed + row * ROW_SEED_STRIDE, v)`), so
+every way draws the same tokens as `_decode_ops.ReferenceOps.sample`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,47 @@ from ._decode_ops import MIN_UNIFORM, ROW_SEED_STRIDE
 # Kernels read module globals only as constexprs.
 _MIN_UNIFORM = tl.constexpr(MIN_UNIFORM)
 _ROW_SEED_STRIDE = tl.constexpr(ROW_SEED_STRIDE)
+
+
+@triton.jit
+def sample_row_kernel(
+    logits_ptr, temperature_ptr, seed_ptr, tokens_ptr, log_probs_ptr, vocab, stride_row, BLOCK: tl.constexpr
+):
+    """One program a row: the row's token (the first index of its largest key) and its log-prob in
+    one pass, with a running log-sum-exp per lane."""
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr)
+    greedy = temperature <= 0.0
+    divisor = tl.where(greedy, 1.0, temperature)
+    seed = tl.load(seed_ptr) + row.to(tl.int64) * _ROW_SEED_STRIDE
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    lanes = tl.arange(0, BLOCK)
+    # Per lane: the running max and sum of exp (online log-sum-exp) and the best key so far.
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK], tl.float32)
+    best_key = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    for v0 in range(0, vocab, BLOCK):
+        idx = v0 + lanes
+        valid = idx < vocab
+        z = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) / divisor
+        u = tl.maximum(tl.rand(seed, idx), _MIN_UNIFORM)
+        key = tl.where(greedy, z, z - tl.log(-tl.log(u)))
+        key = tl.where(valid, key, float("-inf"))
+        better = key > best_key  # strict: a lane keeps its first index on ties
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, idx, best_idx)
+        new_max = tl.maximum(run_max, z)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no inf - inf on lanes without keys
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.exp(z - shift)
+        run_max = new_max
+    top = tl.max(best_key, axis=0)
+    token = tl.min(tl.where(best_key == top, best_idx, vocab), axis=0)  # the first index of the maximum
+    m = tl.max(run_max, axis=0)
+    total = tl.sum(run_sum * tl.exp(run_max - m), axis=0)
+    z_token = tl.load(base + token).to(tl.float32) / divisor
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(log_probs_ptr + row, z_token - m - tl.log(total))
 
 
 @triton.jit

@@ -28,5 +28,8 @@ step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$
 step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
 step engine python3 bench/engine_bench.py --out "$OUT/engine.json"
 step ppo python3 bench/ppo_gpu_bench.py --out "$OUT"
+# Every path users take (fixed shapes, packed realistic lengths, micro-batches by tokens), shared and
+# resident, against bench/regression_baseline.json: fails where a step got slower than the tolerance.
+step regression python3 bench/regression_check.py --out "$OUT/regression"
 step ppo_reward_model python3 bench/ppo_gpu_bench.py --reward-model --skip-probe --out "$OUT/reward_model"
 exit $status

@@ -398,15 +398,39 @@ def test_the_compiled_kernels_in_bf16_on_cuda_match_megatron(rope_utils: ModuleT
 @pytest.mark.parametrize("hidden_size", [576, 896, 1536, 2048, 4096])
 @pytest.mark.parametrize("on_cuda", [False, True])
 @pytest.mark.parametrize("fused_rope", [None, False, True])
-def test_fused_rope_by_default_only_on_cuda_from_the_threshold(
-    fused_rope: bool | None, on_cuda: bool, hidden_size: int
+@pytest.mark.parametrize("variable_shapes", [False, True])
+def test_fused_rope_by_default_on_cuda_for_packed_rows_or_from_the_threshold(
+    fused_rope: bool | None, on_cuda: bool, hidden_size: int, variable_shapes: bool
 ) -> None:
-    """The compiled RoPE's host cost outweighs its GPU savings below FUSED_ROPE_MIN_HIDDEN_SIZE (auto);
-    an explicit choice always wins."""
+    """Auto: the compiled RoPE's host cost outweighs its GPU savings below FUSED_ROPE_MIN_HIDDEN_SIZE
+    for fixed shapes, while packed rows or micro-batches cut by tokens (Megatron's eager RoPE loops
+    over a packed row's samples on the host) take it at every size; an explicit choice always
+    wins; never on CPU by default."""
     from tandem.megatron.models.networks import FUSED_ROPE_MIN_HIDDEN_SIZE, uses_fused_rope
 
-    chosen = uses_fused_rope(fused_rope, hidden_size, on_cuda=on_cuda)
+    chosen = uses_fused_rope(fused_rope, hidden_size, on_cuda=on_cuda, variable_shapes=variable_shapes)
     if fused_rope is not None:
         assert chosen is fused_rope
     else:
-        assert chosen == (on_cuda and hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE)
+        assert chosen == (on_cuda and (variable_shapes or hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("by_tokens", [False, True])
+def test_the_worker_config_says_when_micro_batch_shapes_vary(
+    packing: bool, by_tokens: bool, tmp_path: Path
+) -> None:
+    """What the worker hands build_model as `variable_shapes` (the packed path took 2x longer
+    when only the hidden size chose the RoPE path)."""
+    from tandem.megatron.config import WorkerConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    config = WorkerConfig(
+        hf_checkpoint=str(tmp_path),
+        rollout_batch_size=2,
+        global_batch_size=2,
+        use_sequence_packing=packing,
+        use_dynamic_batch_size=by_tokens,
+        max_tokens_per_gpu=64 if by_tokens else None,
+    )
+    assert config.varies_micro_batch_shapes is (packing or by_tokens)

@@ -92,6 +92,12 @@ class WorkerConfig(WorkerFields):
         return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
 
     @property
+    def varies_micro_batch_shapes(self) -> bool:
+        """Whether micro-batches are packed rows or cut by tokens, so that their shapes vary
+        (`use_sequence_packing`, `use_dynamic_batch_size`); the default RoPE path follows it."""
+        return self.use_sequence_packing or self.use_dynamic_batch_size
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
         return self.use_kl_loss or self.kl_coef != 0

@@ -63,19 +63,28 @@ class ValueHead(nn.Module):
 
 
 FUSED_ROPE_MIN_HIDDEN_SIZE = 2048
-"""The hidden size from which `fused_rope=None` compiles RoPE. Each call of a compiled function
-costs the host about a tenth of a millisecond, four a layer and micro-batch; below this the GPU's
-work per call is too small to hide it. On one H200: a 0.5B critic's `train()` (hidden 896, micro
-batch 16) took 2.40 s with Megatron's eager RoPE against 3.02 s compiled, while the 1.2 B probe's
-(hidden 2048) took 2.99 s compiled against 3.33 s eager (docs/benchmarks.md)."""
+"""The hidden size from which `fused_rope=None` compiles RoPE for padded micro-batches of fixed
+shape. Each call of a compiled function costs the host about a tenth of a millisecond, four a layer
+and micro-batch; below this the GPU's work per call is too small to hide it. On one H200: a 0.5B
+critic's `train()` (hidden 896, micro batch 16) took 2.40 s with Megatron's eager RoPE against
+3.02 s compiled, while the 1.2 B probe's (hidden 2048) took 2.99 s compiled against 3.33 s eager
+(docs/benchmarks.md)."""
 
 
-def uses_fused_rope(fused_rope: bool | None, hidden_size: int, *, on_cuda: bool) -> bool:
+def uses_fused_rope(
+    fused_rope: bool | None, hidden_size: int, *, on_cuda: bool, variable_shapes: bool = False
+) -> bool:
     """Whether a model applies RoPE with our compiled kernels: `fused_rope`, or where None on CUDA
-    from `FUSED_ROPE_MIN_HIDDEN_SIZE` up (never on CPU, where compiling takes ~20 s)."""
+    wherever micro-batches are packed or cut by tokens (`variable_shapes`), else from
+    `FUSED_ROPE_MIN_HIDDEN_SIZE` up; never on CPU, where compiling takes ~20 s.
+
+    Packed rows are where the threshold does not hold: Megatron's eager RoPE of a packed row
+    (THD) asks the host for each sample's length and loops over the samples in Python, so on the
+    0.5B bench's realistic lengths the step took 25.3 s eager against 12.2 s compiled
+    (docs/benchmarks.md, "Realistic lengths"): a fixed-shape A/B alone never sees that path."""
     if fused_rope is not None:
         return fused_rope
-    return on_cuda and hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE
+    return on_cuda and (variable_shapes or hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE)
 
 
 def unwrap_model(model: Any) -> Any:
@@ -103,6 +112,7 @@ def build_model(
     seed: int = 1234,
     attention: Attention = "sdpa",
     fused_rope: bool | None = None,
+    variable_shapes: bool = False,
     vocab_multiple: int = 128,
     **config_overrides: Any,
 ) -> nn.Module:
@@ -123,8 +133,11 @@ def build_model(
         fused_rope: apply RoPE with our compiled kernels (`rope.py`: a cos/sin table and one
             fused kernel instead of Megatron's unfused chain of multiplies and copies, with
             the same bf16 results) through Megatron's `apply_rope_fusion`; None: on when
-            the model is built on CUDA and its hidden size is at least
-            `FUSED_ROPE_MIN_HIDDEN_SIZE` (`uses_fused_rope`), else off.
+            the model is built on CUDA and either `variable_shapes` or its hidden size is at
+            least `FUSED_ROPE_MIN_HIDDEN_SIZE` (`uses_fused_rope`), else off.
+        variable_shapes: the model will run packed micro-batches or micro-batches cut by tokens
+            (the worker's `use_sequence_packing` / `use_dynamic_batch_size`); decides
+            `fused_rope=None` only.
         vocab_multiple: the embedding and the output head get `spec.padded_vocab_size(TP,
             vocab_multiple)` rows (Megatron's `make_vocab_size_divisible_by`); the model's
             `tandem_vocab_size` keeps the real size, whose logits alone are normalised.
@@ -159,7 +172,9 @@ def build_model(
     # Loss functions return (sum, count, metrics): see forward.run_micro_batches.
     config_overrides.setdefault("calculate_per_token_loss", True)
     # The model lands on CUDA whenever torch sees a GPU (the end of this function).
-    use_fused_rope = uses_fused_rope(fused_rope, spec.hidden_size, on_cuda=torch.cuda.is_available())
+    use_fused_rope = uses_fused_rope(
+        fused_rope, spec.hidden_size, on_cuda=torch.cuda.is_available(), variable_shapes=variable_shapes
+    )
     if use_fused_rope:
         # Before the config: TransformerConfig checks that the fused hooks exist.
         rope.install()

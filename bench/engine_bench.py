@@ -29,8 +29,8 @@ tokens' agreement):
     python3 bench/engine_bench.py --shapes qwen2-0.5b --batches 256 --skip-hf --ab-decode
 
 `--ab-sampler` times the fused step's sampler alone at each batch, on random logits of the
-shape's vocabulary: one program a row (the default) against the vocabulary split over
-programs, with the tokens of the two compared (`sampler_ab` in each row); and its attention
+shape's vocabulary: one program a row against the vocabulary split over programs (the
+default), with the tokens of the two compared (`sampler_ab` in each row); and its attention
 alone at the generate's average position, for 1, 2, 4 and 8 splits of the keys (`attention_ab`).
 
 CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
@@ -281,12 +281,13 @@ def bench_decode(
 
 
 SPLIT_SAMPLER_PROGRAMS = 8
-"""`--ab-sampler`'s split sampler: about this many programs a multiprocessor."""
+"""`--ab-sampler`'s split sampler (the default, `SAMPLE_PROGRAMS_PER_PROCESSOR`): about this many
+programs a multiprocessor."""
 
 
 def sampler_ab(device: torch.device, rows: int, vocab: int, iters: int = 200) -> dict[str, Any]:
-    """The fused step's sampler alone, one program a row (the default) against the vocabulary split
-    over programs (`TritonOps(sample_programs_per_processor=8)`): ms a call (CUDA events around `iters` calls, after a warm-up), the share of the logits' read bandwidth, and
+    """The fused step's sampler alone, one program a row against the vocabulary split over
+    programs (`TritonOps(sample_programs_per_processor=8)`, the default): ms a call (CUDA events around `iters` calls, after a warm-up), the share of the logits' read bandwidth, and
     whether both draw the same tokens (they must: the split changes where a key is compared, not
     the key)."""
     from tandem.ppo.engines._decode_kernels import TritonOps
@@ -393,8 +394,8 @@ def main() -> None:
     parser.add_argument(
         "--ab-sampler",
         action="store_true",
-        help="also time the fused step's sampler alone (CUDA): one program a row (the default) against "
-        "the vocabulary split over programs, on random logits of each batch (`sampler_ab` in each row)",
+        help="also time the fused step's sampler alone (CUDA): one program a row against "
+        "the vocabulary split over programs (the default), on random logits of each batch (`sampler_ab` in each row)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="EngineOptions.compile (torch.compile the decode step)"

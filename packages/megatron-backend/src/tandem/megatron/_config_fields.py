@@ -312,8 +312,8 @@ class WorkerFields:
     instead of 3.33 s on an H200, one of a 0.5B critic 3.02 s instead of 2.40 s. None: on where
     the model is on CUDA and either micro-batches are packed or cut by tokens
     (`use_sequence_packing`, `use_dynamic_batch_size`: Megatron's eager RoPE loops over a packed
-    row's samples on the host, 25.3 s against 12.2 s a step of the 0.5B bench's realistic
-    lengths) or its hidden size is at least 2048 (`models.networks.FUSED_ROPE_MIN_HIDDEN_SIZE`),
+    row's samples on the host: 27.7 s against 10.3 s a shared step of the 0.5B bench's
+    realistic lengths) or its hidden size is at least 2048 (`models.networks.FUSED_ROPE_MIN_HIDDEN_SIZE`),
     else off (always off on CPU, where compiling needs a C++ compiler and takes ~20 s)."""
 
     jit_fusions: bool = False

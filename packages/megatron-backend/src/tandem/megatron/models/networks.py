@@ -79,9 +79,10 @@ def uses_fused_rope(
     `FUSED_ROPE_MIN_HIDDEN_SIZE` up; never on CPU, where compiling takes ~20 s.
 
     Packed rows are where the threshold does not hold: Megatron's eager RoPE of a packed row
-    (THD) asks the host for each sample's length and loops over the samples in Python, so on the
-    0.5B bench's realistic lengths the step took 25.3 s eager against 12.2 s compiled
-    (docs/benchmarks.md, "Realistic lengths"): a fixed-shape A/B alone never sees that path."""
+    (THD) asks the host for each sample's length and loops over the samples in Python: on the
+    0.5B bench's realistic lengths a shared step took 27.7 s eager against 10.3 s compiled
+    (docs/benchmarks.md, "The regression check and the packed path"); a fixed-shape A/B alone
+    never sees that path."""
     if fused_rope is not None:
         return fused_rope
     return on_cuda and (variable_shapes or hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE)

@@ -204,18 +204,31 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, total, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, (act * up).to(dtype), mask=mask)
 
 
+SAMPLE_PROGRAMS_PER_PROCESSOR = 8
+"""The sampler's default split: each row's vocabulary over programs until about this many run a
+multiprocessor. On one H200 (`bench/engine_bench.py --ab-sampler`, docs/benchmarks.md) it drew the
+same tokens as one program a row in 0.23 instead of 0.30 ms at 256 rows of a 152k vocabulary, and
+0.11 instead of 0.22 ms at 64 rows."""
+
+
 class TritonOps:
     """`DecodeOps` as Triton kernels (CUDA; or any device under `TRITON_INTERPRET=1`).
 
     Args:
         device: where the tensors live; its multiprocessor count sizes the attention's and the
             sampler's splits.
-        sample_programs_per_processor: None (the default): the sampler runs one program a row; N:
-            it splits each row's vocabulary over programs until there are about N a multiprocessor
-            (the same tokens; `bench/engine_bench.py --ab-sampler` times the two).
+        sample_programs_per_processor: N (default `SAMPLE_PROGRAMS_PER_PROCESSOR`): the sampler
+            splits each row's vocabulary over programs until there are about N a multiprocessor;
+            None: one program a row (the same tokens; `bench/engine_bench.py --ab-sampler` times
+            the two).
     """
 
-    def __init__(self, device: torch.device, *, sample_programs_per_processor: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        sample_programs_per_processor: int | None = SAMPLE_PROGRAMS_PER_PROCESSOR,
+    ) -> None:
         self.sample_programs_per_processor = sample_programs_per_processor
         self._processors = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8

@@ -1,8 +1,8 @@
 """The fused decode step's sampler as Triton kernels (`TritonOps.sample` launches them).
 
-By default one program a row (`sample_row_kernel`). Where asked
-(`TritonOps(sample_programs_per_processor=N)`), each row's vocabulary is split over programs
-instead: `sample_split_kernel` gives each split's best Gumbel key, that key's first index and
+By default (`TritonOps(sample_programs_per_processor=8)`) each row's vocabulary is split over
+programs; with `sample_programs_per_processor=None`, one program a row (`sample_row_kernel`). The
+split: `sample_split_kernel` gives each split's best Gumbel key, that key's first index and
 the split's log-sum-exp (as its max and the sum of exp below it); `sample_combine_kernel`
 takes the first index of the row's largest key and the token's log-prob. The keys do not
 depend on the split (the noise of index v is `tl.rand(seed + row * ROW_SEED_STRIDE, v)`), so

@@ -59,6 +59,7 @@ IMPORT_TO_DIST = {
     "sglang": "sglang",
     "datasets": "datasets",
     "huggingface_hub": "huggingface-hub",
+    "pyarrow": "pyarrow",
     "gguf": "gguf",
     "tensorboard": "tensorboard",
     "PIL": "pillow",

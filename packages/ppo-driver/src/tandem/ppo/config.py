@@ -62,14 +62,17 @@ class PPOConfig(WorkerFields):
 
     # --- data -------------------------------------------------------------------------------
     prompt_data: str | None = None
-    """JSONL of training prompts: each line a `prompt` string or chat `messages`, a `label`, and
-    any other fields (passed to the reward as metadata)."""
+    """Training prompts: JSONL (each line a `prompt` string or chat `messages`, a `label`, and any
+    other fields, passed to the reward as metadata), Parquet (a file or a folder of them, verl's
+    schema included) or a Hugging Face datasets folder (`save_to_disk`)."""
 
     input_key: str = "prompt"
-    """Key of the prompt string in each JSONL line (`messages` is always read as a chat)."""
+    """Field (JSONL key, Parquet column) of the prompt: a string, or a list of chat messages (verl's
+    `prompt` column); `messages` is always read as a chat."""
 
     label_key: str = "label"
-    """Key of the label in each JSONL line."""
+    """Field of the label; a dotted name reaches into a nested field (`reward_model.ground_truth`).
+    Where a row has no such field, verl's `reward_model.ground_truth` is the label."""
 
     apply_chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template (from the HF folder) when it has one."""

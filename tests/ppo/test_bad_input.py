@@ -296,6 +296,52 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_ray_address_where_another_server_answers_names_the_gcs_port(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An HTTP server (as Ray's dashboard at 8265) answers, but not as Ray's GCS: refused at once (`ray.init`
+    retried there for more than 10 minutes); a port that accepts and never answers is refused once the
+    check's timeout (shortened here) has passed."""
+    import http.server
+    import socket
+    import threading
+
+    from tandem.ppo import cluster
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        status, _, err = train(capsys, model, prompts, tmp_path / "run", "--ray-address", f"127.0.0.1:{port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(f"--ray-address: 127.0.0.1:{port} answers, but not as Ray's GCS (it speaks HTTP/1")
+    assert "port 6379 unless `ray start --head --port` chose another" in line
+    assert not (tmp_path / "run").exists()
+
+    monkeypatch.setattr(cluster, "RAY_ADDRESS_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        status, _, err = train(capsys, model, prompts, tmp_path / "run", "--ray-address", f"127.0.0.1:{port}")
+    assert status == 2
+    assert one_line(err).startswith(
+        f"--ray-address: 127.0.0.1:{port} accepts connections but does not answer as Ray's GCS within 0.5 s"
+    )
+
+
 @pytest.mark.parametrize("command", ["demo", "train"])
 def test_help_into_a_closed_pipe_prints_nothing_else(command: str) -> None:
     # The reader is gone before the help is written (as with `| head` once head has its line).

@@ -34,33 +34,63 @@ def looks_like_hub_id(name: str) -> bool:
     return bool(HUB_ID.match(name)) and not name.startswith((".", "/"))
 
 
+def missing_folder(name: str, flag: str, *, hub: tuple[str, str] | None = None) -> ValueError:
+    """The error for a model folder `name` that does not exist: "folder missing", where it was looked for,
+    and the ways on; `hub`: (what the hub said of `name` as an id, what to do about it), for an id-like name."""
+    where = Path(name).expanduser().absolute()
+    last = Path(name).name or name
+    download = f"download the model there (`hf download ORG/{last} --local-dir {name}`)"
+    if hub is None:
+        return ValueError(
+            f"{flag}: folder {name!r} is missing (no {where}); {download}, or give its hub id instead "
+            f"({flag} ORG/{last}, with the organisation that publishes it; downloaded once into the Hugging "
+            "Face cache)"
+        )
+    problem, fix = hub
+    return ValueError(
+        f"{flag}: folder {name!r} is missing (no {where}), and as a hub id {problem}; if it is a folder, "
+        f"{download}; if a hub id, {fix}"
+    )
+
+
 def resolve_model_path(name: str, *, flag: str = "--hf-checkpoint") -> str:
     """A local folder for `name`: the path itself if it exists, else the hub snapshot of repository `name`.
 
-    Raises ValueError naming `flag` when `name` is neither an existing path nor a
-    repository id that the hub (or, offline, its cache) has.
+    A name that is a path (`./x`, `/x`, `a/b/c`, or `org/name` where `org/` is a local folder) is never
+    looked up on the hub. Raises ValueError naming `flag`, "folder missing" first, when `name` is neither
+    an existing path nor a repository id that the hub (or, offline, its cache) has.
     """
-    if not name or Path(name).exists() or not looks_like_hub_id(name):
+    if not name or Path(name).exists():
         return name
+    if not looks_like_hub_id(name) or Path(name.split("/", 1)[0]).is_dir():
+        raise missing_folder(name, flag)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         return str(snapshot_download(repo_id=name, allow_patterns=_WEIGHTS))
     except LocalEntryNotFoundError:
-        raise ValueError(
-            f"{flag}: {name!r} is not a local folder, and the Hugging Face cache has no snapshot of that "
-            "repository (offline: HF_HUB_OFFLINE=1, or the hub could not be reached); download it once "
-            "with the hub reachable, or point the flag at a local folder"
+        raise missing_folder(
+            name,
+            flag,
+            hub=(
+                "the Hugging Face cache has no snapshot of it (offline: HF_HUB_OFFLINE=1, or the hub could "
+                "not be reached)",
+                "download it once with the hub reachable",
+            ),
         ) from None
     except RepositoryNotFoundError:
-        raise ValueError(
-            f"{flag}: {name!r} is not a local folder, and the Hugging Face hub has no such repository (or "
-            "it is private: log in with `hf auth login`); fix the name or the path"
+        raise missing_folder(
+            name,
+            flag,
+            hub=(
+                "the Hugging Face hub has no such repository",
+                "fix it (a private one needs `hf auth login`)",
+            ),
         ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise ValueError(
-            f"{flag}: {name!r} could not be downloaded from the Hugging Face hub ({exc})"
+            f"{flag}: {name!r} is no local folder and could not be downloaded from the Hugging Face hub ({exc})"
         ) from None
 
 

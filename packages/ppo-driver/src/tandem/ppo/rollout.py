@@ -42,6 +42,7 @@ class Rollout:
         seconds: `generate` and `reward` wall seconds (and `reward_model` with a reward model).
         reward_terms: with a weighted reward (`tandem.ppo.reward_mix`), each term's unweighted
             value per sample, by term name; empty for a plain reward function.
+        params: what the responses were sampled with (whether a stop token could end them: `truncated`).
     """
 
     prompts: list[PromptSample]
@@ -50,12 +51,14 @@ class Rollout:
     rewards: list[float]
     seconds: dict[str, float] = field(default_factory=dict)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
+    params: SamplingParams | None = None
 
     def __len__(self) -> int:
         return len(self.generations)
 
     def metrics(self, *, accuracy_threshold: float, prefix: str = "reward") -> dict[str, float]:
-        """Reward mean, std, accuracy; each reward term's mean; response length; the share of truncated responses."""
+        """Reward mean, std, accuracy; each reward term's mean; response length; the share of truncated
+        responses (`truncated`)."""
         rewards = torch.tensor(self.rewards, dtype=torch.float64)
         lengths = torch.tensor([len(g.token_ids) for g in self.generations], dtype=torch.float64)
         terms = {
@@ -68,7 +71,7 @@ class Rollout:
             f"{prefix}/accuracy": float((rewards >= accuracy_threshold).double().mean()),
             **terms,
             f"{prefix}/response_length": float(lengths.mean()),
-            f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
+            f"{prefix}/truncated": sum(truncated(g, self.params) for g in self.generations) / len(self),
         }
 
     def groups(self, n_samples_per_prompt: int) -> list[Rollout]:
@@ -85,6 +88,7 @@ class Rollout:
             responses=[self.responses[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
             reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
+            params=self.params,
         )
 
     @staticmethod
@@ -104,6 +108,7 @@ class Rollout:
                 k: [v for part in parts for v in part.reward_terms[k]]
                 for k in (parts[0].reward_terms if parts else {})
             },
+            params=parts[0].params if parts else None,
         )
 
     def response_tokens(self) -> int:
@@ -156,6 +161,19 @@ def generate_rollout(
         rewards=rewards,
         seconds={"generate": generated - start, **seconds},
         reward_terms=terms,
+        params=params,
+    )
+
+
+def truncated(generation: Generation, params: SamplingParams | None) -> bool:
+    """Whether a response was cut by the length limit: it hit the limit (finish reason `length`) where a
+    stop token could have ended it. Not where none could: sampling that ignores EOS or stops on no token
+    runs every response to the limit by design, and a limit of one token leaves no room for EOS after an
+    answer (the demo's one-digit answers). `params` None: any `length` counts."""
+    if generation.finish_reason != "length":
+        return False
+    return params is None or (
+        bool(params.stop_token_ids) and not params.ignore_eos and params.max_new_tokens > 1
     )
 
 

@@ -400,7 +400,11 @@ def _checks_after(part: str, here: Path) -> Callable[[subprocess.CompletedProces
             )
             assert float(printed["eval/mean"]) == pytest.approx(last["eval/mean"], abs=1e-4)
         elif words[1] == "export":
-            assert (here / words[2] / "hf" / "config.json").is_file()
+            # The folder it printed: RUN_DIR/hf, or beside it where the run exported already.
+            folder = here / done.stdout.strip().splitlines()[-1]
+            assert (
+                folder.resolve().parent == (here / words[2]).resolve() and (folder / "config.json").is_file()
+            )
         elif words[1] == "plot":
             assert list((here / words[2] / "plots").glob("*.png"))
         elif "--help" in words:

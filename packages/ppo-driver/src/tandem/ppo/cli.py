@@ -62,7 +62,8 @@ class ExportArgs:
     run_dir: Annotated[str, tyro.conf.Positional]
     """The run whose latest actor checkpoint is exported (its config.yaml is read)."""
     out: str | None = None
-    """Output folder; None: RUN_DIR/hf."""
+    """Output folder (replaced, and said so, if it exists); None: RUN_DIR/hf, or RUN_DIR/hf-rollout-K beside
+    it where the run has exported already (RUN_DIR/hf is never overwritten)."""
 
 
 @dataclass(frozen=True)
@@ -103,15 +104,27 @@ def _demo(argv: Sequence[str]) -> int:
         (DEMO_DEFAULTS, prepare_demo) if known.model == "tiny" else (SUMS_DEFAULTS, prepare_sums_demo)
     )
     parsed = parse_config(rest, prog=f"{PROG} demo", base=base, validate=False)
-    return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+    if not dry_run:
+        return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+    # A dry run writes nothing under RUN_DIR: the demo's model and task are built in a scratch folder,
+    # where the config is validated, and the report names where a run builds them.
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tandem-dry-run-") as scratch:
+        planned = unvalidated(prepare(dataclasses.asdict(parsed), write=False))
+        built = unvalidated(prepare(dataclasses.asdict(parsed), root=scratch))
+        return _start(planned, dry_run, checked_as=built)
 
 
-def _start(config: PPOConfig, dry_run: bool) -> int:
-    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it)."""
+def _start(config: PPOConfig, dry_run: bool, *, checked_as: PPOConfig | None = None) -> int:
+    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it).
+
+    `checked_as`: validate this config in `config`'s place (the demo's dry run: its inputs built elsewhere).
+    """
     from tandem.ppo.machine import adapt_to_machine, announce
 
     config, changes = adapt_to_machine(config)
-    config.validate()
+    adapt_to_machine(checked_as)[0].validate() if checked_as is not None else config.validate()
     announce(changes)  # after validating: a bad flag's error is the only line
     if dry_run:
         from tandem.ppo.dry_run import dry_run_report

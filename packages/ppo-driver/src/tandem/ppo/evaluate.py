@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,6 @@ def eval_settings(args: Any) -> EvalSettings:
 
 def evaluate_model(args: Any) -> dict[str, float]:
     """Sample responses for every prompt of `args.data` with the model, score them; the eval metrics."""
-    import logging
-
     import ray
     from transformers import AutoTokenizer
 
@@ -168,8 +167,31 @@ def evaluate_model(args: Any) -> dict[str, float]:
             ray.shutdown()
 
 
+def export_folder(run_dir: str, out: str | None, rollout_id: int) -> Path:
+    """Where `ppo-driver export` writes the actor of `rollout_id`, said in a log line where it is not RUN_DIR/hf.
+
+    `out` None: RUN_DIR/hf, unless that exists (the run's own export, never overwritten): then
+    RUN_DIR/hf-rollout-K beside it. A folder that exists and is replaced (`out`, or that same
+    rollout's folder again) is named.
+    """
+    log = logging.getLogger(__name__)
+    folder = Path(out) if out is not None else Path(run_dir) / "hf"
+    if out is None and folder.exists():
+        beside = folder.with_name(f"hf-rollout-{rollout_id}")
+        log.warning(
+            "%s holds the run's own export: the actor of rollout %d goes beside it, to %s",
+            folder,
+            rollout_id,
+            beside,
+        )
+        folder = beside
+    if folder.exists():
+        log.warning("replacing %s (a folder that exists)", folder)
+    return folder
+
+
 def export_run(run_dir: str, out: str | None = None) -> str:
-    """Load the run's latest actor checkpoint and write it as a Hugging Face folder; its path."""
+    """Load the run's latest actor checkpoint and write it as a Hugging Face folder (`export_folder`); its path."""
     import ray
 
     from tandem.megatron.group import create_train_group
@@ -182,8 +204,10 @@ def export_run(run_dir: str, out: str | None = None) -> str:
 
     config, changes = adapt_to_machine(read_run_config(run_dir))
     announce(changes)
-    if read_latest(config.actor_save) is None:
+    latest = read_latest(config.actor_save)
+    if latest is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
+    folder = export_folder(run_dir, out, latest)
     actor_config = dataclasses.replace(config.actor_config(), load=config.actor_save, use_kl_loss=False)
     started = start_ray(None, config.local_gpus)
     try:
@@ -198,7 +222,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
                 actor_config, "actor", slot.pg, slot.bundle_indices, num_gpus_per_worker=1.0
             )
             try:
-                return export_actor(actor, out or Path(run_dir) / "hf", config.hf_checkpoint)
+                return export_actor(actor, folder, config.hf_checkpoint)
             finally:
                 actor.shutdown()
                 actor.kill()

@@ -77,10 +77,13 @@ def test_local_paths_are_never_looked_up(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert resolve_model_path("org/name") == "org/name"
-    # A missing path is no hub id: "folder missing", and the hub id to give instead.
+    # A missing path is no hub id: the folder checks say "folder missing", and the hub id to give instead.
+    from tandem.ppo.preflight import check_model_folder
+
     for path in ("./runs/x", str(tmp_path / "abs" / "x"), "org/other"):  # org/ exists: a path
+        assert resolve_model_path(path) == path
         with pytest.raises(ValueError) as info:
-            resolve_model_path(path)
+            check_model_folder(path, "--hf-checkpoint")
         assert str(info.value).startswith(
             f"--hf-checkpoint: folder {path!r} is missing (no {(tmp_path / path).resolve()}); "
         ), info.value

@@ -11,9 +11,11 @@ from typing import Any
 def resolve_model_dir(model: str) -> Path:
     """A Hugging Face folder, a run dir's `hf/`, or a hub id's snapshot (as `train --hf-checkpoint` resolves
     it); ValueError naming MODEL otherwise."""
-    from tandem.ppo.hub import resolve_model_path
+    from tandem.ppo.hub import missing_folder, resolve_model_path
 
     path = Path(resolve_model_path(model, flag="MODEL"))
+    if not path.exists():
+        raise missing_folder(model, "MODEL")
     for candidate in (path, path / "hf"):
         if (candidate / "config.json").is_file():
             return candidate

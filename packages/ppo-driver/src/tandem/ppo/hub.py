@@ -57,13 +57,12 @@ def resolve_model_path(name: str, *, flag: str = "--hf-checkpoint") -> str:
     """A local folder for `name`: the path itself if it exists, else the hub snapshot of repository `name`.
 
     A name that is a path (`./x`, `/x`, `a/b/c`, or `org/name` where `org/` is a local folder) is never
-    looked up on the hub. Raises ValueError naming `flag`, "folder missing" first, when `name` is neither
-    an existing path nor a repository id that the hub (or, offline, its cache) has.
+    looked up on the hub: it is returned as it is, for the folder checks to say "folder missing"
+    (`missing_folder`). Raises ValueError naming `flag`, "folder missing" first, when an id-like `name`
+    is neither an existing path nor a repository id that the hub (or, offline, its cache) has.
     """
-    if not name or Path(name).exists():
+    if not name or Path(name).exists() or not looks_like_hub_id(name) or Path(name.split("/", 1)[0]).is_dir():
         return name
-    if not looks_like_hub_id(name) or Path(name.split("/", 1)[0]).is_dir():
-        raise missing_folder(name, flag)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 

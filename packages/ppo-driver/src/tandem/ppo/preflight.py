@@ -49,7 +49,11 @@ LABEL_REWARDS = frozenset({"exact_match", "math"})
 
 def check_model_folder(folder: str | Path, flag: str, *, tokenizer: bool = True) -> None:
     """`folder` (local) holds a config, weights and, when asked, a tokenizer; ValueError naming `flag` otherwise."""
+    from tandem.ppo.hub import missing_folder
+
     path = Path(folder)
+    if not path.exists():
+        raise missing_folder(str(folder), flag)
     if not (path / "config.json").is_file():
         raise ValueError(
             f"{flag}: {str(folder)!r} is not a Hugging Face model folder (no config.json); point it at a "

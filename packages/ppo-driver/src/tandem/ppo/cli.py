@@ -3,7 +3,7 @@
 Each subcommand's options come from a typed dataclass through tyro, so
 `--help` shows every field's docstring. A bad value ends the command with a
 one-line error that names the flag (exit 2); Ctrl-C during a run exits 130
-after the step under way (and its save, when configured).
+after the step under way (and its save, when configured), SIGTERM 143 the same way.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(argv: Sequence[str]) -> int:
-    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 interrupted; `errors`)."""
+    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 Ctrl-C, 143 SIGTERM; `errors`)."""
     from tandem.ppo.run_log import INTERRUPTED_EXIT_CODE, Interrupted
 
     parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
@@ -248,8 +248,9 @@ def run(argv: Sequence[str]) -> int:
         with terminal_output():
             return COMMANDS[command][0](rest)
     except (Interrupted, KeyboardInterrupt) as exc:
-        print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
+        # Interrupted and StoppedNow say which signal it was (Ctrl-C, SIGTERM) and what was saved.
+        print(f"{PROG} {command}: stopped by {getattr(exc, 'by', 'Ctrl-C')}. {exc}", file=sys.stderr)
+        return int(getattr(exc, "exit_code", INTERRUPTED_EXIT_CODE))
     except Exception as exc:
         from tandem.ppo.errors import failure_line
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -55,6 +57,20 @@ def start_ray(
     }
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
+    # ray.init installs a SIGTERM handler of its own in the driver (exit 15 and a C++ stack dump): the
+    # command keeps its own (`driver.train`, `loop`), which stop the run cleanly.
+    sigterm = (
+        signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    )
+    try:
+        _init(ray, address, local_gpus, kwargs)
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+    return True
+
+
+def _init(ray: Any, address: str | None, local_gpus: int | None, kwargs: dict[str, Any]) -> None:
     if address:
         check_ray_address(address)
         ray.init(address=address, **kwargs)
@@ -73,7 +89,6 @@ def start_ray(
                 f"the local Ray cluster did not start in time ({' '.join(str(exc).split())[:200]}); the machine "
                 "may be too busy: try again, or start Ray yourself (`ray start --head`) and pass --ray-address"
             ) from None
-    return True
 
 
 RAY_ADDRESS_TIMEOUT_S = 10.0

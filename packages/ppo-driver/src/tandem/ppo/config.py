@@ -252,6 +252,13 @@ class PPOConfig(WorkerFields):
     export_hf: bool = True
     """Write the actor as a Hugging Face folder to `RUN_DIR/hf` at the end of the run."""
 
+    sigterm_grace_s: float | None = 25.0
+    """On SIGTERM (a scheduler's preemption: Slurm, Kubernetes, Ray's autoscaler), seconds to finish the
+    step under way and save it, as on Ctrl-C; past them the run stops at once, keeping the last complete
+    checkpoint (exit 143 either way, naming what was saved). Set it a few seconds below the scheduler's
+    own grace period before its SIGKILL (Kubernetes' terminationGracePeriodSeconds and Slurm's KillWait
+    are 30 s by default). None: no limit."""
+
     # --- cluster and logging ----------------------------------------------------------------
     ray_address: str | None = None
     """Ray cluster to join; None: `RAY_ADDRESS`, else a local cluster."""

@@ -108,6 +108,9 @@ def _check_driver_numbers(config: PPOConfig) -> None:
             f"--num-critic-only-steps: got {config.num_critic_only_steps}; it must lie in "
             f"[0, --num-rollout = {config.num_rollout}]"
         )
+    grace = config.sigterm_grace_s
+    if grace is not None and not grace > 0:
+        raise ValueError(f"--sigterm-grace-s: got {grace}; it must be a positive number of seconds, or unset")
     fraction = config.rollout_kv_cache_memory_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(
@@ -186,7 +189,11 @@ def _check_plan(config: PPOConfig) -> None:
 
 
 def _check_files(config: PPOConfig) -> None:
+    from tandem.ppo.hub import missing_folder
+
     hf = Path(config.hf_checkpoint)
+    if not hf.exists():
+        raise missing_folder(config.hf_checkpoint, "--hf-checkpoint")
     if not (hf / "config.json").is_file():
         raise ValueError(
             f"--hf-checkpoint: {config.hf_checkpoint!r} is not a Hugging Face model folder (no "

@@ -111,6 +111,9 @@ class PPODriver:
 
         self.reward_model: RewardModelRole | None = None
         self._engines_released_to_score = False
+        self.stopping_now = False
+        """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
+        to finish first."""
 
     # --- setup and shutdown (`startup`) ------------------------------------------------------
     def setup(self) -> None:
@@ -159,6 +162,8 @@ class PPODriver:
         config = self.config
         start = time.perf_counter()
         version = self.weights_version
+        if not background:
+            self.clock.announce("generate")
         self.events.record("generate_begin", rollout_id=rollout_id, weights_version=version)
         seed = config.seed * 1_000_003 + rollout_id
         counts: dict[str, float] = {}
@@ -390,11 +395,16 @@ def train(config: PPOConfig) -> RunSummary:
     from tandem.ppo.worker_logs import from_a_worker, note_worker_logs, remove_empty_logs
 
     driver = PPODriver(config)
+    # SIGTERM before the loop (which finishes its step on one): stop at once, nothing trained yet.
+    previous = _on_sigterm(_stop_during_start_up)
     try:
         driver.setup()
         if driver.complete:
             return driver.complete_summary()
         return driver.run()
+    except KeyboardInterrupt:
+        driver.stopping_now = True  # the workers are not asked to finish what they are doing
+        raise
     except RayActorError as exc:
         # A train worker's process died: name its role, rank, pid and log (the last complete
         # checkpoint stays, and the next start resumes from it).
@@ -410,5 +420,22 @@ def train(config: PPOConfig) -> RunSummary:
         raise
     finally:
         driver.close()
+        _on_sigterm(previous)
         if driver.started_logs:
             remove_empty_logs(config.run_dir)
+
+
+def _stop_during_start_up(signum: int, frame: Any) -> None:
+    from tandem.ppo.run_log import StoppedNow
+
+    raise StoppedNow("during start-up: nothing trained by this start, the run folder as it was", by="SIGTERM")
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install `handler` for SIGTERM (in the main thread only, where Python runs handlers); the one before."""
+    import signal
+    import threading
+
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)

@@ -5,7 +5,7 @@ Exit statuses of `ppo-driver`:
 - 0: done, also for a run found complete already;
 - 1: a failure of the machinery (a worker or an engine that died, Ray that does not start);
 - 2: bad input (a flag, the config file, a data file, a model folder, the reward function);
-- 130: Ctrl-C (`run_log.INTERRUPTED_EXIT_CODE`);
+- 130: Ctrl-C (`run_log.INTERRUPTED_EXIT_CODE`); 143: SIGTERM (`run_log.TERMINATED_EXIT_CODE`);
 - 141: stdout closed before the output was written (`ppo-driver demo --help | head`), as for
   any command that a SIGPIPE ends.
 

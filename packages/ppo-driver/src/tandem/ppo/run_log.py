@@ -5,18 +5,49 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INTERRUPTED_EXIT_CODE", "EventLog", "Interrupted", "PhaseClock", "RunSummary"]
+__all__ = [
+    "INTERRUPTED_EXIT_CODE",
+    "TERMINATED_EXIT_CODE",
+    "EventLog",
+    "Interrupted",
+    "PhaseClock",
+    "RunSummary",
+    "StoppedNow",
+]
 
 INTERRUPTED_EXIT_CODE = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+TERMINATED_EXIT_CODE = 143
+"""Exit status after SIGTERM (128 + SIGTERM): a scheduler's preemption (Slurm, Kubernetes, Ray's autoscaler)."""
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped the run (after the step under way, and its save when configured)."""
+    """A signal stopped the run after the step under way (and its save when configured).
+
+    `by`: "Ctrl-C" or "SIGTERM"; `exit_code`: the command's exit status for it.
+    """
+
+    def __init__(self, message: str, *, by: str = "Ctrl-C") -> None:
+        super().__init__(message)
+        self.by = by
+        self.exit_code = TERMINATED_EXIT_CODE if by == "SIGTERM" else INTERRUPTED_EXIT_CODE
+
+
+class StoppedNow(KeyboardInterrupt):
+    """A signal stopped the run at once, in the middle of a step (a second signal, or SIGTERM's grace
+    period over): the last complete checkpoint stays. A KeyboardInterrupt, so that no `except Exception`
+    on its way holds it up; `by` and `exit_code` as `Interrupted`'s."""
+
+    def __init__(self, message: str, *, by: str) -> None:
+        super().__init__(message)
+        self.by = by
+        self.exit_code = TERMINATED_EXIT_CODE if by == "SIGTERM" else INTERRUPTED_EXIT_CODE
 
 
 @dataclass
@@ -124,6 +155,13 @@ class PhaseClock:
     def __init__(self, *, track_gpu_memory: bool) -> None:
         self.track_gpu_memory = track_gpu_memory
         self.values: dict[str, float] = {}
+        self.on_phase: Callable[[str], None] | None = None
+        """Told each phase's name as it begins (the progress bar's `MetricsLogger.status`)."""
+
+    def announce(self, name: str) -> None:
+        """Tell `on_phase` that `name` begins (a phase's own `phase` does; work timed elsewhere calls it)."""
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def reset(self) -> None:
         """Forget the last step's figures."""
@@ -132,6 +170,7 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the `with` block as phase `name`."""
+        self.announce(name)
         start = time.perf_counter()
         try:
             yield

@@ -142,6 +142,7 @@ def setup_metrics(driver: PPODriver) -> None:
         progress=config.progress,
         sinks=open_trackers(config),
     )
+    driver.clock.on_phase = driver.logger.status  # the bar names the phase under way
 
 
 def close(driver: PPODriver) -> None:
@@ -153,15 +154,18 @@ def close(driver: PPODriver) -> None:
         if obj is not None:
             with contextlib.suppress(Exception):
                 obj.close()
-    if driver.engines is not None:
+    # Stopping in the middle of a step, a worker would finish its call before a shutdown call: kill only.
+    graceful = not driver.stopping_now
+    if driver.engines is not None and graceful:
         with contextlib.suppress(Exception):
             driver.engines.shutdown()
-    if driver.reward_model is not None:
+    if driver.reward_model is not None and graceful:
         with contextlib.suppress(Exception):
             driver.reward_model.shutdown()
     for group in driver._models():
-        with contextlib.suppress(Exception):
-            group.shutdown()
+        if graceful:
+            with contextlib.suppress(Exception):
+                group.shutdown()
         with contextlib.suppress(Exception):
             group.kill()
     if driver.placements is not None:

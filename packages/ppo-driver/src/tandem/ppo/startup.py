@@ -40,6 +40,9 @@ def setup(driver: PPODriver) -> None:
         return
     driver.events = EventLog(driver.run_dir / "events.jsonl", defer=True)
     setup_inputs(driver)
+    # Until the progress bar shows, the terminal would say nothing for the minute or so this takes on a CPU.
+    models = "the actor, the critic and the engine" if config.use_critic else "the actor and the engine"
+    logger.info("starting Ray and the workers: %s load %s", models, config.hf_checkpoint)
     setup_ray(driver)
     # From here on a failure is the run's own (the workers): its lines are kept in RUN_DIR/logs.
     driver._driver_log.enter_context(driver_log(driver.run_dir))

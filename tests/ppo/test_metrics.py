@@ -135,8 +135,10 @@ def test_progress_bar_says_what_the_step_is_doing(tmp_path: Path, capsys: pytest
         with clock.phase("critic_train"):
             assert "step 0: critic training:   0%|" in capsys.readouterr().err
         logger.log(0, {"reward/mean": 0.5})
-        with clock.phase("save"):  # the step just logged
+        with clock.phase("save"):  # the step just logged, and its wakes and sleeps are the save's
             assert "step 0: saving the checkpoint:  17%|" in capsys.readouterr().err
+            with clock.phase("critic_wake"):
+                assert capsys.readouterr().err == ""
         with clock.phase("actor_wake"):
             assert "step 1: actor waking:  17%|" in capsys.readouterr().err
     assert "time/critic_train" in clock.values

@@ -156,7 +156,9 @@ class PhaseClock:
         self.track_gpu_memory = track_gpu_memory
         self.values: dict[str, float] = {}
         self.on_phase: Callable[[str], None] | None = None
-        """Told each phase's name as it begins (the progress bar's `MetricsLogger.status`)."""
+        """Told each phase's name as it begins (the progress bar's `MetricsLogger.status`); not the phases
+        inside another (a save's wakes and sleeps are the save's)."""
+        self._depth = 0
 
     def announce(self, name: str) -> None:
         """Tell `on_phase` that `name` begins (a phase's own `phase` does; work timed elsewhere calls it)."""
@@ -170,11 +172,14 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the `with` block as phase `name`."""
-        self.announce(name)
+        if self._depth == 0:
+            self.announce(name)
+        self._depth += 1
         start = time.perf_counter()
         try:
             yield
         finally:
+            self._depth -= 1
             key = f"time/{name}"
             self.values[key] = self.values.get(key, 0.0) + time.perf_counter() - start
             if self.track_gpu_memory:

@@ -60,6 +60,7 @@ IMPORT_TO_DIST = {
     "datasets": "datasets",
     "huggingface_hub": "huggingface-hub",
     "pyarrow": "pyarrow",
+    "xxhash": "xxhash",
     "gguf": "gguf",
     "tensorboard": "tensorboard",
     "PIL": "pillow",

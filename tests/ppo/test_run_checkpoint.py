@@ -177,6 +177,94 @@ def test_a_rollout_left_only_as_its_old_folder_is_complete_and_renamed_back(tmp_
     assert read_latest(tmp_path / "critic") == 0
 
 
+# --- checkpoints that do not read ----------------------------------------------------------------
+
+
+def save_rollouts(run_dir: Path, rollouts: range) -> None:
+    """Rollouts saved as a run saves them (`save_run_checkpoint`, `save_folder`: each with its manifest)."""
+    from tandem.megatron.worker.checkpoint_folder import save_folder
+    from tandem.ppo.run_checkpoint import save_run_checkpoint
+    from tandem.ppo.state import DriverState
+
+    def model_save(role: str, k: int) -> None:
+        def write(staging: Path) -> None:
+            (staging / "__0_0.distcp").write_text(f"{role} {k}\n" * 100)
+            (staging / "metadata.json").write_text("{}\n")
+
+        save_folder(run_dir / role, k, write)
+
+    for k in rollouts:
+        state = DriverState(k, {"epoch": 0, "cursor": k}, metrics=[{"step": i} for i in range(k + 1)])
+        save_run_checkpoint(run_dir, state, [(r, lambda r=r, k=k: model_save(r, k)) for r in ROLES])
+
+
+def test_a_checkpoint_that_does_not_read_is_set_aside_and_the_run_resumes_from_the_newest_that_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_rollouts(tmp_path, range(4))
+    shard = tmp_path / "critic" / "iter_0000003" / "__0_0.distcp"
+    shard.write_bytes(b"")  # truncated to 0 bytes
+    (tmp_path / "driver" / "iter_0000002.json").write_text("")  # emptied
+    point = find_resume_point(tmp_path, models(tmp_path))
+    assert point.rollout_id == 1
+    assert point.unreadable == {
+        shard.parent: f"{shard} is 0 bytes; it had 900 when its save completed",
+        tmp_path / "driver" / "iter_0000002.json": (
+            f"{tmp_path / 'driver' / 'iter_0000002.json'} does not read as the driver's state (not JSON: "
+            "Expecting value: line 1 column 1 (char 0))"
+        ),
+    }
+    set_aside(tmp_path, point, models(tmp_path))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("resuming after rollout 1; set aside in ")
+    assert f"does not read: {shard} is 0 bytes; it had 900 when its save completed" in line
+    assert "driver/iter_0000002.json" in line and "critic/iter_0000003" in line
+    for role in ROLES:
+        assert read_latest(tmp_path / role) == 1
+    assert (tmp_path / "set_aside").is_dir() and not (tmp_path / "critic" / "iter_0000003").exists()
+
+
+def test_a_requested_rollout_that_does_not_read_names_the_file_and_the_rollouts_that_do(
+    tmp_path: Path,
+) -> None:
+    save_rollouts(tmp_path, range(3))
+    shard = tmp_path / "actor" / "iter_0000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(ValueError) as info:
+        find_resume_point(tmp_path, models(tmp_path), requested=2)
+    assert str(info.value) == (
+        f"--load-rollout-id: rollout 2 does not read ({shard} is 10 bytes; it had 800 when its save completed); "
+        "--load-rollout-id 1 would work (the newest that reads), or leave it unset to resume from there"
+    )
+
+
+def test_where_no_checkpoint_reads_the_message_names_each_file(tmp_path: Path) -> None:
+    save_rollouts(tmp_path, range(2))
+    for k in (0, 1):
+        (tmp_path / "critic" / f"iter_{k:07d}" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ValueError) as info:
+        find_resume_point(tmp_path, models(tmp_path))
+    message = str(info.value)
+    assert message.startswith(
+        f"--run-dir: no checkpoint in {tmp_path} reads, so no --load-rollout-id would work: "
+    )
+    for k in (0, 1):
+        assert f"rollout {k}: {tmp_path / 'critic' / f'iter_{k:07d}' / '__0_0.distcp'} is 0 bytes" in message
+    assert message.endswith(
+        "restore those files, or move the checkpoints away (or give another --run-dir) to start from the "
+        "Hugging Face weights"
+    )
+
+
+def test_checksums_are_verified_when_asked(tmp_path: Path) -> None:
+    save_rollouts(tmp_path, range(2))
+    shard = tmp_path / "critic" / "iter_0000001" / "__0_0.distcp"
+    shard.write_text(shard.read_text().replace("critic", "CRITIC"))  # the same size
+    assert find_resume_point(tmp_path, models(tmp_path), checksums=False).rollout_id == 1
+    point = find_resume_point(tmp_path, models(tmp_path))
+    assert point.rollout_id == 0 and list(point.unreadable) == [shard.parent]
+
+
 # --- SIGKILL at each stage of a save ----------------------------------------------------------
 
 KILL_POINTS = [

@@ -252,6 +252,13 @@ class PPOConfig(WorkerFields):
     export_hf: bool = True
     """Write the actor as a Hugging Face folder to `RUN_DIR/hf` at the end of the run."""
 
+    verify_checkpoint_checksums: bool = True
+    """On resume, check every file of the checkpoint resumed from against the xxh3 checksum its save
+    recorded (one read of it before Ray starts, at disk speed, which the workers' load then finds in
+    the page cache; 0.4 s a GB on one core of a small machine); off: their sizes only, which a stat
+    per file checks always. A checkpoint that does not read is set aside, and the run resumes from
+    the newest one that does."""
+
     sigterm_grace_s: float | None = 25.0
     """On SIGTERM (a scheduler's preemption: Slurm, Kubernetes, Ray's autoscaler), seconds to finish the
     step under way and save it, as on Ctrl-C; past them the run stops at once, keeping the last complete

@@ -197,7 +197,8 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     import ray
 
     from tandem.megatron.group import create_train_group
-    from tandem.megatron.worker.checkpoint import read_latest
+    from tandem.megatron.worker.checkpoint import iteration_dir, read_latest
+    from tandem.megatron.worker.checkpoint_manifest import verify_checkpoint
     from tandem.placement import PlacementSpec, create_placement_groups
     from tandem.ppo.cluster import start_ray
     from tandem.ppo.config_file import read_run_config
@@ -209,6 +210,14 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     latest = read_latest(config.actor_save)
     if latest is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
+    problem = verify_checkpoint(
+        iteration_dir(config.actor_save, latest), checksums=config.verify_checkpoint_checksums
+    )
+    if problem is not None:
+        raise ValueError(
+            f"RUN_DIR: the actor's latest checkpoint (rollout {latest}) does not read: {problem}; a start of the "
+            "run sets it aside and resumes from the one before"
+        )
     folder = export_folder(run_dir, out, latest)
     actor_config = dataclasses.replace(config.actor_config(), load=config.actor_save, use_kl_loss=False)
     started = start_ray(None, config.local_gpus)

@@ -67,7 +67,8 @@ _GROUP_MEMBERS: dict[str, str] = {
         "accuracy_threshold eval_prompt_data n_samples_per_eval_prompt eval_temperature"
     ),
     "schedule and checkpoints": (
-        "run_dir num_rollout load save save_interval save_on_interrupt sigterm_grace_s eval_interval export_hf"
+        "run_dir num_rollout load save save_interval save_on_interrupt sigterm_grace_s "
+        "verify_checkpoint_checksums eval_interval export_hf"
     ),
     "placement and resources": (
         "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus colocate offload_train offload_backend "

@@ -6,10 +6,12 @@ checkpoint (`critic/iter_k`, then `actor/iter_k`, each atomic on its own:
 `tandem.megatron.worker.checkpoint`). A crash (kill -9, a dead node) may stop it between
 any two of those, so the parts can disagree: the critic at rollout 5, the actor at
 rollout 3. Rollout k is *complete* when all of its parts are. A start resumes
-from the newest complete rollout (`find_resume_point`, read only, before Ray
-starts); once the run is under way, the parts that are newer or incomplete are
-moved to `RUN_DIR/set_aside/<time>/` and named in one log line
-(`set_aside`), never deleted, and each model's marker points at the resumed rollout.
+from the newest complete rollout whose parts read (each file of the size and
+checksum its save recorded, a driver state that is JSON: `find_resume_point`, read
+only, before Ray starts); once the run is under way, the parts that are newer,
+incomplete or unreadable are moved to `RUN_DIR/set_aside/<time>/` and named in one
+log line with what does not read (`set_aside`), never deleted, and each model's
+marker points at the resumed rollout.
 
 Only this run's own folders are changed: the models' save folders and
 `RUN_DIR/driver`. A `--load` folder of another run is read, never touched.
@@ -17,6 +19,8 @@ Only this run's own folders are changed: the models' save folders and
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import shutil
@@ -31,6 +35,7 @@ from tandem.megatron.worker.checkpoint_folder import (
     iteration_dir,
     point_marker_at,
 )
+from tandem.megatron.worker.checkpoint_manifest import verify_checkpoint
 from tandem.megatron.worker.fault_points import fault_point
 from tandem.ppo.state import DriverState, save_state, state_dir
 
@@ -66,11 +71,14 @@ class ResumePoint:
         rollout_id: the rollout to resume after; None: start from the Hugging Face weights.
         complete: each part's complete rollouts (`actor`, `critic`, `driver`).
         set_aside: parts in this run's folders that are newer than `rollout_id` or incomplete.
+        unreadable: complete parts newer than `rollout_id` that do not read, and why (a file of
+            another size or checksum than its save recorded, a driver state that is not JSON).
     """
 
     rollout_id: int | None
     complete: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     set_aside: tuple[Path, ...] = ()
+    unreadable: Mapping[Path, str] = field(default_factory=dict)
 
     @property
     def next_rollout_id(self) -> int:
@@ -101,29 +109,78 @@ def _driver_states(run_dir: Path) -> tuple[dict[int, Path], list[Path]]:
 
 
 def find_resume_point(
-    run_dir: str | os.PathLike[str], models: Sequence[ModelFolders], *, requested: int | None = None
+    run_dir: str | os.PathLike[str],
+    models: Sequence[ModelFolders],
+    *,
+    requested: int | None = None,
+    checksums: bool = True,
 ) -> ResumePoint:
-    """The newest rollout complete for every model and the driver state (or `requested`); read only.
+    """The newest rollout complete for every model and the driver state, whose every part reads (or
+    `requested`); read only.
 
-    ValueError naming `--load-rollout-id` when `requested` is not complete for all, or
-    `--load` / `--critic-load` when a folder of another run holds checkpoints that this
-    run's driver state cannot continue.
+    A part reads when its files have the sizes (and, with `checksums`, the checksums) that its
+    save recorded (`checkpoint_manifest.verify_checkpoint`) and a driver state is JSON; rollouts
+    are tried from the newest down, and the ones that do not read are kept in `unreadable`.
+    ValueError naming `--load-rollout-id` when `requested` is not complete for all or does not
+    read (with the rollout that would), `--run-dir` when complete rollouts exist but none reads
+    (naming each file), or `--load` / `--critic-load` when a folder of another run holds
+    checkpoints that this run's driver state cannot continue.
     """
     run_dir = Path(run_dir)
     states, partial_states = _driver_states(run_dir)
     complete = {"driver": set(states)}
+    folders = {model.role: complete_rollouts(model.load) for model in models}
     for model in models:
-        complete[model.role] = set(complete_rollouts(model.load))
+        complete[model.role] = set(folders[model.role])
     common = set.intersection(*complete.values())
+    problems: dict[int, tuple[Path, str]] = {}
+
+    def reads(k: int) -> bool:
+        # The driver's state, then every model's sizes (a stat per file), then their checksums.
+        checks = [(states[k], lambda: _state_problem(states[k]))]
+        checks += [
+            (folders[r][k], functools.partial(verify_checkpoint, folders[r][k], checksums=False))
+            for r in folders
+        ]
+        if checksums:
+            checks += [(folders[r][k], functools.partial(verify_checkpoint, folders[r][k])) for r in folders]
+        for path, check in checks:
+            problem = check()
+            if problem is not None:
+                problems[k] = (path, problem)
+                return False
+        return True
+
+    def newest_that_reads(candidates: set[int]) -> int | None:
+        return next((k for k in sorted(candidates, reverse=True) if reads(k)), None)
+
     if requested is not None:
         if requested not in common:
             raise ValueError(
                 f"--load-rollout-id: rollout {requested} is not complete for every model and the driver "
                 f"state ({_describe(complete)}); pick one of {sorted(common) or 'none'}, or leave it unset"
             )
+        if not reads(requested):
+            working = newest_that_reads(common - {requested})
+            instead = (
+                f"--load-rollout-id {working} would work (the newest that reads), or leave it unset to resume "
+                "from there"
+                if working is not None
+                else "no other rollout reads either: restore that file"
+            )
+            raise ValueError(
+                f"--load-rollout-id: rollout {requested} does not read ({problems[requested][1]}); {instead}"
+            )
         rollout_id: int | None = requested
     else:
-        rollout_id = max(common) if common else None
+        rollout_id = newest_that_reads(common)
+        if rollout_id is None and problems:
+            listed = "; ".join(f"rollout {k}: {problem}" for k, (_, problem) in sorted(problems.items()))
+            raise ValueError(
+                f"--run-dir: no checkpoint in {run_dir} reads, so no --load-rollout-id would work: {listed}; "
+                "restore those files, or move the checkpoints away (or give another --run-dir) to start from "
+                "the Hugging Face weights"
+            )
     for model in models:
         if not model.own and complete[model.role] and rollout_id is None:
             flag = "--critic-load" if model.role == "critic" else "--load"
@@ -140,7 +197,19 @@ def find_resume_point(
         parts += [p for k, p in complete_rollouts(model.save).items() if newer(k)]
         parts += incomplete_parts(model.save)
     frozen = {k: tuple(sorted(v)) for k, v in complete.items()}
-    return ResumePoint(rollout_id, frozen, tuple(dict.fromkeys(parts)))
+    unreadable = dict(problems.values())
+    return ResumePoint(rollout_id, frozen, tuple(dict.fromkeys(parts)), unreadable)
+
+
+def _state_problem(path: Path) -> str | None:
+    """Why the driver state at `path` does not read (None: it does)."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path} does not read as the driver's state (not JSON: {exc})"
+    if not isinstance(state, dict) or not {"rollout_id", "data"} <= state.keys():
+        return f"{path} does not read as the driver's state (no rollout_id and data)"
+    return None
 
 
 def _describe(complete: Mapping[str, set[int]]) -> str:
@@ -170,11 +239,13 @@ def set_aside(
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(part, dest)
             moved.append(f"{label}/{part.name}")
+        unreadable = "".join(f"; does not read: {problem}" for problem in point.unreadable.values())
         logger.warning(
-            "resuming %s; set aside in %s (newer than that, or left incomplete by a crash): %s",
+            "resuming %s; set aside in %s (newer than that, left incomplete by a crash, or not readable): %s%s",
             "from the start" if point.rollout_id is None else f"after rollout {point.rollout_id}",
             target,
             ", ".join(sorted(moved)),
+            unreadable,
         )
     else:
         target = None

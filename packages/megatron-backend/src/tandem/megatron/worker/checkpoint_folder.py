@@ -29,6 +29,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from tandem.megatron.worker.checkpoint_manifest import write_manifest
 from tandem.megatron.worker.fault_points import fault_point
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,8 @@ def save_folder(
     """The save protocol around `write(staging)` (every rank calls it): stage, write, publish, mark.
 
     Rank 0 makes the staging folder, every rank's `write` fills it (the shards, then
-    `metadata.json` last), and rank 0 publishes it and moves the marker (`commit_save`).
+    `metadata.json` last), and rank 0 records each file's size and checksum
+    (`checkpoint_manifest.write_manifest`), publishes it and moves the marker (`commit_save`).
     `barrier` synchronises the ranks between those stages. Returns the published folder.
     """
     if rank == 0:
@@ -213,6 +215,7 @@ def save_folder(
     barrier()
     if rank == 0:
         fault_point("checkpoint.written", rollout_id=rollout_id)
+        write_manifest(_staging_dir(root, rollout_id))  # every rank's files are in: their sizes and checksums
         commit_save(root, rollout_id)
         logger.info("saved checkpoint of rollout %d to %s", rollout_id, iteration_dir(root, rollout_id))
     barrier()

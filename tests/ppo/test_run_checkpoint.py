@@ -265,6 +265,68 @@ def test_checksums_are_verified_when_asked(tmp_path: Path) -> None:
     assert point.rollout_id == 0 and list(point.unreadable) == [shard.parent]
 
 
+def test_a_save_is_refused_before_it_writes_where_the_last_checkpoints_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Known after the first save: the next needs about as much as the last took (both models and the
+    driver's state, on one device here); with less free, it is refused before anything is written."""
+    from tandem.megatron.worker.checkpoint_folder import DiskFull
+    from tandem.megatron.worker.checkpoint_manifest import checkpoint_bytes
+    from tandem.ppo import run_checkpoint
+    from tandem.ppo.run_checkpoint import check_free_space
+    from tandem.ppo.state import state_dir
+
+    folders = [tmp_path / "critic", tmp_path / "actor", state_dir(tmp_path)]
+    check_free_space(folders)  # nothing saved yet: nothing known
+    save_rollouts(tmp_path, range(2))
+    needed = sum(checkpoint_bytes(tmp_path / role / "iter_0000001") for role in ROLES)
+    needed += (tmp_path / "driver" / "iter_0000001.json").stat().st_size
+    real = shutil.disk_usage
+
+    def free(bytes_free: int):  # type: ignore[no-untyped-def]
+        return lambda path: real(path)._replace(free=bytes_free)
+
+    monkeypatch.setattr(run_checkpoint.shutil, "disk_usage", free(needed))
+    check_free_space(folders)
+    monkeypatch.setattr(run_checkpoint.shutil, "disk_usage", free(needed - 1))
+    with pytest.raises(DiskFull) as info:
+        check_free_space(folders)
+    assert str(info.value) == (
+        f"no space left on device at {tmp_path / 'critic'}: the save needs about {needed / 1e6:.1f} MB, "
+        f"{(needed - 1) / 1e6:.1f} MB free; the last complete checkpoint (rollout 1) is kept; free some space, "
+        "then the same command resumes the run"
+    )
+
+
+def test_a_driver_state_that_hits_enospc_is_a_full_disk_and_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.megatron.worker.checkpoint_folder import DiskFull
+
+    save_rollouts(tmp_path, range(1))
+    monkeypatch.setenv("TANDEM_FAULT_POINT", "driver_state.written:rollout_id=1")
+    monkeypatch.setenv("TANDEM_FAULT_ACTION", "enospc")
+    with pytest.raises(
+        DiskFull, match=rf"^no space left on device at {tmp_path / 'driver'}: the save needs about "
+    ):
+        save_rollouts(tmp_path, range(1, 2))
+    assert sorted(p.name for p in (tmp_path / "driver").iterdir()) == ["iter_0000000.json"]
+    assert "the last complete checkpoint (rollout 0) is kept" in str(
+        DiskFull(tmp_path, 1, 1, 0, estimate=True)
+    )
+
+
+def test_a_full_disk_is_one_line_and_exit_1() -> None:
+    from tandem.megatron.worker.checkpoint_folder import DiskFull
+    from tandem.ppo.errors import failure_line
+
+    full = DiskFull(Path("/run/critic"), 3_000_000_000, 1_000_000_000, 4, estimate=True)
+    assert failure_line(full) == (1, str(full))
+    assert str(full).startswith(
+        "no space left on device at /run/critic: the save needs about 3.0 GB, 1.0 GB free"
+    )
+
+
 # --- SIGKILL at each stage of a save ----------------------------------------------------------
 
 KILL_POINTS = [

@@ -38,11 +38,11 @@ from tandem.ppo.rollout import (
     shard_per_role,
     training_rewards,
 )
-from tandem.ppo.run_checkpoint import save_run_checkpoint
-from tandem.ppo.run_folder import RunFolder
+from tandem.ppo.run_checkpoint import check_free_space, save_run_checkpoint
+from tandem.ppo.run_folder import RunFolder, model_folders
 from tandem.ppo.run_log import PhaseClock, RunSummary
 from tandem.ppo.schedule import StepFacts, StepSchedule, Turn, check_exclusive, save_schedule, step_schedule
-from tandem.ppo.state import DriverState, load_state
+from tandem.ppo.state import DriverState, load_state, state_dir
 from tandem.ppo.step_metrics import step_metrics
 from tandem.ppo.turns import StepTurns
 from tandem.ppo.weight_sync import send_to_restarted, sync_weights
@@ -331,6 +331,8 @@ class PPODriver:
         the data cursor right after this rollout (default: the cursor now)."""
         data = self.dataset.state_dict() if data_state is None else data_state
         turns = self.save_schedule().turns
+        # Room for it, as the last save took (known after the first): else stop before writing anything.
+        check_free_space([*(m.save for m in model_folders(self.config) if m.save), state_dir(self.run_dir)])
 
         def save_model(turn: Turn) -> None:
             group = self.critic if turn.role == "critic" else self.actor

@@ -19,6 +19,8 @@ Only this run's own folders are changed: the models' save folders and
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -30,16 +32,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.megatron.worker.checkpoint_folder import (
+    DiskFull,
     complete_rollouts,
     incomplete_parts,
     iteration_dir,
     point_marker_at,
 )
-from tandem.megatron.worker.checkpoint_manifest import verify_checkpoint
+from tandem.megatron.worker.checkpoint_manifest import checkpoint_bytes, verify_checkpoint
 from tandem.megatron.worker.fault_points import fault_point
 from tandem.ppo.state import DriverState, save_state, state_dir
 
-__all__ = ["ModelFolders", "ResumePoint", "find_resume_point", "save_run_checkpoint", "set_aside"]
+__all__ = [
+    "ModelFolders",
+    "ResumePoint",
+    "check_free_space",
+    "find_resume_point",
+    "save_run_checkpoint",
+    "set_aside",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +280,32 @@ def _label(run_dir: Path, part: Path, models: Sequence[ModelFolders]) -> str:
     return part.parent.name
 
 
+def check_free_space(folders: Sequence[Path]) -> None:
+    """Before a save: each device holding `folders` (the models' save folders, the driver's states) has
+    room for a checkpoint as large as each folder's latest (nothing is known before the first save);
+    `DiskFull` naming the first folder of a device that has not, before anything is written."""
+    needs: dict[int, list[tuple[Path, int, int | None]]] = {}
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        saved = complete_rollouts(folder)
+        if saved:
+            kept = max(saved)
+            size = checkpoint_bytes(saved[kept])
+        else:
+            states = _driver_states(folder.parent)[0] if folder == state_dir(folder.parent) else {}
+            if not states:
+                continue
+            kept = max(states)
+            size = states[kept].stat().st_size
+        needs.setdefault(os.stat(folder).st_dev, []).append((folder, size, kept))
+    for entries in needs.values():
+        needed = sum(size for _, size, _ in entries)
+        free = shutil.disk_usage(entries[0][0]).free
+        if free < needed:
+            raise DiskFull(entries[0][0], needed, free, entries[0][2], estimate=True)
+
+
 def save_run_checkpoint(
     run_dir: str | os.PathLike[str], state: DriverState, saves: Sequence[tuple[str, Callable[[], None]]]
 ) -> None:
@@ -278,7 +314,19 @@ def save_run_checkpoint(
     `saves`: (role, save) pairs; each `save()` writes that model's checkpoint atomically.
     A fault point follows each part (`run_save.driver_state`, `run_save.model` with `role`).
     """
-    save_state(run_dir, state)
+    try:
+        save_state(run_dir, state)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        states, partial = _driver_states(Path(run_dir))
+        for path in partial:  # the half-written state: its space is free again
+            path.unlink(missing_ok=True)
+        needed = len(json.dumps(dataclasses.asdict(state)).encode())
+        folder = state_dir(run_dir)
+        raise DiskFull(
+            folder, needed, shutil.disk_usage(folder).free, max(states, default=None), estimate=True
+        ) from exc
     fault_point("run_save.driver_state", rollout_id=state.rollout_id)
     for role, save in saves:
         save()

@@ -23,6 +23,7 @@ Each stage of a save is a `fault_points` point (`checkpoint.staged`,
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -211,7 +212,14 @@ def save_folder(
         begin_save(root, rollout_id)
         fault_point("checkpoint.staged", rollout_id=rollout_id)
     barrier()
-    write(_staging_dir(root, rollout_id))
+    try:
+        fault_point("checkpoint.writing", rollout_id=rollout_id)
+        write(_staging_dir(root, rollout_id))
+    except Exception as exc:
+        full = disk_full(exc, root, rollout_id)
+        if full is None:
+            raise
+        raise full from exc
     barrier()
     if rank == 0:
         fault_point("checkpoint.written", rollout_id=rollout_id)
@@ -220,3 +228,67 @@ def save_folder(
         logger.info("saved checkpoint of rollout %d to %s", rollout_id, iteration_dir(root, rollout_id))
     barrier()
     return iteration_dir(root, rollout_id)
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+FULL_BELOW_BYTES = 16 << 20
+"""Free space under which a failed write is taken for a full disk, whatever its error says (torch's
+writer on a full disk raises `unexpected pos 704 vs 598`, with no errno)."""
+
+
+class DiskFull(RuntimeError):
+    """A save found no space left on its device; the message says where, what it needs and what is free."""
+
+    def __init__(self, path: Path, needed: int, free: int, kept: int | None, *, estimate: bool) -> None:
+        need = f"about {_size(needed)}" if estimate else f"more than the {_size(needed)} it had written"
+        kept_text = (
+            f"the last complete checkpoint (rollout {kept}) is kept"
+            if kept is not None
+            else "no checkpoint yet"
+        )
+        super().__init__(
+            f"no space left on device at {path}: the save needs {need}, {_size(free)} free; {kept_text}; free "
+            "some space, then the same command resumes the run"
+        )
+        self.path, self.needed, self.free, self.kept = path, needed, free, kept
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _full_disk_error(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def disk_full(exc: BaseException, root: str | os.PathLike[str], rollout_id: int) -> DiskFull | None:
+    """The `DiskFull` for a write of rollout `rollout_id`'s checkpoint under `root` that raised `exc`, when
+    the disk is full (ENOSPC or EDQUOT in its chain, or less than `FULL_BELOW_BYTES` free): its staging
+    folder is removed first, so that what it held is free again. None for any other failure."""
+    root = Path(root)
+    if not _full_disk_error(exc) and shutil.disk_usage(root).free >= FULL_BELOW_BYTES:
+        return None
+    staging = _staging_dir(root, rollout_id)
+    written = _bytes_under(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    kept = read_latest(root)
+    if kept is not None:
+        from tandem.megatron.worker.checkpoint_manifest import checkpoint_bytes
+
+        return DiskFull(
+            root,
+            checkpoint_bytes(iteration_dir(root, kept)),
+            shutil.disk_usage(root).free,
+            kept,
+            estimate=True,
+        )
+    return DiskFull(root, written, shutil.disk_usage(root).free, None, estimate=False)

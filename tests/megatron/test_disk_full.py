@@ -44,6 +44,10 @@ def test_a_save_that_hits_enospc_names_the_folder_and_keeps_the_last_checkpoint(
     )
     assert read_latest(tmp_path) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    # Raised in a worker, it reaches the driver through pickle (Ray), whole.
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
 
 
 _ON_A_FULL_TMPFS = """

@@ -29,6 +29,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tandem.megatron.worker.checkpoint_manifest import write_manifest
 from tandem.megatron.worker.fault_points import fault_point
@@ -251,7 +252,15 @@ class DiskFull(RuntimeError):
             f"no space left on device at {path}: the save needs {need}, {_size(free)} free; {kept_text}; free "
             "some space, then the same command resumes the run"
         )
-        self.path, self.needed, self.free, self.kept = path, needed, free, kept
+        self.path, self.needed, self.free, self.kept, self.estimate = path, needed, free, kept, estimate
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a worker, it reaches the driver pickled (Ray): rebuilt from its fields, not its message.
+        return _disk_full, (self.path, self.needed, self.free, self.kept, self.estimate)
+
+
+def _disk_full(path: Path, needed: int, free: int, kept: int | None, estimate: bool) -> DiskFull:
+    return DiskFull(path, needed, free, kept, estimate=estimate)
 
 
 def _size(n: int) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from tandem.ppo.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.run_folder import RunFolder
 from tandem.ppo.run_log import EventLog
-from tandem.ppo.state import load_state
+from tandem.ppo.state import load_state, metrics_before
 from tandem.ppo.worker_logs import driver_log, logs_dir
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def resume(driver: PPODriver) -> None:
         state = load_state(driver.run_dir, start - 1)
         driver.dataset.load_state_dict(state.data)
         state.restore_rng()
-        driver.metrics_so_far = list(state.metrics)  # steps 0 .. start - 1, saved with the state
+        driver.metrics_so_far = metrics_before(driver.run_dir, start, state)  # steps 0 .. start - 1
         # The engines start from the HF folder: they need the resumed actor's weights.
         driver._sync_weights()
         logger.info("resumed after rollout %d", start - 1)

@@ -245,6 +245,11 @@ class PPOConfig(WorkerFields):
     save_interval: int | None = None
     """Save a checkpoint every this many steps (and always at the end); None: only at the end."""
 
+    keep_checkpoints: int | None = None
+    """Once a save completes, keep the newest this many of the run's checkpoints and remove the older
+    ones (both models' and the driver's states); None: keep every one (a 0.5B actor and critic with
+    their optimizer states take about 14 GB a save)."""
+
     save_on_interrupt: bool = True
     """On Ctrl-C, finish the step under way and save before exiting (130); a second Ctrl-C
     exits at once, leaving the last complete checkpoint."""

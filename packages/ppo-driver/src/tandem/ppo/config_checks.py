@@ -91,7 +91,7 @@ def _check_driver_numbers(config: PPOConfig) -> None:
     for name, value in positive.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer")
-    for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus"):
+    for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus", "keep_checkpoints"):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer, or unset")

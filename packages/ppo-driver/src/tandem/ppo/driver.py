@@ -38,7 +38,7 @@ from tandem.ppo.rollout import (
     shard_per_role,
     training_rewards,
 )
-from tandem.ppo.run_checkpoint import check_free_space, save_run_checkpoint
+from tandem.ppo.run_checkpoint import check_free_space, prune_checkpoints, save_run_checkpoint
 from tandem.ppo.run_folder import RunFolder, model_folders
 from tandem.ppo.run_log import PhaseClock, RunSummary
 from tandem.ppo.schedule import StepFacts, StepSchedule, Turn, check_exclusive, save_schedule, step_schedule
@@ -352,6 +352,7 @@ class PPODriver:
                 self._release_engines()
             # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
             save_run_checkpoint(self.run_dir, state, saves)
+            prune_checkpoints(self.run_dir, model_folders(self.config), keep=self.config.keep_checkpoints)
             if turns[-1].role == "engine" and turns[-1].work == "weights":
                 self._sync_weights(resume=True)
                 self._engines_released_to_score = False

@@ -67,7 +67,7 @@ _GROUP_MEMBERS: dict[str, str] = {
         "accuracy_threshold eval_prompt_data n_samples_per_eval_prompt eval_temperature"
     ),
     "schedule and checkpoints": (
-        "run_dir num_rollout load save save_interval save_on_interrupt sigterm_grace_s "
+        "run_dir num_rollout load save save_interval keep_checkpoints save_on_interrupt sigterm_grace_s "
         "verify_checkpoint_checksums eval_interval export_hf"
     ),
     "placement and resources": (

@@ -47,6 +47,7 @@ __all__ = [
     "ResumePoint",
     "check_free_space",
     "find_resume_point",
+    "prune_checkpoints",
     "save_run_checkpoint",
     "set_aside",
 ]
@@ -304,6 +305,35 @@ def check_free_space(folders: Sequence[Path]) -> None:
         free = shutil.disk_usage(entries[0][0]).free
         if free < needed:
             raise DiskFull(entries[0][0], needed, free, entries[0][2], estimate=True)
+
+
+def prune_checkpoints(
+    run_dir: str | os.PathLike[str], models: Sequence[ModelFolders], *, keep: int | None
+) -> list[Path]:
+    """After a save: remove the run's complete rollouts older than its newest `keep` (every part: the models'
+    checkpoints in this run's save folders, the driver's states), in one log line; what was removed.
+
+    `keep` None: nothing. A load folder of another run is never touched, nor a part a crash left.
+    """
+    if keep is None:
+        return []
+    run_dir = Path(run_dir)
+    states = _driver_states(run_dir)[0]
+    saved = {m.role: complete_rollouts(m.save) for m in models if m.save is not None}
+    complete = set(states).intersection(*(set(v) for v in saved.values()))
+    if len(complete) <= keep:
+        return []
+    cutoff = sorted(complete)[-keep]
+    removed = [p for k, p in states.items() if k < cutoff]
+    removed += [p for folders in saved.values() for k, p in folders.items() if k < cutoff]
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if removed:
+        logger.info("removed the checkpoints of the rollouts before %d (--keep-checkpoints %d)", cutoff, keep)
+    return removed
 
 
 def save_run_checkpoint(

@@ -232,7 +232,7 @@ def test_the_test_that_runs_it_runs_it(command: DocCommand) -> None:
             command.id
         )
         return
-    source = "".join((ROOT / "tests" / "ppo" / f).read_text() for f in ("test_cluster.py", "_ray_cluster.py"))
+    source = "".join((ROOT / "tests" / f).read_text() for f in ("ppo/test_cluster.py", "_ray_cluster.py"))
     program = words[: words.index("--")] if "--" in words else words
     named = [w for w in program[1:] if w.isalpha() or (w.startswith("--") and len(w) > 2)]
     assert named, command.id

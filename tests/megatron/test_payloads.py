@@ -5,12 +5,11 @@ Per rank when they line up, else by sample; the actor's own log-probs stay with 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import ray
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,10 +26,9 @@ from tandem.value_transfer import SampleGather, pack_values, unpack_values
 
 
 @pytest.fixture(scope="module")
-def local_ray(ray_start: Callable[[Callable[[], Any]], Any]) -> Iterator[None]:
-    ray_start(lambda: ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False))
+def local_ray(module_ray_job: str) -> Iterator[None]:
+    """This module as a job of the session's Ray cluster (tests/conftest.py)."""
     yield
-    ray.shutdown()
 
 
 def _values(indices: list[int]) -> list[torch.Tensor]:

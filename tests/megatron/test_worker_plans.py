@@ -102,7 +102,7 @@ class Groups:
 @pytest.fixture(scope="module")
 def groups(
     tmp_path_factory: pytest.TempPathFactory,
-    ray_start: Callable[[Callable[[], Any]], Any],
+    module_ray_job: str,
     random_llama: Callable[..., None],
 ) -> Iterator[Groups]:
     root: Path = tmp_path_factory.mktemp("plans")
@@ -169,7 +169,6 @@ def groups(
             normalize_advantages=True,
         ),
     }
-    ray_start(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     from ray.util.placement_group import placement_group
 
     pg = placement_group([{"CPU": 1}] * RANKS, strategy="PACK")
@@ -177,7 +176,6 @@ def groups(
     state = Groups(pg, configs)
     yield state
     state.kill()
-    ray.shutdown()
 
 
 def by_sample(box: Any, indices: list[int]) -> dict[int, torch.Tensor]:

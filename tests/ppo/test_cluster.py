@@ -22,7 +22,7 @@ import pytest
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config_file import unvalidated, write_yaml
 
-from ._ray_cluster import two_node_cluster
+from .._ray_cluster import two_node_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -405,3 +405,58 @@ def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
     assert engine_options_of(
         PPOConfig(hf_checkpoint="", rollout_batch_size=32, global_batch_size=32)
     ).fused_decode
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    hidden=st.sampled_from([64, 511, 512, 576, 4096]),
+    critic_hidden=st.sampled_from([None, 64, 576]),
+    device=st.sampled_from(["cpu", "cuda"]),
+    async_mode=st.booleans(),
+    asked=st.sampled_from([None, 1, 3]),
+)
+def test_cpu_threads_are_the_machines_cores_only_where_models_take_turns_on_a_large_enough_cpu_model(
+    tmp_path_factory: pytest.TempPathFactory,
+    hidden: int,
+    critic_hidden: int | None,
+    device: str,
+    async_mode: bool,
+    asked: int | None,
+) -> None:
+    """None picks the cores for a CPU sync run of hidden size >= 512 (actor and critic), else leaves
+    Ray's one thread; a number given is passed through as it is. Both roles' configs and the
+    engines' options carry the same choice."""
+    import os
+
+    from tandem.ppo.cluster import engine_options_of
+    from tandem.ppo.config import CPU_THREADS_MIN_HIDDEN_SIZE
+
+    root = tmp_path_factory.mktemp("threads")
+    folders = {}
+    for name, size in (("actor", hidden), ("critic", critic_hidden)):
+        if size is not None:
+            (root / name).mkdir()
+            (root / name / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "hidden_size": size}))
+            folders[name] = str(root / name)
+    config = unvalidated(
+        {
+            "hf_checkpoint": folders["actor"],
+            "critic_hf_checkpoint": folders.get("critic"),
+            "prompt_data": "unused.jsonl",
+            "run_dir": str(root / "run"),
+            "device": device,
+            "params_dtype": "float32" if device == "cpu" else "bfloat16",
+            "async_mode": async_mode,
+            "cpu_threads": asked,
+        }
+    )
+    sizes = [hidden] + ([critic_hidden] if critic_hidden is not None else [])
+    if asked is not None:
+        expected: int | None = asked
+    elif device == "cpu" and not async_mode and min(sizes) >= CPU_THREADS_MIN_HIDDEN_SIZE:
+        expected = len(os.sched_getaffinity(0))
+    else:
+        expected = None
+    assert config.resolved_cpu_threads() == expected
+    assert engine_options_of(config).cpu_threads == expected
+    assert config._worker_config().cpu_threads == expected

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,56 +21,16 @@ import pytest
 import ray
 import torch
 
-from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
-from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
 from tandem.ppo.driver import PPODriver, RunSummary
+
+from ._runs import demo_config, last_state, read_jsonl, run_driver
 
 pytestmark = pytest.mark.slow
 
 
-def demo_config(run_dir: Path, **overrides: Any) -> PPOConfig:
-    values = {**DEMO_DEFAULTS, "run_dir": str(run_dir), "progress": False, **overrides}
-    return unvalidated(prepare_demo(values))
-
-
-def run(
-    config: PPOConfig,
-    ray_start: Callable[[Callable[[], Any]], Any],
-    *,
-    snapshot: bool = False,
-    after: Callable[[PPODriver], None] | None = None,
-) -> RunSummary:
-    """Run the driver; with `snapshot`, save each model's final weights and optimizer state to RUN_DIR.
-
-    `after(driver)` runs once the run is over, before the workers stop.
-    """
-    ray_start(
-        lambda: ray.init(num_gpus=config.local_gpus, num_cpus=2, include_dashboard=False, log_to_driver=False)
-    )
-    driver = PPODriver(config)
-    try:
-        driver.setup()
-        summary = driver.run()
-        if snapshot:
-            for group in (driver.actor, driver.critic):
-                group.run("wake_up")
-                torch.save(group.run("state_snapshot")[0], _last_state(Path(config.run_dir), group.role))
-        if after is not None:
-            after(driver)
-        return summary
-    finally:
-        driver.close()
-        ray.shutdown()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def test_demo_task_learns(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
+def test_demo_task_learns(tmp_path: Path, ray_cluster: str) -> None:
     config = demo_config(tmp_path / "run", num_rollout=40, eval_interval=None, save_interval=None)
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     rewards = [m["reward/mean"] for m in summary.metrics]
     assert len(rewards) == 40
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -85,11 +44,11 @@ def test_demo_task_learns(tmp_path: Path, ray_start: Callable[[Callable[[], Any]
     assert (run_dir / "hf" / "config.json").is_file()
 
 
-def test_event_order_follows_the_plan(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
+def test_event_order_follows_the_plan(tmp_path: Path, ray_cluster: str) -> None:
     config = demo_config(
         tmp_path / "run", num_rollout=3, num_critic_only_steps=1, save_interval=2, eval_interval=None
     )
-    run(config, ray_start)
+    run_driver(config, ray_cluster)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     awake: set[str] = {"actor", "critic"}  # both start awake, then sleep before the first rollout
     training: set[str] = set()
@@ -137,9 +96,7 @@ def event_time(events: list[dict[str, Any]], event: str, rollout_id: int) -> flo
     return float(t)
 
 
-def test_step_clock_is_the_wall_clock_however_step_is_called(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_step_clock_is_the_wall_clock_however_step_is_called(tmp_path: Path, ray_cluster: str) -> None:
     """`time/step` is the span of the step's events, whether the step draws its rollout or is given it."""
     config = demo_config(tmp_path / "run", num_rollout=2, eval_interval=None, export_hf=False)
     direct: dict[int, dict[str, Any]] = {}
@@ -150,7 +107,7 @@ def test_step_clock_is_the_wall_clock_however_step_is_called(
         time.sleep(0.5)  # idle time between the draw and the step is not the step's
         direct[3] = driver.step(3, sampled)
 
-    summary = run(config, ray_start, after=call_step_directly)
+    summary = run_driver(config, ray_cluster, after=call_step_directly)
     metrics = {0: summary.metrics[0], 1: summary.metrics[1], **direct}
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     spans = step_spans(events)
@@ -172,12 +129,27 @@ def test_step_clock_is_the_wall_clock_however_step_is_called(
     assert event_time(events, "generate_end", 3) <= spans[3][0] - 0.5
 
 
-def test_resume_continues_exactly(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
-    common = {"eval_interval": None, "export_hf": False, "save_interval": 2}
-    straight = run(demo_config(tmp_path / "straight", num_rollout=4, **common), ray_start, snapshot=True)
-    first = run(demo_config(tmp_path / "resumed", num_rollout=2, **common), ray_start)
+RESUME_COMMON = {"eval_interval": None, "export_hf": False, "save_interval": 2}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory, ray_cluster: str) -> tuple[Path, RunSummary]:
+    """Four demo steps in one go, each model's final state saved: what a resumed run must equal, and
+    the padded run that the packed one must equal (one run for both tests)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    summary = run_driver(demo_config(run_dir, num_rollout=4, **RESUME_COMMON), ray_cluster, snapshot=True)
+    return run_dir, summary
+
+
+def test_resume_continues_exactly(
+    tmp_path: Path, ray_cluster: str, straight_run: tuple[Path, RunSummary]
+) -> None:
+    straight_dir, straight = straight_run
+    first = run_driver(demo_config(tmp_path / "resumed", num_rollout=2, **RESUME_COMMON), ray_cluster)
     assert first.last_rollout_id == 1
-    resumed = run(demo_config(tmp_path / "resumed", num_rollout=4, **common), ray_start, snapshot=True)
+    resumed = run_driver(
+        demo_config(tmp_path / "resumed", num_rollout=4, **RESUME_COMMON), ray_cluster, snapshot=True
+    )
     assert resumed.last_rollout_id == 3
     keys = ("reward/mean", "loss/policy", "loss/value", "actor/lr", "critic/lr")
     assert len(straight.metrics) == len(resumed.metrics) == 4
@@ -185,24 +157,20 @@ def test_resume_continues_exactly(tmp_path: Path, ray_start: Callable[[Callable[
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)
     for role in ("actor", "critic"):
-        a = torch.load(_last_state(tmp_path / "straight", role), weights_only=False)
-        b = torch.load(_last_state(tmp_path / "resumed", role), weights_only=False)
+        a = torch.load(last_state(straight_dir, role), weights_only=False)
+        b = torch.load(last_state(tmp_path / "resumed", role), weights_only=False)
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{role} {k}")
-    straight_data = json.loads((tmp_path / "straight" / "driver" / "iter_0000003.json").read_text())["data"]
+    straight_data = json.loads((straight_dir / "driver" / "iter_0000003.json").read_text())["data"]
     resumed_data = json.loads((tmp_path / "resumed" / "driver" / "iter_0000003.json").read_text())["data"]
     assert straight_data == resumed_data
     lines = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
 
 
-def _last_state(run_dir: Path, role: str) -> Path:
-    return run_dir / f"{role}_state.pt"
-
-
 def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_file(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+    tmp_path: Path, ray_cluster: str
 ) -> None:
     reward_file = tmp_path / "elsewhere" / "my_reward.py"
     reward_file.parent.mkdir()
@@ -218,7 +186,7 @@ def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_
         eval_interval=None,
         export_hf=False,
     )
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     assert all(0.0 <= m["reward/mean"] <= 1.0 for m in summary.metrics)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert not [e for e in events if e["event"] in ("wake", "sleep")]
@@ -258,9 +226,7 @@ def test_config_of_the_demo_is_valid(tmp_path: Path) -> None:
     assert dataclasses.asdict(config)["rollout_max_response_len"] == 1
 
 
-def test_async_overlaps_generation_with_training(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_async_overlaps_generation_with_training(tmp_path: Path, ray_cluster: str) -> None:
     separate = {
         "colocate": False,
         "rollout_num_gpus": 1,
@@ -269,7 +235,7 @@ def test_async_overlaps_generation_with_training(
         "export_hf": False,
     }
     config = demo_config(tmp_path / "async", num_rollout=3, async_mode=True, **separate)
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     events = read_jsonl(tmp_path / "async" / "events.jsonl")
 
     def when(event: str, rollout_id: int, role: str | None = None) -> float:
@@ -292,7 +258,7 @@ def test_async_overlaps_generation_with_training(
     assert [m["async/staleness"] for m in summary.metrics] == [0.0, 1.0, 1.0]
 
     # The same seed and data without --async: the first step is the same step.
-    sync = run(demo_config(tmp_path / "sync", num_rollout=1, **separate), ray_start)
+    sync = run_driver(demo_config(tmp_path / "sync", num_rollout=1, **separate), ray_cluster)
     for key in ("reward/mean", "loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm"):
         assert sync.metrics[0][key] == pytest.approx(summary.metrics[0][key], rel=1e-6, abs=1e-9), key
 
@@ -302,7 +268,7 @@ def test_async_is_refused_with_colocate(tmp_path: Path) -> None:
         demo_config(tmp_path / "run", async_mode=True).validate()
 
 
-def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
+def test_critic_with_its_own_layout(tmp_path: Path, ray_cluster: str) -> None:
     config = demo_config(
         tmp_path / "run",
         num_rollout=1,
@@ -314,16 +280,14 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callabl
         eval_interval=None,
         export_hf=False,
     )
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     assert summary.metrics[0]["critic/values_mean"] == pytest.approx(summary.metrics[0]["actor/values_mean"])
     # The weights reached both engines (one per GPU): equal fingerprints after the sync.
     received = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "weights_received"]
     assert received and all(e["agree"] and len(e["digests"]) == 2 for e in received), received
 
 
-def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path, ray_cluster: str) -> None:
     """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan);
     the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
     from transformers import AutoModelForCausalLM
@@ -340,7 +304,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
         got["batch"] = ray.get(sampled.data_refs["actor"][0])
         got["log_probs"] = unpack_values(out.log_probs, "cpu")
 
-    summary = run(config, ray_start, after=actor_log_probs)
+    summary = run_driver(config, ray_cluster, after=actor_log_probs)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     for k in (0, 1):
         (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
@@ -396,12 +360,15 @@ def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_sequence_packing_trains_as_the_padded_run(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+    tmp_path: Path, ray_cluster: str, straight_run: tuple[Path, RunSummary]
 ) -> None:
-    """`--use-sequence-packing` through the driver: the first step (same rollout) trains as the padded run."""
-    common = {"num_rollout": 1, "eval_interval": None, "export_hf": False}
-    padded = run(demo_config(tmp_path / "padded", **common), ray_start)
-    packed = run(demo_config(tmp_path / "packed", use_sequence_packing=True, **common), ray_start)
+    """`--use-sequence-packing` through the driver: the first step (same rollout) trains as the padded
+    run's first step (the straight run's: the same seed, data and settings but the packing)."""
+    _, padded = straight_run
+    packed = run_driver(
+        demo_config(tmp_path / "packed", use_sequence_packing=True, **{**RESUME_COMMON, "num_rollout": 1}),
+        ray_cluster,
+    )
     a, b = padded.metrics[0], packed.metrics[0]
     assert b["reward/mean"] == a["reward/mean"]  # the same rollout
     for key in ("critic/value_loss", "critic/values_mean", "actor/pg_loss", "actor/values_mean"):

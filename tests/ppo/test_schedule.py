@@ -11,7 +11,6 @@ of its save's.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,10 +280,8 @@ def check_run_follows_its_schedules(events: list[dict[str, Any]], schedules: lis
 
 
 @pytest.mark.slow
-def test_a_cpu_run_records_its_events_in_the_schedules_order(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
-    from .test_driver import demo_config, read_jsonl, run
+def test_a_cpu_run_records_its_events_in_the_schedules_order(tmp_path: Path, ray_cluster: str) -> None:
+    from ._runs import demo_config, read_jsonl, run_driver
 
     # Shared and time-shared, KL-first, one critic-only warm-up step.
     config = demo_config(
@@ -296,9 +293,9 @@ def test_a_cpu_run_records_its_events_in_the_schedules_order(
         export_hf=False,
     )
     kept: dict[str, Any] = {}
-    run(
+    run_driver(
         config,
-        ray_start,
+        ray_cluster,
         after=lambda d: kept.update(schedules=[d.schedule_of(k) for k in range(3)], save=d.save_schedule()),
     )
     schedules: list[StepSchedule] = kept["schedules"]

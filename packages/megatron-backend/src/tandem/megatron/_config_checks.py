@@ -48,6 +48,7 @@ def check_positive_ints(config: Any) -> None:
         "critic_pipeline_model_parallel_size",
         "max_tokens_per_gpu",
         "log_probs_max_tokens_per_gpu",
+        "cpu_threads",
     ):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -304,6 +304,15 @@ class WorkerFields:
     device: Device = "auto"
     """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
 
+    cpu_threads: int | None = None
+    """Threads of torch's CPU kernels (`torch.set_num_threads`) in each train worker and embedded
+    engine that runs on the CPU; GPU workers ignore it. None: the PPO driver picks the machine's
+    cores where the models take turns on it (the sync loop) and the model's hidden size is at least
+    512 (`tandem.ppo.config.CPU_THREADS_MIN_HIDDEN_SIZE`), else one thread (what Ray gives a worker
+    of a fractional CPU). On two cores a SmolLM2-135M forward and backward took 4.1 s on two
+    threads against 7.7 s on one; the demo's hidden size of 64 ran slower on two. A worker started
+    without the driver keeps the process's setting where this is None."""
+
     fused_rope: bool | None = None
     """Apply RoPE with our `torch.compile`d kernels (`rope.py`) through Megatron's
     `apply_rope_fusion` instead of Megatron's unfused chain of kernels: the same bf16 results bit

@@ -185,6 +185,7 @@ def engine_options_of(config: PPOConfig) -> Any:
     engine_kwargs: dict[str, Any] = {
         "dtype": config.rollout_dtype,
         "fused_decode": config.rollout_fused_decode,
+        "cpu_threads": config.resolved_cpu_threads(),
     }
     if config.rollout_kv_cache_memory_fraction is not None:
         engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction

@@ -17,6 +17,8 @@ the flag and the fix. Derived sizes are properties, computed in one place.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,6 +30,28 @@ from tandem.ppo.config_checks import FLAG_NAMES, check_config, flag
 __all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "PPOConfig", "flag"]
 
 BUILTIN_REWARDS = ("exact_match", "math")
+
+
+CPU_THREADS_MIN_HIDDEN_SIZE = 512
+"""The hidden size from which a CPU run's workers get the machine's cores (`cpu_threads` None): on two
+cores SmolLM2-135M (hidden 576) trained a forward and backward in 4.1 s on two threads against
+7.7 s on one, while the demo's model (hidden 64) stepped slower on two (1.35 against 1.2 s)."""
+
+
+def _sees_cuda() -> bool:
+    import torch  # only where `device: auto` must ask: the config's module stays light for --help
+
+    return torch.cuda.is_available()
+
+
+def _hidden_size(folder: str) -> int | None:
+    """The `hidden_size` of a local Hugging Face folder's config.json; None where there is none."""
+    path = Path(folder) / "config.json"
+    try:
+        value = json.loads(path.read_text()).get("hidden_size")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +385,21 @@ class PPOConfig(WorkerFields):
         if self.async_mode and self.reuse_old_log_probs is None:
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
+        values["cpu_threads"] = self.resolved_cpu_threads()
         return WorkerConfig(**values)
+
+    def resolved_cpu_threads(self) -> int | None:
+        """`cpu_threads`, or where None the driver's choice: this machine's cores where the models
+        take turns (the sync loop) on a CPU run of a model whose hidden size is at least
+        `CPU_THREADS_MIN_HIDDEN_SIZE`, else None (the workers keep Ray's one thread)."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        if self.async_mode or self.device == "cuda" or (self.device == "auto" and _sees_cuda()):
+            return None
+        hidden = [_hidden_size(p) for p in (self.hf_checkpoint, self.critic_hf_checkpoint) if p]
+        if not hidden or min(h or 0 for h in hidden) < CPU_THREADS_MIN_HIDDEN_SIZE:
+            return None
+        return len(os.sched_getaffinity(0))
 
     def placement_spec(self) -> Any:
         """The tandem.placement spec of this run."""

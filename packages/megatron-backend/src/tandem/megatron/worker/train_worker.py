@@ -101,6 +101,8 @@ class TrainWorker:
         self._group = join_world(config, role, self.rank, self.world_size, master_addr, master_port)
         if on_gpu:
             self._gpu_start = gpu_start(device_before_context)
+        elif config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu)
         keep_tensor_pickles_portable()
         self._lifecycle = build_lifecycle(backend, self._trainee.register(backend), config)

@@ -72,6 +72,8 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
 
         self.options = options = options or EngineOptions()
         self.device = _pick_device(options.device)
+        if self.device.type == "cpu" and options.cpu_threads is not None:
+            torch.set_num_threads(options.cpu_threads)
         self.dtype = _pick_dtype(options.dtype, self.device)
         model: Any = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=self.dtype)
         model.set_attn_implementation(register_attention())

@@ -55,6 +55,10 @@ class EngineOptions:
     """Decode steps between the host's checks for finished sequences (the only host syncs of the loop):
     when all are done, generation ends; when few are left, they are packed into a smaller batch."""
 
+    cpu_threads: int | None = None
+    """Threads of torch's CPU kernels of an engine on the CPU (`torch.set_num_threads`); None: the
+    process's setting. The driver passes its `cpu_threads`."""
+
     offload_backend: EngineOffload = "pinned_host"
     """Where released weights go: "pinned_host" (tandem.lifecycle's retained host buffers, back at
     link speed) or "none" (weights stay resident; only the KV cache is freed)."""

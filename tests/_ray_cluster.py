@@ -1,4 +1,7 @@
-"""A `ray start` cluster of our own on this machine: a head at 127.0.0.1 and a node at 127.0.0.2, logical GPUs.
+"""A `ray start` cluster of our own on this machine: a head at 127.0.0.1 (and a node at 127.0.0.2), logical GPUs.
+
+Two uses: the session's one-node cluster that most Ray tests join as a job of their own
+(`ray_cluster` in tests/conftest.py), and tests/ppo/test_cluster.py's two nodes.
 
 On a machine that other test runs share, such a cluster must never be found by
 anyone else's `ray.init()`, and stopping it must stop nothing else:
@@ -55,10 +58,20 @@ def _file_state(path: Path) -> tuple[float, str] | None:
         return None
 
 
-class TwoNodeCluster:
-    """Start with `start()`, stop with `stop()` (or use `two_node_cluster()`)."""
+class LocalCluster:
+    """Start with `start()`, stop with `stop()` (or use `two_node_cluster()` / `local_cluster()`)."""
 
-    def __init__(self, gpus_per_node: int = 1, cpus_per_node: int = 2, dashboard: bool = True) -> None:
+    def __init__(
+        self,
+        gpus_per_node: int = 1,
+        cpus_per_node: int = 2,
+        dashboard: bool = True,
+        nodes: int = 2,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if nodes not in (1, 2):
+            raise ValueError(f"nodes: {nodes}; a head alone (1) or a head and a node at 127.0.0.2 (2)")
+        self.nodes = nodes
         self.with_dashboard = dashboard
         self.gpus_per_node = gpus_per_node
         self.cpus_per_node = cpus_per_node
@@ -80,6 +93,7 @@ class TwoNodeCluster:
             # `ppo-driver` and `ray` of this environment first (ray job submit runs a shell command).
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
+        self.env |= env or {}
 
     def _node_ports(self) -> list[str]:
         """A node's ports: a range of 201 for its workers, then six free ports outside every range and
@@ -114,7 +128,7 @@ class TwoNodeCluster:
         self.procs.append(proc)
 
     def start(self, timeout_s: float = 600.0) -> None:
-        """The head, then the second node once the head answers; returns when both are up."""
+        """The head, then the second node once the head answers; returns when all are up."""
         self._start_node(
             "head",
             ["--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
@@ -122,8 +136,9 @@ class TwoNodeCluster:
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port)],
         )  # fmt: skip
         self._wait_for(lambda: self._answers(self.port), timeout_s, "the head's GCS port")
-        self._start_node("node", ["--address", self.address, "--node-ip-address", "127.0.0.2"])
-        self._wait_for(lambda: self.alive_nodes() == 2, timeout_s, "two alive nodes")
+        if self.nodes == 2:
+            self._start_node("node", ["--address", self.address, "--node-ip-address", "127.0.0.2"])
+        self._wait_for(lambda: self.alive_nodes() == self.nodes, timeout_s, f"{self.nodes} alive node(s)")
         if self.with_dashboard:
             self._wait_for(
                 lambda: self._answers(self.dashboard_port), timeout_s, "the dashboard (job server)"
@@ -213,11 +228,18 @@ class TwoNodeCluster:
 
 
 @contextlib.contextmanager
-def two_node_cluster(**kwargs: Any) -> Iterator[TwoNodeCluster]:
+def two_node_cluster(**kwargs: Any) -> Iterator[LocalCluster]:
     """A started two-node cluster, stopped (exactly its processes) and its temp dir removed afterwards."""
+    with local_cluster(nodes=2, **kwargs) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def local_cluster(**kwargs: Any) -> Iterator[LocalCluster]:
+    """A started cluster (`LocalCluster(**kwargs)`), stopped and its temp dir removed afterwards."""
     import shutil
 
-    cluster = TwoNodeCluster(**kwargs)
+    cluster = LocalCluster(**kwargs)
     try:
         cluster.start()
         yield cluster

@@ -315,7 +315,7 @@ def run_mode(
     """One PPO run in a fresh Ray; its figures (or its error) go into `report["modes"][mode]`."""
     import ray
 
-    from tandem.ppo.config_file import unvalidated
+    from tandem.ppo.config.file import unvalidated
 
     run_dir = paths["work"] / f"run-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -589,7 +589,7 @@ def plot(report: dict[str, Any], paths: dict[str, Path]) -> None:
     if not runs:
         return
     try:
-        from tandem.ppo.plot import plot_run
+        from tandem.ppo.app.plot import plot_run
 
         plots = paths["out"] / "ppo_gpu_bench_plots"
         written = plot_run([d for _, d in runs], plots, labels=[m for m, _ in runs])

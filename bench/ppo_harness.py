@@ -559,7 +559,7 @@ def traced_driver_class() -> type:
     """PPODriver whose `_phase` also records each phase's wall-clock interval (for the memory peaks),
     and the rollout's draw as a `rollout` interval (not a phase of the driver's clock: `step()` draws
     it inside its own timer, or the async loop in the background)."""
-    from tandem.ppo.driver import PPODriver
+    from tandem.ppo.loop.driver import PPODriver
 
     class TracedDriver(PPODriver):
         timeline: Timeline

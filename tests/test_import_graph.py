@@ -116,6 +116,7 @@ def test_the_moved_names_are_still_public() -> None:
 
 
 MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("runtime", ("runtime.",)),
     ("shared data", ("choices", "batch")),
     ("algorithms", ("algorithms.",)),
     ("models", ("models.",)),

@@ -20,8 +20,8 @@ import ray
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 pytestmark = pytest.mark.slow
 

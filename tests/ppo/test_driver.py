@@ -24,8 +24,8 @@ import torch
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,7 @@ def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_
 def test_ctrl_c_stops_cleanly_with_a_loadable_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "tandem.ppo.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
+        sys.executable, "-m", "tandem.ppo.app.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
         "--save-interval", "1000", "--no-progress", "--eval-interval", "1000", "--no-eval-before-train",
     ]  # fmt: skip
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
@@ -374,7 +374,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
     # `ppo-driver export` writes the same folder from the run's last checkpoint.
     from safetensors.torch import load_file
 
-    from tandem.ppo.evaluate import export_run
+    from tandem.ppo.app.evaluate import export_run
 
     again = Path(export_run(str(tmp_path / "run"), str(tmp_path / "exported")))
     written = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -383,7 +383,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
 
 
 def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.ppo.cli import run as cli
+    from tandem.ppo.app.cli import run as cli
 
     config = demo_config(tmp_path / "run")  # builds the base model and the task
     status = cli(

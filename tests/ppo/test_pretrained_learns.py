@@ -28,8 +28,8 @@ import pytest
 import ray
 
 from tandem.ppo._sums import SUMS_DEFAULTS, write_sums_task
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import train
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import train
 
 pytestmark = pytest.mark.slow
 

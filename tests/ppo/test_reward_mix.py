@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.data import PromptRecord, PromptSample
 from tandem.ppo.engines import Generation
-from tandem.ppo.reward_mix import RewardMix, ScoreRequest, build_reward, combine, parse_reward_weights
-from tandem.ppo.rewards import RewardInput, exact_match
 from tandem.ppo.rollout import Rollout, generate_rollout
+from tandem.ppo.rollout.data import PromptRecord, PromptSample
+from tandem.ppo.rollout.reward_mix import RewardMix, ScoreRequest, build_reward, combine, parse_reward_weights
+from tandem.ppo.rollout.rewards import RewardInput, exact_match
 
 finite = st.floats(-100, 100, allow_nan=False)
 

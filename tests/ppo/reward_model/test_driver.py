@@ -21,8 +21,8 @@ import torch
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 from ..test_schedule import check_run_follows_its_schedules
 from .conftest import save_reward_model

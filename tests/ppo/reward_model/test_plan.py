@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.data import PromptRecord, PromptSample
-from tandem.ppo.driver import PPODriver
 from tandem.ppo.engines import Generation
-from tandem.ppo.reward_mix import RewardMix, ScoreRequest
-from tandem.ppo.reward_model import RewardModelInputs, RewardModelRole
-from tandem.ppo.rewards import exact_match
-from tandem.ppo.run_log import PhaseClock
+from tandem.ppo.loop.driver import PPODriver
+from tandem.ppo.rollout.data import PromptRecord, PromptSample
+from tandem.ppo.rollout.reward_mix import RewardMix, ScoreRequest
+from tandem.ppo.rollout.reward_model import RewardModelInputs, RewardModelRole
+from tandem.ppo.rollout.rewards import exact_match
+from tandem.ppo.run.log import PhaseClock
 
 
 class Calls:
@@ -169,7 +169,7 @@ def test_importing_the_package_imports_neither_torch_nor_ray() -> None:
     import sys
 
     code = (
-        "import sys, tandem.ppo.reward_model, tandem.ppo.reward_mix; "
+        "import sys, tandem.ppo.rollout.reward_model, tandem.ppo.rollout.reward_mix; "
         "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -5,9 +5,9 @@
 - `build_base_model`, `write_task`: the demo's tiny local model and task (no downloads).
 - `main`: the `ppo-driver` console script.
 
-Rollout engines live in `tandem.ppo.engines`, rewards in `tandem.ppo.rewards`,
-prompt data in `tandem.ppo.data`, metrics and plots in `tandem.ppo.metrics` /
-`tandem.ppo.plot`.
+Rollout engines live in `tandem.ppo.engines`, rewards in `tandem.ppo.rollout.rewards`,
+prompt data in `tandem.ppo.rollout.data`, metrics and plots in `tandem.ppo.run.metrics` /
+`tandem.ppo.app.plot`.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ except PackageNotFoundError:  # source tree on PYTHONPATH (an offline GPU host),
 _EXPORTS = {
     "build_base_model": "_demo",
     "write_task": "_demo",
-    "main": "cli",
-    "PPOConfig": "config",
-    "parse_config": "config_file",
-    "PPODriver": "driver",
-    "RunSummary": "run_log",
-    "train": "driver",
+    "main": "app.cli",
+    "PPOConfig": "config.fields",
+    "parse_config": "config.file",
+    "PPODriver": "loop.driver",
+    "RunSummary": "run.log",
+    "train": "loop.driver",
 }
 
 if TYPE_CHECKING:
     from ._demo import build_base_model, write_task
-    from .cli import main
-    from .config import PPOConfig
-    from .config_file import parse_config
-    from .driver import PPODriver, train
-    from .run_log import RunSummary
+    from .app.cli import main
+    from .config.fields import PPOConfig
+    from .config.file import parse_config
+    from .loop.driver import PPODriver, train
+    from .run.log import RunSummary
 
 
 def __getattr__(name: str) -> Any:

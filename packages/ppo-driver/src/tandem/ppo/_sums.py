@@ -75,7 +75,7 @@ def write_sums_task(out_dir: str | Path) -> tuple[Path, Path]:
 
 def prepare_sums_demo(values: dict[str, Any]) -> dict[str, Any]:
     """Fill in SmolLM2 (fetched into the cache once) and the sums task under RUN_DIR, unless the flags name others."""
-    from tandem.ppo.pretrained import fetch_model
+    from tandem.ppo.app.pretrained import fetch_model
 
     run_dir = Path(values.get("run_dir", SUMS_DEFAULTS["run_dir"]))
     filled = dict(values)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.worker.fault_points import fault_point
+from tandem.megatron.runtime.fault_points import fault_point
 
 from ._errors import EngineMemoryReleasedError
 from ._forward import ForwardPasses

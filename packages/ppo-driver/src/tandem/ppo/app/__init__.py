@@ -1,0 +1,1 @@
+"""The `ppo-driver` command and its subcommands: train, demo, eval, export, plot, fetch-model."""

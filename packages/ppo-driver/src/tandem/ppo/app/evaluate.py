@@ -171,7 +171,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
     import ray
 
     from tandem.megatron.group import create_train_group
-    from tandem.megatron.worker.checkpoint import read_latest
+    from tandem.megatron.runtime.checkpoint_folder import read_latest
     from tandem.placement import PlacementSpec, create_placement_groups
     from tandem.ppo.app.machine import adapt_to_machine, announce
     from tandem.ppo.config.file import read_run_config

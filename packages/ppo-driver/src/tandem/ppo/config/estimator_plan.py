@@ -79,8 +79,7 @@ def check_estimator_plan(config: EstimatorFields) -> None:
     if not critic_free and not config.use_critic:
         raise ValueError(
             "--advantage-estimator: gae needs the critic's values, but --no-use-critic starts no critic; "
-            "choose a critic-free estimator (grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline) "
-            "or drop --no-use-critic"
+            f"choose a critic-free estimator ({', '.join(CRITIC_FREE_ESTIMATORS)}) or drop --no-use-critic"
         )
     if config.num_critic_only_steps and not config.use_critic:
         raise ValueError(

@@ -89,7 +89,7 @@ class PPODriver:
             offload_train=config.offload_train,
             critic=config.use_critic,
             reward_model=uses_reward_model(config),
-            kl_first=config.kl_coef != 0 and config.use_critic,
+            kl_first=config.kl_first,
         )
         """What decides each step's schedule (`schedule_of`)."""
         self.release_engines = self.facts.engines_release

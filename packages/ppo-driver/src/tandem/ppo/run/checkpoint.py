@@ -3,7 +3,7 @@
 A save of rollout k writes, in this order, the driver's state
 (`RUN_DIR/driver/iter_k.json`: the data cursor, RNG, metrics), then each model's
 checkpoint (`critic/iter_k`, then `actor/iter_k`, each atomic on its own:
-`tandem.megatron.worker.checkpoint`). A crash (kill -9, a dead node) may stop it between
+`tandem.megatron.runtime.checkpoint_folder`). A crash (kill -9, a dead node) may stop it between
 any two of those, so the parts can disagree: the critic at rollout 5, the actor at
 rollout 3. Rollout k is *complete* when all of its parts are. A start resumes
 from the newest complete rollout (`find_resume_point`, read only, before Ray

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 __all__ = ["LOGGER_NAME", "configure_logging", "terminal_output"]
 
 LOGGER_NAME = "tandem"
-"""The logger every Tandem module logs under (`tandem.ppo.loop.driver`, `tandem.megatron.worker`, ...)."""
+"""The logger every Tandem module logs under (`tandem.ppo.driver`, `tandem.megatron.worker`, ...)."""
 
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 """One line per record: the time, the module, the message."""

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tandem.megatron.group import TrainWorkerHost
+
 __all__ = [
     "BROKEN_PIPE_EXIT_CODE",
     "FAILURE_EXIT_CODE",
@@ -93,7 +95,7 @@ def _worker_name(exc: Any) -> str:
         "a rollout engine"
         if "Engine" in name
         else "a train worker"
-        if "_WorkerHost" in name
+        if TrainWorkerHost.__name__ in name
         else "a Ray worker"
     )
     return f"{kind} (pid {pid})" if pid else kind

@@ -556,29 +556,24 @@ class Timeline:
 
 
 def traced_driver_class() -> type:
-    """PPODriver whose `_phase` also records each phase's wall-clock interval (for the memory peaks),
-    and the rollout's draw as a `rollout` interval (not a phase of the driver's clock: `step()` draws
-    it inside its own timer, or the async loop in the background)."""
+    """PPODriver whose phases (its clock's `on_phase`) also go into `timeline` as wall-clock intervals
+    (for the memory peaks), and the rollout's draw as a `rollout` interval (not a phase of the driver's
+    clock: `step()` draws it inside its own timer, or the async loop in the background)."""
     from tandem.ppo.loop.driver import PPODriver
 
     class TracedDriver(PPODriver):
         timeline: Timeline
 
-        def _draw(self, rollout_id: int, background: bool = False) -> Any:
+        def setup(self) -> None:
+            self.clock.on_phase = self.timeline.add
+            super().setup()
+
+        def draw(self, rollout_id: int, background: bool = False) -> Any:
             t0 = time.time()
             try:
-                return super()._draw(rollout_id, background)
+                return super().draw(rollout_id, background)
             finally:
                 self.timeline.add("rollout", t0, time.time())
-
-        @contextlib.contextmanager
-        def _phase(self, name: str) -> Iterator[None]:
-            t0 = time.time()
-            try:
-                with super()._phase(name):
-                    yield
-            finally:
-                self.timeline.add(name, t0, time.time())
 
     return TracedDriver
 

@@ -79,7 +79,7 @@ def test_critic_free_run_has_no_critic_anywhere(
         seen.update(critic=driver.critic, roles=dict(driver.data_parallel_sizes))
         # `--filter-truncated` reaches the batches the actor trains on: mask 0 for responses cut at the cap.
         driver.config = dataclasses.replace(driver.config, filter_truncated=True)
-        sampled = driver._draw(2)
+        sampled = driver.draw(2)
         seen["rollout"] = sampled.rollout
         seen["batches"] = [ray.get(ref) for ref in sampled.data_refs["actor"]]
 

@@ -146,7 +146,7 @@ def test_step_clock_is_the_wall_clock_however_step_is_called(
 
     def call_step_directly(driver: PPODriver) -> None:
         direct[2] = driver.step(2)  # draws its rollout inside (as bench/ppo_gpu_bench.py calls it)
-        sampled = driver._draw(3)
+        sampled = driver.draw(3)
         time.sleep(0.5)  # idle time between the draw and the step is not the step's
         direct[3] = driver.step(3, sampled)
 
@@ -334,7 +334,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
     got: dict[str, Any] = {}
 
     def actor_log_probs(driver: PPODriver) -> None:
-        sampled = driver._draw(2)
+        sampled = driver.draw(2)
         driver.actor.run("wake_up")
         (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
         got["batch"] = ray.get(sampled.data_refs["actor"][0])

@@ -251,7 +251,7 @@ class TrainWorker:
         if self._lifecycle.asleep:
             raise RuntimeError(
                 "save_model: the model is asleep and saving never wakes it; the driver wakes it first "
-                "(OffloadPlan.wake_up_before_save)"
+                "(its save turn's wake)"
             )
         save_checkpoint(folder, rollout_id, trainee.train_state(), barrier=self._barrier)
 

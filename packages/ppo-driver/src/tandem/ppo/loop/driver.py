@@ -3,13 +3,16 @@
 One step is its schedule (`schedule.step_schedule`, docs/design.md's "The step's
 schedule"), e.g. on shared GPUs: engine: generate, release → critic: wake, train,
 sleep → actor: wake, train, sleep → engine: resume, weights. `PPODriver.step`
-takes the turns in order (`turns.StepTurns`): the rollout (sampled, scored, a
-reward model's wake, score and sleep inside it, split per data-parallel rank),
-the KL-first log-probs, the critic, the actor (not in the critic-only warm-up),
-the weights to the engines. Checkpoints when due: the driver's state, then the
-save's turns (`schedule.save_schedule`: on shared GPUs the engines release, each
-model wakes, saves and sleeps, the engines resume with the weights). With `--no-offload-train` nothing sleeps and
-the engines keep their memory, so the same run can be compared with both models resident.
+takes the turns in order (`turns.StepTurns`) on the roles on the GPUs
+(`shared_gpus.SharedGpus`, the one owner of who is awake): the rollout (each round
+of sampling takes the engines' `generate` turn and a reward model's `score` turn,
+then the rule rewards; the rollout is split per data-parallel rank), the KL-first
+log-probs, the critic, the actor (not in the critic-only warm-up), the weights to
+the engines. Checkpoints when due: the driver's state, then the save's turns
+(`schedule.save_schedule`: on shared GPUs the engines release, each model wakes,
+saves and sleeps, the engines resume with the weights). With `--no-offload-train`
+nothing sleeps and the engines keep their memory, so the same run can be compared
+with both models resident.
 """
 
 from __future__ import annotations
@@ -18,49 +21,54 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.lifecycle import OffloadPlan
+from ray.exceptions import RayActorError
+
 from tandem.ppo.config.fields import PPOConfig
 from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.run_loop import run_loop
-from tandem.ppo.loop.schedule import (
-    StepFacts,
-    StepSchedule,
-    Turn,
-    check_exclusive,
-    save_schedule,
-    step_schedule,
-)
+from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import step_metrics
 from tandem.ppo.loop.turns import StepTurns
-from tandem.ppo.loop.weight_sync import send_to_restarted, sync_weights
+from tandem.ppo.rollout.preflight import read_inputs
 from tandem.ppo.rollout.reward_model import uses_reward_model
 from tandem.ppo.rollout.samples import (
     Rollout,
     Sampled,
     dynamic_sample,
-    generate_rollout,
+    generate_samples,
     sampling_params,
+    score_requests,
+    score_rollout,
     shard_per_role,
     training_rewards,
 )
 from tandem.ppo.run.checkpoint import save_run_checkpoint
-from tandem.ppo.run.folder import RunFolder
-from tandem.ppo.run.log import PhaseClock, RunSummary
+from tandem.ppo.run.errors import dead_worker
+from tandem.ppo.run.export import export_actor
+from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary
 from tandem.ppo.run.state import DriverState, load_state
+from tandem.ppo.run.worker_logs import driver_log, from_a_worker, note_worker_logs, remove_empty_logs
 
 if TYPE_CHECKING:
+    from tandem.megatron.choices import Role
     from tandem.megatron.group import TrainGroup
     from tandem.placement import Placements
     from tandem.ppo.engines import EngineGroup
-    from tandem.ppo.rollout.reward_model._role import RewardModelRole
-    from tandem.ppo.run.log import EventLog
+    from tandem.ppo.loop.shared_gpus import SharedGpus
+    from tandem.ppo.rollout.data import PromptDataset, PromptSample
+    from tandem.ppo.rollout.reward_mix import RewardMix
+    from tandem.ppo.rollout.reward_model import RewardModelRole
+    from tandem.ppo.rollout.rewards import RewardFunction
+    from tandem.ppo.run.folder import RunFolder
     from tandem.ppo.run.metrics import MetricsLogger
+
+__all__ = ["PPODriver", "RunSummary", "train"]
 
 # The name its lines show on the terminal, kept from before the layers.
 logger = logging.getLogger("tandem.ppo.driver")
@@ -69,12 +77,14 @@ logger = logging.getLogger("tandem.ppo.driver")
 class PPODriver:
     """One PPO run: setup, the loop, checkpoints, eval, and clean shutdown."""
 
-    # Set by `setup` (`startup`), which a run calls before anything else.
+    # Set by `setup`, which a run calls before anything else.
     events: EventLog
+    gpus: SharedGpus
+    placements: Placements
     tokenizer: Any
-    reward_fn: Any
-    dataset: Any
-    eval_dataset: Any
+    reward_fn: RewardFunction | RewardMix
+    dataset: PromptDataset
+    eval_dataset: PromptDataset | None
     start_rollout_id: int
     logger: MetricsLogger
 
@@ -83,7 +93,6 @@ class PPODriver:
         config.validate()
         self.config = config
         self.run_dir = Path(config.run_dir)
-        self.plan = OffloadPlan.time_shared() if config.offload_train else OffloadPlan.resident()
         self.facts = StepFacts(
             colocate=config.colocate,
             offload_train=config.offload_train,
@@ -92,21 +101,14 @@ class PPODriver:
             kl_first=config.kl_first,
         )
         """What decides each step's schedule (`schedule_of`)."""
-        self.release_engines = self.facts.engines_release
         self.metrics_so_far: list[dict[str, Any]] = []
-        self._started_ray = False
-        self.weights_version = 0
-        self.weight_pack: Any = None
         self.clock = PhaseClock(track_gpu_memory=config.gpu_memory_metrics and config.device != "cpu")
-        roles: tuple[Any, ...] = ("actor", "critic") if config.use_critic else ("actor",)
-        self.data_parallel_sizes = {r: config.data_parallel_size(config.actor_num_gpus, r) for r in roles}
-        self.actor: TrainGroup = None  # type: ignore[assignment]  # set by setup
-        self.critic: TrainGroup | None = None
-        self.engines: EngineGroup = None  # type: ignore[assignment]  # set by setup
-        self.placements: Placements | None = None
+        roles: tuple[Role, ...] = ("actor", "critic") if config.use_critic else ("actor",)
+        self.data_parallel_sizes: dict[str, int] = {
+            r: config.data_parallel_size(config.actor_num_gpus, r) for r in roles
+        }
         self.last_sampled: Sampled | None = None
         self.generating: Future[Sampled] | None = None
-        self._driver_log = contextlib.ExitStack()
         self.started_logs = False
         """Whether this start got as far as writing RUN_DIR/logs (its inputs were checked)."""
         self.refused = False
@@ -114,13 +116,10 @@ class PPODriver:
         folder that it created is then removed, logs and all, on `close`."""
         self.eval_before: dict[str, float] | None = None
         self.folder: RunFolder | None = None
-        self.engine_restarts = 0
-        """Engines restarted so far in this run (`--max-engine-restarts`)."""
+        self._closing = contextlib.ExitStack()
+        """How to stop what `setup` started, in reverse order (`close`)."""
 
-        self.reward_model: RewardModelRole | None = None
-        self._engines_released_to_score = False
-
-    # --- setup and shutdown (`startup`) ------------------------------------------------------
+    # --- setup and shutdown ------------------------------------------------------------------
     def setup(self) -> None:
         """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
 
@@ -128,7 +127,41 @@ class PPODriver:
         (`RunFolder.commit`): a start that fails leaves it as it was. A run whose
         folder holds every rollout already starts nothing (`complete`).
         """
-        startup.setup(self)
+        config, closing = self.config, self._closing
+        # 1. The run folder: locked, where it resumes found; nothing else written yet.
+        self.folder = startup.open_folder(config, closing, refused=lambda: self.refused)
+        if self.folder.complete:
+            return
+        self.events = EventLog(self.run_dir / "events.jsonl", defer=True)
+        closing.callback(startup.quietly(self.events.close))
+        # 2. The inputs, each checked before Ray starts.
+        inputs = read_inputs(config)
+        self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
+        self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
+        # 3. Ray; from here on a failure is the run's own (the workers'): its lines go to RUN_DIR/logs.
+        startup.start_cluster(config, self.run_dir, closing)
+        closing.enter_context(driver_log(self.run_dir))
+        self.started_logs = True
+        # 4. The roles on the GPUs, the models asleep where the schedule keeps them asleep between
+        #    steps (the engine needs the GPU first); then the reward model, likewise.
+        self.placements, self.gpus = startup.start_roles(
+            config, self.folder, events=self.events, clock=self.clock, closing=closing
+        )
+        self.gpus.start_asleep(self.between_steps())
+        if self.facts.reward_model:
+            startup.start_reward(config, self.placements, self.gpus, events=self.events)
+            self.gpus.start_asleep(self.between_steps())
+        # 5. The resumed rollout: data cursor, RNG, metrics; the engines get the resumed actor's weights.
+        self.start_rollout_id, self.metrics_so_far = startup.resume(self.folder, self.gpus, self.dataset)
+        # 6. Everything is up: the run folder changes now, and the metrics start.
+        self.folder.commit()
+        self.events.start()
+        self.logger = startup.open_metrics(config, self.start_rollout_id, closing)
+
+    def close(self) -> None:
+        """Stop what `setup` started: the metrics, the workers and engines, the placement groups, Ray if this
+        start started it, the run folder's lock."""
+        self._closing.close()
 
     @property
     def complete(self) -> bool:
@@ -145,41 +178,64 @@ class PPODriver:
             self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
         )
 
+    # --- the roles (`SharedGpus`) ---------------------------------------------------------------
+    @property
+    def actor(self) -> TrainGroup:
+        return self.gpus.actor
+
+    @property
+    def critic(self) -> TrainGroup | None:
+        return self.gpus.critic
+
+    @property
+    def engines(self) -> EngineGroup:
+        return self.gpus.engines
+
+    @property
+    def reward_model(self) -> RewardModelRole | None:
+        return self.gpus.reward_model
+
+    # --- the plan ----------------------------------------------------------------------------
     def schedule_of(self, rollout_id: int, *, generate_ahead: bool = False) -> StepSchedule:
         """Step `rollout_id`'s turns (`schedule`), checked by `check_exclusive`; `generate_ahead`:
         the async loop generates the next rollout during the step."""
         warm_up = rollout_id < self.config.num_critic_only_steps
         return _checked_schedule(self.facts.replace(warm_up=warm_up, generate_ahead=generate_ahead))
 
-    def _models(self) -> list[TrainGroup]:
-        return [g for g in (self.critic, self.actor) if g is not None]
+    def between_steps(self) -> StepSchedule:
+        """A full step's schedule (no warm-up): who it keeps asleep between steps is who sleeps at the start."""
+        return _checked_schedule(self.facts)
+
+    def save_schedule(self) -> StepSchedule:
+        """A checkpoint save's turns (`schedule.save_schedule`), checked by `check_exclusive`."""
+        return _checked_save_schedule(self.facts)
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> RunSummary:
         """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end (`loop`)."""
         return run_loop(self)
 
-    def _draw(self, rollout_id: int, background: bool = False) -> Sampled:
+    def draw(self, rollout_id: int, background: bool = False) -> Sampled:
         """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank.
 
         `background`: drawn on the async loop's generation thread, outside any step's clock.
         """
         config = self.config
         start = time.perf_counter()
-        version = self.weights_version
+        version = self.gpus.weights_version
         self.events.record("generate_begin", rollout_id=rollout_id, weights_version=version)
         seed = config.seed * 1_000_003 + rollout_id
         counts: dict[str, float] = {}
         if config.dynamic_sampling:
             rounds = iter(range(config.dynamic_sampling_max_rounds))
             rollout, counts = dynamic_sample(
-                lambda n: self._generate(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
+                lambda n: self.sample(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
                 num_prompts=config.rollout_batch_size,
                 n_samples_per_prompt=config.n_samples_per_prompt,
                 max_rounds=config.dynamic_sampling_max_rounds,
             )
         else:
-            rollout = self._generate(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
+            rollout = self.sample(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
         data_state = self.dataset.state_dict()
         rewards, shaping = training_rewards(rollout, config)
         counts.update(shaping)
@@ -192,6 +248,37 @@ class PPODriver:
         return Sampled(
             rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds, background
         )
+
+    def sample(self, prompts: list[PromptSample], *, seed: int, eval_mode: bool = False) -> Rollout:
+        """One round of sampling: the engines' `generate` turn, the reward model's `score` turn, the rules.
+
+        On shared GPUs the reward model scores once the engines have released their memory (the
+        generate turn's release, brought forward), and engines that generate again take it back
+        first (another round of dynamic sampling, an eval).
+        """
+        config = self.config
+        schedule = self.between_steps()
+        generate, score = schedule.turn("engine", "generate"), schedule.turn("reward_model", "score")
+        assert generate is not None
+        self.gpus.ready("engine")
+        params = sampling_params(
+            config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
+        )
+        n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
+        rollout = generate_samples(
+            self.gpus.engines, prompts, n_samples_per_prompt=n, params=params, tokenizer=self.tokenizer
+        )
+        if score is None:
+            return score_rollout(rollout, self.reward_fn)
+        reward_model = self.gpus.reward_model
+        assert reward_model is not None
+        start = time.perf_counter()
+        if score.wake_before:
+            self.gpus.after(generate)  # the engines make room for the reward model
+        with self.gpus.turn(score), self.gpus.phase("reward_model_score"):
+            scores = reward_model.score(score_requests(rollout))
+        rollout.seconds["reward_model"] = time.perf_counter() - start
+        return score_rollout(rollout, self.reward_fn, scores)
 
     def step(
         self,
@@ -208,174 +295,80 @@ class PPODriver:
         one on the engines (async loop; kept in `self.generating`); the weights go to the
         engines only once that generation is done. The step's rollout is `self.last_sampled`.
         """
-        config = self.config
         self.clock.reset()
-        restarts_before = self.engine_restarts
+        restarts_before = self.gpus.engine_restarts
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
         # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout,
         # 2. engines release, 2b. KL-first log-probs, 3. critic, 4. actor, 5. weights
-        turns = StepTurns(self, rollout_id, sampled, start_next)
+        turns = StepTurns(
+            self.gpus,
+            rollout_id,
+            sampled=sampled,
+            draw=functools.partial(self.draw, rollout_id),
+            start_next=start_next,
+        )
         for turn in schedule.turns:
             turns.take(turn)
-        sampled, metrics = turns.rollout, turns.metrics
+        self.last_sampled, self.generating = turns.rollout, turns.generating
 
         seconds = time.perf_counter() - step_start
         self.events.record("step_end", rollout_id=rollout_id, seconds=seconds)
         return step_metrics(
-            metrics,
-            sampled,
+            turns.metrics,
+            turns.rollout,
             seconds=seconds,
             clock=self.clock.values,
             rollout_id=rollout_id,
             critic_only=schedule.turn("actor", "train") is None,
-            accuracy_threshold=config.accuracy_threshold,
+            accuracy_threshold=self.config.accuracy_threshold,
             dropped_prompts=self.dataset.num_dropped,
-            restarts=self.engine_restarts - restarts_before,
-            restarts_total=self.engine_restarts,
+            restarts=self.gpus.engine_restarts - restarts_before,
+            restarts_total=self.gpus.engine_restarts,
         )
-
-    def _generate(self, prompts: list[Any], *, seed: int, eval_mode: bool = False) -> Rollout:
-        config = self.config
-        if self._engines_released_to_score:
-            # A reward model scored the last batch (another round of dynamic sampling, or an eval):
-            # the engines released their memory for it and generate again now.
-            self._engines_released_to_score = False
-            self.events.record("engine_resume")
-            with self._phase("engine_resume"):
-                self.engines.resume_memory()
-        params = sampling_params(
-            config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
-        )
-        n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
-        return generate_rollout(
-            self.engines,
-            prompts,
-            n_samples_per_prompt=n,
-            params=params,
-            tokenizer=self.tokenizer,
-            reward_fn=self.reward_fn,
-        )
-
-    def _score_with_reward_model(self, requests: list[Any]) -> list[float]:
-        """Step 1b, the reward model's term: the engines release their memory (on shared GPUs), then
-        the reward model wakes, scores prompt + response of every sample, and sleeps again."""
-        rm = self.reward_model
-        assert rm is not None
-        if not rm.sleeps:
-            return list(rm.score(requests))
-        if not self._engines_released_to_score:
-            self._release_engines()
-            self._engines_released_to_score = True
-        with self._phase("reward_model_wake"):
-            self.clock.record_lifecycle("reward_model_wake", rm.wake())
-        try:
-            with self._phase("reward_model_score"):
-                return list(rm.score(requests))
-        finally:
-            self._sleep_reward_model()
-
-    def _sleep_reward_model(self) -> None:
-        assert self.reward_model is not None
-        with self._phase("reward_model_sleep"):
-            self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
-
-    def _release_engines(self) -> None:
-        """The engines hand their memory back (`engine_release`, its phase and its event)."""
-        with self._phase("engine_release"):
-            self.engines.release_memory()
-        self.events.record("engine_release")
-
-    def _wake(self, group: TrainGroup) -> None:
-        with self._phase(f"{group.role}_wake"):
-            self.events.record("wake", role=group.role)
-            self.clock.record_lifecycle(f"{group.role}_wake", group.wake_up())
-
-    def _sleep(self, group: TrainGroup) -> None:
-        with self._phase(f"{group.role}_sleep"):
-            self.clock.record_lifecycle(f"{group.role}_sleep", group.sleep())
-            self.events.record("sleep", role=group.role)
-
-    def _sync_weights(self, *, resume: bool | None = None) -> None:
-        """Step 5: engines' weights back -> the actor's weights into them -> KV cache back (`weight_sync`).
-
-        `resume`: whether the engines take their memory back around the sync (default: when they
-        release it in this run's steps).
-        """
-        sync_weights(
-            self.actor,
-            self.engines,
-            pack=self.weight_pack,
-            release_engines=self.release_engines if resume is None else resume,
-            events=self.events,
-            clock=self.clock,
-        )
-
-    def _engine_restarted(self, rank: int, handle: Any) -> None:
-        """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
-        self.engine_restarts += 1
-        send_to_restarted(
-            self.actor, self.engines, rank, handle, weights_version=self.weights_version, events=self.events
-        )
-
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        with self.clock.phase(name):
-            yield
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
-    def save_schedule(self) -> StepSchedule:
-        """A checkpoint save's turns (`schedule.save_schedule`), checked by `check_exclusive`."""
-        return _checked_save_schedule(self.facts)
-
     def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:
         """The driver's state, then each model, as the save's turns say (`save_schedule`); `data_state`:
         the data cursor right after this rollout (default: the cursor now)."""
+        gpus = self.gpus
         data = self.dataset.state_dict() if data_state is None else data_state
         turns = self.save_schedule().turns
 
-        def save_model(turn: Turn) -> None:
-            group = self.critic if turn.role == "critic" else self.actor
-            assert group is not None and group.role == turn.role
-            if turn.wake_before:
-                self._wake(group)
-            self.events.record("save", role=group.role, rollout_id=rollout_id)
-            group.save_model(rollout_id)
-            if turn.sleep_after:
-                self._sleep(group)
+        def save_model(index: int) -> None:
+            turn = turns[index]
+            gpus.before(turn)
+            gpus.events.record("save", role=turn.role, rollout_id=rollout_id)
+            gpus.group(turn.role).save_model(rollout_id)
+            gpus.after(turn)
 
         state = DriverState.capture(rollout_id, data, self.metrics_so_far)
-        saves = [(t.role, functools.partial(save_model, t)) for t in turns if t.work == "save"]
-        with self._phase("save"):
-            # (An eval's reward model may have had the engines release already.)
-            if turns[0].role == "engine" and turns[0].sleep_after and not self._engines_released_to_score:
-                self._release_engines()
+        saves = [(t.role, functools.partial(save_model, i)) for i, t in enumerate(turns) if t.work == "save"]
+        with gpus.phase("save"):
+            for turn in turns:
+                if (
+                    turn.work is None
+                ):  # the engines make room (an eval's reward model may have had them do so)
+                    gpus.before(turn)
+                    gpus.after(turn)
             # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
             save_run_checkpoint(self.run_dir, state, saves)
-            if turns[-1].role == "engine" and turns[-1].work == "weights":
-                self._sync_weights(resume=True)
-                self._engines_released_to_score = False
+            if any(t.work == "weights" for t in turns):
+                gpus.sync_weights()
 
     def evaluate(self) -> dict[str, float]:
         """Eval metrics on the eval JSONL (engines awake, holding the latest weights)."""
         assert self.eval_dataset is not None
-        with self._phase("eval"):
+        with self.gpus.phase("eval"):
             prompts = self.eval_dataset.next_batch(len(self.eval_dataset))
-            rollout = self._generate(prompts, seed=self.config.seed, eval_mode=True)
+            rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True)
         return rollout.metrics(accuracy_threshold=self.config.accuracy_threshold, prefix="eval")
 
     def export_hf(self) -> Path:
         """The actor as a Hugging Face folder at RUN_DIR/hf."""
-        from tandem.ppo.run.export import export_actor
-
-        with self._phase("export_hf"):
+        with self.gpus.phase("export_hf"):
             return Path(export_actor(self.actor, self.run_dir / "hf", self.config.hf_checkpoint))
-
-    # --- shutdown ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop the workers and engines, release the placement groups, stop Ray if we started it."""
-        startup.close(self)
 
 
 @functools.cache
@@ -392,11 +385,6 @@ def train(config: PPOConfig) -> RunSummary:
     """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C, and
     `errors.WorkerDied` naming the worker when a train worker's process dies. The driver's log
     lines also go to `RUN_DIR/logs/driver.log` once the run folder is locked and its inputs checked."""
-    from ray.exceptions import RayActorError
-
-    from tandem.ppo.run.errors import dead_worker
-    from tandem.ppo.run.worker_logs import from_a_worker, note_worker_logs, remove_empty_logs
-
     driver = PPODriver(config)
     try:
         driver.setup()
@@ -406,7 +394,8 @@ def train(config: PPOConfig) -> RunSummary:
     except RayActorError as exc:
         # A train worker's process died: name its role, rank, pid and log (the last complete
         # checkpoint stays, and the next start resumes from it).
-        died = dead_worker(exc, driver._models(), run_dir=config.run_dir)
+        models = driver.gpus.models() if hasattr(driver, "gpus") else []  # none before they start
+        died = dead_worker(exc, models, run_dir=config.run_dir)
         if died is None:
             note_worker_logs(exc, config.run_dir)
             raise

@@ -53,7 +53,7 @@ class Steps(Protocol):
         """One PPO step; its metrics."""
         ...
 
-    def _draw(self, rollout_id: int, background: bool = False) -> Sampled:
+    def draw(self, rollout_id: int, background: bool = False) -> Sampled:
         """Step 1 alone: rollout `rollout_id`, sampled, scored and split."""
         ...
 
@@ -103,7 +103,7 @@ def run_loop(steps: Steps) -> RunSummary:
                 pending = None
                 ahead = None
                 if config.async_mode and rollout_id + 1 < config.num_rollout:
-                    ahead = functools.partial(generation.submit, steps._draw, rollout_id + 1, True)
+                    ahead = functools.partial(generation.submit, steps.draw, rollout_id + 1, True)
                 metrics = steps.step(rollout_id, sampled, start_next=ahead)
                 pending, drawn = steps.generating, steps.last_sampled
                 assert drawn is not None

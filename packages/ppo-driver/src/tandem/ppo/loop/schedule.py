@@ -31,6 +31,7 @@ __all__ = [
     "StepSchedule",
     "Turn",
     "Work",
+    "asleep_between_steps",
     "check_exclusive",
     "residents_at_each_turn",
     "save_schedule",
@@ -43,8 +44,9 @@ Work = Literal["generate", "score", "log_probs", "train", "start_next", "await_n
 
 - `generate`: the engines sample the step's rollout (in the async loop, rollouts after the
   first were generated during the step before, and are taken as they are);
-- `score`: the reward model scores every sample; taken inside the rollout, once per
-  generation round (dynamic sampling decides on each round's rewards);
+- `score`: the reward model scores every sample; taken by each round of the rollout's
+  sampling, after the engines' generation and before the rule rewards (dynamic sampling
+  decides on each round's rewards);
 - `log_probs`: the actor's old and reference log-probs (the KL-first plan);
 - `train`: the role's train step on the rollout;
 - `start_next` / `await_next`: the async loop's next rollout starts generating on the
@@ -211,13 +213,9 @@ def residents_at_each_turn(schedule: StepSchedule) -> list[Residents]:
     - a role that time-shares the GPUs (it sleeps or wakes in this schedule) is awake only
       when no other role there is, and no role computes beside it.
     """
-    first: dict[Role, bool] = {}
-    for t in schedule.turns:
-        if t.wake_before or t.sleep_after:
-            first.setdefault(t.role, t.wake_before)
-    sharing = frozenset(first)
+    sharing = frozenset(t.role for t in schedule.turns if t.wake_before or t.sleep_after)
     roles = {t.role for t in schedule.turns}
-    start = frozenset(r for r in roles if not first.get(r, False))
+    start = frozenset(roles - asleep_between_steps(schedule))
     awake = set(start)
     background: set[Role] = set()
     out: list[Residents] = []
@@ -268,6 +266,16 @@ def residents_at_each_turn(schedule: StepSchedule) -> list[Residents]:
             f"{schedule.describe()!r}: ends with {sorted(awake)} awake, started with {sorted(start)}"
         )
     return out
+
+
+def asleep_between_steps(schedule: StepSchedule) -> frozenset[Role]:
+    """The roles that `schedule` starts asleep (and so ends asleep): those whose first lifecycle call in it
+    is a wake. The start of a run puts them to sleep once they are up (`SharedGpus.start_asleep`)."""
+    first: dict[Role, bool] = {}
+    for t in schedule.turns:
+        if t.wake_before or t.sleep_after:
+            first.setdefault(t.role, t.wake_before)
+    return frozenset(role for role, wakes in first.items() if wakes)
 
 
 def check_exclusive(schedule: StepSchedule) -> StepSchedule:

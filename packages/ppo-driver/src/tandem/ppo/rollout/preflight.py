@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.reward_mix import RewardMix, build_reward, reward_terms
+from tandem.ppo.rollout.rewards import RewardFunction, load_reward
+
 __all__ = [
     "LABEL_REWARDS",
     "check_model_folder",
@@ -125,21 +129,19 @@ class RunInputs:
     """What a run reads before Ray starts, each part checked."""
 
     tokenizer: Any
-    reward_fn: Any
-    dataset: Any
-    """The training prompts (`data.PromptDataset`)."""
-    eval_dataset: Any | None
+    """The policy's tokenizer (transformers')."""
+    reward_fn: RewardFunction | RewardMix
+    dataset: PromptDataset
+    """The training prompts."""
+    eval_dataset: PromptDataset | None
 
 
-def read_inputs(config: Any, *, reward_model: Any = None) -> RunInputs:
+def read_inputs(config: Any) -> RunInputs:
     """Check the model folders, load the tokenizer and the reward, read and check the prompt files.
 
-    `reward_model`: the driver's scorer for a reward-model term (`--rm-type model`,
-    `--reward-weights`), called once the reward model runs.
+    A reward-model term (`--rm-type model`, `--reward-weights`) is the reward model's score,
+    which the step's `score` turn computes; the reward here combines it with the rules.
     """
-    from tandem.ppo.rollout.data import PromptDataset, read_prompts
-    from tandem.ppo.rollout.reward_mix import build_reward, reward_terms
-    from tandem.ppo.rollout.rewards import load_reward
 
     check_model_folder(config.hf_checkpoint, "--hf-checkpoint")
     for name, folder in (
@@ -151,11 +153,11 @@ def read_inputs(config: Any, *, reward_model: Any = None) -> RunInputs:
     tokenizer = load_tokenizer(config.hf_checkpoint, "--hf-checkpoint")
     if config.custom_rm_path is not None:
         check_reward_signature(load_reward(config.custom_rm_path), "--custom-rm-path", config.custom_rm_path)
-    reward_fn = build_reward(config, model=reward_model)
+    reward_fn = build_reward(config)
     terms = reward_terms(config)
     label_reward = next((t for t in terms if t in LABEL_REWARDS), config.rm_type)
 
-    def prompts(path: str, flag: str) -> Any:
+    def prompts(path: str, flag: str) -> PromptDataset:
         try:
             records = read_prompts(path, prompt_key=config.input_key, label_key=config.label_key)
         except ValueError as exc:

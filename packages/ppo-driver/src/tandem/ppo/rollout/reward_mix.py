@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-from tandem.ppo.rollout.rewards import RewardFunction, RewardInput, compute_rewards
+from tandem.ppo.rollout.rewards import RewardFunction, RewardInput, compute_rewards, load_reward
 
 if TYPE_CHECKING:
     from tandem.ppo.rollout.data import PromptSample
@@ -54,10 +54,6 @@ class ScoreRequest:
     """The response's token ids, as sampled (a final EOS included)."""
     response: str
     """The response decoded without special tokens (what the rule rewards see)."""
-
-
-ModelScorer = Callable[[list[ScoreRequest]], list[float]]
-"""Scores one float per request, in order (the driver's reward-model step)."""
 
 
 def parse_reward_weights(text: str) -> dict[str, float]:
@@ -97,59 +93,66 @@ def parse_reward_weights(text: str) -> dict[str, float]:
 
 @dataclass
 class MixedRewards:
-    """The rewards of a batch of samples, the unweighted value of each term, and what each part took."""
+    """The rewards of a batch of samples, the unweighted value of each term, and what the rule terms took."""
 
     rewards: list[float]
     terms: dict[str, list[float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-    """`reward`: the rule terms; `reward_model`: the model term (its wake and sleep included)."""
+    """`reward`: the rule terms (the model term is the reward model's `score` turn, timed there)."""
 
 
 @dataclass(frozen=True)
 class RewardMix:
     """A weighted sum of reward terms, each one float per sample: the run's reward function.
 
+    The `model` term's values are the reward model's scores, which the driver's `score`
+    turn computes (the reward model wakes, scores and sleeps on the GPUs); `compute` is
+    given them, and runs the rule terms itself.
+
     Args:
-        weights: term name -> weight (`parse_reward_weights`), in the order terms are computed.
+        weights: term name -> weight (`parse_reward_weights`), in the order terms are combined.
         rules: the rule terms' batched reward functions, by term name.
-        model: the model term's scorer (`ScoreRequest`s in, one float each out), when `model`
-            is a term.
     """
 
     weights: Mapping[str, float]
     rules: Mapping[str, RewardFunction] = field(default_factory=dict)
-    model: ModelScorer | None = None
 
     def __post_init__(self) -> None:
         for name in self.weights:
-            if name == MODEL_TERM and self.model is None:
-                raise ValueError("RewardMix: the `model` term has no scorer; pass model=...")
             if name != MODEL_TERM and name not in self.rules:
                 raise ValueError(f"RewardMix: the term {name!r} has no reward function in `rules`")
 
-    def compute(self, inputs: Sequence[RewardInput], requests: Sequence[ScoreRequest]) -> MixedRewards:
+    @property
+    def has_model(self) -> bool:
+        """Whether the reward model's score is a term (the step then has a `score` turn)."""
+        return MODEL_TERM in self.weights
+
+    def compute(
+        self, inputs: Sequence[RewardInput], model_scores: Sequence[float] | None = None
+    ) -> MixedRewards:
         """Every term for every sample, then `sum(weight * term)` per sample (in float64).
 
         `inputs` feed the rule terms (through `compute_rewards`, which names a failing
-        sample), `requests` the model term; both in the rollout's sample order.
+        sample); `model_scores`, the reward model's score of each sample, are the model
+        term (needed when it is one); both in the rollout's sample order.
         """
-        if len(inputs) != len(requests):
-            raise ValueError(f"RewardMix: {len(inputs)} reward inputs but {len(requests)} score requests")
         terms: dict[str, list[float]] = {}
         seconds = {"reward": 0.0}
         for name in self.weights:
-            start = time.perf_counter()
             if name == MODEL_TERM:
-                assert self.model is not None
-                scores = [float(s) for s in self.model(list(requests))]
-                if len(scores) != len(requests) or not all(math.isfinite(s) for s in scores):
+                if model_scores is None:
+                    raise ValueError(
+                        "RewardMix: the `model` term needs the reward model's scores; pass model_scores"
+                    )
+                scores = [float(s) for s in model_scores]
+                if len(scores) != len(inputs) or not all(math.isfinite(s) for s in scores):
                     raise RuntimeError(
-                        f"the reward model returned {len(scores)} scores for {len(requests)} samples, or a "
+                        f"the reward model returned {len(scores)} scores for {len(inputs)} samples, or a "
                         "score that is not finite"
                     )
                 terms[name] = scores
-                seconds["reward_model"] = time.perf_counter() - start
             else:
+                start = time.perf_counter()
                 terms[name] = compute_rewards(self.rules[name], inputs)
                 seconds["reward"] += time.perf_counter() - start
         rewards = combine(self.weights, terms, len(inputs))
@@ -168,7 +171,20 @@ def combine(weights: Mapping[str, float], terms: Mapping[str, Sequence[float]], 
     return totals
 
 
-def reward_terms(config: Any) -> dict[str, float]:
+class RewardFields(Protocol):
+    """The fields of the run's config (`PPOConfig`) that say what its reward is."""
+
+    @property
+    def rm_type(self) -> str: ...
+
+    @property
+    def custom_rm_path(self) -> str | None: ...
+
+    @property
+    def reward_weights(self) -> str | None: ...
+
+
+def reward_terms(config: RewardFields) -> dict[str, float]:
     """The run's terms and weights: `--reward-weights`, else one term (`custom` or `--rm-type`'s) of weight 1."""
     if config.reward_weights:
         return parse_reward_weights(config.reward_weights)
@@ -177,17 +193,15 @@ def reward_terms(config: Any) -> dict[str, float]:
     return {config.rm_type: 1.0}
 
 
-def build_reward(config: Any, model: ModelScorer | None = None) -> RewardFunction | RewardMix:
+def build_reward(config: RewardFields) -> RewardFunction | RewardMix:
     """The run's reward: the plain reward function of its one rule term (as before reward mixes),
-    or a `RewardMix` when it has several terms or a reward model (`model`: the driver's scorer)."""
-    from tandem.ppo.rollout.rewards import load_reward
-
+    or a `RewardMix` when it has several terms or a reward model."""
     weights = reward_terms(config)
     rules = {
-        name: load_reward(config.custom_rm_path if name == CUSTOM_TERM else name)
+        name: load_reward(config.custom_rm_path if name == CUSTOM_TERM and config.custom_rm_path else name)
         for name in weights
         if name != MODEL_TERM
     }
     if len(weights) == 1 and MODEL_TERM not in weights and next(iter(weights.values())) == 1.0:
         return next(iter(rules.values()))
-    return RewardMix(weights, rules, model if MODEL_TERM in weights else None)
+    return RewardMix(weights, rules)

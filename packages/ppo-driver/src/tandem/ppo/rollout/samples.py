@@ -9,25 +9,73 @@ the last token as 0; docs/design.md, "PPO math conventions"), unless
 `--filter-truncated` leaves them out (mask 0). The models train on the task
 reward plus DAPO's overlong penalty when `--overlong-buffer-len` is set
 (`training_rewards`); the `reward/` metrics are the task reward's.
+
+A round of sampling is `generate_samples` (the engines' `generate` turn), then,
+with a reward model, its scores (the `score` turn, `score_requests`), then
+`score_rollout` (the rules, and the weighted sum of the terms).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import ray
 import torch
 
+from tandem.megatron.algorithms.reward_shaping import overlong_penalty
 from tandem.megatron.batch import RolloutBatch
 from tandem.ppo.engines import Generation, SamplingParams
 from tandem.ppo.rollout.data import PromptSample
 from tandem.ppo.rollout.reward_mix import RewardMix, ScoreRequest
-from tandem.ppo.rollout.rewards import RewardInput, compute_rewards
+from tandem.ppo.rollout.rewards import RewardFunction, RewardInput, compute_rewards
 
 if TYPE_CHECKING:
-    from tandem.ppo.config.fields import PPOConfig
+    from ray import ObjectRef
+
+
+class Generator(Protocol):
+    """What samples a rollout: the engine group (`EngineGroup.generate`)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]: ...
+
+
+class ShapingFields(Protocol):
+    """The fields of the run's config that shape the rewards the models train on (`training_rewards`)."""
+
+    @property
+    def overlong_buffer_len(self) -> int | None: ...
+
+    @property
+    def overlong_penalty_factor(self) -> float: ...
+
+    @property
+    def rollout_max_response_len(self) -> int: ...
+
+
+class SamplingFields(ShapingFields, Protocol):
+    """The fields of the run's config that say how responses are sampled (`sampling_params`)."""
+
+    @property
+    def rollout_ignore_eos(self) -> bool: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def eval_temperature(self) -> float: ...
+
+    @property
+    def rollout_top_p(self) -> float: ...
+
+    @property
+    def rollout_top_k(self) -> int: ...
+
+    @property
+    def rollout_stop_token_ids(self) -> tuple[int, ...]: ...
 
 
 @dataclass
@@ -111,25 +159,38 @@ class Rollout:
         return sum(len(g.token_ids) for g in self.generations)
 
 
-def generate_rollout(
-    engines: Any,
+def generate_samples(
+    engines: Generator,
     prompts: Sequence[PromptSample],
     *,
     n_samples_per_prompt: int,
     params: SamplingParams,
     tokenizer: Any,
-    reward_fn: Any,
 ) -> Rollout:
-    """Sample `n_samples_per_prompt` responses per prompt on the engine group and score them.
-
-    `reward_fn`: a batched reward function, or a `RewardMix` (weighted terms, a reward model's
-    score among them), whose terms the rollout keeps in `reward_terms`.
-    """
+    """Sample `n_samples_per_prompt` responses per prompt on the engine group, decoded with `tokenizer`
+    (the policy's, transformers'); not scored yet (`rewards` empty until `score_rollout`)."""
     repeated = [p for p in prompts for _ in range(n_samples_per_prompt)]
     start = time.perf_counter()
     generations = engines.generate([p.prompt_ids for p in repeated], params)
     generated = time.perf_counter()
     responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+    return Rollout(repeated, generations, responses, rewards=[], seconds={"generate": generated - start})
+
+
+def score_requests(rollout: Rollout) -> list[ScoreRequest]:
+    """What the reward model is given of each sample, in order (its `score` turn)."""
+    return [
+        ScoreRequest(p, g.token_ids, r)
+        for p, g, r in zip(rollout.prompts, rollout.generations, rollout.responses, strict=True)
+    ]
+
+
+def score_rollout(
+    rollout: Rollout, reward_fn: RewardFunction | RewardMix, model_scores: Sequence[float] | None = None
+) -> Rollout:
+    """`rollout` with its rewards: `reward_fn`, a batched reward function, or a `RewardMix` of weighted
+    terms, whose model term is `model_scores` (the reward model's `score` turn) and whose terms the
+    rollout keeps in `reward_terms`."""
     inputs = [
         RewardInput(
             prompt=p.prompt_text,
@@ -138,25 +199,35 @@ def generate_rollout(
             metadata=p.record.metadata,
             index=i,
         )
-        for i, (p, response) in enumerate(zip(repeated, responses, strict=True))
+        for i, (p, response) in enumerate(zip(rollout.prompts, rollout.responses, strict=True))
     ]
+    start = time.perf_counter()
     if isinstance(reward_fn, RewardMix):
-        requests = [
-            ScoreRequest(p, g.token_ids, r) for p, g, r in zip(repeated, generations, responses, strict=True)
-        ]
-        mixed = reward_fn.compute(inputs, requests)
+        mixed = reward_fn.compute(inputs, model_scores)
         rewards, terms, seconds = mixed.rewards, mixed.terms, mixed.seconds
     else:
         rewards, terms = compute_rewards(reward_fn, inputs), {}
-        seconds = {"reward": time.perf_counter() - generated}
-    return Rollout(
-        prompts=repeated,
-        generations=generations,
-        responses=responses,
-        rewards=rewards,
-        seconds={"generate": generated - start, **seconds},
-        reward_terms=terms,
+        seconds = {"reward": time.perf_counter() - start}
+    return dataclasses.replace(
+        rollout, rewards=rewards, seconds={**rollout.seconds, **seconds}, reward_terms=terms
     )
+
+
+def generate_rollout(
+    engines: Generator,
+    prompts: Sequence[PromptSample],
+    *,
+    n_samples_per_prompt: int,
+    params: SamplingParams,
+    tokenizer: Any,
+    reward_fn: RewardFunction | RewardMix,
+) -> Rollout:
+    """Sample `n_samples_per_prompt` responses per prompt on the engine group and score them with rules
+    alone (`ppo-driver eval`; a run's reward model scores in its own turn: `score_rollout`)."""
+    samples = generate_samples(
+        engines, prompts, n_samples_per_prompt=n_samples_per_prompt, params=params, tokenizer=tokenizer
+    )
+    return score_rollout(samples, reward_fn)
 
 
 def has_signal(group: Rollout) -> bool:
@@ -200,7 +271,7 @@ def dynamic_sample(
     return rollout, counts
 
 
-def training_rewards(rollout: Rollout, config: PPOConfig) -> tuple[list[float], dict[str, float]]:
+def training_rewards(rollout: Rollout, config: ShapingFields) -> tuple[list[float], dict[str, float]]:
     """The rewards the models train on, and their metrics: the task rewards, plus DAPO's overlong penalty.
 
     With `--overlong-buffer-len`, `reward_shaping.overlong_penalty` of each response's length is
@@ -208,8 +279,6 @@ def training_rewards(rollout: Rollout, config: PPOConfig) -> tuple[list[float], 
     """
     if config.overlong_buffer_len is None:
         return list(rollout.rewards), {}
-    from tandem.megatron.algorithms.reward_shaping import overlong_penalty
-
     lengths = torch.tensor([len(g.token_ids) for g in rollout.generations])
     penalty = overlong_penalty(
         lengths, config.rollout_max_response_len, config.overlong_buffer_len, config.overlong_penalty_factor
@@ -280,7 +349,7 @@ class Sampled:
 
     rollout_id: int
     rollout: Rollout
-    data_refs: dict[str, list[Any]]
+    data_refs: dict[str, list[ObjectRef[RolloutBatch]]]
     sample_indices: dict[str, list[list[int]]]
     data_state: dict[str, Any]
     weights_version: int
@@ -290,7 +359,7 @@ class Sampled:
 
 
 def sampling_params(
-    config: PPOConfig, *, eos_token_id: int | None, seed: int, eval_mode: bool = False
+    config: SamplingFields, *, eos_token_id: int | None, seed: int, eval_mode: bool = False
 ) -> SamplingParams:
     """The engines' sampling parameters for a training rollout, or for an eval (`eval_mode`)."""
     ignore_eos = config.rollout_ignore_eos and not eval_mode
@@ -309,20 +378,18 @@ def sampling_params(
 
 def shard_per_role(
     rollout: Rollout,
-    data_parallel_sizes: dict[str, int],
+    data_parallel_sizes: Mapping[str, int],
     *,
     rewards: Sequence[float] | None = None,
     filter_truncated: bool = False,
-) -> tuple[dict[str, list[Any]], dict[str, list[list[int]]]]:
+) -> tuple[dict[str, list[ObjectRef[RolloutBatch]]], dict[str, list[list[int]]]]:
     """Per role, the rollout cut in that role's data-parallel shares and put in Ray's object store.
 
     Returns (object refs per rank, sample indices per rank), both by role; roles with the
     same data-parallel size share the same refs (a critic may have its own layout).
     `rewards`, `filter_truncated`: as `to_train_batches` takes them.
     """
-    import ray
-
-    data_refs: dict[str, list[Any]] = {}
+    data_refs: dict[str, list[ObjectRef[RolloutBatch]]] = {}
     sample_indices: dict[str, list[list[int]]] = {}
     for role, dp in data_parallel_sizes.items():
         batches = to_train_batches(rollout, dp, rewards=rewards, filter_truncated=filter_truncated)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,9 @@ class PhaseClock:
     def __init__(self, *, track_gpu_memory: bool) -> None:
         self.track_gpu_memory = track_gpu_memory
         self.values: dict[str, float] = {}
+        self.on_phase: Callable[[str, float, float], None] | None = None
+        """Called with each phase's name and wall-clock start and end (`time.time()`), as it ends (a
+        bench matches its GPU memory samples to the phases with it)."""
 
     def reset(self) -> None:
         """Forget the last step's figures."""
@@ -132,7 +135,7 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the `with` block as phase `name`."""
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
@@ -140,6 +143,8 @@ class PhaseClock:
             self.values[key] = self.values.get(key, 0.0) + time.perf_counter() - start
             if self.track_gpu_memory:
                 self._record_gpu_memory(name)
+            if self.on_phase is not None:
+                self.on_phase(name, wall, time.time())
 
     def record_lifecycle(self, name: str, per_rank: list[dict[str, float]]) -> None:
         """Each lifecycle step's seconds (the slowest rank's) as `lifecycle/<name>/<step>`.

@@ -11,7 +11,7 @@ never computes while another role holds the GPU. The samples reach it as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tandem.ppo.rollout.reward_mix import ScoreRequest
 
@@ -57,29 +57,31 @@ class RewardModelInputs:
         return [int(t) for t in ids]
 
 
+class EventRecorder(Protocol):
+    """Where the role's steps are recorded: the run's `EventLog`."""
+
+    def record(self, event: str, **fields: Any) -> None: ...
+
+
 class RewardModelRole:
     """The reward model of a run: its workers, how samples reach them, and its recorded steps.
 
-    The driver times the steps (`time/reward_model_wake`, `_score`, `_sleep` in its phase
-    clock) from the timings they return; the role writes the events.
+    The driver decides when it wakes and sleeps (the `score` turn of the step's schedule)
+    and times the steps (`time/reward_model_wake`, `_score`, `_sleep` in its phase clock)
+    from the timings they return; the role writes the events.
 
     Args:
         group: the workers (one per rollout bundle).
         inputs: how `ScoreRequest`s become token sequences.
         events: the run's `EventLog`.
-        sleeps: whether the plan puts it to sleep between steps (the engines release their
-            memory: colocated and time-shared); otherwise it stays resident.
     """
 
     name = ROLE
 
-    def __init__(
-        self, group: RewardModelGroup, inputs: RewardModelInputs, *, events: Any, sleeps: bool
-    ) -> None:
+    def __init__(self, group: RewardModelGroup, inputs: RewardModelInputs, *, events: EventRecorder) -> None:
         self.group = group
         self.inputs = inputs
         self.events = events
-        self.sleeps = sleeps
 
     def wake(self) -> list[dict[str, float]]:
         """Bring the weights back on every worker (`rm_wake` first: from here it holds memory); their timings."""

@@ -23,7 +23,7 @@ from ._folder import (
 )
 from ._group import create_reward_model_group
 from ._options import RewardModelOptions
-from ._role import RewardModelInputs, RewardModelRole
+from ._role import EventRecorder, RewardModelInputs, RewardModelRole
 
 RM_TYPES = (*RULE_TERMS, MODEL_TERM)
 """What `--rm-type` accepts: a built-in rule, or `model` (the reward model of `--reward-model`)."""
@@ -149,7 +149,7 @@ def _check_input(config: Any, folder: RewardModelFolder, policy: dict[str, Any] 
             )
 
 
-def start_reward_model(config: Any, placements: Any, *, events: Any, sleeps: bool) -> RewardModelRole:
+def start_reward_model(config: Any, placements: Any, *, events: EventRecorder) -> RewardModelRole:
     """The run's reward-model role: one worker per rollout bundle, loaded and awake."""
     from transformers import AutoTokenizer
 
@@ -171,4 +171,4 @@ def start_reward_model(config: Any, placements: Any, *, events: Any, sleeps: boo
         AutoTokenizer.from_pretrained(config.reward_model) if config.reward_model_input == "chat" else None
     )
     inputs = RewardModelInputs(config.reward_model_input, tokenizer)
-    return RewardModelRole(group, inputs, events=events, sleeps=sleeps)
+    return RewardModelRole(group, inputs, events=events)

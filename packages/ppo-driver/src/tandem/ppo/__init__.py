@@ -27,7 +27,7 @@ _EXPORTS = {
     "build_base_model": "_demo",
     "write_task": "_demo",
     "main": "app.cli",
-    "PPOConfig": "config.fields",
+    "PPOConfig": "config.ppo_config",
     "parse_config": "config.file",
     "PPODriver": "loop.driver",
     "RunSummary": "run.log",
@@ -37,8 +37,8 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from ._demo import build_base_model, write_task
     from .app.cli import main
-    from .config.fields import PPOConfig
     from .config.file import parse_config
+    from .config.ppo_config import PPOConfig
     from .loop.driver import PPODriver, train
     from .run.log import RunSummary
 

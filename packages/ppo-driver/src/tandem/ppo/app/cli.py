@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 import tyro
 
 if TYPE_CHECKING:
-    from tandem.ppo.config.fields import PPOConfig
+    from tandem.ppo.config.ppo_config import PPOConfig
 
 PROG = "ppo-driver"
 

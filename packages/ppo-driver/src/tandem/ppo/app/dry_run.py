@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.ppo.config.fields import PPOConfig
+from tandem.ppo.config.ppo_config import PPOConfig
 
 __all__ = ["DRY_RUN_FLAG", "dry_run_report", "placement_lines", "split_dry_run"]
 

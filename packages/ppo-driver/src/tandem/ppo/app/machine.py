@@ -15,7 +15,8 @@ import logging
 import os
 from typing import Any
 
-from tandem.ppo.config.fields import PPOConfig, flag
+from tandem.ppo.config.fields import flag
+from tandem.ppo.config.ppo_config import PPOConfig
 
 __all__ = [
     "adapt_to_machine",

@@ -8,10 +8,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {"BUILTIN_REWARDS": "fields", "FLAG_NAMES": "fields", "PPOConfig": "fields", "flag": "fields"}
+_EXPORTS = {
+    "BUILTIN_REWARDS": "fields",
+    "FLAG_NAMES": "fields",
+    "PPOConfig": "ppo_config",
+    "RunFields": "fields",
+    "flag": "fields",
+}
 
 if TYPE_CHECKING:
-    from .fields import BUILTIN_REWARDS, FLAG_NAMES, PPOConfig, flag
+    from .fields import BUILTIN_REWARDS, FLAG_NAMES, RunFields, flag
+    from .ppo_config import PPOConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +30,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "PPOConfig", "flag"]
+__all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "PPOConfig", "RunFields", "flag"]

@@ -1,12 +1,13 @@
 """`PPOConfig.validate`: every rule of a run's config, each refusal a ValueError naming the flag and the fix.
 
-The driver's own rules are here (numbers, the placement plan, files, how a rollout
-splits); the estimator's (`estimator_plan`), the trackers' and the reward model's
-live beside the code they serve. The train workers' rules are `WorkerConfig`'s and
-run in that one place: `check_workers` builds the run's `actor_config()` and
-`critic_config()` (which checks their fields), asks each for its world, role and
-model checks, and turns the field the message starts with (and any field it names
-in backticks) into its flag (`flag`, which `tandem.ppo.config.fields` re-exports).
+The driver's own rules are here (numbers, the placement plan, files, the trackers'
+extras, how a rollout splits); the estimator's (`estimator_plan`) and the reward
+model's (`rollout.reward_model.check_reward_config`) live beside the code they
+serve. The train workers' rules are `WorkerConfig`'s and run in that one place:
+`check_workers` builds the run's `actor_config()` and `critic_config()` (which
+checks their fields), asks each for its world, role and model checks, and turns
+the field the message starts with (and any field it names in backticks) into its
+flag (`fields.flag`). The rules read the unchecked fields (`RunFields`).
 """
 
 from __future__ import annotations
@@ -18,40 +19,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.ppo.config.estimator_plan import check_estimator_plan
+from tandem.ppo.config.fields import RunFields, flag
 from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
 
 if TYPE_CHECKING:
     from tandem.megatron.choices import Role
     from tandem.megatron.config import WorkerConfig
-    from tandem.ppo.config.fields import PPOConfig
 
-__all__ = ["FLAG_NAMES", "check_config", "check_workers", "flag"]
-
-FLAG_NAMES = {"async_mode": "async"}
-"""Fields whose flag is not their name (`async` is a Python keyword)."""
+__all__ = ["check_config", "check_trackers", "check_workers"]
 
 
-def flag(name: str) -> str:
-    """The command-line flag of config field `name` (`global_batch_size` -> `--global-batch-size`)."""
-    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
-
-
-def check_config(config: PPOConfig) -> None:
+def check_config(config: RunFields) -> None:
     """Check the whole config; a ValueError naming the flag and the fix otherwise."""
     _check_required(config)
     _check_driver_numbers(config)
     _check_plan(config)
     check_estimator_plan(config)
     _check_files(config)
-    from tandem.ppo.run.trackers import check_trackers
-
     check_trackers(config)
     check_reward_config(config)
     check_workers(config)
     _check_split(config)
 
 
-def check_workers(config: PPOConfig) -> None:
+def check_workers(config: RunFields) -> None:
     """The train workers' rules (`WorkerConfig`'s) for this run, on both roles' configs; ValueError naming the flag."""
     try:
         actor = config.actor_config()
@@ -68,7 +59,22 @@ def check_workers(config: PPOConfig) -> None:
         raise ValueError(_flagged(str(exc), config)) from None
 
 
-def _check_required(config: PPOConfig) -> None:
+def check_trackers(config: RunFields) -> None:
+    """ValueError naming `--use-wandb` / `--use-mlflow` when the tracker asked for is not installed
+    (the extras `tandem-ppo-driver[wandb]`, `[mlflow]`; `run.trackers` imports them when asked)."""
+    if config.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            "--use-wandb: wandb is not installed; pip install 'tandem-ppo-driver[wandb]' (or wandb), "
+            "or drop --use-wandb"
+        )
+    if config.use_mlflow and importlib.util.find_spec("mlflow") is None:
+        raise ValueError(
+            "--use-mlflow: MLflow is not installed; pip install 'tandem-ppo-driver[mlflow]' "
+            "(or mlflow-skinny), or drop --use-mlflow"
+        )
+
+
+def _check_required(config: RunFields) -> None:
     if not config.hf_checkpoint:
         raise ValueError(
             "--hf-checkpoint: not set; point it at a Hugging Face model folder (config.json, "
@@ -78,7 +84,7 @@ def _check_required(config: PPOConfig) -> None:
         raise ValueError("--prompt-data: not set; point it at a JSONL file of prompts and labels")
 
 
-def _check_driver_numbers(config: PPOConfig) -> None:
+def _check_driver_numbers(config: RunFields) -> None:
     positive = {
         "num_rollout": config.num_rollout,
         "max_prompt_len": config.max_prompt_len,
@@ -135,7 +141,7 @@ def _check_driver_numbers(config: PPOConfig) -> None:
         )
 
 
-def _check_plan(config: PPOConfig) -> None:
+def _check_plan(config: RunFields) -> None:
     if config.use_critic and config.train_backend != "megatron":
         raise ValueError(
             f"--use-critic: the critic needs --train-backend megatron (got {config.train_backend!r})"
@@ -185,7 +191,7 @@ def _check_plan(config: PPOConfig) -> None:
         )
 
 
-def _check_files(config: PPOConfig) -> None:
+def _check_files(config: RunFields) -> None:
     hf = Path(config.hf_checkpoint)
     if not (hf / "config.json").is_file():
         raise ValueError(
@@ -208,7 +214,7 @@ def _check_files(config: PPOConfig) -> None:
         raise ValueError(f"--run-dir: {config.run_dir!r} is a file; it must be a folder (or not exist yet)")
 
 
-def _check_split(config: PPOConfig) -> None:
+def _check_split(config: RunFields) -> None:
     samples = config.samples_per_rollout
     roles: tuple[Role, ...] = ("actor", "critic") if config.use_critic else ("actor",)
     for role in roles:
@@ -221,7 +227,7 @@ def _check_split(config: PPOConfig) -> None:
             )
 
 
-def _flagged(message: str, config: PPOConfig) -> str:
+def _flagged(message: str, config: RunFields) -> str:
     """A WorkerConfig message (`field_name: ...`) with its leading field, and each field it names in
     backticks, turned into the flag."""
     fields = {f.name for f in dataclasses.fields(config)}

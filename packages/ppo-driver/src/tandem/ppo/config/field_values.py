@@ -16,15 +16,15 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from tandem.ppo.config.fields import RunFields, flag
+
 __all__ = ["coerce_fields", "field_types"]
 
 
 @functools.cache
 def field_types() -> dict[str, Any]:
     """Each config field's type (Annotated metadata stripped)."""
-    from tandem.ppo.config.fields import PPOConfig
-
-    return typing.get_type_hints(PPOConfig)
+    return typing.get_type_hints(RunFields)
 
 
 class _Refused(Exception):
@@ -119,8 +119,6 @@ def coerce_fields(
     `lines`: the line of each field in the file, for the message. ValueError naming the
     file, line, field and flag when a value cannot be read as its field's type.
     """
-    from tandem.ppo.config.fields import flag
-
     hints = field_types()
     out: dict[str, Any] = {}
     for name, value in values.items():

@@ -1,6 +1,6 @@
-"""The run's one typed config: every flag of `ppo-driver train`, read from YAML plus command-line overrides.
+"""The run's fields: every flag of `ppo-driver train`, read from YAML plus command-line overrides, unchecked.
 
-`PPOConfig` holds the train workers' fields (`WorkerFields`, tandem-megatron-backend,
+`RunFields` holds the train workers' fields (`WorkerFields`, tandem-megatron-backend,
 each declared and documented there once) and what the driver owns: data, rollout,
 rewards, placement, the offload plan, checkpoint cadence and logging. The flags stay
 flat, with slime/miles names where they exist (`--use-critic`, `--colocate`,
@@ -8,31 +8,39 @@ flat, with slime/miles names where they exist (`--use-critic`, `--colocate`,
 builds one per role, validated, with the role's checkpoint folders resolved
 (`actor_config()`, `critic_config()`), and those are what the train groups get.
 
-Construction never validates (so that a YAML file and flags can be merged
-first); `validate()` (`config_checks`) checks the whole config before Ray starts,
-the workers' rules by building their configs, and raises a `ValueError` that names
-the flag and the fix. Derived sizes are properties, computed in one place.
+Nothing here checks anything (so that a YAML file and flags can be merged first):
+`PPOConfig` (`ppo_config`) is these fields with `validate()`, which runs the
+checks (`checks`) before Ray starts. Derived sizes are properties, computed in
+one place; a field's flag is `flag(name)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import tyro
 
 from tandem.megatron.config import WorkerConfig, WorkerFields
-from tandem.ppo.config.checks import FLAG_NAMES, check_config, flag
+from tandem.placement import PlacementSpec
 
-__all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "PPOConfig", "flag"]
+__all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "RunFields", "flag"]
 
 BUILTIN_REWARDS = ("exact_match", "math")
 
+FLAG_NAMES = {"async_mode": "async"}
+"""Fields whose flag is not their name (`async` is a Python keyword)."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of config field `name` (`global_batch_size` -> `--global-batch-size`)."""
+    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
+
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(WorkerFields):
-    """Everything one PPO run needs: the train workers' fields plus the driver's.
+class RunFields(WorkerFields):
+    """Everything one PPO run needs, unchecked: the train workers' fields plus the driver's.
 
     The three fields below are the workers' too; a worker needs them given, while a run
     has defaults for them (a YAML file may give them; `validate` names a missing
@@ -363,10 +371,8 @@ class PPOConfig(WorkerFields):
             values["reuse_old_log_probs"] = False
         return WorkerConfig(**values)
 
-    def placement_spec(self) -> Any:
+    def placement_spec(self) -> PlacementSpec:
         """The tandem.placement spec of this run."""
-        from tandem.placement import PlacementSpec
-
         return PlacementSpec(
             actor_num_nodes=self.actor_num_nodes,
             actor_num_gpus_per_node=self.actor_num_gpus_per_node,
@@ -374,8 +380,3 @@ class PPOConfig(WorkerFields):
             colocate=self.colocate,
             use_critic=self.use_critic,
         )
-
-    # --- validation ------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Check the whole config; a ValueError naming the flag and the fix otherwise (`config_checks`)."""
-        check_config(self)

@@ -16,8 +16,9 @@ from typing import Any
 import tyro
 
 from tandem.ppo.config.estimator_plan import critic_flag_given, imply_critic
-from tandem.ppo.config.fields import FLAG_NAMES, PPOConfig
+from tandem.ppo.config.fields import FLAG_NAMES
 from tandem.ppo.config.hub import resolve_checkpoints
+from tandem.ppo.config.ppo_config import PPOConfig
 
 __all__ = ["config_fields", "parse_config", "read_run_config", "read_yaml", "unvalidated", "write_yaml"]
 

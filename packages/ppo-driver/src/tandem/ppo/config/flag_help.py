@@ -22,7 +22,7 @@ import types
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from tandem.ppo.config.fields import PPOConfig, flag
+from tandem.ppo.config.fields import RunFields, flag
 
 __all__ = ["GROUPS", "field_group", "field_metavar", "help_text", "wants_help"]
 
@@ -221,7 +221,7 @@ def _entry(names: str, text: str, width: int) -> list[str]:
     return [f"  {names}", body]
 
 
-def help_text(command: str, default: PPOConfig, *, width: int | None = None) -> str:
+def help_text(command: str, default: RunFields, *, width: int | None = None) -> str:
     """The whole `--help` of `ppo-driver <command>` (train or demo), defaults taken from `default`."""
     if width is None:
         width = min(max(shutil.get_terminal_size((100, 24)).columns, 60), 110)
@@ -234,10 +234,10 @@ def help_text(command: str, default: PPOConfig, *, width: int | None = None) -> 
     lines += ["", "the command:"]
     for names, text in _COMMAND_FLAGS + _COMMAND_ONLY_FLAGS.get(command, ()):
         lines += _entry(names, text, width)
-    hints = get_type_hints(PPOConfig, include_extras=True)
-    docs = _docstrings(PPOConfig)
+    hints = get_type_hints(RunFields, include_extras=True)
+    docs = _docstrings(RunFields)
     grouped: dict[str, list[str]] = {title: [] for title, _ in GROUPS}
-    for field in dataclasses.fields(PPOConfig):
+    for field in dataclasses.fields(RunFields):
         name = flag(field.name)
         metavar = field_metavar(hints[field.name])
         names = f"{name}, --no-{name[2:]}" if metavar is None else f"{name} {metavar}"

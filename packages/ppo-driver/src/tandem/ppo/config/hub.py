@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.ppo.config.fields import PPOConfig
+    from tandem.ppo.config.fields import RunFields
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """What a Hugging Face hub repository id looks like: `org/name` (one slash, no path beyond)."""
@@ -64,7 +64,7 @@ def resolve_model_path(name: str, *, flag: str = "--hf-checkpoint") -> str:
         ) from None
 
 
-def resolve_checkpoints(config: PPOConfig) -> PPOConfig:
+def resolve_checkpoints[C: RunFields](config: C) -> C:
     """`config` with each model field (`MODEL_FIELDS`) that is a hub id replaced by its local snapshot folder."""
     changes: dict[str, Any] = {}
     for name in MODEL_FIELDS:

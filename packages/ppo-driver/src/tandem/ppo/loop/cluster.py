@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tandem.ppo.config.fields import PPOConfig
+from tandem.ppo.config.ppo_config import PPOConfig
 
 if TYPE_CHECKING:
     from tandem.megatron.config import WorkerConfig

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError
 
-from tandem.ppo.config.fields import PPOConfig
 from tandem.ppo.config.hub import resolve_checkpoints
+from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tandem.ppo.run.log import Interrupted, RunSummary
 
 if TYPE_CHECKING:
-    from tandem.ppo.config.fields import PPOConfig
+    from tandem.ppo.config.ppo_config import PPOConfig
     from tandem.ppo.rollout.samples import Sampled
     from tandem.ppo.run.metrics import MetricsLogger
 

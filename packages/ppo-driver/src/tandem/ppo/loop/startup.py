@@ -30,7 +30,7 @@ from tandem.ppo.run.worker_logs import group_workers, logs_dir, name_worker_logs
 
 if TYPE_CHECKING:
     from tandem.placement import Placements
-    from tandem.ppo.config.fields import PPOConfig
+    from tandem.ppo.config.ppo_config import PPOConfig
     from tandem.ppo.rollout.data import PromptDataset
     from tandem.ppo.run.log import EventLog, PhaseClock
 

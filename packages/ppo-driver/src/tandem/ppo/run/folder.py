@@ -21,7 +21,8 @@ from typing import Any
 
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
-from tandem.ppo.config.fields import PPOConfig, flag
+from tandem.ppo.config.fields import flag
+from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.run.checkpoint import ModelFolders, ResumePoint, find_resume_point, set_aside
 from tandem.ppo.run.lock import RunLock
 

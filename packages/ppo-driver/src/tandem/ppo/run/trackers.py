@@ -7,19 +7,19 @@ sink to the run's `MetricsLogger`: every `log(step, metrics)` reaches them with
 the same names and values as metrics.jsonl's line, and the run's resolved config
 is logged once as the tracker's config (wandb) or parameters (MLflow). Each is an
 extra (`tandem-ppo-driver[wandb]`, `tandem-ppo-driver[mlflow]`), imported only
-when asked for; a missing one fails validation naming the flag and the install.
+when asked for; a missing one fails validation naming the flag and the install
+(`config.checks.check_trackers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["MlflowSink", "TrackerSink", "WandbSink", "check_trackers", "config_params", "open_trackers"]
+__all__ = ["MlflowSink", "TrackerSink", "WandbSink", "config_params", "open_trackers"]
 
 MLFLOW_PARAMS_PER_CALL = 100
 """MLflow's limit on the parameters of one `log_batch` request."""
@@ -41,20 +41,6 @@ class TrackerSink(Protocol):
 def config_params(config: Any) -> dict[str, Any]:
     """The resolved config as plain values (tuples as lists), what the trackers record."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
-
-
-def check_trackers(config: Any) -> None:
-    """ValueError naming `--use-wandb` / `--use-mlflow` when the tracker asked for is not installed."""
-    if getattr(config, "use_wandb", False) and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
-            "--use-wandb: wandb is not installed; pip install 'tandem-ppo-driver[wandb]' (or wandb), "
-            "or drop --use-wandb"
-        )
-    if getattr(config, "use_mlflow", False) and importlib.util.find_spec("mlflow") is None:
-        raise ValueError(
-            "--use-mlflow: MLflow is not installed; pip install 'tandem-ppo-driver[mlflow]' "
-            "(or mlflow-skinny), or drop --use-mlflow"
-        )
 
 
 class WandbSink:

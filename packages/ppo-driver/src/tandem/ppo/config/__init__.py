@@ -1,5 +1,15 @@
 """The run's config: `PPOConfig`, its checks, its YAML file and flags, and the flags' help.
 
+`fields` (`RunFields`, every flag, unchecked), `ppo_config` (`PPOConfig`: the fields
+and `validate`), `checks` (the rules; the estimator's in `estimator_plan`, the
+reward model's beside it in the rollout layer), `file` (YAML in and out, flags over
+a file), `field_values` (YAML values read as the flags read them), `record` (a run's
+own config.yaml), `flag_help` (`--help`) and `hub` (hub ids as local folders). It may
+import the rollout layer and the engines below it, tandem.megatron's config and
+tandem-placement's layout; never the run folder, the loop or the command, and never
+torch, Ray or Megatron, lazily or not: `--help` and `--dry-run` load none of them
+(tests/test_import_graph.py).
+
 Names are imported on first use: `from tandem.ppo.config import PPOConfig`.
 """
 

@@ -1,5 +1,14 @@
 """The PPO loop: the driver, one step's schedule and its turns, the weights to the engines, the run's start-up.
 
+A newcomer reads the step here: `driver` (`PPODriver`: setup, one step, save, eval),
+`schedule` (a step's turns as data, checked), `turns` (each turn's work),
+`shared_gpus` (`SharedGpus`: the roles on the GPUs and who is awake), `weight_sync`,
+`step_metrics`, `run_loop` (one step per rollout, sync or async, Ctrl-C), `startup`
+(the run's processes coming up), `cluster` (Ray, placement groups, the groups) and
+`node_checks`. It may import every layer below: the run folder, the config, the
+rollout layer, the engines, tandem.megatron's `group` and shared records,
+tandem-placement; never the command (tests/test_import_graph.py).
+
 Names are imported on first use: `from tandem.ppo.loop import run_loop`.
 """
 

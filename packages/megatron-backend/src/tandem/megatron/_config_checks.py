@@ -298,7 +298,7 @@ def check_model_layout(config: Any, role: str) -> None:
     heads), layers by the PP size; the vocabulary never needs to (it is padded).
     Raises a ValueError naming the size field (`critic_...` for the critic) and the fix.
     """
-    from tandem.megatron.models.hf_config import ModelSpec
+    from tandem.megatron.models.hf_config import ModelSpec  # torch: `--help` and the seam's import load none
 
     field = "critic_hf_checkpoint" if role == "critic" and config.critic_hf_checkpoint else "hf_checkpoint"
     try:

@@ -169,7 +169,11 @@ def route_payloads[P: Payload](
     return the same samples counting once. Nothing is lost or duplicated; a
     sample that no record holds, or that no rank owns, is a ValueError naming it.
     """
-    from tandem.value_transfer import IndexedValues, route_by_sample, route_per_rank
+    from tandem.value_transfer import (  # Ray and torch: the seam imports neither
+        IndexedValues,
+        route_by_sample,
+        route_per_rank,
+    )
 
     routed: list[P | None] = route_per_rank(records, world_size)
     if sample_indices is None or records is None:

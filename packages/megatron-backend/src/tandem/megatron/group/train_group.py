@@ -274,7 +274,7 @@ def create_train_group(
             raise
     env = dict(env_vars or {})
     if config.offload_backend == "torch_memory_saver":
-        from tandem.lifecycle import torch_memory_saver_env
+        from tandem.lifecycle import torch_memory_saver_env  # torch: the driver side imports none
 
         env = {**torch_memory_saver_env(), **env}
     remote_cls = ray.remote(TrainWorkerHost)

@@ -53,6 +53,7 @@ from tandem.megatron.worker.role_losses import (
 )
 from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
+from tandem.value_transfer import pack_values
 
 # --- the two roles, stage by stage ------------------------------------------------------------------
 TargetsHook = Callable[[RolloutBatch], None]
@@ -82,7 +83,6 @@ def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> ActorLogProbs | 
     `pack_values` of one tensor per sample (its response length); its
     `ref_log_probs` only when the actor keeps reference weights. None on other stages.
     """
-    from tandem.value_transfer import pack_values
 
     old_log_probs = _actor_log_probs(trainee, batch)
     ref_log_probs = None
@@ -116,7 +116,6 @@ def train_critic(
     this rank (routed by `TrainGroup.train`); ignored otherwise.
     """
     from megatron.core import parallel_state as mpu
-    from tandem.value_transfer import pack_values
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()

@@ -15,12 +15,22 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import tyro
 
-if TYPE_CHECKING:
-    from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo import __version__
+from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
+from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
+from tandem.ppo.app.dry_run import dry_run_report, split_dry_run
+from tandem.ppo.app.machine import adapt_to_machine, announce
+from tandem.ppo.app.plot import plot_run
+from tandem.ppo.app.pretrained import FetchModelArgs, fetch_model_command
+from tandem.ppo.config.file import parse_config, unvalidated
+from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo.run.errors import BROKEN_PIPE_EXIT_CODE, failure_line
+from tandem.ppo.run.log import INTERRUPTED_EXIT_CODE, Interrupted
+from tandem.ppo.run.terminal import terminal_output
 
 PROG = "ppo-driver"
 
@@ -76,8 +86,6 @@ class PlotArgs:
 
 
 def _train(argv: Sequence[str]) -> int:
-    from tandem.ppo.app.dry_run import split_dry_run
-    from tandem.ppo.config.file import parse_config
 
     dry_run, argv = split_dry_run(argv)
     return _start(parse_config(argv, prog=f"{PROG} train", validate=False), dry_run)
@@ -88,10 +96,6 @@ DEMO_MODELS = ("tiny", "smollm2")
 
 
 def _demo(argv: Sequence[str]) -> int:
-    from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
-    from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
-    from tandem.ppo.app.dry_run import split_dry_run
-    from tandem.ppo.config.file import parse_config, unvalidated
 
     dry_run, argv = split_dry_run(argv)
     pre = argparse.ArgumentParser(add_help=False)
@@ -108,24 +112,21 @@ def _demo(argv: Sequence[str]) -> int:
 
 def _start(config: PPOConfig, dry_run: bool) -> int:
     """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it)."""
-    from tandem.ppo.app.machine import adapt_to_machine, announce
 
     config, changes = adapt_to_machine(config)
     config.validate()
     announce(changes)  # after validating: a bad flag's error is the only line
     if dry_run:
-        from tandem.ppo.app.dry_run import dry_run_report
-
         print(dry_run_report(config), end="")
         return 0
-    from tandem.ppo.loop.driver import train  # after parsing: --help imports neither torch nor Ray
+    from tandem.ppo.loop.driver import train  # torch and Ray: loaded once a run starts, never for --help
 
     print(train(config).describe())
     return 0
 
 
 def _eval(argv: Sequence[str]) -> int:
-    from tandem.ppo.app.evaluate import evaluate_model
+    from tandem.ppo.app.evaluate import evaluate_model  # torch and Ray: loaded for this command alone
 
     args = tyro.cli(EvalArgs, args=list(argv), prog=f"{PROG} eval")
     metrics = evaluate_model(args)
@@ -135,7 +136,7 @@ def _eval(argv: Sequence[str]) -> int:
 
 
 def _export(argv: Sequence[str]) -> int:
-    from tandem.ppo.app.evaluate import export_run
+    from tandem.ppo.app.evaluate import export_run  # torch and Ray: loaded for this command alone
 
     args = tyro.cli(ExportArgs, args=list(argv), prog=f"{PROG} export")
     print(export_run(args.run_dir, args.out))
@@ -143,7 +144,6 @@ def _export(argv: Sequence[str]) -> int:
 
 
 def _plot(argv: Sequence[str]) -> int:
-    from tandem.ppo.app.plot import plot_run
 
     args = tyro.cli(PlotArgs, args=list(argv), prog=f"{PROG} plot")
     if not args.run_dirs:
@@ -160,7 +160,6 @@ def _plot(argv: Sequence[str]) -> int:
 
 
 def _fetch_model(argv: Sequence[str]) -> int:
-    from tandem.ppo.app.pretrained import FetchModelArgs, fetch_model_command
 
     args = tyro.cli(FetchModelArgs, args=list(argv), prog=f"{PROG} fetch-model")
     print(fetch_model_command(args))
@@ -185,7 +184,6 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 
 
 def _version() -> str:
-    from tandem.ppo import __version__
 
     return f"{PROG} {__version__}"
 
@@ -195,7 +193,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Ray reads this when it is imported: workers run this interpreter, instead of Ray shipping
     # the project as a runtime env and starting every worker through `uv run` again.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    from tandem.ppo.run.errors import BROKEN_PIPE_EXIT_CODE
 
     try:
         try:
@@ -215,7 +212,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def run(argv: Sequence[str]) -> int:
     """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 interrupted; `errors`)."""
-    from tandem.ppo.run.log import INTERRUPTED_EXIT_CODE, Interrupted
 
     parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
     parser.add_argument("--version", action="version", version=_version())
@@ -229,7 +225,6 @@ def run(argv: Sequence[str]) -> int:
         return 2
     parser.parse_args(argv[: command_index + 1])
     command, rest = argv[command_index], argv[command_index + 1 :]
-    from tandem.ppo.run.terminal import terminal_output
 
     try:
         with terminal_output():
@@ -238,8 +233,6 @@ def run(argv: Sequence[str]) -> int:
         print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except Exception as exc:
-        from tandem.ppo.run.errors import failure_line
-
         failure = failure_line(exc)
         if failure is None:
             raise  # not an input error or a known failure: a bug, with its traceback

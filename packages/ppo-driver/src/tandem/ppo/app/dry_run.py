@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tandem.placement import compute_layout
 from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo.config.record import run_config_text
 
 __all__ = ["DRY_RUN_FLAG", "dry_run_report", "placement_lines", "split_dry_run"]
 
@@ -29,7 +31,6 @@ def _ranks(role: str, count: int) -> list[str]:
 
 def placement_lines(config: PPOConfig) -> list[str]:
     """One line per GPU of the run: the roles on it and their shares (`GPU 0: actor rank 0 (0.4), ...`)."""
-    from tandem.placement import compute_layout
 
     layout = compute_layout(config.placement_spec())
     gpus: dict[int, list[str]] = {i: [] for i in range(layout.num_gpus)}
@@ -59,7 +60,6 @@ def placement_lines(config: PPOConfig) -> list[str]:
 
 def dry_run_report(config: PPOConfig) -> str:
     """What `--dry-run` prints: the config.yaml a run would write, then its placement (as YAML comments)."""
-    from tandem.ppo.config.record import run_config_text
 
     lines = [run_config_text(config).rstrip("\n"), ""]
     lines += [f"# {line}" for line in placement_lines(config)]

@@ -6,6 +6,19 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from tandem.megatron.group import create_train_group
+from tandem.megatron.runtime.checkpoint_folder import read_latest
+from tandem.placement import PlacementSpec, create_placement_groups
+from tandem.ppo.app.machine import adapt_to_machine, announce, eval_local_gpus
+from tandem.ppo.config.file import read_run_config
+from tandem.ppo.config.record import RUN_CONFIG_FILE
+from tandem.ppo.engines import SamplingParams, create_engine_group
+from tandem.ppo.loop.cluster import start_ray
+from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.rewards import load_reward
+from tandem.ppo.rollout.samples import generate_rollout
+from tandem.ppo.run.export import export_actor
+
 
 def resolve_model_dir(model: str) -> Path:
     """A Hugging Face folder, or a run dir's `hf/`; ValueError naming MODEL otherwise."""
@@ -52,8 +65,6 @@ EVAL_DEFAULTS = {
 
 def eval_settings(args: Any) -> EvalSettings:
     """`args`' flags over the run's config.yaml (when MODEL is a run folder) over `EVAL_DEFAULTS`."""
-    from tandem.ppo.config.file import read_run_config
-    from tandem.ppo.config.record import RUN_CONFIG_FILE
 
     run_file = Path(args.model) / RUN_CONFIG_FILE
     base: dict[str, Any] = dict(EVAL_DEFAULTS)
@@ -100,14 +111,6 @@ def evaluate_model(args: Any) -> dict[str, float]:
 
     import ray
     from transformers import AutoTokenizer
-
-    from tandem.placement import PlacementSpec, create_placement_groups
-    from tandem.ppo.app.machine import eval_local_gpus
-    from tandem.ppo.engines import SamplingParams, create_engine_group
-    from tandem.ppo.loop.cluster import start_ray
-    from tandem.ppo.rollout.data import PromptDataset, read_prompts
-    from tandem.ppo.rollout.rewards import load_reward
-    from tandem.ppo.rollout.samples import generate_rollout
 
     model_dir = resolve_model_dir(args.model)
     if not Path(args.data).is_file():
@@ -169,14 +172,6 @@ def evaluate_model(args: Any) -> dict[str, float]:
 def export_run(run_dir: str, out: str | None = None) -> str:
     """Load the run's latest actor checkpoint and write it as a Hugging Face folder; its path."""
     import ray
-
-    from tandem.megatron.group import create_train_group
-    from tandem.megatron.runtime.checkpoint_folder import read_latest
-    from tandem.placement import PlacementSpec, create_placement_groups
-    from tandem.ppo.app.machine import adapt_to_machine, announce
-    from tandem.ppo.config.file import read_run_config
-    from tandem.ppo.loop.cluster import start_ray
-    from tandem.ppo.run.export import export_actor
 
     config, changes = adapt_to_machine(read_run_config(run_dir))
     announce(changes)

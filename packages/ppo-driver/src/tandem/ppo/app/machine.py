@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+from tandem.placement import compute_layout
 from tandem.ppo.config.fields import flag
 from tandem.ppo.config.ppo_config import PPOConfig
 
@@ -53,8 +54,6 @@ def cpu_settings(config: PPOConfig) -> dict[str, Any]:
     if config.device in ("auto", "cpu") and config.offload_backend == "torch_memory_saver":
         changes["offload_backend"] = "pinned_host"
     if config.local_gpus is None:
-        from tandem.placement import compute_layout
-
         with contextlib.suppress(ValueError):  # a bad GPU count: validate() names its flag
             changes["local_gpus"] = max(1, compute_layout(config.placement_spec()).num_gpus)
     return changes

@@ -16,9 +16,12 @@ from typing import Any
 import tyro
 
 from tandem.ppo.config.estimator_plan import critic_flag_given, imply_critic
+from tandem.ppo.config.field_values import coerce_fields
 from tandem.ppo.config.fields import FLAG_NAMES
+from tandem.ppo.config.flag_help import help_text, wants_help
 from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo.config.record import RUN_CONFIG_FILE, RUN_CONFIG_MARKER, resolve_run_paths
 
 __all__ = ["config_fields", "parse_config", "read_run_config", "read_yaml", "unvalidated", "write_yaml"]
 
@@ -46,8 +49,6 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The fields of a YAML config file (keys may use `-` or `_`)."""
     import yaml
 
-    from tandem.ppo.config.field_values import coerce_fields
-
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--config: file {str(path)!r} does not exist; fix the path")
@@ -71,7 +72,6 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     lines = {field_of(k.value): k.start_mark.line + 1 for k, _ in getattr(yaml.compose(text), "value", ())}
     values = coerce_fields({field_of(k): v for k, v in data.items()}, source=f"--config {path}", lines=lines)
-    from tandem.ppo.config.record import RUN_CONFIG_MARKER, resolve_run_paths
 
     if text.startswith(RUN_CONFIG_MARKER):  # a run's config.yaml: its paths are relative to it
         values = resolve_run_paths(values, p.parent)
@@ -110,7 +110,6 @@ def parse_config(
     if known.config is not None:
         values.update(read_yaml(known.config))
     default = unvalidated(values)
-    from tandem.ppo.config.flag_help import help_text, wants_help
 
     if wants_help(rest):  # our own help: grouped, with examples, --config among the flags
         print(help_text(prog.split()[-1], default), end="")
@@ -135,7 +134,6 @@ def parse_config(
 
 def read_run_config(run_dir: str | os.PathLike[str], *, flag: str = "RUN_DIR") -> PPOConfig:
     """The (unvalidated) config of the run in `run_dir`; ValueError naming `flag` when it has none."""
-    from tandem.ppo.config.record import RUN_CONFIG_FILE
 
     path = Path(run_dir) / RUN_CONFIG_FILE
     if not path.is_file():

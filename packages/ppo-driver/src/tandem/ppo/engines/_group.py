@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from tandem.megatron.group.actors import ActorGroup, split_contiguous
 
+from ._embedded import EmbeddedEngine
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, Generation, MemoryTag, SamplingParams
+from ._sglang import SGLangEngine, require_sglang
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -272,12 +274,8 @@ def create_engine_group(
     if not bundle_indices:
         raise ValueError("create_engine_group: bundle_indices is empty; give one bundle per engine")
     if engine == "embedded":
-        from ._embedded import EmbeddedEngine
-
         engine_cls: Any = EmbeddedEngine
     elif engine == "sglang":
-        from ._sglang import SGLangEngine, require_sglang
-
         if not options.sglang_urls:
             require_sglang()
         elif len(options.sglang_urls) != len(bundle_indices):

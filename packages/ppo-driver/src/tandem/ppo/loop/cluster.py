@@ -13,7 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from tandem.megatron.choices import Role
+from tandem.megatron.group import create_train_group
+from tandem.placement import create_placement_groups
 from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo.engines import EngineOptions, create_engine_group, ipc_payload
+from tandem.ppo.loop.node_checks import check_nodes_see_folders, folders_to_check
+from tandem.ppo.rollout.reward_model import rollout_bundle_shares
+from tandem.ppo.run.errors import RayStartError
 
 if TYPE_CHECKING:
     from tandem.megatron.config import WorkerConfig
@@ -67,7 +74,6 @@ def start_ray(
         except Exception as exc:
             if "timed out during startup" not in str(exc):
                 raise
-            from tandem.ppo.run.errors import RayStartError
 
             raise RayStartError(
                 f"the local Ray cluster did not start in time ({' '.join(str(exc).split())[:200]}); the machine "
@@ -113,12 +119,6 @@ def start_groups(
     `lock_file`: the run folder's lock; with it, every node of the placement groups must see
     the model folders and the run folder before any worker starts (`node_checks`).
     """
-    from tandem.megatron.choices import Role
-    from tandem.megatron.group import create_train_group
-    from tandem.placement import create_placement_groups
-    from tandem.ppo.engines import create_engine_group
-    from tandem.ppo.loop.node_checks import check_nodes_see_folders, folders_to_check
-    from tandem.ppo.rollout.reward_model import rollout_bundle_shares
 
     placements = create_placement_groups(config.placement_spec())
     actor_slot, rollout_slot = placements.actor, placements.rollout
@@ -168,8 +168,6 @@ def weight_pack(config: PPOConfig) -> Any:
     """`ipc_payload` when actor rank r and engine r share a GPU (CUDA IPC), else None (CPU copies)."""
     import torch
 
-    from tandem.ppo.engines import ipc_payload
-
     if config.weight_sync == "cpu":
         return None
     shared_gpus = config.colocate and config.num_engines == config.actor_num_gpus
@@ -180,7 +178,6 @@ def weight_pack(config: PPOConfig) -> Any:
 
 def engine_options_of(config: PPOConfig) -> Any:
     """The rollout engines' `EngineOptions` from the run's `rollout_*` and SGLang fields."""
-    from tandem.ppo.engines import EngineOptions
 
     engine_kwargs: dict[str, Any] = {
         "dtype": config.rollout_dtype,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from tandem.ppo.engines import EngineDied
+
 if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
     from tandem.ppo.engines import EngineGroup
@@ -75,7 +77,6 @@ def send_to_restarted(
 
 def restart_dead_engines(engines: EngineGroup, exc: BaseException) -> bool:
     """Restart the engines that no longer answer after `exc`; whether there were any."""
-    from tandem.ppo.engines import EngineDied
 
     dead = [rank for rank, alive in enumerate(engines.health()) if not alive]
     for rank in dead:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.megatron.group import TrainWorkerHost
+from tandem.ppo.rollout.rewards import RewardError
 
 __all__ = [
     "BROKEN_PIPE_EXIT_CODE",
@@ -68,8 +69,7 @@ def failure_line(exc: BaseException) -> tuple[int, str] | None:
     """(exit status, one line) for a failure the user can act on; None for one that is a bug (a traceback)."""
     from ray.exceptions import RayActorError, RayTaskError
 
-    from tandem.ppo.engines import EngineError
-    from tandem.ppo.rollout.rewards import RewardError
+    from tandem.ppo.engines import EngineError  # torch: the engines' package loads it, `--help` must not
 
     if isinstance(exc, RayTaskError):
         # An exception raised inside a worker: its own message, without the remote traceback.

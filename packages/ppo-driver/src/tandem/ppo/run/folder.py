@@ -22,7 +22,9 @@ from typing import Any
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.ppo.config.fields import flag
+from tandem.ppo.config.file import read_yaml
 from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo.config.record import write_run_config
 from tandem.ppo.run.checkpoint import ModelFolders, ResumePoint, find_resume_point, set_aside
 from tandem.ppo.run.lock import RunLock
 
@@ -134,7 +136,6 @@ class RunFolder:
         return dataclasses.replace(worker, load_rollout_id=self.resume.rollout_id)
 
     def _check_fixed_flags(self) -> None:
-        from tandem.ppo.config.file import read_yaml
 
         saved_path = self.path / CONFIG_FILE
         if not saved_path.is_file():
@@ -165,7 +166,6 @@ class RunFolder:
     # --- once the run is up ---------------------------------------------------------------------
     def commit(self) -> None:
         """The run is starting: set aside the checkpoint parts no resume uses, write config.yaml."""
-        from tandem.ppo.config.record import write_run_config
 
         set_aside(self.path, self.resume, model_folders(self.config))
         write_run_config(self.config)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.megatron.runtime.gpu_memory import all_devices_used_bytes
+
 __all__ = ["INTERRUPTED_EXIT_CODE", "EventLog", "Interrupted", "PhaseClock", "RunSummary"]
 
 INTERRUPTED_EXIT_CODE = 130
@@ -163,7 +165,6 @@ class PhaseClock:
         nvidia-smi's figure includes what torch's caching allocators keep, so it is close
         to the phase's peak; on a machine without GPUs this turns itself off.
         """
-        from tandem.megatron.runtime.gpu_memory import all_devices_used_bytes
 
         used = all_devices_used_bytes()
         if used is None:

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tandem.ppo.run.terminal import DATE_FORMAT, LOG_FORMAT, LOGGER_NAME
+
 __all__ = [
     "LOGS_DIR",
     "LOG_DIR_ENV",
@@ -108,7 +110,6 @@ def group_workers(role: str, group: Any) -> list[tuple[str, Any]]:
 @contextlib.contextmanager
 def driver_log(run_dir: str | os.PathLike[str]) -> Iterator[Path]:
     """The `tandem` logger's lines also into `RUN_DIR/logs/driver.log` while the block runs."""
-    from tandem.ppo.run.terminal import DATE_FORMAT, LOG_FORMAT, LOGGER_NAME
 
     path = logs_dir(run_dir) / "driver.log"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +167,6 @@ def from_a_worker(exc: BaseException) -> bool:
         from ray.exceptions import RayError
     except ImportError:  # pragma: no cover - Ray is a dependency
         return False
-    from tandem.ppo.engines import EngineError
+    from tandem.ppo.engines import EngineError  # torch: not in every Ray worker's start-up hook
 
     return isinstance(exc, RayError | EngineError)

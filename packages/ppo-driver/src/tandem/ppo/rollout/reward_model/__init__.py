@@ -49,7 +49,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     if name in ("RewardModelWorker", "RewardModelAsleepError"):
-        from . import _worker
+        from . import _worker  # torch and transformers: the package itself loads neither
 
         return getattr(_worker, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

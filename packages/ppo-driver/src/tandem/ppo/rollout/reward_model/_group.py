@@ -83,7 +83,7 @@ def create_reward_model_group(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from ._worker import RewardModelWorker
+    from ._worker import RewardModelWorker  # torch and transformers: the package itself loads neither
 
     options = options or RewardModelOptions()
     if not bundle_indices:

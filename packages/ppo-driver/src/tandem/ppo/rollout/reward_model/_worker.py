@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
+from tandem.megatron.runtime.gpu_memory import device_used_bytes, process_gpu_bytes
+
 from ._batching import score_position, token_budget_batches
 from ._options import RewardModelOptions
 
@@ -48,8 +51,6 @@ class RewardModelWorker:
         self, folder: str, options: RewardModelOptions | None = None, *, memory_backend: Any = None
     ) -> None:
         from transformers import AutoModelForSequenceClassification
-
-        from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
 
         self.options = options = options or RewardModelOptions()
         self.device = _pick_device(options.device)
@@ -100,7 +101,6 @@ class RewardModelWorker:
             return dict.fromkeys(
                 ("process", "process_baseline", "device_used", "device_before_context", "context"), 0
             )
-        from tandem.megatron.runtime.gpu_memory import device_used_bytes, process_gpu_bytes
 
         return {"process": process_gpu_bytes(), "device_used": device_used_bytes(), **self._gpu_start}
 
@@ -199,7 +199,6 @@ def _gpu_baseline(device: torch.device) -> dict[str, int | None]:
     """The GPU memory before this process's CUDA context, that context's size, and the process's then."""
     if device.type != "cuda":
         return {}
-    from tandem.megatron.runtime.gpu_memory import device_used_bytes, process_gpu_bytes
 
     before = device_used_bytes()
     torch.zeros(1, device=device)  # the CUDA context exists from here on

@@ -5,9 +5,12 @@
 - `build_base_model`, `write_task`: the demo's tiny local model and task (no downloads).
 - `main`: the `ppo-driver` console script.
 
-Rollout engines live in `tandem.ppo.engines`, rewards in `tandem.ppo.rollout.rewards`,
-prompt data in `tandem.ppo.rollout.data`, metrics and plots in `tandem.ppo.run.metrics` /
-`tandem.ppo.app.plot`.
+The package is cut in layers, lowest first, each importing only those below it
+(tests/test_import_graph.py): `engines` (rollout engines), `rollout` (prompt data,
+rewards, a reward model, a round of sampling), `config` (the run's fields, checks,
+file and flags), `run` (the run folder, checkpoints, events, metrics, logs), `loop`
+(the driver, the step's schedule and turns, the roles on the GPUs) and `app` (the
+command; the demos' tasks `_demo`, `_sums`, `_tiny` beside it, here at the top).
 """
 
 from __future__ import annotations

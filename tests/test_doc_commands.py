@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.ppo.metrics import read_metrics
+from tandem.ppo.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("packages/*/README.md")})

@@ -116,7 +116,9 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.train = SimpleNamespace(remote=lambda *a, **kw: self.calls.append((a, kw)) or len(self.calls))
+        self.call = SimpleNamespace(
+            remote=lambda method, *a, **kw: self.calls.append((a, kw)) if method == "train" else None
+        )
 
 
 def test_train_group_passes_the_records_by_name_and_checks_the_last_stage() -> None:

@@ -18,8 +18,8 @@ import torch
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 
 def demo_config(run_dir: Path, **overrides: Any) -> PPOConfig:

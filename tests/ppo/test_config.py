@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.ppo.config import PPOConfig, flag
-from tandem.ppo.config_file import config_fields, parse_config, unvalidated
+from tandem.ppo.config.file import config_fields, parse_config, unvalidated
 
 from ._config_files import LLAMA_CONFIG, write_config_files
 
@@ -368,7 +368,7 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(
     ]
     argv += ["--actor-num-gpus-per-node", "4", "--rollout-batch-size", "8", "--global-batch-size", "8"]
     argv += [x for name, value in sizes.items() for x in (flag(name), str(value))]
-    from tandem.ppo.cli import run
+    from tandem.ppo.app.cli import run
 
     assert run(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -388,8 +388,8 @@ def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[
 def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
     """`--rollout-fused-decode` / `--no-rollout-fused-decode` and the other rollout fields become the
     embedded engines' `EngineOptions` (`cluster.engine_options_of`)."""
-    from tandem.ppo.cluster import engine_options_of
     from tandem.ppo.config import PPOConfig
+    from tandem.ppo.loop.cluster import engine_options_of
 
     config = PPOConfig(
         hf_checkpoint="",
@@ -428,8 +428,8 @@ def test_cpu_threads_are_the_machines_cores_only_where_models_take_turns_on_a_la
     engines' options carry the same choice."""
     import os
 
-    from tandem.ppo.cluster import engine_options_of
-    from tandem.ppo.config import CPU_THREADS_MIN_HIDDEN_SIZE
+    from tandem.ppo.config.fields import CPU_THREADS_MIN_HIDDEN_SIZE
+    from tandem.ppo.loop.cluster import engine_options_of
 
     root = tmp_path_factory.mktemp("threads")
     folders = {}

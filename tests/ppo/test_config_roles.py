@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tandem.megatron.config import WorkerConfig, WorkerFields
 from tandem.ppo.config import PPOConfig, flag
-from tandem.ppo.config_file import parse_config, unvalidated
+from tandem.ppo.config.file import parse_config, unvalidated
 
 from ._config_files import write_config_files
 

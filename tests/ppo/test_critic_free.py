@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.driver import PPODriver
+from tandem.ppo.loop.driver import PPODriver
 
 from . import _runs as runs
 from ._runs import read_jsonl
@@ -51,7 +51,7 @@ def test_critic_free_run_has_no_critic_anywhere(tmp_path: Path, ray_cluster: str
         seen.update(critic=driver.critic, roles=dict(driver.data_parallel_sizes))
         # `--filter-truncated` reaches the batches the actor trains on: mask 0 for responses cut at the cap.
         driver.config = dataclasses.replace(driver.config, filter_truncated=True)
-        sampled = driver._draw(2)
+        sampled = driver.draw(2)
         seen["rollout"] = sampled.rollout
         seen["batches"] = [ray.get(ref) for ref in sampled.data_refs["actor"]]
 

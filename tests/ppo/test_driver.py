@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 from ._runs import demo_config, last_state, read_jsonl, run_driver
 
@@ -103,7 +103,7 @@ def test_step_clock_is_the_wall_clock_however_step_is_called(tmp_path: Path, ray
 
     def call_step_directly(driver: PPODriver) -> None:
         direct[2] = driver.step(2)  # draws its rollout inside (as bench/ppo_gpu_bench.py calls it)
-        sampled = driver._draw(3)
+        sampled = driver.draw(3)
         time.sleep(0.5)  # idle time between the draw and the step is not the step's
         direct[3] = driver.step(3, sampled)
 
@@ -196,7 +196,7 @@ def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_
 def test_ctrl_c_stops_cleanly_with_a_loadable_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "tandem.ppo.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
+        sys.executable, "-m", "tandem.ppo.app.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
         "--save-interval", "1000", "--no-progress", "--eval-interval", "1000", "--no-eval-before-train",
     ]  # fmt: skip
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
@@ -298,7 +298,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
     got: dict[str, Any] = {}
 
     def actor_log_probs(driver: PPODriver) -> None:
-        sampled = driver._draw(2)
+        sampled = driver.draw(2)
         driver.actor.run("wake_up")
         (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
         got["batch"] = ray.get(sampled.data_refs["actor"][0])
@@ -338,7 +338,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
     # `ppo-driver export` writes the same folder from the run's last checkpoint.
     from safetensors.torch import load_file
 
-    from tandem.ppo.evaluate import export_run
+    from tandem.ppo.app.evaluate import export_run
 
     again = Path(export_run(str(tmp_path / "run"), str(tmp_path / "exported")))
     written = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -347,7 +347,7 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
 
 
 def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.ppo.cli import run as cli
+    from tandem.ppo.app.cli import run as cli
 
     config = demo_config(tmp_path / "run")  # builds the base model and the task
     status = cli(

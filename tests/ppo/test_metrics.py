@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo.metrics import MetricsLogger, read_metrics
-from tandem.ppo.plot import plot_run
+from tandem.ppo.app.plot import plot_run
+from tandem.ppo.run.metrics import MetricsLogger, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

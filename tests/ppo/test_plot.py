@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.ppo.metrics import MetricsLogger
-from tandem.ppo.plot import panels, plot_run, unit_of
+from tandem.ppo.app.plot import panels, plot_run, unit_of
+from tandem.ppo.run.metrics import MetricsLogger
 
 
 def _series(rows: list[dict[str, float]]) -> dict[str, tuple[list[int], list[float]]]:

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from tandem.ppo._sums import SUMS_DEFAULTS, write_sums_task
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import train
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import train
 
 pytestmark = pytest.mark.slow
 

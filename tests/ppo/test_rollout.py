@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.data import PromptRecord, PromptSample
 from tandem.ppo.engines import Generation
 from tandem.ppo.rollout import Rollout, dynamic_sample, to_train_batches
+from tandem.ppo.rollout.data import PromptRecord, PromptSample
 
 
 def fake_rollout(prompt_ids: list[int], n: int, reward_of: Any) -> Rollout:
@@ -79,7 +79,7 @@ def long_rollout(lengths: list[int], finish: list[str], rewards: list[float]) ->
 
 
 def test_training_rewards_add_the_overlong_penalty_and_keep_the_task_reward() -> None:
-    from tandem.ppo.config_file import unvalidated
+    from tandem.ppo.config.file import unvalidated
     from tandem.ppo.rollout import training_rewards
 
     rollout = long_rollout([2, 7, 8, 10], ["stop", "stop", "stop", "length"], [1.0, 1.0, 0.0, 1.0])

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem.ppo import machine
-from tandem.ppo.cli import EvalArgs, run
+from tandem.ppo.app import machine
+from tandem.ppo.app.cli import EvalArgs, run
+from tandem.ppo.app.evaluate import EVAL_DEFAULTS, eval_settings
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import read_run_config, read_yaml, unvalidated
-from tandem.ppo.evaluate import EVAL_DEFAULTS, eval_settings
-from tandem.ppo.run_config import RUN_CONFIG_MARKER, write_run_config
+from tandem.ppo.config.file import read_run_config, read_yaml, unvalidated
+from tandem.ppo.config.record import RUN_CONFIG_MARKER, write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.schedule import (
+from tandem.ppo.loop.schedule import (
     ScheduleError,
     StepFacts,
     StepSchedule,

@@ -19,7 +19,7 @@ import torch
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
+from tandem.ppo.config.file import unvalidated
 
 from .._runs import run_driver
 from ..test_schedule import check_run_follows_its_schedules

@@ -17,7 +17,6 @@ from typing import Any
 from tandem.megatron.choices import (
     ADVANTAGE_ESTIMATORS,
     DEVICES,
-    GROUP_ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
     LOSS_TYPES,
@@ -25,6 +24,7 @@ from tandem.megatron.choices import (
     OFFLOAD_BACKENDS,
     PARAMS_DTYPES,
 )
+from tandem.megatron.choices import estimator as estimator_of
 
 
 def check_positive_ints(config: Any) -> None:
@@ -185,13 +185,14 @@ def check_ppo(config: Any) -> None:
 def check_estimator(config: Any) -> None:
     """The advantage estimator's needs: groups of samples, rewards without KL where it has none, GSPO's mean."""
     estimator = config.advantage_estimator
-    if estimator in GROUP_ESTIMATORS and config.n_samples_per_prompt < 2:
+    kind = estimator_of(estimator)
+    if kind.groups and config.n_samples_per_prompt < 2:
         raise ValueError(
             f"advantage_estimator: {estimator} compares each sample with the other samples of its prompt, "
             f"but `n_samples_per_prompt` is {config.n_samples_per_prompt}; set `n_samples_per_prompt` to 2 "
             "or more (e.g. 8)"
         )
-    if estimator in ("grpo", "rloo") and config.kl_coef != 0:
+    if kind.per_sample and config.kl_coef != 0:
         raise ValueError(
             f"kl_coef: {config.kl_coef} folds a per-token KL into the rewards, but `advantage_estimator` "
             f"{estimator} takes one reward per sample; set `kl_coef` to 0 and use `use_kl_loss` with "
@@ -298,7 +299,7 @@ def check_model_layout(config: Any, role: str) -> None:
     heads), layers by the PP size; the vocabulary never needs to (it is padded).
     Raises a ValueError naming the size field (`critic_...` for the critic) and the fix.
     """
-    from tandem.megatron.models.hf_config import ModelSpec
+    from tandem.megatron.models.hf_config import ModelSpec  # torch: `--help` and the seam's import load none
 
     field = "critic_hf_checkpoint" if role == "critic" and config.critic_hf_checkpoint else "hf_checkpoint"
     try:

@@ -7,8 +7,10 @@ driver's `PPOConfig`, which adds the run's fields and builds one validated
 `WorkerConfig` per role. The class is frozen and never checks anything itself,
 so a YAML file and flags can be merged into a `PPOConfig` before `validate()`.
 
-Only derived sizes that mean the same on every class built on it live here;
-anything that reads a role's folders or learning rate is `WorkerConfig`'s.
+Only derived sizes and decisions that mean the same on every class built on it live
+here (the estimator, the reference weights, the KL-first plan: decided once, read by
+the driver's plan and by the worker); anything that reads a role's folders or
+learning rate is `WorkerConfig`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from tandem.megatron.choices import (
     AdvantageEstimator,
     Device,
+    Estimator,
     KlKind,
     LossAggregation,
     LossType,
@@ -26,6 +29,9 @@ from tandem.megatron.choices import (
     ParamsDtype,
     Role,
     check_role,
+)
+from tandem.megatron.choices import (
+    estimator as estimator_of,
 )
 
 __all__ = ["WorkerFields"]
@@ -395,3 +401,25 @@ class WorkerFields:
         """`role`'s data-parallel size on `world_size` ranks (after `WorkerConfig.check_world`)."""
         tp, pp = self.topology(role)
         return world_size // (tp * pp)
+
+    # --- what the fields decide, once for the driver and the worker ---------------
+    @property
+    def estimator(self) -> Estimator:
+        """The advantage estimator's definition (`choices.ESTIMATORS`): its baseline and advantages' shape."""
+        return estimator_of(self.advantage_estimator)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic's values (only `gae` does)."""
+        return self.estimator.needs_critic
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
+        return self.use_kl_loss or self.kl_coef != 0
+
+    @property
+    def kl_first(self) -> bool:
+        """The KL-first plan: with reward-level KL and a critic, the actor's old and reference log-probs
+        come before the critic trains, so that both fold the very same per-token KL into their rewards."""
+        return self.kl_coef != 0 and self.uses_critic

@@ -30,7 +30,7 @@ from tandem.megatron._config_checks import (
     check_ppo,
 )
 from tandem.megatron._config_fields import WorkerFields
-from tandem.megatron.choices import CRITIC_FREE_ESTIMATORS, ROLES, Role, check_role
+from tandem.megatron.choices import ROLES, Role, check_role
 
 __all__ = ["ROLES", "Role", "WorkerConfig", "WorkerFields"]
 
@@ -87,20 +87,10 @@ class WorkerConfig(WorkerFields):
         return _reuses(self.reuse_old_values, self.old_values_redundant)
 
     @property
-    def uses_critic(self) -> bool:
-        """Whether the advantage estimator needs a critic's values (only `gae` does)."""
-        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
-
-    @property
     def varies_micro_batch_shapes(self) -> bool:
         """Whether micro-batches are packed rows or cut by tokens, so that their shapes vary
         (`use_sequence_packing`, `use_dynamic_batch_size`); the default RoPE path follows it."""
         return self.use_sequence_packing or self.use_dynamic_batch_size
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
-        return self.use_kl_loss or self.kl_coef != 0
 
     def lr_of(self, role: Role) -> float:
         """Peak learning rate of `role`."""

@@ -38,7 +38,8 @@ from __future__ import annotations
 import torch
 
 from tandem.megatron.algorithms.gae import compute_gae, lambda_returns
-from tandem.megatron.choices import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from tandem.megatron.choices import ADVANTAGE_ESTIMATORS, AdvantageEstimator, Estimator
+from tandem.megatron.choices import estimator as estimator_of
 
 __all__ = [
     "GRPO_EPS",
@@ -145,16 +146,17 @@ def sample_signal(
 ) -> torch.Tensor:
     """The per-sample scalar the estimator works on: the rollout's rewards with their baseline taken out.
 
-    `grpo`: `grpo_advantages`; `rloo`: `rloo_advantages`; `reinforce_plus_plus_baseline`:
-    `group_centered_rewards`; `gae` and `reinforce_plus_plus`: the rewards themselves.
-    Shapes: `rewards` `(N,)` (the whole rollout, in order); returns `(N,)`.
+    By the estimator's baseline (`choices.Estimator`): `group_std`, `grpo_advantages`;
+    `leave_one_out`, `rloo_advantages`; `group_mean`, `group_centered_rewards`; `critic`
+    and `none`, the rewards themselves. Shapes: `rewards` `(N,)` (the whole rollout, in
+    order); returns `(N,)`.
     """
-    _check_estimator("sample_signal", estimator)
-    if estimator == "grpo":
+    baseline = _estimator("sample_signal", estimator).baseline
+    if baseline == "group_std":
         return grpo_advantages(rewards, group_size, std_normalization=std_normalization)
-    if estimator == "rloo":
+    if baseline == "leave_one_out":
         return rloo_advantages(rewards, group_size)
-    if estimator == "reinforce_plus_plus_baseline":
+    if baseline == "group_mean":
         return group_centered_rewards(rewards, group_size)
     return rewards.detach().clone()
 
@@ -203,11 +205,11 @@ def whitens(estimator: AdvantageEstimator, normalize_advantages: bool) -> bool:
     """Whether the estimator's advantages are whitened over the batch (`whiten_advantages`).
 
     GAE and the REINFORCE++ family, with `normalize_advantages`: REINFORCE++'s
-    global normalisation is that whitening. GRPO and RLOO never: their
-    normalisation is the group's (`grpo_std_normalization`), as in verl and OpenRLHF.
+    global normalisation is that whitening. Never an estimator of one advantage per
+    sample (GRPO, RLOO): its normalisation is the group's (`grpo_std_normalization`),
+    as in verl and OpenRLHF.
     """
-    _check_estimator("whitens", estimator)
-    return normalize_advantages and estimator not in ("grpo", "rloo")
+    return normalize_advantages and not _estimator("whitens", estimator).per_sample
 
 
 @torch.no_grad()
@@ -235,14 +237,14 @@ def token_advantages(
 
     Returns:
         `(advantages, returns)`, each `(batch, response_len)`, 0 at masked positions;
-        `returns` is GAE's (`A + V`) or the discounted return, None for `grpo` / `rloo`.
+        `returns` is GAE's (`A + V`) or the discounted return, None for one advantage per sample.
     """
-    _check_estimator("token_advantages", estimator)
-    if estimator == "gae":
+    kind = _estimator("token_advantages", estimator)
+    if kind.needs_critic:
         if values is None:
-            raise ValueError("token_advantages: `gae` needs the critic's `values`")
+            raise ValueError(f"token_advantages: `{estimator}` needs the critic's `values`")
         return compute_gae(rewards, values, loss_mask, gamma, lambd)
-    if estimator in ("grpo", "rloo"):
+    if kind.per_sample:
         if rewards.dim() != 1:
             raise ValueError(
                 f"token_advantages: {estimator} takes one advantage per sample, shape (batch,), got "
@@ -253,8 +255,10 @@ def token_advantages(
     return returns, returns
 
 
-def _check_estimator(fn: str, estimator: str) -> None:
-    if estimator not in ADVANTAGE_ESTIMATORS:
+def _estimator(fn: str, name: str) -> Estimator:
+    try:
+        return estimator_of(name)
+    except ValueError:
         raise ValueError(
-            f"{fn}: unknown estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
+            f"{fn}: unknown estimator {name!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        ) from None

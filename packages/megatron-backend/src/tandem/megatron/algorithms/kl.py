@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from tandem.megatron.algorithms.gae import scalar_at_last_token
 from tandem.megatron.choices import KL_KINDS
 from tandem.megatron.choices import KlKind as KLKind
 
@@ -97,7 +98,6 @@ def kl_penalized_rewards(
     Returns:
         Token rewards, shape `(batch, response_len)`, 0 at masked positions.
     """
-    from tandem.megatron.algorithms.gae import scalar_at_last_token
 
     if not (math.isfinite(kl_coef) and kl_coef >= 0):
         raise ValueError(f"kl_penalized_rewards: `kl_coef` must be a finite number >= 0, got {kl_coef}")

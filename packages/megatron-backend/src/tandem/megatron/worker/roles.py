@@ -37,7 +37,6 @@ import torch
 from tandem.megatron.algorithms.gae import scalar_at_last_token
 from tandem.megatron.algorithms.rollout_rewards import estimator_rewards
 from tandem.megatron.batch import RolloutBatch, to_device, unpad_responses
-from tandem.megatron.choices import GROUP_ESTIMATORS
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.worker._trainee import Trainee
 from tandem.megatron.worker.forward import forward_only
@@ -54,6 +53,7 @@ from tandem.megatron.worker.role_losses import (
 )
 from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
+from tandem.value_transfer import pack_values
 
 # --- the two roles, stage by stage ------------------------------------------------------------------
 TargetsHook = Callable[[RolloutBatch], None]
@@ -83,7 +83,6 @@ def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> ActorLogProbs | 
     `pack_values` of one tensor per sample (its response length); its
     `ref_log_probs` only when the actor keeps reference weights. None on other stages.
     """
-    from tandem.value_transfer import pack_values
 
     old_log_probs = _actor_log_probs(trainee, batch)
     ref_log_probs = None
@@ -113,26 +112,26 @@ def train_critic(
 ) -> TrainResult:
     """Step 3 on one critic rank: its metrics, and its old values (`CriticValues`) on last-stage ranks.
 
-    `log_probs`: with `kl_coef != 0`, the actor's `compute_log_probs` record for
+    `log_probs`: in the KL-first plan (`kl_first`), the actor's `compute_log_probs` record for
     this rank (routed by `TrainGroup.train`); ignored otherwise.
     """
     from megatron.core import parallel_state as mpu
-    from tandem.value_transfer import pack_values
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()
     dp_group = mpu.get_data_parallel_group()
-    # The actor's log-probs, checked on every rank before any collective, so that all fail alike.
+    # The actor's log-probs (the KL-first plan), checked on every rank before any collective, so
+    # that all fail alike.
     old_log_probs = ref_log_probs = None
     error: Exception | None = None
-    if config.kl_coef != 0 and last:
+    if config.kl_first and last:
         try:
             old_log_probs = log_probs_for(log_probs, batch, rank=rank)
             ref_log_probs = log_probs_for(log_probs, batch, rank=rank, reference=True)
         except (ValueError, TypeError) as exc:
             error = exc
     missing = last and (old_log_probs is None or ref_log_probs is None)
-    if config.kl_coef != 0:
+    if config.kl_first:
         failed, missing = any_rank([error is not None, missing], group)
         raise_if(failed, error)
         if missing:
@@ -236,7 +235,7 @@ def train_actor(
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()
-    needs_ref = config.use_kl_loss or config.kl_coef != 0
+    needs_ref = config.needs_reference
     # 1. old log-probs, and reference log-probs with the reference weights swapped in. Given ones
     # (compute_log_probs ran on these very weights, which have not changed since) are reused: on
     # the CPU they are bit-equal to a recomputation, on the GPU equal up to kernel nondeterminism,
@@ -319,9 +318,9 @@ def train_actor(
         | ({"entropy"} if config.entropy_coef <= 0 else set())
         | ({"tis_weight"} if not config.use_tis else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
-        | ({"values_mean"} if not config.uses_critic else set())
-        | ({"returns_mean"} if config.advantage_estimator in ("grpo", "rloo") else set())
-        | ({"tied_groups"} if config.advantage_estimator not in GROUP_ESTIMATORS else set())
+        | ({"values_mean"} if not config.estimator.needs_critic else set())
+        | ({"returns_mean"} if config.estimator.per_sample else set())
+        | ({"tied_groups"} if not config.estimator.groups else set())
         | ({"log_prob"} if from_update else set())
     )
     metrics = reduce_metrics(

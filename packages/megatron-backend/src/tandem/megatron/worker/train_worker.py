@@ -28,11 +28,11 @@ from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
 from tandem.megatron.models.hf_weights import export_hf_weights, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
+from tandem.megatron.runtime.fault_points import set_context as set_fault_context
+from tandem.megatron.runtime.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker import roles
 from tandem.megatron.worker._trainee import WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
-from tandem.megatron.worker.fault_points import set_context as set_fault_context
-from tandem.megatron.worker.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker.parallel import destroy_distributed, free_port
 from tandem.megatron.worker.startup import (
     build_lifecycle,
@@ -253,7 +253,7 @@ class TrainWorker:
         if self._lifecycle.asleep:
             raise RuntimeError(
                 "save_model: the model is asleep and saving never wakes it; the driver wakes it first "
-                "(OffloadPlan.wake_up_before_save)"
+                "(its save turn's wake)"
             )
         save_checkpoint(folder, rollout_id, trainee.train_state(), barrier=self._barrier)
 

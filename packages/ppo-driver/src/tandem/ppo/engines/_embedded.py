@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.worker.fault_points import fault_point
+from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
+from tandem.megatron.runtime.fault_points import fault_point
 
 from ._errors import EngineMemoryReleasedError
 from ._forward import ForwardPasses
@@ -67,8 +68,6 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         decode_ops: DecodeOpsKind | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
-
-        from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
 
         self.options = options = options or EngineOptions()
         self.device = _pick_device(options.device)

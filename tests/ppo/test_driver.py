@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
 from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 from ._runs import demo_config, last_state, read_jsonl, run_driver
+from .conftest import KlFirstRun
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,8 @@ def test_demo_task_learns(tmp_path: Path, ray_cluster: str) -> None:
     assert (run_dir / "hf" / "config.json").is_file()
 
 
-def test_event_order_follows_the_plan(tmp_path: Path, ray_cluster: str) -> None:
-    config = demo_config(
-        tmp_path / "run", num_rollout=3, num_critic_only_steps=1, save_interval=2, eval_interval=None
-    )
-    run_driver(config, ray_cluster)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+def test_event_order_follows_the_plan(kl_first_run: KlFirstRun) -> None:
+    events = kl_first_run.events
     awake: set[str] = {"actor", "critic"}  # both start awake, then sleep before the first rollout
     training: set[str] = set()
     order: list[str] = []
@@ -65,10 +61,11 @@ def test_event_order_follows_the_plan(tmp_path: Path, ray_cluster: str) -> None:
             awake.add(role)
         elif e["event"] == "sleep":
             awake.discard(role)
-        elif e["event"] == "train_begin":
-            assert awake == {role}, f"{role} trains while {awake} are awake"
-            training.add(role)
-            order.append(f"{role}@{e['rollout_id']}")
+        elif e["event"] in ("train_begin", "log_probs_begin"):
+            assert awake == {role}, f"{role} computes while {awake} are awake"
+            if e["event"] == "train_begin":
+                training.add(role)
+                order.append(f"{role}@{e['rollout_id']}")
         elif e["event"] == "train_end":
             training.discard(role)
         elif e["event"] == "save":
@@ -287,26 +284,14 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_cluster: str) -> None:
     assert received and all(e["agree"] and len(e["digests"]) == 2 for e in received), received
 
 
-def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path, ray_cluster: str) -> None:
-    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan);
-    the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
+def test_kl_first_plan_and_the_exported_folder_matches_the_actor(kl_first_run: KlFirstRun) -> None:
+    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan),
+    in the critic-only warm-up step too; the run's HF folder, loaded by transformers, gives the
+    actor's own log-probs on a fresh rollout."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.value_transfer import unpack_values
-
-    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None)
-    got: dict[str, Any] = {}
-
-    def actor_log_probs(driver: PPODriver) -> None:
-        sampled = driver.draw(2)
-        driver.actor.run("wake_up")
-        (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
-        got["batch"] = ray.get(sampled.data_refs["actor"][0])
-        got["log_probs"] = unpack_values(out.log_probs, "cpu")
-
-    summary = run_driver(config, ray_cluster, after=actor_log_probs)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
-    for k in (0, 1):
+    summary, events, config = kl_first_run.summary, kl_first_run.events, kl_first_run.config
+    for k in (0, 1, 2):
         (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
         (critic,) = [
             e["t"]
@@ -316,15 +301,20 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
         assert logp < critic  # the actor's log-probs exist before the critic trains
     for m in summary.metrics:
         assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
+    warmup = config.num_critic_only_steps
+    for m in summary.metrics[warmup:]:
         assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
-    assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
+    # After the actor's first update (step 1) the policy has moved from the reference.
+    assert summary.metrics[warmup + 1]["critic/reward_kl"] != 0
 
     assert summary.hf_dir is not None
     model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)
     base: Any = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=torch.float32)
-    batch = got["batch"]
+    batch = kl_first_run.fresh_batch
     moved = 0.0
-    for tokens, length, actor_lp in zip(batch.tokens, batch.response_lengths, got["log_probs"], strict=True):
+    for tokens, length, actor_lp in zip(
+        batch.tokens, batch.response_lengths, kl_first_run.fresh_log_probs, strict=True
+    ):
         with torch.no_grad():
             logits = model(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
             base_logits = base(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
@@ -340,7 +330,8 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
 
     from tandem.ppo.app.evaluate import export_run
 
-    again = Path(export_run(str(tmp_path / "run"), str(tmp_path / "exported")))
+    out = kl_first_run.run_dir.parent / "exported"
+    again = Path(export_run(str(kl_first_run.run_dir), str(out)))
     written = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
     at_end = {k: v for f in sorted(summary.hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert written.keys() == at_end.keys() and all(torch.equal(written[k], at_end[k]) for k in written)

@@ -20,12 +20,12 @@ from typing import Any, Protocol, runtime_checkable
 import ray
 import torch
 
-from megatron.core import parallel_state as mpu
 from tandem.lifecycle import forget_all, make_backend, reloadable_process_groups
 from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models._megatron_core import import_megatron_core
 from tandem.megatron.models.hf_weights import export_hf_weights, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.runtime.fault_points import set_context as set_fault_context
@@ -44,6 +44,8 @@ from tandem.megatron.worker.startup import (
 )
 
 __all__ = ["TrainWorker", "WeightReceiver"]
+
+mpu = import_megatron_core().parallel_state
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Literal, get_args
 Role = Literal["actor", "critic"]
 """Which network a train worker trains: the policy or the value model."""
 
-KlKind = Literal["k1", "k2", "k3", "low_var_kl"]
-"""KL estimators (`kl.approx_kl`)."""
+KlKind = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+"]
+"""KL estimators (`kl.approx_kl`); a `+` keeps the value and takes k2's gradient (straight-through)."""
 
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 """Shapes of Megatron's learning-rate decay."""

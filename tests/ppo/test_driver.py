@@ -325,12 +325,21 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
     tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
 ) -> None:
     """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan);
-    the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
+    the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout.
+    The same run steers the KL coefficient (`--kl-target`) and trains the critic twice a step
+    (`--critic-updates-per-step 2`) within its one turn."""
     from transformers import AutoModelForCausalLM
 
     from tandem.value_transfer import unpack_values
 
-    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None)
+    config = demo_config(
+        tmp_path / "run",
+        num_rollout=2,
+        kl_coef=0.05,
+        kl_target=0.01,
+        critic_updates_per_step=2,
+        eval_interval=None,
+    )
     got: dict[str, Any] = {}
 
     def actor_log_probs(driver: PPODriver) -> None:
@@ -353,7 +362,15 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
     for m in summary.metrics:
         assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
         assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
+        # 128 samples, 32 a step: the actor's one pass is 4 optimizer steps, the critic's two 8.
+        assert (m["actor/optimizer_steps"], m["critic/optimizer_steps"]) == (4.0, 8.0)
     assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
+    # The controller: step 0 uses kl_coef; step 1 kl_coef · (1 + clip(KL_0 / 0.01 − 1, ±0.2) · 128 / 10000).
+    kl_0 = summary.metrics[0]["actor/reward_kl"]
+    assert summary.metrics[0]["kl/reward_coef"] == 0.05
+    error = min(max(kl_0 / 0.01 - 1, -0.2), 0.2)
+    assert summary.metrics[1]["kl/reward_coef"] == pytest.approx(0.05 * (1 + error * 128 / 10000))
+    assert sum(e["event"] == "train_begin" and e["role"] == "critic" for e in events) == 2  # one turn a step
 
     assert summary.hf_dir is not None
     model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)

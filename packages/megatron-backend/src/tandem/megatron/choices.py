@@ -27,14 +27,18 @@ OffloadBackend = Literal["torch_memory_saver", "pinned_host", "none"]
 ParamsDtype = Literal["float32", "bfloat16"]
 """Dtype of every model weight."""
 
-LossAggregation = Literal["sample_mean", "token_mean"]
-"""How per-token losses become one scalar (`losses.aggregate_loss`)."""
+LossAggregation = Literal["sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+"""How per-token losses become one scalar (`aggregation.aggregate_loss`)."""
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 """How the actor's advantages are estimated (`estimators`); every one but `gae` needs no critic."""
 
-LossType = Literal["ppo", "gspo"]
-"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`) or GSPO's sequence ratio (`gspo`)."""
+LossType = Literal["ppo", "gspo", "cispo"]
+"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`), GSPO's sequence ratio (`gspo`)
+or CISPO's clipped weight (`cispo`)."""
+
+TisMode = Literal["token", "seq_mask"]
+"""Truncated importance sampling per token, or with whole sequences masked out (`importance`)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 KL_KINDS: tuple[str, ...] = get_args(KlKind)
@@ -45,6 +49,7 @@ PARAMS_DTYPES: tuple[str, ...] = get_args(ParamsDtype)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+TIS_MODES: tuple[str, ...] = get_args(TisMode)
 CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(e for e in ADVANTAGE_ESTIMATORS if e != "gae")
 """The estimators whose baseline is not a learned value: a run with one of them trains no critic."""
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")

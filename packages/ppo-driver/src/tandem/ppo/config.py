@@ -361,6 +361,9 @@ class PPOConfig(WorkerFields):
         if self.async_mode and self.reuse_old_log_probs is None:
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
+        if self.loss_norm_tokens is None:
+            # Dr.GRPO's constant: the generation budget, the longest response the engines may give.
+            values["loss_norm_tokens"] = self.rollout_max_response_len
         return WorkerConfig(**values)
 
     def placement_spec(self) -> Any:

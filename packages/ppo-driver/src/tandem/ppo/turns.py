@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tandem.ppo.schedule import Turn, Work
-from tandem.ppo.step_metrics import role_metrics
+from tandem.ppo.step_metrics import KL_COEF, kl_coef_of_step, role_metrics
 
 if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
@@ -115,6 +115,9 @@ class StepTurns:
         assert group is not None and group.role == turn.role
         if turn.wake_before:
             driver._wake(group)
+        kl_coef = kl_coef_of_step(driver.config, driver.metrics_so_far)  # adaptive KL: both roles alike
+        if kl_coef is not None:
+            self.metrics[KL_COEF] = kl_coef
         with driver._phase(f"{group.role}_train"):
             driver.events.record("train_begin", role=group.role, rollout_id=rollout_id)
             refs = group.train(
@@ -123,6 +126,7 @@ class StepTurns:
                 critic=self.critic_out if group.role == "actor" else None,
                 log_probs=self.log_probs,
                 sample_indices=sampled.sample_indices[group.role],
+                kl_coef=kl_coef,
             )
             out: list[TrainResult] = ray.get(refs)
             driver.events.record("train_end", role=group.role, rollout_id=rollout_id)

@@ -78,8 +78,9 @@ class _WorkerHost:
         *,
         critic: CriticValues | None = None,
         log_probs: ActorLogProbs | None = None,
+        kl_coef: float | None = None,
     ) -> TrainResult:
-        return self._worker.train(rollout_id, data_ref, critic=critic, log_probs=log_probs)
+        return self._worker.train(rollout_id, data_ref, critic=critic, log_probs=log_probs, kl_coef=kl_coef)
 
     def compute_log_probs(self, rollout_id: int, data_ref: Any) -> ActorLogProbs | None:
         return self._worker.compute_log_probs(rollout_id, data_ref)
@@ -207,6 +208,7 @@ class TrainGroup:
         critic: Sequence[TrainResult | CriticValues | None] | CriticValues | None = None,
         log_probs: Sequence[ActorLogProbs | None] | ActorLogProbs | None = None,
         sample_indices: Sequence[Sequence[int]] | None = None,
+        kl_coef: float | None = None,
     ) -> list[Any]:
         """Start `train` on every rank with its records; the refs (of `TrainResult`s), in rank order.
 
@@ -218,7 +220,9 @@ class TrainGroup:
         rank (or per data-parallel rank), each in its batch's order. Without it,
         record `r` goes to rank `r` (`route_per_rank`); with it, the records are
         routed by sample when they do not line up rank by rank (actor and critic
-        with different layouts), see `payloads.route_payloads`.
+        with different layouts), see `payloads.route_payloads`. `kl_coef`: this step's
+        reward-level KL coefficient, the same for both roles (the driver's adaptive KL
+        controller, `kl_target`); None: the config's `kl_coef`.
         """
         if critic is not None and self.role != "actor":
             raise ValueError(
@@ -238,7 +242,13 @@ class TrainGroup:
         own = self.role == "actor"
         routed = (route_payloads if own else route)("log_probs", log_probs, world)
         return [
-            w.train.remote(rollout_id, data_refs, critic=None if values is None else values[r], log_probs=lp)
+            w.train.remote(
+                rollout_id,
+                data_refs,
+                critic=None if values is None else values[r],
+                log_probs=lp,
+                kl_coef=kl_coef,
+            )
             for r, (w, lp) in enumerate(zip(self.workers, routed, strict=True))
         ]
 

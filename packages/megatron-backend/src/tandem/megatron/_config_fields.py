@@ -217,12 +217,12 @@ class WorkerFields:
 
     critic_lambd: float | None = None
     """GAE lambda of the critic's targets (its λ-returns) apart from the actor's `lambd`: VAPO's
-    decoupled GAE (Yue et al. 2025, arXiv:2504.05118, §3.2) trains the value on unbiased λ = 1
-    returns while the actor's advantages use a lower λ (0.95 there) for less variance. None: `lambd`
+    decoupled GAE (Yue et al. 2025, arXiv:2504.05118) trains the value on unbiased λ = 1 returns
+    while the actor's advantages use a lower λ (0.95 there), which speeds it up. None: `lambd`
     (one λ for both, as verl and OpenRLHF have). Only with a critic (`advantage_estimator` gae)."""
 
     length_adaptive_gae_alpha: float | None = None
-    """VAPO's length-adaptive GAE (arXiv:2504.05118, §3.2, eq. 7; α = 0.05 there): each response's
+    """VAPO's length-adaptive GAE (arXiv:2504.05118; α = 0.05 there): each response's
     advantages use `λ = 1 − 1/(α · l)` with `l` its trainable tokens (clamped to [0, 1]: responses
     under 1/α tokens get λ = 0), so that a long response's reward is not discounted away by λ^l
     before it reaches its first tokens. `lambd` then serves only as the critic's default

@@ -19,7 +19,7 @@ Generalized Advantage Estimation", eq. 16) with the conventions of docs/design.m
 - Masked positions of both outputs are 0, whatever `values` holds there.
 
 λ may differ per response (a `(batch,)` tensor): VAPO's length-adaptive GAE
-(`length_adaptive_lambdas`, Yue et al. 2025, arXiv:2504.05118, §3.2, eq. 7) gives each
+(`length_adaptive_lambdas`; Yue et al. 2025, arXiv:2504.05118, "Length-Adaptive GAE") gives each
 response `λ = 1 − 1/(α · l)` with `l` its trainable tokens.
 
 Both recursions run without a loop over positions (`_suffix_sums`): each row's trainable
@@ -45,7 +45,7 @@ Lambda = float | torch.Tensor
 def length_adaptive_lambdas(loss_mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """VAPO's per-response λ, `1 − 1/(α · l)` with `l` the response's trainable tokens, clamped to [0, 1].
 
-    VAPO (arXiv:2504.05118, §3.2) argues that with one λ the weight of a reward `l`
+    VAPO (arXiv:2504.05118, "Length-Adaptive GAE") argues that with one λ the weight of a reward `l`
     tokens ahead is `λ^l`: a long response barely carries its reward back to its
     first tokens, a short one hardly discounts it; `λ = 1 − 1/(α l)` makes the sum of
     the TD errors' weights, `1 / (1 − λ)`, equal `α l`, proportional to the length

@@ -400,3 +400,33 @@ def test_token_sum_modes_match_their_formulas(
         torch.tensor(losses, dtype=torch.float64), torch.tensor(masks), mode, norm_tokens=norm
     )
     assert got.item() == pytest.approx(_verl_agg_loss(losses, masks, mode, norm), rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.floats(-3.0, 3.0), st.booleans()), min_size=1, max_size=6),
+        min_size=1,
+        max_size=4,
+    ),
+    st.floats(0.0, 1.0),
+    st.floats(1.0, 5.0),
+)
+def test_tis_weights_and_sequence_mask_match_their_formulas(
+    rows: list[list[tuple[float, bool]]], low: float, cap: float
+) -> None:
+    # Re-derived from OpenRLHF's `seq-mask-tis` (models/loss.py at 3c3be62), with TIS's clamp on the token
+    # weights: w_t = clip(e^{d_t}, low, cap), d_t = log π_old − log π_rollout; a sequence is kept when
+    # exp(mean of d over its trainable tokens) lies in [low, cap] (a row without one: ratio 1).
+    width = max(len(r) for r in rows)
+    diffs = [[d for d, _ in r] + [0.0] * (width - len(r)) for r in rows]
+    masks = [[m for _, m in r] + [False] * (width - len(r)) for r in rows]
+    old = torch.tensor(diffs, dtype=torch.float64)
+    weights = tis_weights(old, torch.zeros_like(old), cap, low=low)
+    kept = tis_sequence_mask(old, torch.zeros_like(old), torch.tensor(masks), cap, low=low)
+    for i, (row, mask) in enumerate(zip(diffs, masks, strict=True)):
+        for t, d in enumerate(row):
+            assert weights[i, t].item() == pytest.approx(min(max(math.exp(d), low), cap), rel=1e-12)
+        live = [d for d, m in zip(row, mask, strict=True) if m]
+        ratio = math.exp(sum(live) / len(live)) if live else 1.0
+        assert kept[i].eq(1.0 if low <= ratio <= cap else 0.0).all()

@@ -1,4 +1,4 @@
-"""CISPO's loss (MiniMax-M1, arXiv:2506.13585, eq. 4-5) by hand and against the paper's formula re-derived."""
+"""CISPO's loss (MiniMax-M1, arXiv:2506.13585) by hand and against the paper's formula re-derived."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ advantage = st.floats(min_value=-5.0, max_value=5.0)
 def test_matches_the_papers_objective(
     tokens: list[tuple[float, float, float]], eps_low: float, eps_high: float
 ) -> None:
-    # J = sg[r̂] · A · log π with r̂ = clip(r, 1 − ε_low, 1 + ε_high) (eq. 4-5), per token; the loss is −J
+    # J = sg[r̂] · A · log π with r̂ = clip(r, 1 − ε_low, 1 + ε_high) (the paper's objective), per token; the loss is −J
     # and its gradient in log π is −r̂ · A.
     old = torch.tensor([[lp for _, _, lp in tokens]], dtype=torch.float64)
     log_probs = (

@@ -25,8 +25,8 @@ only its advantage half (`grpo_std_normalization=False`).
 
 Against verl (volcengine/verl b178a3c, `verl/trainer/ppo/core_algos.py` `agg_loss`,
 `verl/workers/actor/dp_actor.py`): its `seq-mean-token-sum-norm` divides each
-micro-batch's `Σ_i Σ_t ℓ` by `loss_scale_factor` (None: the micro-batch's padded
-response length) and the actor scales each micro-batch by `1 / gradient_accumulation`,
+micro-batch's `Σ_i Σ_t ℓ` by `loss_scale_factor` (None: `loss_mask.shape[-1]`, the
+width the micro-batch's responses are padded to) and the actor scales each micro-batch by `1 / gradient_accumulation`,
 so its loss is ours times the micro-batch size per GPU; ours is the mean over samples
 whatever the micro-batches. Its other modes are ours where the micro-batches of a step
 hold equal numbers of samples.

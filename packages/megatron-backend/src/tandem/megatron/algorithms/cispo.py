@@ -1,9 +1,9 @@
 """CISPO's policy loss: the clipped importance weight as a constant of a REINFORCE-style loss (`loss_type="cispo"`).
 
 MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
-Attention" (arXiv:2506.13585), §3.1, eq. 4-5: PPO's clip drops the gradient of every
-token whose ratio left the trust region, and with it the rare tokens (reflective
-"However", "Recheck") that long reasoning forks at. CISPO clips the importance weight
+Attention" (arXiv:2506.13585), its "CISPO" objective: PPO's clip drops the gradient of
+every token whose ratio left the trust region, and with it the rare, low-probability
+tokens that long reasoning forks at. CISPO clips the importance weight
 instead and keeps every token's gradient:
 
     r_t = π(y_t) / π_old(y_t),   r̂_t = clip(r_t, 1 − ε_low, 1 + ε_high)

@@ -3,7 +3,7 @@
 `critic_loss` and `actor_loss` are what `train_step.train_step` hands to each
 micro-batch's backward (stage 3 of `roles`), in Megatron's per-token form: a
 (loss sum, token count, metric numerators) triple that the schedule sums over
-micro-batches and data-parallel ranks before dividing (`losses.loss_sum_and_count`).
+micro-batches and data-parallel ranks before dividing (`aggregation.loss_sum_and_count`).
 The metric names below are what they add up, and what `roles` reports.
 """
 
@@ -58,7 +58,7 @@ LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
 def critic_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
-    """The clipped value loss of a micro-batch as (sum, count, metric numerators) (`losses.loss_sum_and_count`)."""
+    """The clipped value loss of a micro-batch as (sum, count, metric numerators) (`aggregation.loss_sum_and_count`)."""
     values = outputs["values"]
     mask = mb.padded_loss_mask(values.device)
     if mb.old_values is None:

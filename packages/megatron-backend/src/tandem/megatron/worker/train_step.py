@@ -14,7 +14,7 @@ rollout whose per-token targets are already in the batch (`roles`), and:
    in the per-token form, `(loss_sum, count, metrics)`: Megatron sums the
    gradients over micro-batches and data-parallel ranks and divides them
    once by the step's total count, so the gradient is that of the exact
-   mean of the step (`losses.loss_sum_and_count`, both aggregation modes);
+   mean of the step (`aggregation.loss_sum_and_count`, every aggregation mode);
 4. takes the optimizer step (clipping, learning-rate schedule);
 5. keeps each step's metric numerators and count, which `reduce_metrics`
    turns into the same exact per-step means on every rank, averaged over the

@@ -36,13 +36,21 @@ class KlFirstRun:
 @pytest.fixture(scope="session")
 def kl_first_run(tmp_path_factory: pytest.TempPathFactory, ray_cluster: str) -> KlFirstRun:
     """Three demo steps on the shared logical GPU with the KL in the rewards (the KL-first plan: the
-    actor's log-probs before the critic trains), one critic-only warm-up step, a save every two
-    rollouts and the HF export at the end: the run that tests/ppo/test_driver.py (the event order,
+    actor's log-probs before the critic trains) steered by the adaptive controller, two critic
+    passes a step, one critic-only warm-up step, a save every two rollouts and the HF export at
+    the end: the run that tests/ppo/test_driver.py (the event order,
     the KL-first plan, the exported folder) and tests/ppo/test_schedule.py (each step's events in
     its schedule's order) read."""
     run_dir = tmp_path_factory.mktemp("kl-first") / "run"
     config = demo_config(
-        run_dir, num_rollout=3, num_critic_only_steps=1, kl_coef=0.05, save_interval=2, eval_interval=None
+        run_dir,
+        num_rollout=3,
+        num_critic_only_steps=1,
+        kl_coef=0.05,
+        kl_target=0.01,  # the adaptive KL controller steers it
+        critic_updates_per_step=2,  # SAO: two critic passes in its one turn
+        save_interval=2,
+        eval_interval=None,
     )
     kept: dict[str, Any] = {}
 

@@ -287,7 +287,9 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_cluster: str) -> None:
 def test_kl_first_plan_and_the_exported_folder_matches_the_actor(kl_first_run: KlFirstRun) -> None:
     """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan),
     in the critic-only warm-up step too; the run's HF folder, loaded by transformers, gives the
-    actor's own log-probs on a fresh rollout."""
+    actor's own log-probs on a fresh rollout. The same run steers the KL coefficient
+    (`--kl-target`) and trains the critic twice a step (`--critic-updates-per-step 2`) within its
+    one turn."""
     from transformers import AutoModelForCausalLM
 
     summary, events, config = kl_first_run.summary, kl_first_run.events, kl_first_run.config
@@ -306,6 +308,18 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(kl_first_run: K
         assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
     # After the actor's first update (step 1) the policy has moved from the reference.
     assert summary.metrics[warmup + 1]["critic/reward_kl"] != 0
+    for m in summary.metrics:
+        # 128 samples, 32 an optimizer step: the critic's two passes are 8 steps, the actor's one 4.
+        assert m["critic/optimizer_steps"] == 8.0
+    assert all(m["actor/optimizer_steps"] == 4.0 for m in summary.metrics[warmup:])
+    # The controller: step 0 uses kl_coef; step 1 kl_coef · (1 + clip(KL_0 / 0.01 − 1, ±0.2) · 128 / 10000),
+    # with KL_0 the warm-up step's (the critic's: the actor did not train then).
+    kl_0 = summary.metrics[0]["critic/reward_kl"]
+    assert summary.metrics[0]["kl/reward_coef"] == 0.05
+    error = min(max(kl_0 / 0.01 - 1, -0.2), 0.2)
+    assert summary.metrics[1]["kl/reward_coef"] == pytest.approx(0.05 * (1 + error * 128 / 10000))
+    # One critic turn a step, whatever its passes.
+    assert sum(e["event"] == "train_begin" and e["role"] == "critic" for e in events) == len(summary.metrics)
 
     assert summary.hf_dir is not None
     model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)

@@ -120,6 +120,7 @@ class TrainWorker:
         *,
         critic: CriticValues | None = None,
         log_probs: ActorLogProbs | None = None,
+        kl_coef: float | None = None,
     ) -> TrainResult:
         """Train on this rank's share of a rollout; wakes the model first if asleep, never sleeps after.
 
@@ -132,6 +133,8 @@ class TrainWorker:
             log_probs: the actor's: in the KL-first plan this rank's own
                 `compute_log_probs` record, which is then reused. The critic's: with
                 `kl_coef != 0`, the actor's record for this rank (required); ignored otherwise.
+            kl_coef: this step's reward-level KL coefficient, the same for both roles (the adaptive
+                KL controller's, `kl_target`); None: the config's `kl_coef`.
 
         Returns:
             A `TrainResult`: the metrics, the same on every rank; the allocator calls this
@@ -160,6 +163,7 @@ class TrainWorker:
             rank=self.rank,
             rollout_id=rollout_id,
             on_targets=self._keep_targets,
+            kl_coef=kl_coef,
         )
         with AllocatorCalls() as calls:
             out = train()

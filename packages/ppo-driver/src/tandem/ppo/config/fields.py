@@ -388,6 +388,9 @@ class RunFields(WorkerFields):
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
         values["cpu_threads"] = self.resolved_cpu_threads()
+        if self.loss_norm_tokens is None:
+            # Dr.GRPO's constant: the generation budget, the longest response the engines may give.
+            values["loss_norm_tokens"] = self.rollout_max_response_len
         return WorkerConfig(**values)
 
     def resolved_cpu_threads(self) -> int | None:

@@ -33,7 +33,7 @@ from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
-from tandem.ppo.loop.step_metrics import step_metrics
+from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
 from tandem.ppo.loop.turns import StepTurns
 from tandem.ppo.rollout.preflight import read_inputs
 from tandem.ppo.rollout.reward_model import uses_reward_model
@@ -308,6 +308,7 @@ class PPODriver:
             sampled=sampled,
             draw=functools.partial(self.draw, rollout_id),
             start_next=start_next,
+            kl_coef=kl_coef_of_step(self.config, self.metrics_so_far),
         )
         for turn in schedule.turns:
             turns.take(turn)

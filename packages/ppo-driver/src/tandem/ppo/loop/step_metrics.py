@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tandem.megatron.algorithms.kl_control import adaptive_kl_coef
+
 if TYPE_CHECKING:
+    from tandem.megatron.config import WorkerFields
     from tandem.megatron.payloads import TrainResult
     from tandem.ppo.rollout.samples import Sampled
 
-__all__ = ["ALIASES", "allocator_calls", "role_metrics", "step_metrics"]
+__all__ = ["ALIASES", "KL_COEF", "allocator_calls", "kl_coef_of_step", "role_metrics", "step_metrics"]
+
+KL_COEF = "kl/reward_coef"
+"""The reward-level KL coefficient a step used, logged when the adaptive KL controller steers it."""
 
 ALIASES = {
     "loss/policy": "actor/pg_loss",
@@ -32,6 +38,22 @@ def allocator_calls(role: str, out: list[TrainResult]) -> dict[str, float]:
             key = f"alloc/{role}_train/{name.removeprefix('alloc/')}"
             figures[key] = max(figures.get(key, 0.0), float(count))
     return figures
+
+
+def kl_coef_of_step(config: WorkerFields, metrics_so_far: list[dict[str, Any]]) -> float | None:
+    """The reward-level KL coefficient of the next step under the adaptive KL controller (`kl_target`).
+
+    Replayed from `kl_coef` over the KL of each step so far (`actor/reward_kl`, or the
+    critic's in a critic-only step), so a resumed run, whose metrics come back with its
+    state, continues with the coefficient it had. None without `kl_target` (the workers
+    keep `kl_coef`).
+    """
+    if config.kl_target is None:
+        return None
+    kls = (float(m.get("actor/reward_kl", m.get("critic/reward_kl", float("nan")))) for m in metrics_so_far)
+    return adaptive_kl_coef(
+        config.kl_coef, config.kl_target, config.kl_horizon, config.samples_per_rollout, kls
+    )
 
 
 def role_metrics(role: str, out: list[TrainResult]) -> dict[str, float]:

@@ -34,8 +34,11 @@ ACTOR_STEP_METRICS = (
     "kl_loss",
     "entropy",
     "tis_weight",
+    "sampler_log_prob_gap",
 )
-"""Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured)."""
+"""Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured;
+`sampler_log_prob_gap`, `|old_log_probs - rollout_log_probs|` per token, where the rollout has the engine's
+log-probs: how far the sampler's policy is from the trainer's)."""
 CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance", "reward_kl")
 """Figures of the rollout's targets, over the data-parallel group (`reward_kl` only with `kl_coef != 0`)."""
 ACTOR_ROLLOUT_METRICS = (
@@ -111,6 +114,11 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
         weights = tis_weights(old_log_probs, _rollout_log_probs(mb, log_probs), config.tis_cap)
         per_token = per_token * weights
         metrics["tis_weight"] = loss_sum_and_count(weights, mask, mode)[0]
+    if mb.rollout_log_probs is not None:
+        # The engine's log-probs against the trainer's for the same tokens and weights: other kernels,
+        # another dtype, or (async) a step of staleness; large gaps make the rollout off-policy.
+        gap = (old_log_probs - _rollout_log_probs(mb, log_probs)).abs()
+        metrics["sampler_log_prob_gap"] = loss_sum_and_count(gap, mask, mode)[0]
     pg_sum, count = loss_sum_and_count(per_token, mask, mode)
     loss_sum = pg_sum
     metrics["pg_loss"] = pg_sum.detach()

@@ -161,7 +161,11 @@ def evaluate_model(args: Any) -> dict[str, float]:
                 )
             finally:
                 engines.shutdown()
-        metrics = rollout.metrics(accuracy_threshold=settings.accuracy_threshold, prefix="eval")
+        metrics = rollout.metrics(
+            accuracy_threshold=settings.accuracy_threshold,
+            prefix="eval",
+            n_samples_per_prompt=settings.n_samples_per_prompt,
+        )
         metrics["eval/dropped_prompts"] = float(dataset.num_dropped)
         return metrics
     finally:

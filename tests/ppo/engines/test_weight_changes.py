@@ -90,15 +90,24 @@ def _hand_edit(model: Any, edits: dict[str, list[int]], delta: float) -> list[tu
     return named
 
 
-@pytest.mark.parametrize("as_ipc", [False, True], ids=["tensors", "ipc_payload"])
-def test_the_engine_counts_what_each_sync_changed(tiny_llama_dir: str, as_ipc: bool) -> None:
-    engine = EmbeddedEngine(tiny_llama_dir, EngineOptions(device="cpu"))
+@pytest.mark.parametrize(
+    ("device", "as_ipc"),
+    [
+        ("cpu", False),
+        ("cpu", True),
+        # bfloat16 weights, the Triton kernel, CUDA tensors (on a GPU host's `-m gpu` suite).
+        pytest.param("cuda", False, marks=pytest.mark.gpu),
+    ],
+    ids=["tensors", "ipc_payload", "cuda"],
+)
+def test_the_engine_counts_what_each_sync_changed(tiny_llama_dir: str, device: str, as_ipc: bool) -> None:
+    engine = EmbeddedEngine(tiny_llama_dir, EngineOptions(device=device))
     base = make_tiny_model("llama")  # the weights the engine loaded (the folder's)
     elements = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
 
     def sync(named: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
         for lo in range(0, len(named), 4):  # buckets of a few tensors, as the actor sends them
-            bucket = named[lo : lo + 4]
+            bucket = [(name, t.to(device)) for name, t in named[lo : lo + 4]]
             engine.update_weights_from_tensors(ipc_payload(bucket) if as_ipc else bucket)
         return engine.weight_changes()
 

@@ -23,7 +23,7 @@ BLOCK_BYTES = 1024
 _BITS = {1: 8, 2: 16, 4: 32, 8: 64}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compilation for every tensor size
 def _copy_count_kernel(
     dst_ptr, src_ptr, bits_ptr, counts_ptr, n, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr
 ):

@@ -301,7 +301,8 @@ class RunFields(WorkerFields):
     hints: bool = True
     """Say once, on the terminal and in RUN_DIR/logs/driver.log, why a run that is not learning may not
     be: sampling weights that barely change, rewards without signal, a critic that explains nothing,
-    responses cut short, each with what was measured and the flag to change (docs/troubleshooting.md)."""
+    responses cut short, each with what was measured and the flag to change (docs/troubleshooting.md).
+    Off: not said (events.jsonl still records them)."""
 
     # --- experiment trackers (extras tandem-ppo-driver[wandb] and [mlflow]) --------------------
     use_wandb: bool = False

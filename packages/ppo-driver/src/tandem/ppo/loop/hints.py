@@ -5,8 +5,8 @@ the loaded weights are, for the lr hint's spacing), replays a resumed run's earl
 that a hint said before the resume is not said again, and after each step gives
 `run.health.RunHealth` the step's figures and two responses of prompts whose samples tied.
 Each hint is one warning line of the `tandem.ppo.hints` logger (the terminal and
-RUN_DIR/logs/driver.log) and a `hint` event; `--no-hints` keeps them quiet (the figures
-and `critic/explained_variance_window` stay).
+RUN_DIR/logs/driver.log) and a `hint` event; `--no-hints` keeps them off the terminal and
+driver.log (the events, the figures and `critic/explained_variance_window` stay).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tandem.ppo.engines import EmbeddedEngine, EngineMemoryReleasedError, EngineOptions, ipc_payload
-from tandem.ppo.engines._weight_changes import count_and_copy, weight_magnitudes
+from tandem.ppo.engines._weight_changes import _count_with_torch, count_and_copy, weight_magnitudes
 
 from .conftest import make_tiny_model
 
@@ -31,9 +31,11 @@ def _changed_positions(size: int, positions: list[int]) -> set[int]:
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     rounds=st.lists(st.lists(st.integers(0, 10_000), max_size=12), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
+    # The CPU's NumPy path, and the torch path of other devices (here on CPU tensors).
+    path=st.sampled_from([count_and_copy, _count_with_torch]),
 )
 def test_count_and_copy_counts_the_positions_that_change(
-    size: int, dtype: torch.dtype, rounds: list[list[int]], seed: int
+    size: int, dtype: torch.dtype, rounds: list[list[int]], seed: int, path: Any
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(size, generator=g).to(dtype)
@@ -46,7 +48,7 @@ def test_count_and_copy_counts_the_positions_that_change(
         for p in changed:
             source[p] = source[p] + 1.0  # |w| < 2**8 and a step of 1: another bf16 value too
         before = counts.clone()
-        count_and_copy(target, source, bits, counts)
+        path(target, source, bits, counts)
         assert torch.equal(target, source)
         # This copy's changes, and the positions changed for the first time.
         assert int(counts[0] - before[0]) == len(changed)

@@ -15,16 +15,20 @@ weights and moves to the host with them when the engine releases its memory.
 The counts stay on the device until `take` (one read per sync, after it). On CUDA
 one Triton kernel per tensor compares, packs the bits, counts and copies
 (`_weight_change_kernel.py`); elsewhere, and for tensors the kernel does not take
-(not contiguous), `count_and_copy` does the same with torch operations, in slices.
+(not contiguous, not floating point), `count_and_copy` does the same in slices: with
+NumPy on the CPU (torch's small operations there cost many times the copy), with torch
+operations on another device.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["ChangeCounter", "WeightChanges", "count_and_copy", "weight_magnitudes"]
@@ -80,6 +84,52 @@ def count_and_copy(
         count_and_copy(staged, source, bits, counts)
         target.copy_(staged)
         return
+    if target.device.type == "cpu":
+        _count_on_the_host(target, source, bits, counts)
+    else:
+        _count_with_torch(target, source, bits, counts)
+
+
+def _count_on_the_host(
+    target: torch.Tensor, source: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """`count_and_copy` of a contiguous CPU `target`, compared, packed, counted and copied by NumPy
+    (on two busy cores, a slice's torch comparison took 33 ms where NumPy's took 2)."""
+    flat = target.view(-1)
+    incoming = source.reshape(-1)
+    as_bits = np.dtype(f"int{8 * target.element_size()}")
+    changed_now = fresh = 0
+    for start in range(0, flat.numel(), SLICE_ELEMENTS):
+        stop = min(start + SLICE_ELEMENTS, flat.numel())
+        new = incoming[start:stop].to(dtype=target.dtype).contiguous()
+        old_bits, new_bits = _host_view(flat[start:stop], as_bits), _host_view(new, as_bits)
+        changed = old_bits != new_bits
+        packed = np.packbits(changed, bitorder="little")  # element i of a byte is its bit i
+        mask = _host_view(bits[start // 8 : start // 8 + packed.size], np.dtype(np.uint8))
+        changed_now += int(np.count_nonzero(changed))
+        fresh += int(np.count_nonzero(np.unpackbits(packed & ~mask)))
+        mask |= packed
+        old_bits[:] = new_bits
+    counts += torch.tensor([changed_now, fresh], dtype=torch.int64)
+
+
+def _host_view(tensor: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    """A NumPy array over a contiguous CPU tensor's memory, valid while the tensor lives.
+
+    Made from the address, not with `Tensor.numpy()`: a storage that NumPy was handed through torch
+    can no longer be resized, and the engine frees its weights' storages (and the bitmask's) at
+    every release of its memory.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer((ctypes.c_byte * nbytes).from_address(tensor.data_ptr()), dtype=dtype)
+
+
+def _count_with_torch(
+    target: torch.Tensor, source: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """`count_and_copy` of a contiguous `target` on any device, with torch operations."""
     flat = target.view(-1)
     incoming = source.reshape(-1)
     as_bits = _BITS_OF[target.element_size()]
@@ -138,7 +188,7 @@ class ChangeCounter:
         key = id(target)
         offset = self._offset[key]
         bits = self.bits[offset : offset + math.ceil(self._numel[key] / 8)]
-        if self._kernel is not None and target.is_contiguous():
+        if self._kernel is not None and target.is_contiguous() and target.is_floating_point():
             incoming = (
                 source if source.device == target.device else source.to(target.device, non_blocking=True)
             )

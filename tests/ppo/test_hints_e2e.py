@@ -50,6 +50,9 @@ def test_a_run_that_cannot_learn_is_told_why_once(
         critic_lr=0.0,
         rollout_max_response_len=2,
         custom_rm_path=f"{reward}:prompt_reward",
+        # Half the demo's prompts, and the models resident: the hints need steps, not their size.
+        rollout_batch_size=8,
+        offload_train=False,
         eval_interval=None,
         save_interval=None,
         export_hf=False,

@@ -329,6 +329,7 @@ def train_actor(
         | ({"entropy"} if config.entropy_coef <= 0 else set())
         | ({"tis_weight"} if not config.use_tis else set())
         | ({"tis_masked_frac"} if not (config.use_tis and config.tis_mode == "seq_mask") else set())
+        | ({"sampler_log_prob_gap"} if batch.rollout_log_probs is None else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
         | ({"values_mean"} if not config.estimator.needs_critic else set())
         | ({"returns_mean"} if config.estimator.per_sample else set())

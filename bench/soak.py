@@ -210,7 +210,7 @@ def soak_driver_class() -> type:
     """PPODriver that records what each process holds after every step, and stops itself after `stop_after`."""
     import ray
 
-    from tandem.ppo.driver import PPODriver
+    from tandem.ppo.loop.driver import PPODriver
 
     class SoakDriver(PPODriver):
         start_index: int
@@ -308,8 +308,8 @@ def _numbers(stats: dict[str, Any] | None) -> dict[str, Any]:
 
 def run_start(values: dict[str, Any], start_index: int, stop_after: int | None, out_path: Path) -> int:
     """One start of the run: the driver from the run folder's checkpoint, until `stop_after` or the end."""
-    from tandem.ppo.config_file import unvalidated
-    from tandem.ppo.run_log import Interrupted
+    from tandem.ppo.config.file import unvalidated
+    from tandem.ppo.run.log import Interrupted
 
     driver = soak_driver_class()(unvalidated(values))
     driver.start_index, driver.stop_after = start_index, stop_after

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.megatron.worker.checkpoint_folder import save_folder
-from tandem.megatron.worker.checkpoint_manifest import MANIFEST, checkpoint_bytes, verify_checkpoint
+from tandem.megatron.runtime.checkpoint_folder import save_folder
+from tandem.megatron.runtime.checkpoint_manifest import MANIFEST, checkpoint_bytes, verify_checkpoint
 
 
 def _save(root: Path, rollout_id: int) -> Path:

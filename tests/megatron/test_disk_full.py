@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.megatron.worker.checkpoint_folder import DiskFull, read_latest, save_folder
+from tandem.megatron.runtime.checkpoint_folder import DiskFull, read_latest, save_folder
 
 
 def _writer(size: int):  # type: ignore[no-untyped-def]
@@ -54,7 +54,7 @@ _ON_A_FULL_TMPFS = """
 import json, subprocess, sys
 from pathlib import Path
 import torch
-from tandem.megatron.worker.checkpoint_folder import DiskFull, read_latest, save_folder
+from tandem.megatron.runtime.checkpoint_folder import DiskFull, read_latest, save_folder
 root = Path(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
 def writer(numel):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.ppo.cli import COMMANDS, run
+from tandem.ppo.app.cli import COMMANDS, run
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

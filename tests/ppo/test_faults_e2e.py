@@ -50,7 +50,7 @@ def demo_command(
     if action is not None:
         env["TANDEM_FAULT_ACTION"] = action
     command = [
-        sys.executable, "-m", "tandem.ppo.cli", "demo", "--run-dir", str(run_dir), "--no-progress",
+        sys.executable, "-m", "tandem.ppo.app.cli", "demo", "--run-dir", str(run_dir), "--no-progress",
         "--eval-interval", "1000", "--no-tensorboard", "--no-export-hf", *flags,
     ]  # fmt: skip
     return command, env
@@ -148,7 +148,7 @@ def test_a_run_killed_during_saves_resumes_from_the_last_complete_rollout(tmp_pa
 
 
 def test_sigterm_unreadable_checkpoints_and_a_full_disk_in_one_run_folder(tmp_path: Path) -> None:
-    from tandem.megatron.worker.checkpoint_folder import read_latest
+    from tandem.megatron.runtime.checkpoint_folder import read_latest
 
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"

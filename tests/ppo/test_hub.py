@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tandem.ppo._demo import build_base_model, write_task
-from tandem.ppo.hub import looks_like_hub_id, resolve_model_path
+from tandem.ppo.config.hub import looks_like_hub_id, resolve_model_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -44,7 +44,7 @@ def test_hub_id_resolves_to_the_cached_snapshot_offline(hub_cache: Path, tmp_pat
     train, _ = write_task(tmp_path / "data")
     code = (
         "from tandem.ppo._demo import DEMO_DEFAULTS\n"
-        "from tandem.ppo.config_file import parse_config\n"
+        "from tandem.ppo.config.file import parse_config\n"
         f"c = parse_config(['--hf-checkpoint', 'tandem-test/tiny-llama', '--prompt-data', {str(train)!r},"
         f" '--run-dir', {str(tmp_path / 'run')!r}, '--eval-interval', 'None'], base=DEMO_DEFAULTS)\n"
         "print(c.hf_checkpoint)\n"
@@ -60,7 +60,7 @@ def test_unknown_hub_id_offline_is_refused_naming_the_flag(hub_cache: Path, tmp_
     train, _ = write_task(tmp_path / "data")
     code = (
         "import sys\n"
-        "from tandem.ppo.cli import run\n"
+        "from tandem.ppo.app.cli import run\n"
         f"sys.exit(run(['train', '--hf-checkpoint', 'tandem-test/no-such-model', '--prompt-data', {str(train)!r}]))\n"
     )
     proc = _offline(hub_cache, code)
@@ -78,7 +78,7 @@ def test_local_paths_are_never_looked_up(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)
     assert resolve_model_path("org/name") == "org/name"
     # A missing path is no hub id: the folder checks say "folder missing", and the hub id to give instead.
-    from tandem.ppo.preflight import check_model_folder
+    from tandem.ppo.rollout.preflight import check_model_folder
 
     for path in ("./runs/x", str(tmp_path / "abs" / "x"), "org/other"):  # org/ exists: a path
         assert resolve_model_path(path) == path
@@ -98,7 +98,7 @@ def test_a_missing_folder_that_looks_like_a_hub_id_says_both(hub_cache: Path, tm
     code = (
         "import os, sys\n"
         f"os.chdir({str(tmp_path)!r})\n"
-        "from tandem.ppo.hub import resolve_model_path\n"
+        "from tandem.ppo.config.hub import resolve_model_path\n"
         "resolve_model_path('models/Qwen2.5-0.5B-Instruct')\n"
     )
     proc = _offline(hub_cache, code)
@@ -113,7 +113,7 @@ def test_a_missing_folder_that_looks_like_a_hub_id_says_both(hub_cache: Path, tm
 
 
 def test_eval_resolves_hub_ids_as_train_does(hub_cache: Path) -> None:
-    code = "from tandem.ppo.evaluate import resolve_model_dir\nprint(resolve_model_dir('tandem-test/tiny-llama'))\n"
+    code = "from tandem.ppo.app.evaluate import resolve_model_dir\nprint(resolve_model_dir('tandem-test/tiny-llama'))\n"
     proc = _offline(hub_cache, code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = Path(proc.stdout.strip().splitlines()[-1])

@@ -26,9 +26,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.worker.checkpoint_folder import MARKER, iteration_dir, read_latest
-from tandem.ppo.run_checkpoint import ModelFolders, find_resume_point, set_aside
-from tandem.ppo.state import load_state
+from tandem.megatron.runtime.checkpoint_folder import MARKER, iteration_dir, read_latest
+from tandem.ppo.run.checkpoint import ModelFolders, find_resume_point, set_aside
+from tandem.ppo.run.state import load_state
 
 SCRIPTS = Path(__file__).parent / "_scripts"
 ROLES = ("critic", "actor")
@@ -182,9 +182,9 @@ def test_a_rollout_left_only_as_its_old_folder_is_complete_and_renamed_back(tmp_
 
 def save_rollouts(run_dir: Path, rollouts: range) -> None:
     """Rollouts saved as a run saves them (`save_run_checkpoint`, `save_folder`: each with its manifest)."""
-    from tandem.megatron.worker.checkpoint_folder import save_folder
-    from tandem.ppo.run_checkpoint import save_run_checkpoint
-    from tandem.ppo.state import DriverState
+    from tandem.megatron.runtime.checkpoint_folder import save_folder
+    from tandem.ppo.run.checkpoint import save_run_checkpoint
+    from tandem.ppo.run.state import DriverState
 
     def model_save(role: str, k: int) -> None:
         def write(staging: Path) -> None:
@@ -271,7 +271,7 @@ def test_keep_checkpoints_removes_the_older_complete_rollouts_of_this_runs_own_f
     """`--keep-checkpoints 2`: once a save completes, the run's complete rollouts beyond its newest two go
     (every part: both models and the driver's state), and a load folder of another run is never touched.
     Without the option every checkpoint stays (a 0.5B actor and critic take about 14 GB a save)."""
-    from tandem.ppo.run_checkpoint import prune_checkpoints
+    from tandem.ppo.run.checkpoint import prune_checkpoints
 
     save_rollouts(tmp_path, range(5))
     write_checkpoint(tmp_path / "critic", 7, complete=False, suffix=".partial")  # a crashed save: left alone
@@ -301,11 +301,11 @@ def test_a_save_is_refused_before_it_writes_where_the_last_checkpoints_would_not
 ) -> None:
     """Known after the first save: the next needs about as much as the last took (both models and the
     driver's state, on one device here); with less free, it is refused before anything is written."""
-    from tandem.megatron.worker.checkpoint_folder import DiskFull
-    from tandem.megatron.worker.checkpoint_manifest import checkpoint_bytes
-    from tandem.ppo import run_checkpoint
-    from tandem.ppo.run_checkpoint import check_free_space
-    from tandem.ppo.state import state_dir
+    from tandem.megatron.runtime.checkpoint_folder import DiskFull
+    from tandem.megatron.runtime.checkpoint_manifest import checkpoint_bytes
+    from tandem.ppo.run import checkpoint as run_checkpoint
+    from tandem.ppo.run.checkpoint import check_free_space
+    from tandem.ppo.run.state import state_dir
 
     folders = [tmp_path / "critic", tmp_path / "actor", state_dir(tmp_path)]
     check_free_space(folders)  # nothing saved yet: nothing known
@@ -332,7 +332,7 @@ def test_a_save_is_refused_before_it_writes_where_the_last_checkpoints_would_not
 def test_a_driver_state_that_hits_enospc_is_a_full_disk_and_leaves_no_partial_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tandem.megatron.worker.checkpoint_folder import DiskFull
+    from tandem.megatron.runtime.checkpoint_folder import DiskFull
 
     save_rollouts(tmp_path, range(1))
     monkeypatch.setenv("TANDEM_FAULT_POINT", "driver_state.written:rollout_id=1")
@@ -348,8 +348,8 @@ def test_a_driver_state_that_hits_enospc_is_a_full_disk_and_leaves_no_partial_fi
 
 
 def test_a_full_disk_is_one_line_and_exit_1() -> None:
-    from tandem.megatron.worker.checkpoint_folder import DiskFull
-    from tandem.ppo.errors import failure_line
+    from tandem.megatron.runtime.checkpoint_folder import DiskFull
+    from tandem.ppo.run.errors import failure_line
 
     full = DiskFull(Path("/run/critic"), 3_000_000_000, 1_000_000_000, 4, estimate=True)
     assert failure_line(full) == (1, str(full))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.ppo.run_log import RunSummary
+from tandem.ppo.run.log import RunSummary
 
 
 def _lines(run_dir: Path) -> dict[str, str]:
@@ -30,8 +30,8 @@ def test_a_driver_state_holds_the_last_steps_metrics_and_a_resume_reads_the_rest
     metrics.jsonl holds them already."""
     import json
 
-    from tandem.ppo.metrics import MetricsLogger
-    from tandem.ppo.state import DriverState, metrics_before, save_state
+    from tandem.ppo.run.metrics import MetricsLogger
+    from tandem.ppo.run.state import DriverState, metrics_before, save_state
 
     history = [
         {"reward/mean": k / 10, "critic/explained_variance": float("nan") if k == 2 else 0.5}

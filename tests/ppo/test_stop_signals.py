@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo.loop import run_loop
-from tandem.ppo.run_log import Interrupted
+from tandem.ppo.loop.run_loop import run_loop
+from tandem.ppo.run.log import Interrupted
 
 
 class Steps:

@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tandem.ppo.app.pretrained import cache_root, cached_model, fetch_model, model_info
+
 QUESTION = "What is {a} plus {b}? Answer with a single number, nothing else."
 """The user's message for the pair (a, b)."""
 
@@ -82,8 +84,6 @@ def prepare_sums_demo(
     folder), SmolLM2 is never fetched: a model not in the cache yet is a ValueError naming the command
     that fetches it.
     """
-    from tandem.ppo.pretrained import cache_root, cached_model, fetch_model, model_info
-
     base = Path(root if root is not None else values.get("run_dir", SUMS_DEFAULTS["run_dir"]))
     filled = dict(values)
     if not filled.get("hf_checkpoint"):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.worker.checkpoint_folder import (
+from tandem.megatron.runtime.checkpoint_folder import (
     MARKER,
     begin_save,
     commit_save,
@@ -36,7 +36,7 @@ from tandem.megatron.worker.checkpoint_folder import (
     read_latest,
     save_folder,
 )
-from tandem.megatron.worker.checkpoint_manifest import verify_checkpoint
+from tandem.megatron.runtime.checkpoint_manifest import verify_checkpoint
 
 __all__ = [
     "MARKER",

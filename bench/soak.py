@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import signal
@@ -57,130 +56,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-RUN_FOLDER_KEY = "run_dir_bytes"
-"""The one series fitted over the whole run (the folder carries over from start to start)."""
-
-
-# --- fits --------------------------------------------------------------------------------------
-
-
-def fit(points: list[tuple[int, float, int]]) -> dict[str, Any] | None:
-    """One slope for (step, value, start) points, an intercept per start; per 100 steps, with its
-    standard error, R² within starts, and its share of the mean. None with fewer than 3 points."""
-    by_start: dict[int, list[tuple[int, float]]] = {}
-    for step, value, start in points:
-        by_start.setdefault(start, []).append((step, value))
-    sxx = sxy = 0.0
-    centred: list[tuple[float, float]] = []
-    for pts in by_start.values():
-        mx = sum(x for x, _ in pts) / len(pts)
-        my = sum(y for _, y in pts) / len(pts)
-        centred += [(x - mx, y - my) for x, y in pts]
-    for dx, dy in centred:
-        sxx += dx * dx
-        sxy += dx * dy
-    n, dof = len(centred), len(centred) - 1 - len(by_start)
-    if n < 3 or sxx == 0 or dof < 1:
-        return None
-    slope = sxy / sxx
-    residual = sum((dy - slope * dx) ** 2 for dx, dy in centred)
-    total = sum(dy * dy for _, dy in centred)
-    stderr = math.sqrt(residual / dof / sxx)
-    mean = sum(v for _, v, _ in points) / len(points)
-    return {
-        "per_100_steps": 100 * slope,
-        "stderr_per_100_steps": 100 * stderr,
-        "share_of_mean_per_100_steps": 100 * (100 * slope) / mean if mean else None,
-        "r2": 1 - residual / total if total else None,
-        "points": n,
-        "starts": len(by_start),
-        "mean": mean,
-    }
-
-
-def series(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, int]]]:
-    """Every numeric leaf of the records' `values` as (step, value, start) points, by dotted key."""
-    out: dict[str, list[tuple[int, float, int]]] = {}
-
-    def walk(prefix: str, node: Any, step: int, start: int) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else k, v, step, start)
-        elif isinstance(node, int | float) and not isinstance(node, bool) and math.isfinite(node):
-            out.setdefault(prefix, []).append((step, float(node), start))
-
-    for r in records:
-        walk("", r["values"], r["step"], r["start"])
-    return out
-
-
-def slopes(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """Each series' `fit`: within starts after their first `warmup` steps; the run folder over the run."""
-    first = {}
-    for r in records:
-        first.setdefault(r["start"], r["step"])
-    fits: dict[str, Any] = {}
-    for key, points in sorted(series(records).items()):
-        if key == RUN_FOLDER_KEY:
-            fits[key] = fit([(s, v, 0) for s, v, _ in points])
-            continue
-        kept = [(s, v, st) for s, v, st in points if s >= first[st] + warmup]
-        fits[key] = fit(kept)
-        if fits[key] is not None:
-            each = {st: fit([p for p in kept if p[2] == st]) for st in sorted({p[2] for p in kept})}
-            fits[key]["per_start_per_100_steps"] = {st: f and f["per_100_steps"] for st, f in each.items()}
-    return fits
-
-
-# --- what a process holds (Linux /proc; no dependency) ------------------------------------------
-
-
-def proc_stats(pid: int) -> dict[str, Any] | None:
-    """RSS bytes, open file descriptors and threads of process `pid`, and its name; None if it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    rss_kib = int(fields.get("VmRSS", "0 kB").split()[0])
-    return {
-        "rss": rss_kib * 1024,
-        "fds": fds,
-        "threads": int(fields["Threads"]),
-        "name": cmdline.strip()[:80],
-    }
-
-
-def descendants(root: int) -> list[int]:
-    """The pids below `root` in the process tree (Ray's daemons and workers below the driver)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [p for p, pp in parent.items() if pp == pid]
-        found += children
-        frontier += children
-    return found
-
-
-def folder_bytes(path: Path) -> int:
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except OSError:
-                continue
-    return total
+from soak_stats import RUN_FOLDER_KEY, descendants, folder_bytes, kind_of, proc_stats, slopes, summary  # noqa: E402
 
 
 def inside_worker(actor: Any) -> dict[str, Any]:
@@ -215,37 +91,54 @@ def soak_driver_class() -> type:
     class SoakDriver(PPODriver):
         start_index: int
         stop_after: int | None
+        trace: bool
+        warmup: int
         out: Any
         gpu: dict[str, dict[str, Any]]
 
+        def setup(self) -> None:
+            self.gpu = {}
+            super().setup()
+            if self.complete:
+                return
+            # Every wake and sleep goes through the roles' owner: each model's GPU memory right after it
+            # wakes and sleeps, the engines' right after they release theirs.
+            gpus, wake, sleep = self.gpus, self.gpus.wake, self.gpus.sleep
+
+            def woken(role: Any) -> None:
+                wake(role)
+                if role in ("actor", "critic"):
+                    self._gpu_of("awake", self._handles_of(role))
+
+            def put_to_sleep(role: Any) -> None:
+                sleep(role)
+                if role in ("actor", "critic", "engine"):
+                    self._gpu_of("released" if role == "engine" else "asleep", self._handles_of(role))
+
+            gpus.wake, gpus.sleep = woken, put_to_sleep  # type: ignore[method-assign]
+
+        def _handles_of(self, role: str) -> dict[str, Any]:
+            if role == "engine":
+                return {f"engine-{r}": h for r, h in enumerate(self.engines.handles)}
+            return {f"{role}-{r}": h for r, h in enumerate(self.gpus.group(role).workers)}  # type: ignore[arg-type]
+
         def _workers(self) -> dict[str, Any]:
-            named = {f"{g.role}-{r}": h for g in self._models() for r, h in enumerate(g.workers)}
-            named |= {f"engine-{r}": h for r, h in enumerate(self.engines.handles)}
-            return named
+            named: dict[str, Any] = {}
+            for group in self.gpus.models():
+                named |= self._handles_of(group.role)
+            return named | self._handles_of("engine")
 
         def _inside(self, handles: dict[str, Any]) -> dict[str, Any]:
             refs = {name: h.__ray_call__.remote(inside_worker) for name, h in handles.items()}
             return {name: ray.get(ref, timeout=300) for name, ref in refs.items()}
 
-        def _gpu_of(self, role: str, when: str, handles: dict[str, Any]) -> None:
+        def _gpu_of(self, when: str, handles: dict[str, Any]) -> None:
             for name, found in self._inside(handles).items():
                 if "gpu_allocated" in found:
                     self.gpu.setdefault(name, {})[when] = {
                         "allocated": found["gpu_allocated"],
                         "reserved": found["gpu_reserved"],
                     }
-
-        def _wake(self, group: Any) -> None:
-            super()._wake(group)
-            self._gpu_of(group.role, "awake", {f"{group.role}-{r}": h for r, h in enumerate(group.workers)})
-
-        def _sleep(self, group: Any) -> None:
-            super()._sleep(group)
-            self._gpu_of(group.role, "asleep", {f"{group.role}-{r}": h for r, h in enumerate(group.workers)})
-
-        def _release_engines(self) -> None:
-            super()._release_engines()
-            self._gpu_of("engine", "released", {f"engine-{r}": h for r, h in enumerate(self.engines.handles)})
 
         def step(self, rollout_id: int, sampled: Any = None, *, start_next: Any = None) -> dict[str, Any]:
             self.gpu = {}
@@ -264,10 +157,23 @@ def soak_driver_class() -> type:
             record = {"start": self.start_index, "step": rollout_id, "t": time.time(), "values": values}
             self.out.write(json.dumps(record) + "\n")
             self.out.flush()
+            first = self.start_rollout_id
+            if self.trace and rollout_id == first + self.warmup:
+                # Python's allocations from the end of the warm-up on, in the driver and each worker.
+                start_tracing(None)
+                for handle in self._workers().values():
+                    ray.get(handle.__ray_call__.remote(start_tracing), timeout=300)
+            last = self.stop_after if self.stop_after is not None else self.config.num_rollout - 1
+            if self.trace and rollout_id == last and rollout_id > first + self.warmup:
+                grown = {"driver": traced_growth(None)}
+                for name, handle in self._workers().items():
+                    grown[name] = ray.get(handle.__ray_call__.remote(traced_growth), timeout=300)
+                trace = {"start": self.start_index, "from_step": first + self.warmup, "to_step": rollout_id}
+                self.out.write(json.dumps({"trace": trace | {"grown": grown}}) + "\n")
+                self.out.flush()
             if self.stop_after is not None and rollout_id == self.stop_after:
-                os.kill(
-                    os.getpid(), signal.SIGTERM
-                )  # as a scheduler would: the loop saves this step, then stops
+                # As a scheduler would: the loop saves this step, then stops.
+                os.kill(os.getpid(), signal.SIGTERM)
             return metrics
 
         def _host(self, workers: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -275,6 +181,7 @@ def soak_driver_class() -> type:
             known = {found["pid"]: name for name, found in workers.items()}
             host: dict[str, Any] = {"driver": _numbers(proc_stats(me))}
             ray_own = {"rss": 0, "fds": 0, "threads": 0, "processes": 0}
+            by_kind: dict[str, int] = {}
             for pid in descendants(me):
                 stats = proc_stats(pid)
                 if stats is None:
@@ -289,7 +196,9 @@ def soak_driver_class() -> type:
                     for k in ("rss", "fds", "threads"):
                         ray_own[k] += stats[k]
                     ray_own["processes"] += 1
-            host["ray"] = ray_own
+                    kind = kind_of(stats["name"])
+                    by_kind[kind] = by_kind.get(kind, 0) + stats["rss"]
+            host["ray"] = ray_own | {"rss_by_process": by_kind}
             host["total"] = {
                 k: sum(v.get(k) or 0 for v in host.values() if isinstance(v, dict))
                 for k in ("rss", "fds", "threads")
@@ -302,17 +211,47 @@ def soak_driver_class() -> type:
     return SoakDriver
 
 
+def start_tracing(actor: Any) -> int:
+    """Run in a process (through `__ray_call__`, or directly): trace Python's allocations from now on."""
+    import tracemalloc
+
+    tracemalloc.start(8)
+    return os.getpid()
+
+
+def traced_growth(actor: Any, top: int = 12) -> list[str]:
+    """Run in a process: the lines whose Python allocations grew most since `start_tracing`, then stop."""
+    import tracemalloc
+
+    if not tracemalloc.is_tracing():
+        return []
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [
+            tracemalloc.Filter(False, tracemalloc.__file__),
+            tracemalloc.Filter(False, "<frozen importlib._bootstrap>"),
+        ]
+    )
+    tracemalloc.stop()
+    stats = snapshot.statistics("lineno")[:top]
+    return [
+        f"{s.traceback[0].filename}:{s.traceback[0].lineno}: {s.size / 1024:.0f} KiB in {s.count} blocks"
+        for s in stats
+    ]
+
+
 def _numbers(stats: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (stats or {}).items() if k != "name"}
 
 
-def run_start(values: dict[str, Any], start_index: int, stop_after: int | None, out_path: Path) -> int:
+def run_start(spec: dict[str, Any]) -> int:
     """One start of the run: the driver from the run folder's checkpoint, until `stop_after` or the end."""
     from tandem.ppo.config.file import unvalidated
     from tandem.ppo.run.log import Interrupted
 
-    driver = soak_driver_class()(unvalidated(values))
-    driver.start_index, driver.stop_after = start_index, stop_after
+    driver = soak_driver_class()(unvalidated(spec["values"]))
+    driver.start_index, driver.stop_after = spec["index"], spec["stop_after"]
+    driver.trace, driver.warmup = spec["trace"], spec["warmup"]
+    out_path = Path(spec["samples"])
     with out_path.open("a") as out:
         driver.out = out
         try:
@@ -371,13 +310,19 @@ def main(argv: list[str] | None = None) -> int:
         help="12 steps, a save every 2, one resume (with --shape: its CPU smoke model)",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="the run's folder (default: a temp dir)")
+    parser.add_argument(
+        "--trace-python",
+        action="store_true",
+        help="trace Python's allocations (tracemalloc) in the driver and each worker after the warm-up, and "
+        "report the lines that grew most by each start's end (slower: a diagnosis, not a measurement)",
+    )
     parser.add_argument("--start", default=None, help=argparse.SUPPRESS)  # internal: one start's JSON
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if args.start is not None:
         spec = json.loads(args.start)
-        return run_start(spec["values"], spec["index"], spec["stop_after"], Path(spec["samples"]))
+        return run_start(spec)
     if args.quick:
         args.steps, args.save_interval, args.resumes, args.warmup = 12, 2, 1, 2
     started = time.time()
@@ -392,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     for index, last in enumerate(bounds):
         stop_after = last if index < args.resumes else None
         spec = {"values": values, "index": index, "stop_after": stop_after, "samples": str(samples)}
+        spec |= {"trace": args.trace_python, "warmup": args.warmup}
         t0 = time.time()
         proc = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--start", json.dumps(spec)])
         starts.append(
@@ -399,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if proc.returncode != 0:
             break
-    records = [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else []
+    lines = [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else []
+    records = [r for r in lines if "trace" not in r]
     report = {
         "bench": "soak",
         "command": "python bench/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -418,27 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         "steps_recorded": len(records),
         "samples": str(samples),
         "slopes": slopes(records, args.warmup),
+        "python_allocations_grown": [r["trace"] for r in lines if "trace" in r],
     }
     args.out.write_text(json.dumps(report, indent=2))
     print(summary(report))
     return 0 if all(s["exit"] == 0 for s in starts) and len(records) == args.steps else 1
-
-
-def summary(report: dict[str, Any]) -> str:
-    """The slopes as a markdown table (the series that matter: totals, each process, GPU, the folder)."""
-    lines = ["| series | mean | per 100 steps | ± (1 s.e.) | % of mean | R² |", "|---|---|---|---|---|---|"]
-    for key, f in report["slopes"].items():
-        if f is None or key.endswith(".pid") or ".processes" in key:
-            continue
-        mib = any(w in key for w in ("rss", "bytes", "allocated", "reserved", "buffers"))
-        scale, unit = (2**20, " MiB") if mib else (1, "")
-        share = f["share_of_mean_per_100_steps"]
-        lines.append(
-            f"| {key} | {f['mean'] / scale:.2f}{unit} | {f['per_100_steps'] / scale:+.3f}{unit} | "
-            f"{f['stderr_per_100_steps'] / scale:.3f} | {'' if share is None else f'{share:+.2f} %'} | "
-            f"{'' if f['r2'] is None else f'{f["r2"]:.2f}'} |"
-        )
-    return "\n".join(lines)
 
 
 def _commit() -> str | None:

@@ -1,6 +1,7 @@
-"""bench/soak.py's arithmetic and sampler: a slope is found per start (each start's own intercept) and
-over the run for the run folder, given per 100 steps; the /proc sampler sees this process and its child.
-The soak itself runs the driver for hundreds of steps (docs/benchmarks.md): not a CI test."""
+"""bench/soak.py's arithmetic and sampler (bench/soak_stats.py): a slope is found per start (each start's
+own intercept) and over the run for the run folder, given per 100 steps; the /proc sampler sees this
+process and its child. The soak itself runs the driver for hundreds of steps (docs/benchmarks.md): not a
+CI test."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import soak  # noqa: E402
+import soak_stats as soak  # noqa: E402
 
 
 @given(

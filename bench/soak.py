@@ -21,15 +21,18 @@ left out: allocator caches and lazy imports fill then), and one slope for all st
 folder's slope is fitted over the whole run, since the folder carries over. Slopes are
 given per 100 steps, with their standard error and their share of the series' mean.
 
-CPU, the demo (a tiny model; 500 steps, a save every 10, two resumes; about an hour on
-two cores; run it alone):
+CPU, the demo (a tiny model; 500 steps, a save every 10, two resumes; about 7 minutes on
+two cores):
 
     nice -n 10 ./uvw run python bench/soak.py --steps 500 --save-interval 10 --resumes 2 --out docs/results/soak_cpu.json
 
 One H200, the 0.5B bench shape (`bench/ppo_gpu_bench.py`'s defaults: 256 prompts x 128
-tokens, 512-token responses, KL loss), shared:
+tokens, 512-token responses, KL loss), shared, a start a call (`--only-start 0`, then 1, ...,
+the same `--workdir` each time; a call's report covers the starts so far), the last
+checkpoint kept only (14 GB a save, on a 64 GB disk); docs/benchmarks.md says what each
+takes:
 
-    source .gpu-kit/setup.sh && python3 bench/soak.py --shape qwen2.5-0.5b --steps 200 --save-interval 10 --resumes 1 --out "$OUT/soak_h200.json"
+    source .gpu-kit/setup.sh && python3 bench/soak.py --shape qwen2.5-0.5b --steps 200 --save-interval 25 --resumes 4 --keep-checkpoints 1 --workdir runs/soak-h200 --out "$OUT/soak_h200.json" --only-start 0
 
 Quick CPU smoke runs (12 steps, one resume), of the demo and of the GPU path (the GPU bench's
 CPU smoke model in its shared mode):
@@ -45,6 +48,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,7 +274,12 @@ def run_start(spec: dict[str, Any]) -> int:
 def run_values(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The PPOConfig fields of the soaked run: the demo's, or the GPU bench's shared mode of `--shape`."""
     run_dir = work / "run"
-    common = {"num_rollout": args.steps, "save_interval": args.save_interval, "progress": False}
+    common = {
+        "num_rollout": args.steps,
+        "save_interval": args.save_interval,
+        "keep_checkpoints": args.keep_checkpoints,
+        "progress": False,
+    }
     if args.shape is None:
         from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 
@@ -305,6 +314,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=10, help="steps of each start left out of its fit")
     parser.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=None,
+        help="the run's --keep-checkpoints (a 0.5B actor and critic take about 14 GB a save)",
+    )
+    parser.add_argument(
+        "--only-start",
+        type=int,
+        default=None,
+        help="run this start alone (0 .. --resumes), e.g. one a call where a call's time is bounded: the same "
+        "--workdir and --out each time; the report covers the starts so far",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="12 steps, a save every 2, one resume (with --shape: its CPU smoke model)",
@@ -326,15 +348,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.save_interval, args.resumes, args.warmup = 12, 2, 1, 2
     started = time.time()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="soak-"))
-    work.mkdir(parents=True, exist_ok=True)
-    values = run_values(args, work)
-    samples = args.out.with_name(args.out.stem + "_samples.jsonl")
-    samples.unlink(missing_ok=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     bounds = [round(args.steps * (i + 1) / (args.resumes + 1)) - 1 for i in range(args.resumes + 1)]
-    starts = []
+    only = args.only_start
+    if only is not None and not 0 <= only < len(bounds):
+        parser.error(f"--only-start: got {only}; it must lie in [0, --resumes = {args.resumes}]")
+    if only and args.workdir is None:
+        parser.error("--only-start after 0 needs the --workdir of the starts before")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="soak-"))
+    # What the starts record lives in the run's folder, which outlasts a call (--only-start); each call
+    # writes the report and a copy of the samples beside --out.
+    samples, started_before = work / "soak_samples.jsonl", work / "soak_starts.json"
+    if only:
+        done = max((json.loads(line).get("step", -1) for line in _lines(samples)), default=-1)
+        if done != bounds[only - 1]:
+            parser.error(
+                f"--only-start {only}: {samples} records steps up to {done}, and start {only} follows step "
+                f"{bounds[only - 1]}; run the starts before it first, with the same --workdir"
+            )
+        values = json.loads((work / "soak_values.json").read_text())
+        starts = json.loads(started_before.read_text()) if started_before.is_file() else []
+    else:
+        work.mkdir(parents=True, exist_ok=True)
+        values = run_values(args, work)
+        (work / "soak_values.json").write_text(json.dumps(values))
+        samples.unlink(missing_ok=True)
+        starts = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for index, last in enumerate(bounds):
+        if only is not None and index != only:
+            continue
         stop_after = last if index < args.resumes else None
         spec = {"values": values, "index": index, "stop_after": stop_after, "samples": str(samples)}
         spec |= {"trace": args.trace_python, "warmup": args.warmup}
@@ -343,9 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         starts.append(
             {"index": index, "stop_after": stop_after, "exit": proc.returncode, "seconds": time.time() - t0}
         )
+        started_before.write_text(json.dumps(starts))
         if proc.returncode != 0:
             break
-    lines = [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else []
+    copy = args.out.with_name(args.out.stem + "_samples.jsonl")
+    shutil.copyfile(samples, copy)
+    lines = [json.loads(line) for line in _lines(samples)]
     records = [r for r in lines if "trace" not in r]
     report = {
         "bench": "soak",
@@ -363,13 +408,18 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": args.warmup,
         "starts": starts,
         "steps_recorded": len(records),
-        "samples": str(samples),
+        "samples": str(copy),
         "slopes": slopes(records, args.warmup),
         "python_allocations_grown": [r["trace"] for r in lines if "trace" in r],
     }
     args.out.write_text(json.dumps(report, indent=2))
     print(summary(report))
-    return 0 if all(s["exit"] == 0 for s in starts) and len(records) == args.steps else 1
+    expected = args.steps if only is None else bounds[only] + 1  # the steps through this start
+    return 0 if all(s["exit"] == 0 for s in starts) and len(records) == expected else 1
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
 
 
 def _commit() -> str | None:

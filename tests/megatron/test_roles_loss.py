@@ -1,4 +1,5 @@
-"""The actor's loss with truncated importance sampling, by hand (no Megatron: `role_losses.actor_loss` is pure)."""
+"""The actor's loss with truncated importance sampling, and its metrics, by hand (no Megatron:
+`role_losses.actor_loss` is pure)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,21 @@ def test_tis_without_rollout_log_probs_names_the_flag(tmp_path: Path) -> None:
     assert mb.old_log_probs is not None
     with pytest.raises(ValueError, match="use_tis"):
         actor_loss(_config(tmp_path, use_tis=True), mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))
+
+
+def test_the_sampler_log_prob_gap_is_the_mean_distance_over_trainable_tokens(tmp_path: Path) -> None:
+    # Old log-probs ln 0.5 everywhere; the engine's ln 0.5, ln 0.2 | ln 1.0, (masked).
+    rollout = [torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([1.0, 0.3]))]
+    mb = _micro_batch(rollout)
+    assert mb.old_log_probs is not None
+    _, count, metrics = actor_loss(_config(tmp_path), mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))
+    # sample_mean numerator: sample 0 (0 + ln 2.5) / 2, sample 1 |ln 0.5| / 1; divided by 2 samples.
+    expected = (math.log(2.5) / 2 + math.log(2.0)) / 2
+    assert (metrics["sampler_log_prob_gap"] / count).item() == pytest.approx(expected)
+    _, _, without = actor_loss(
+        _config(tmp_path), _micro_batch(None), ResponseOutputs(log_probs=mb.old_log_probs)
+    )
+    assert "sampler_log_prob_gap" not in without
 
 
 def test_gspo_loss_type_clips_each_sequence_as_a_whole(tmp_path: Path) -> None:

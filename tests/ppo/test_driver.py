@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,18 @@ def test_demo_task_learns(tmp_path: Path, ray_cluster: str) -> None:
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 40
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert (run_dir / "hf" / "config.json").is_file()
+    # A run that learns gets no hint (tests/ppo/test_hints_e2e.py trips them), and its figures say why
+    # it can: the sampling weights move (fp32 on the CPU: nearly all of them at lr 3e-3), the engine's
+    # log-probs are the trainer's to rounding, and the critic comes to explain the returns.
+    assert [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "hint"] == []
+    assert "hint:" not in (run_dir / "logs" / "driver.log").read_text()
+    since_start = [m["policy/changed_fraction_since_start"] for m in summary.metrics]
+    assert since_start == sorted(since_start) and 0.5 < since_start[-1] <= 1.0
+    for m in summary.metrics:
+        assert 0.5 < m["policy/changed_fraction"] <= m["policy/changed_fraction_since_start"]
+        assert 0 <= m["actor/sampler_log_prob_gap"] < 1e-4
+        assert 0 <= m["reward/tied_groups"] <= 1
+    assert summary.metrics[-1]["critic/explained_variance_window"] > 0.3
 
 
 def test_event_order_follows_the_plan(kl_first_run: KlFirstRun) -> None:
@@ -153,6 +166,9 @@ def test_resume_continues_exactly(
     for a, b in zip(straight.metrics, resumed.metrics, strict=True):
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)
+        # The resume's own weight sync (the checkpoint's weights into engines that start from the HF
+        # folder) is not counted in the first resumed step's: each step counts its own sync.
+        assert a["policy/changed_fraction"] == pytest.approx(b["policy/changed_fraction"], abs=1e-3)
     for role in ("actor", "critic"):
         a = torch.load(last_state(straight_dir, role), weights_only=False)
         b = torch.load(last_state(tmp_path / "resumed", role), weights_only=False)
@@ -352,16 +368,28 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(kl_first_run: K
 
 
 def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ppo-driver eval` scores a model and says how far its weights are from its base (`--base`)."""
+    from safetensors.torch import load_file, save_file
+
     from tandem.ppo.app.cli import run as cli
 
     config = demo_config(tmp_path / "run")  # builds the base model and the task
+    trained = tmp_path / "trained"
+    shutil.copytree(config.hf_checkpoint, trained)
+    (weights,) = trained.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"].view(-1)[:1000] += 0.5  # 1000 elements moved, counted by hand
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    elements = sum(t.numel() for t in tensors.values())
     status = cli(
-        ["eval", config.hf_checkpoint, "--data", str(config.eval_prompt_data), "--max-response-len", "1",
+        ["eval", str(trained), "--base", config.hf_checkpoint, "--data", str(config.eval_prompt_data),
+         "--max-response-len", "1", "--n-samples-per-prompt", "2", "--temperature", "1.0",
          "--local-gpus", "1", "--custom-rm-path", "tandem.ppo._demo:digit_reward"]
     )  # fmt: skip
     assert status == 0
     out = capsys.readouterr().out
-    assert "eval/mean:" in out and "eval/accuracy:" in out
+    assert "eval/mean:" in out and "eval/accuracy:" in out and "eval/tied_groups:" in out
+    assert f"policy/changed_fraction_since_start: {1000 / elements:.4f}" in out
 
 
 def test_sequence_packing_trains_as_the_padded_run(

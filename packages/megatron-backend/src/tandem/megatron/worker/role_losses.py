@@ -36,13 +36,15 @@ ACTOR_STEP_METRICS = (
     "tis_masked_frac",
     "opd_reverse_kl",
     "opd_loss",
+    "sampler_log_prob_gap",
 )
 """Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured;
 `tis_masked_frac`, the tokens whose sequence `tis_mode` seq_mask left out, only with it; `opd_reverse_kl`, the
-student's per-token reverse KL to the teacher as it trains, with `opd_coef`; `opd_loss` with `opd_mode` loss).
-`pg_loss`, `kl_loss` and `opd_loss` are the loss's terms, aggregated as the loss (`loss_aggregation`); the
-others are per-token figures, token means per sample where the loss sums over tokens
-(`aggregation.metric_aggregation`)."""
+student's per-token reverse KL to the teacher as it trains, with `opd_coef`; `opd_loss` with `opd_mode` loss;
+`sampler_log_prob_gap`, `|old_log_probs - rollout_log_probs|` per token, where the rollout has the engine's
+log-probs: how far the sampler's policy is from the trainer's). `pg_loss`, `kl_loss` and `opd_loss` are the
+loss's terms, aggregated as the loss (`loss_aggregation`); the others are per-token figures, token means per
+sample where the loss sums over tokens (`aggregation.metric_aggregation`)."""
 CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance", "reward_kl")
 """Figures of the rollout's targets, over the data-parallel group (`reward_kl` only with `kl_coef != 0`)."""
 ACTOR_ROLLOUT_METRICS = (
@@ -109,6 +111,11 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
             metrics["tis_masked_frac"] = loss_sum_and_count(1.0 - kept, mask, per_token_mode)[0]
         per_token = per_token * weights
         metrics["tis_weight"] = loss_sum_and_count(weights, mask, per_token_mode)[0]
+    if mb.rollout_log_probs is not None:
+        # The engine's log-probs against the trainer's for the same tokens and weights: other kernels,
+        # another dtype, or (async) a step of staleness; large gaps make the rollout off-policy.
+        gap = (old_log_probs - _rollout_log_probs(mb, log_probs)).abs()
+        metrics["sampler_log_prob_gap"] = loss_sum_and_count(gap, mask, per_token_mode)[0]
     pg_sum, count = loss_sum_and_count(per_token, mask, mode, norm_tokens=norm)
     loss_sum = pg_sum
     metrics["pg_loss"] = pg_sum.detach()

@@ -336,6 +336,7 @@ def train_actor(
         | ({"entropy"} if config.entropy_coef <= 0 else set())
         | ({"tis_weight"} if not config.use_tis else set())
         | ({"tis_masked_frac"} if not (config.use_tis and config.tis_mode == "seq_mask") else set())
+        | ({"sampler_log_prob_gap"} if batch.rollout_log_probs is None else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
         | ({"opd_reverse_kl"} if config.opd_coef == 0 else set())
         | ({"opd_loss"} if config.opd_coef == 0 or config.opd_mode != "loss" else set())

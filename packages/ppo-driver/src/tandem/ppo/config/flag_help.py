@@ -76,7 +76,7 @@ _GROUP_MEMBERS: dict[str, str] = {
         "actor_gpu_share critic_gpu_share engine_gpu_share device local_gpus ray_address offload_grads "
         "background_optimizer_wake max_engine_restarts"
     ),
-    "logging": "tensorboard gpu_memory_metrics progress",
+    "logging": "tensorboard gpu_memory_metrics progress policy_change_count hints",
 }
 
 GROUP_OF: dict[str, str] = {name: group for group, names in _GROUP_MEMBERS.items() for name in names.split()}

@@ -2,8 +2,9 @@
 
 The names are the run's contract (metrics.jsonl, TensorBoard, the trackers, the
 plots): `critic/*` and `actor/*` as the workers report them, `alloc/<role>_train/*`,
-the aliases `loss/policy`, `loss/value`, `actor/kl`, and `time/step` (the step's
-one wall clock) with the throughput derived from it.
+`policy/*` (what the weight sync changed in the engines' weights), the aliases
+`loss/policy`, `loss/value`, `actor/kl`, and `time/step` (the step's one wall clock)
+with the throughput derived from it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ if TYPE_CHECKING:
     from tandem.megatron.payloads import TrainResult
     from tandem.ppo.rollout.samples import Sampled
 
-__all__ = ["ALIASES", "KL_COEF", "allocator_calls", "kl_coef_of_step", "role_metrics", "step_metrics"]
+__all__ = [
+    "ALIASES",
+    "KL_COEF",
+    "allocator_calls",
+    "kl_coef_of_step",
+    "policy_metrics",
+    "role_metrics",
+    "step_metrics",
+]
 
 KL_COEF = "kl/reward_coef"
 """The reward-level KL coefficient a step used, logged when the adaptive KL controller steers it."""
@@ -61,6 +70,20 @@ def role_metrics(role: str, out: list[TrainResult]) -> dict[str, float]:
     return {f"{role}/{k}": v for k, v in out[0].metrics.items()} | allocator_calls(role, out)
 
 
+def policy_metrics(changes: dict[str, float] | None) -> dict[str, float]:
+    """What the step's weight sync changed in the engines' weights: `policy/changed_fraction` (in this
+    sync) and `policy/changed_fraction_since_start` (ever, since the engines loaded their weights), and
+    `time/engine_weight_update`, the engine's own seconds in the sync (count included)."""
+    if changes is None:
+        return {}
+    metrics = {"time/engine_weight_update": float(changes["update_s"])}
+    elements = changes.get("elements")
+    if elements:
+        metrics["policy/changed_fraction"] = changes["changed"] / elements
+        metrics["policy/changed_fraction_since_start"] = changes["changed_since_start"] / elements
+    return metrics
+
+
 def step_metrics(
     trained: dict[str, Any],
     sampled: Sampled,
@@ -70,6 +93,7 @@ def step_metrics(
     rollout_id: int,
     critic_only: bool,
     accuracy_threshold: float,
+    n_samples_per_prompt: int,
     dropped_prompts: int,
     restarts: int,
     restarts_total: int,
@@ -81,7 +105,9 @@ def step_metrics(
     """
     metrics = dict(trained)
     rollout = sampled.rollout
-    metrics.update(rollout.metrics(accuracy_threshold=accuracy_threshold))
+    metrics.update(
+        rollout.metrics(accuracy_threshold=accuracy_threshold, n_samples_per_prompt=n_samples_per_prompt)
+    )
     metrics.update({alias: metrics[name] for alias, name in ALIASES.items() if name in metrics})
     metrics.update(sampled.seconds)
     metrics.update(clock)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from tandem.ppo.loop.schedule import Turn, Work
-from tandem.ppo.loop.step_metrics import KL_COEF, role_metrics
+from tandem.ppo.loop.step_metrics import KL_COEF, policy_metrics, role_metrics
 
 if TYPE_CHECKING:
     from tandem.megatron.payloads import ActorLogProbs, TrainResult
@@ -141,6 +141,7 @@ class StepTurns:
     def _weights(self, turn: Turn) -> None:
         assert turn.wake_before == (not self.gpus.awake("engine")), turn
         self.gpus.sync_weights(weights_version=self.rollout_id + 1)
+        self.metrics.update(policy_metrics(self.gpus.weight_changes))
 
     # a turn of the lifecycle alone (the warm-up's engines resume: no weights to send)
     def _lifecycle(self, turn: Turn) -> None:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.config import WorkerConfig
+from tandem.megatron.config import FieldError, WorkerConfig
 from tandem.megatron.worker.train_step import minibatch_size
 
 
@@ -174,8 +174,15 @@ def test_the_critic_may_have_its_own_layout_on_the_same_ranks(hf_dir: str) -> No
     # Each layout must cover the same ranks: TP * PP divides the world for each role.
     odd = make(hf_dir, critic_pipeline_model_parallel_size=3)
     odd.check_world(2, role="actor")
-    with pytest.raises(ValueError, match=r"critic_tensor_model_parallel_size \* critic_pipeline"):
+    with pytest.raises(
+        FieldError,
+        match=r"critic_tensor_model_parallel_size: 1 times `critic_pipeline_model_parallel_size` \(3\)",
+    ) as raised:
         odd.check_world(2, role="critic")
+    assert (raised.value.field, raised.value.mentions) == (
+        "critic_tensor_model_parallel_size",
+        ("critic_pipeline_model_parallel_size",),
+    )
     with pytest.raises(ValueError, match="critic_pipeline"):
         odd.check_world(2)
     # The critic's own data-parallel size must divide the batch, too.
@@ -390,3 +397,41 @@ def test_no_critic_worker_for_a_critic_free_estimator(hf_dir: str) -> None:
     config.check_role("actor")
     with pytest.raises(ValueError, match=r"^advantage_estimator: grpo needs no critic"):
         config.check_role("critic")
+
+
+@given(
+    field=st.from_regex(r"[a-z][a-z_]{0,20}", fullmatch=True),
+    words=st.lists(
+        st.sampled_from(["got 3", "set", "`lambd`", "`kl_coef`", "or unset", "{x}", "%s"]), max_size=6
+    ),
+)
+def test_a_field_error_renders_its_parts_and_survives_pickling(field: str, words: list[str]) -> None:
+    import pickle
+
+    message = " ".join(words)
+    mentions = tuple(dict.fromkeys(w.strip("`") for w in words if w.startswith("`")))
+    error = FieldError(field, message, *mentions)
+    assert str(error) == f"{field}: {message}"
+    # Rendering the field bare and each mention in backticks gives the plain text back; the
+    # renderer is asked for the field, then each mention, and nothing else.
+    seen: list[str] = []
+
+    def name(of: str) -> str:
+        seen.append(of)
+        return of if len(seen) == 1 else f"`{of}`"
+
+    assert error.render(name) == str(error)
+    assert seen == [field, *mentions]
+    assert error.render(str.upper).startswith(f"{field.upper()}: ")
+    rebuilt = pickle.loads(pickle.dumps(error))
+    assert (rebuilt.field, rebuilt.message, rebuilt.mentions, str(rebuilt)) == (
+        field,
+        message,
+        mentions,
+        str(error),
+    )
+
+
+def test_a_field_error_refuses_a_mention_its_message_does_not_name() -> None:
+    with pytest.raises(TypeError, match="gamma"):
+        FieldError("kl_coef", "set gamma to 1", "gamma")

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.config import WorkerConfig, WorkerFields
+from tandem.megatron.config import FieldError, WorkerConfig, WorkerFields
 from tandem.ppo.config import PPOConfig, checks, flag
 from tandem.ppo.config.file import parse_config, unvalidated
 
@@ -65,6 +65,7 @@ def test_the_role_configs_are_validated_worker_configs(files: dict[str, str]) ->
         ({"tis_cap": 0.5}, "tis_cap"),
         ({"lr_warmup_steps": 5, "lr_decay_steps": 5}, "lr_decay_steps"),
         ({"use_dynamic_batch_size": True}, "max_tokens_per_gpu"),
+        ({"advantage_estimator": "grpo", "kl_coef": 0.1}, "kl_coef"),  # mentions four other fields
     ],
 )
 def test_a_broken_worker_rule_is_the_worker_configs_error_naming_the_flag_at_validate(
@@ -77,8 +78,12 @@ def test_a_broken_worker_rule_is_the_worker_configs_error_naming_the_flag_at_val
     with pytest.raises(ValueError) as validated:
         config.validate()
     assert str(validated.value).startswith(f"{flag(field)}: "), validated.value
-    # The same refusal, its field turned into the flag: the check ran in WorkerConfig only.
-    assert str(validated.value).removeprefix(flag(field)) == str(built.value).removeprefix(field)
+    # The same refusal, its field and each field it mentions turned into their flags, from the
+    # error's own parts (nothing parsed back out of its text): the check ran in WorkerConfig only.
+    assert isinstance(built.value, FieldError) and built.value.field == field
+    assert str(validated.value) == built.value.render(flag)
+    for mentioned in built.value.mentions:
+        assert f"`{mentioned}`" in str(built.value) and flag(mentioned) in str(validated.value)
 
 
 def test_a_rule_of_the_critics_folders_is_refused_by_the_critics_config(files: dict[str, str]) -> None:

@@ -213,3 +213,14 @@ def test_the_command_exits_2_with_one_line_before_ray(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ppo-driver train: error: {start}"), err
     assert not Path(folders["run"]).exists()  # refused before anything was written
+
+
+def test_every_node_must_see_the_teachers_folder(folders: dict[str, str], tmp_path: Path) -> None:
+    from tandem.ppo.loop.node_checks import folders_to_check
+
+    lock = tmp_path / "run.lock"
+    lock.write_text("pid 1")
+    checks = folders_to_check(unvalidated(values(folders)), lock)
+    assert ("--teacher-hf-checkpoint", str(Path(folders["teacher"]) / "config.json"), None) in checks
+    without = folders_to_check(unvalidated(values(folders, teacher_hf_checkpoint=None, opd_coef=0.0)), lock)
+    assert [flag for flag, _, _ in without] == ["--hf-checkpoint", "--run-dir"]

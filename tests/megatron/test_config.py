@@ -107,6 +107,9 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"use_tis": True, "tis_cap_low": 1.5}, "tis_cap_low"),
         ({"tis_mode": "sequence"}, "tis_mode"),
         ({"kl_loss_type": "k2+"}, "kl_loss_type"),
+        ({"opd_coef": -1.0}, "opd_coef"),
+        ({"opd_coef": float("nan")}, "opd_coef"),
+        ({"opd_coef": 1.0, "opd_mode": "advantage"}, "opd_mode"),
     ],
 )
 def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:
@@ -298,6 +301,9 @@ def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:
         ({"kl_target": 0.1, "kl_coef": 0.01, "kl_horizon": 1}, "kl_horizon", "kl_horizon"),
         ({"tis_mode": "seq_mask"}, "tis_mode", "use_tis"),
         ({"tis_cap_low": 0.5}, "tis_cap_low", "use_tis"),
+        ({"advantage_estimator": "grpo", "opd_coef": 1.0}, "opd_mode", "advantage_estimator"),
+        ({"advantage_estimator": "rloo", "opd_coef": 1.0}, "opd_mode", "set `opd_mode` to loss"),
+        ({"opd_mode": "loss"}, "opd_mode", "opd_coef"),
     ],
 )
 def test_estimator_combinations_are_refused_naming_both_fields(
@@ -367,6 +373,23 @@ def test_several_critic_updates_take_the_old_values_from_a_forward_of_their_own(
     assert "critic_updates_per_step" in (config.old_values_redundant() or "")
     with pytest.raises(ValueError, match=r"^reuse_old_values: .*critic_updates_per_step"):
         make(hf_dir, critic_updates_per_step=2, reuse_old_values=True, **one_step)
+
+
+def test_distillation_in_the_rewards_plans_the_kl_first_step_and_keeps_the_old_log_probs(hf_dir: str) -> None:
+    one_step = {"global_batch_size": 8}
+    reward = make(hf_dir, opd_coef=1.0, **one_step)
+    # The critic's returns need the student's log-probs before it trains; no reference weights for it.
+    assert reward.kl_first and reward.opd_in_rewards and not reward.needs_reference
+    assert not reward.reuses_old_log_probs
+    assert "opd_coef" in (reward.old_log_probs_redundant() or "")
+    with pytest.raises(ValueError, match=r"^reuse_old_log_probs: .*opd_coef"):
+        make(hf_dir, opd_coef=1.0, reuse_old_log_probs=True, **one_step)
+    # As a loss term it changes no plan, and every estimator takes it.
+    loss = make(hf_dir, opd_coef=1.0, opd_mode="loss", **one_step)
+    assert not loss.kl_first and loss.reuses_old_log_probs
+    make(hf_dir, advantage_estimator="grpo", opd_coef=1.0, opd_mode="loss")
+    # Without a critic the actor folds it in its own step: no KL-first plan.
+    assert not make(hf_dir, advantage_estimator="reinforce_plus_plus", opd_coef=1.0).kl_first
 
 
 def test_no_critic_worker_for_a_critic_free_estimator(hf_dir: str) -> None:

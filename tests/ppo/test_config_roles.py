@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.megatron.config import FieldError, WorkerConfig, WorkerFields
-from tandem.ppo.config import PPOConfig, flag
+from tandem.ppo.config import PPOConfig, checks, flag
 from tandem.ppo.config.file import parse_config, unvalidated
 
 from ._config_files import write_config_files
@@ -203,6 +203,8 @@ DEPENDENT = (
     "critic_lambd",
     "length_adaptive_gae_alpha",
     "critic_updates_per_step",
+    "opd_coef",
+    "opd_mode",
 )
 """Worker fields drawn together in `worker_values`, since their rules tie them to each other."""
 
@@ -255,6 +257,12 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
     values["critic_lambd"] = draw(_one_of(None, 1.0)) if gae else None
     values["length_adaptive_gae_alpha"] = draw(_one_of(None, 0.05)) if gae else None
     values["critic_updates_per_step"] = draw(_one_of(1, 2)) if gae else 1
+    # Distillation (its teacher, the model folder itself, is a run flag: `as_run_flags`); a per-sample
+    # estimator takes one reward per sample, so the reverse KL goes into the loss there.
+    values["opd_coef"] = draw(_one_of(0.0, 0.5))
+    values["opd_mode"] = (
+        "reward" if not values["opd_coef"] else "loss" if no_kl else draw(_one_of("reward", "loss"))
+    )
     run_dir = Path(files["run_dir"])
     values["save"] = draw(_one_of(None, str(run_dir / "mine" / "actor")))
     values["load"] = draw(_one_of(None, values["save"]))  # a load folder that exists, or the save folder
@@ -278,8 +286,11 @@ def as_flags(values: dict[str, Any]) -> list[str]:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_worker_field_reaches_both_roles_configs_from_its_flag(
-    files: dict[str, str], data: st.DataObject
+    files: dict[str, str], data: st.DataObject, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The teacher's folder (tokenizer, architecture) is checked in tests/ppo/teacher/test_bad_input.py;
+    # here the small Llama's config.json, which has no tokenizer, stands in for it.
+    monkeypatch.setattr(checks, "check_teacher_config", lambda config: None)
     values = data.draw(worker_values(files))
     async_mode = data.draw(st.booleans(), label="async")
     run = [
@@ -291,6 +302,7 @@ def test_every_worker_field_reaches_both_roles_configs_from_its_flag(
         "2",
     ]
     run += ["--async", "--no-colocate", "--rollout-num-gpus", "1"] if async_mode else []
+    run += ["--teacher-hf-checkpoint", files["hf_checkpoint"]] if values["opd_coef"] else []
     config = parse_config([*run, *as_flags(values)])  # validated
     assert {name: getattr(config, name) for name in values} == values  # each flag reached its field
 

@@ -23,6 +23,7 @@ from tandem.megatron.choices import (
     LOSS_TYPES,
     LR_DECAY_STYLES,
     OFFLOAD_BACKENDS,
+    OPD_MODES,
     PARAMS_DTYPES,
     TIS_MODES,
 )
@@ -93,6 +94,7 @@ def check_choices(config: Any) -> None:
         "advantage_estimator": ADVANTAGE_ESTIMATORS,
         "loss_type": LOSS_TYPES,
         "tis_mode": TIS_MODES,
+        "opd_mode": OPD_MODES,
     }
     for name, allowed in choices.items():
         value = getattr(config, name)
@@ -155,6 +157,7 @@ def check_ppo(config: Any) -> None:
         "clip_grad": config.clip_grad,
         "kl_loss_coef": config.kl_loss_coef,
         "entropy_coef": config.entropy_coef,
+        "opd_coef": config.opd_coef,
     }
     for name, value in non_negative.items():
         if not math.isfinite(value) or value < 0:
@@ -289,6 +292,7 @@ def check_estimator(config: Any) -> None:
         )
     _check_critic_only_fields(config)
     _check_kl_control(config)
+    _check_distillation(config)
 
 
 def _check_critic_only_fields(config: Any) -> None:
@@ -326,6 +330,29 @@ def _check_kl_control(config: Any) -> None:
             f"{config.kl_horizon} samples; one step's factor 1 ± 0.2 · {config.samples_per_rollout} "
             f"/ {config.kl_horizon} could reach 0 or below, so raise it above {config.samples_per_rollout // 5}"
             " (e.g. 10000)",
+        )
+
+
+def _check_distillation(config: Any) -> None:
+    """On-policy distillation's mode fits the estimator, and is set only with a coefficient."""
+    if config.opd_coef == 0 and config.opd_mode != "reward":
+        raise FieldError(
+            "opd_mode",
+            f"{config.opd_mode}, but `opd_coef` is 0 (no distillation); give `opd_coef` (e.g. 1.0), "
+            "or leave `opd_mode` unset",
+            "opd_coef",
+            "opd_mode",
+        )
+    kind = estimator_of(config.advantage_estimator)
+    if kind.per_sample and config.opd_in_rewards:
+        raise FieldError(
+            "opd_mode",
+            "reward folds each token's reverse KL to the teacher into the rewards, but "
+            f"`advantage_estimator` {config.advantage_estimator} takes one reward per sample; set `opd_mode` "
+            "to loss (a term of the policy loss, which every estimator takes), or choose gae or "
+            "reinforce_plus_plus(_baseline)",
+            "advantage_estimator",
+            "opd_mode",
         )
 
 

@@ -64,11 +64,13 @@ class WorkerConfig(WorkerFields):
         return None
 
     def old_log_probs_redundant(self) -> str | None:
-        """None when the old log-probs are the update's own (one epoch, one step, no KL in the
-        rewards, no TIS); else why not, naming the field."""
+        """None when the old log-probs are the update's own (one epoch, one step, no KL to the
+        reference or the teacher in the rewards, no TIS); else why not, naming the field."""
         why = self._one_epoch_one_step("log-probs")
         if why is None and self.kl_coef != 0:
             why = "kl_coef folds the KL into the rewards before the update"
+        if why is None and self.opd_in_rewards:
+            why = "opd_coef folds the reverse KL to the teacher into the rewards before the update"
         if why is None and self.use_tis:
             why = "use_tis weighs each token by the old against the sampler's log-probs"
         return why

@@ -1,9 +1,10 @@
 """`PPOConfig.validate`: every rule of a run's config, each refusal a ValueError naming the flag and the fix.
 
 The driver's own rules are here (numbers, the placement plan, files, the trackers'
-extras, how a rollout splits); the estimator's (`estimator_plan`) and the reward
-model's (`rollout.reward_model.check_reward_config`) live beside the code they
-serve. The train workers' rules are `WorkerConfig`'s and run in that one place:
+extras, how a rollout splits); the estimator's (`estimator_plan`), the reward
+model's (`rollout.reward_model.check_reward_config`) and the teacher's
+(`rollout.teacher.check_teacher_config`) live beside the code they serve. The train
+workers' rules are `WorkerConfig`'s and run in that one place:
 `check_workers` builds the run's `actor_config()` and `critic_config()` (which
 checks their fields), asks each for its world, role and model checks, and renders
 each refusal (a `FieldError`: the field, the message and the fields it mentions)
@@ -23,6 +24,7 @@ from tandem.ppo.config.estimator_plan import check_estimator_plan
 from tandem.ppo.config.fields import RunFields, flag
 from tandem.ppo.rollout.model_folder import missing_folder
 from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
+from tandem.ppo.rollout.teacher import check_teacher_config
 
 if TYPE_CHECKING:
     from tandem.megatron.choices import Role
@@ -40,6 +42,7 @@ def check_config(config: RunFields) -> None:
     _check_files(config)
     check_trackers(config)
     check_reward_config(config)
+    check_teacher_config(config)
     check_workers(config)
     _check_split(config)
 

@@ -91,6 +91,8 @@ class Rollout:
         reward_terms: with a weighted reward (`tandem.ppo.rollout.reward_mix`), each term's unweighted
             value per sample, by term name; empty for a plain reward function.
         params: what the responses were sampled with (whether a stop token could end them: `truncated`).
+        teacher_log_probs: with a distillation teacher, its log-prob of each response token, one
+            tensor per sample (`PPODriver.teach`); None without one.
     """
 
     prompts: list[PromptSample]
@@ -100,6 +102,7 @@ class Rollout:
     seconds: dict[str, float] = field(default_factory=dict)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
     params: SamplingParams | None = None
+    teacher_log_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.generations)
@@ -144,6 +147,9 @@ class Rollout:
             rewards=[self.rewards[i] for i in indices],
             reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
             params=self.params,
+            teacher_log_probs=None
+            if self.teacher_log_probs is None
+            else [self.teacher_log_probs[i] for i in indices],
         )
 
     @staticmethod
@@ -356,6 +362,9 @@ def to_train_batches(
                 rewards=torch.tensor([rewards[i] for i in indices], dtype=torch.float32),
                 sample_indices=list(indices),
                 rollout_log_probs=log_probs,
+                teacher_log_probs=None
+                if rollout.teacher_log_probs is None
+                else [rollout.teacher_log_probs[i] for i in indices],
             )
         )
     return batches

@@ -59,6 +59,8 @@ IMPORT_TO_DIST = {
     "sglang": "sglang",
     "datasets": "datasets",
     "huggingface_hub": "huggingface-hub",
+    "pyarrow": "pyarrow",
+    "xxhash": "xxhash",
     "gguf": "gguf",
     "tensorboard": "tensorboard",
     "PIL": "pillow",

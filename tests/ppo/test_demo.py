@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandem.ppo.app.cli import COMMANDS, run
@@ -50,3 +52,23 @@ def test_demo_model_must_be_known(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert run(["demo", "--model", "gpt-17", "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--model: got 'gpt-17'; choose one of tiny, smollm2" in err
+
+
+def test_demo_dry_run_writes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model and the task are built in a scratch folder to validate the config, which then names
+    where a run writes them; SmolLM2 is validated only from the cache, never fetched by a dry run."""
+    run_dir = tmp_path / "demo"
+    assert run(["demo", "--dry-run", "--run-dir", str(run_dir)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "\nhf_checkpoint: ./base\n" in out and "\nprompt_data: ./data/train.jsonl\n" in out  # RUN_DIR's
+    assert "# dry run: config valid" in out
+    assert not run_dir.exists()
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    assert run(["demo", "--model", "smollm2", "--dry-run", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "--dry-run: SmolLM2-135M-Instruct is not in the cache yet" in err
+    assert "ppo-driver fetch-model smollm2" in err
+    assert not run_dir.exists() and not (tmp_path / "cache").exists()

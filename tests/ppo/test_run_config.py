@@ -272,3 +272,35 @@ def test_eval_args_fields_all_default_to_the_run() -> None:
     for name in (*EVAL_DEFAULTS, "custom_rm_path", "base"):
         assert defaults[name] is None, name
     assert SimpleNamespace(**defaults).seed == 1234
+
+
+def test_export_writes_beside_the_runs_own_hf_folder_and_says_what_it_replaces(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`ppo-driver export RUN_DIR` never overwrites RUN_DIR/hf (the run's own export): it writes
+    RUN_DIR/hf-rollout-K beside it; a folder it does replace (--out, or that same rollout's) is named."""
+    from tandem.ppo.app.evaluate import export_folder
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert export_folder(str(run_dir), None, 7) == run_dir / "hf"
+    assert not caplog.records
+    (run_dir / "hf").mkdir()
+    assert export_folder(str(run_dir), None, 7) == run_dir / "hf-rollout-7"
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"{run_dir / 'hf'} holds the run's own export: the actor of rollout 7 goes beside it, to "
+        f"{run_dir / 'hf-rollout-7'}"
+    )
+    caplog.clear()
+    (run_dir / "hf-rollout-7").mkdir()
+    assert export_folder(str(run_dir), None, 7) == run_dir / "hf-rollout-7"
+    assert [r.getMessage() for r in caplog.records][
+        -1
+    ] == f"replacing {run_dir / 'hf-rollout-7'} (a folder that exists)"
+    caplog.clear()
+    out = tmp_path / "exported"
+    assert export_folder(str(run_dir), str(out), 7) == out and not caplog.records
+    out.mkdir()
+    assert export_folder(str(run_dir), str(out), 7) == out
+    assert [r.getMessage() for r in caplog.records] == [f"replacing {out} (a folder that exists)"]

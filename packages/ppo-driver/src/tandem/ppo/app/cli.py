@@ -3,7 +3,7 @@
 Each subcommand's options come from a typed dataclass through tyro, so
 `--help` shows every field's docstring. A bad value ends the command with a
 one-line error that names the flag (exit 2); Ctrl-C during a run exits 130
-after the step under way (and its save, when configured).
+after the step under way (and its save, when configured), SIGTERM 143 the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,8 @@ class ExportArgs:
     run_dir: Annotated[str, tyro.conf.Positional]
     """The run whose latest actor checkpoint is exported (its config.yaml is read)."""
     out: str | None = None
-    """Output folder; None: RUN_DIR/hf."""
+    """Output folder (replaced, and said so, if it exists); None: RUN_DIR/hf, or RUN_DIR/hf-rollout-K beside
+    it where the run has exported already (RUN_DIR/hf is never overwritten)."""
 
 
 @dataclass(frozen=True)
@@ -111,14 +113,24 @@ def _demo(argv: Sequence[str]) -> int:
         (DEMO_DEFAULTS, prepare_demo) if known.model == "tiny" else (SUMS_DEFAULTS, prepare_sums_demo)
     )
     parsed = parse_config(rest, prog=f"{PROG} demo", base=base, validate=False)
-    return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+    if not dry_run:
+        return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+    # A dry run writes nothing under RUN_DIR: the demo's model and task are built in a scratch folder,
+    # where the config is validated, and the report names where a run builds them.
+    with tempfile.TemporaryDirectory(prefix="tandem-dry-run-") as scratch:
+        planned = unvalidated(prepare(dataclasses.asdict(parsed), write=False))
+        built = unvalidated(prepare(dataclasses.asdict(parsed), root=scratch))
+        return _start(planned, dry_run, checked_as=built)
 
 
-def _start(config: PPOConfig, dry_run: bool) -> int:
-    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it)."""
+def _start(config: PPOConfig, dry_run: bool, *, checked_as: PPOConfig | None = None) -> int:
+    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it).
+
+    `checked_as`: validate this config in `config`'s place (the demo's dry run: its inputs built elsewhere).
+    """
 
     config, changes = adapt_to_machine(config)
-    config.validate()
+    adapt_to_machine(checked_as)[0].validate() if checked_as is not None else config.validate()
     announce(changes)  # after validating: a bad flag's error is the only line
     if dry_run:
         print(dry_run_report(config), end="")
@@ -215,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(argv: Sequence[str]) -> int:
-    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 interrupted; `errors`)."""
+    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 Ctrl-C, 143 SIGTERM; `errors`)."""
 
     parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
     parser.add_argument("--version", action="version", version=_version())
@@ -234,8 +246,9 @@ def run(argv: Sequence[str]) -> int:
         with terminal_output():
             return COMMANDS[command][0](rest)
     except (Interrupted, KeyboardInterrupt) as exc:
-        print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
+        # Interrupted and StoppedNow say which signal it was (Ctrl-C, SIGTERM) and what was saved.
+        print(f"{PROG} {command}: stopped by {getattr(exc, 'by', 'Ctrl-C')}. {exc}", file=sys.stderr)
+        return int(getattr(exc, "exit_code", INTERRUPTED_EXIT_CODE))
     except Exception as exc:
         failure = failure_line(exc)
         if failure is None:

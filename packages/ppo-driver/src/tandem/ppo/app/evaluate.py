@@ -8,26 +8,33 @@ in the dtype the engine samples in (`weights_changed`), as the run's weight sync
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 from tandem.megatron.group import create_train_group
-from tandem.megatron.runtime.checkpoint_folder import read_latest
+from tandem.megatron.runtime.checkpoint_folder import iteration_dir, read_latest
+from tandem.megatron.runtime.checkpoint_manifest import verify_checkpoint
 from tandem.placement import PlacementSpec, create_placement_groups
 from tandem.ppo.app.machine import adapt_to_machine, announce, eval_local_gpus
 from tandem.ppo.config.file import read_run_config
+from tandem.ppo.config.hub import resolve_model_path
 from tandem.ppo.config.record import RUN_CONFIG_FILE
 from tandem.ppo.engines import SamplingParams, create_engine_group
 from tandem.ppo.loop.cluster import start_ray
 from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.model_folder import missing_folder
 from tandem.ppo.rollout.rewards import load_reward
 from tandem.ppo.rollout.samples import generate_rollout
 from tandem.ppo.run.export import export_actor
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A Hugging Face folder, or a run dir's `hf/`; ValueError naming MODEL otherwise."""
-    path = Path(model)
+    """A Hugging Face folder, a run dir's `hf/`, or a hub id's snapshot (as `train --hf-checkpoint` resolves
+    it); ValueError naming MODEL otherwise."""
+    path = Path(resolve_model_path(model, flag="MODEL"))
+    if not path.exists():
+        raise missing_folder(model, "MODEL")
     for candidate in (path, path / "hf"):
         if (candidate / "config.json").is_file():
             return candidate
@@ -162,8 +169,6 @@ def weights_changed(model_dir: str | Path, base_dir: str | Path, dtype: str = "a
 
 def evaluate_model(args: Any) -> dict[str, float]:
     """Sample responses for every prompt of `args.data` with the model, score them; the eval metrics."""
-    import logging
-
     import ray
     from transformers import AutoTokenizer
 
@@ -231,14 +236,47 @@ def evaluate_model(args: Any) -> dict[str, float]:
             ray.shutdown()
 
 
+def export_folder(run_dir: str, out: str | None, rollout_id: int) -> Path:
+    """Where `ppo-driver export` writes the actor of `rollout_id`, said in a log line where it is not RUN_DIR/hf.
+
+    `out` None: RUN_DIR/hf, unless that exists (the run's own export, never overwritten): then
+    RUN_DIR/hf-rollout-K beside it. A folder that exists and is replaced (`out`, or that same
+    rollout's folder again) is named.
+    """
+    log = logging.getLogger("tandem.ppo.evaluate")  # the name its lines show, as for eval's
+    folder = Path(out) if out is not None else Path(run_dir) / "hf"
+    if out is None and folder.exists():
+        beside = folder.with_name(f"hf-rollout-{rollout_id}")
+        log.warning(
+            "%s holds the run's own export: the actor of rollout %d goes beside it, to %s",
+            folder,
+            rollout_id,
+            beside,
+        )
+        folder = beside
+    if folder.exists():
+        log.warning("replacing %s (a folder that exists)", folder)
+    return folder
+
+
 def export_run(run_dir: str, out: str | None = None) -> str:
-    """Load the run's latest actor checkpoint and write it as a Hugging Face folder; its path."""
+    """Load the run's latest actor checkpoint and write it as a Hugging Face folder (`export_folder`); its path."""
     import ray
 
     config, changes = adapt_to_machine(read_run_config(run_dir))
     announce(changes)
-    if read_latest(config.actor_save) is None:
+    latest = read_latest(config.actor_save)
+    if latest is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
+    problem = verify_checkpoint(
+        iteration_dir(config.actor_save, latest), checksums=config.verify_checkpoint_checksums
+    )
+    if problem is not None:
+        raise ValueError(
+            f"RUN_DIR: the actor's latest checkpoint (rollout {latest}) does not read: {problem}; a start of the "
+            "run sets it aside and resumes from the one before"
+        )
+    folder = export_folder(run_dir, out, latest)
     actor_config = dataclasses.replace(config.actor_config(), load=config.actor_save, use_kl_loss=False)
     started = start_ray(None, config.local_gpus)
     try:
@@ -253,7 +291,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
                 actor_config, "actor", slot.pg, slot.bundle_indices, num_gpus_per_worker=1.0
             )
             try:
-                return export_actor(actor, out or Path(run_dir) / "hf", config.hf_checkpoint)
+                return export_actor(actor, folder, config.hf_checkpoint)
             finally:
                 actor.shutdown()
                 actor.kill()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tandem.megatron.config import FieldError
 from tandem.ppo.config.estimator_plan import check_estimator_plan
 from tandem.ppo.config.fields import RunFields, flag
+from tandem.ppo.rollout.model_folder import missing_folder
 from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
 from tandem.ppo.rollout.teacher import check_teacher_config
 
@@ -102,7 +103,7 @@ def _check_driver_numbers(config: RunFields) -> None:
     for name, value in positive.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer")
-    for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus"):
+    for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus", "keep_checkpoints"):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer, or unset")
@@ -119,6 +120,9 @@ def _check_driver_numbers(config: RunFields) -> None:
             f"--num-critic-only-steps: got {config.num_critic_only_steps}; it must lie in "
             f"[0, --num-rollout = {config.num_rollout}]"
         )
+    grace = config.sigterm_grace_s
+    if grace is not None and not grace > 0:
+        raise ValueError(f"--sigterm-grace-s: got {grace}; it must be a positive number of seconds, or unset")
     fraction = config.rollout_kv_cache_memory_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(
@@ -198,6 +202,8 @@ def _check_plan(config: RunFields) -> None:
 
 def _check_files(config: RunFields) -> None:
     hf = Path(config.hf_checkpoint)
+    if not hf.exists():
+        raise missing_folder(config.hf_checkpoint, "--hf-checkpoint")
     if not (hf / "config.json").is_file():
         raise ValueError(
             f"--hf-checkpoint: {config.hf_checkpoint!r} is not a Hugging Face model folder (no "

@@ -73,7 +73,8 @@ _GROUP_MEMBERS: dict[str, str] = {
         "teacher_hf_checkpoint opd_coef opd_mode teacher_dtype teacher_max_tokens_per_gpu teacher_gpu_share"
     ),
     "schedule and checkpoints": (
-        "run_dir num_rollout load save save_interval save_on_interrupt eval_interval export_hf"
+        "run_dir num_rollout load save save_interval keep_checkpoints save_on_interrupt sigterm_grace_s "
+        "verify_checkpoint_checksums eval_interval export_hf"
     ),
     "placement and resources": (
         "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus colocate offload_train offload_backend "

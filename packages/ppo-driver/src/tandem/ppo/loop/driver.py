@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -52,11 +54,12 @@ from tandem.ppo.rollout.samples import (
     training_rewards,
 )
 from tandem.ppo.rollout.teacher import uses_teacher
-from tandem.ppo.run.checkpoint import save_run_checkpoint
+from tandem.ppo.run.checkpoint import check_free_space, prune_checkpoints, save_run_checkpoint
 from tandem.ppo.run.errors import dead_worker
 from tandem.ppo.run.export import export_actor
-from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary
-from tandem.ppo.run.state import DriverState, load_state
+from tandem.ppo.run.folder import model_folders
+from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary, StoppedNow
+from tandem.ppo.run.state import DriverState, load_state, metrics_before, state_dir
 from tandem.ppo.run.worker_logs import driver_log, from_a_worker, note_worker_logs, remove_empty_logs
 
 if TYPE_CHECKING:
@@ -125,6 +128,9 @@ class PPODriver:
         self.folder: RunFolder | None = None
         self._closing = contextlib.ExitStack()
         """How to stop what `setup` started, in reverse order (`close`)."""
+        self.stopping_now = False
+        """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
+        to finish first."""
 
     # --- setup and shutdown ------------------------------------------------------------------
     def setup(self) -> None:
@@ -149,10 +155,18 @@ class PPODriver:
         startup.start_cluster(config, self.run_dir, closing)
         closing.enter_context(driver_log(self.run_dir))
         self.started_logs = True
+        # Until the progress bar shows, the terminal would say nothing for the minute or so this takes on a CPU.
+        models = "the actor, the critic and the engine" if config.use_critic else "the actor and the engine"
+        logger.info("Ray is up; starting the workers: %s load %s", models, config.hf_checkpoint)
         # 4. The roles on the GPUs, the models asleep where the schedule keeps them asleep between
         #    steps (the engine needs the GPU first); then the reward model and the teacher, likewise.
         self.placements, self.gpus = startup.start_roles(
-            config, self.folder, events=self.events, clock=self.clock, closing=closing
+            config,
+            self.folder,
+            events=self.events,
+            clock=self.clock,
+            closing=closing,
+            stopping_now=lambda: self.stopping_now,
         )
         self.gpus.start_asleep(self.between_steps())
         if self.facts.reward_model:
@@ -170,6 +184,7 @@ class PPODriver:
         self.folder.commit()
         self.events.start()
         self.logger = startup.open_metrics(config, self.start_rollout_id, closing)
+        self.clock.on_begin = self.logger.status  # the bar names the phase under way
 
     def close(self) -> None:
         """Stop what `setup` started: the metrics, the workers and engines, the placement groups, Ray if this
@@ -186,7 +201,7 @@ class PPODriver:
         assert self.folder is not None and self.folder.resume.rollout_id is not None
         last = self.folder.resume.rollout_id
         hf_dir = self.run_dir / "hf"
-        metrics = load_state(self.run_dir, last).metrics
+        metrics = metrics_before(self.run_dir, last + 1, load_state(self.run_dir, last))
         return RunSummary(
             self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
         )
@@ -241,6 +256,8 @@ class PPODriver:
         config = self.config
         start = time.perf_counter()
         version = self.gpus.weights_version
+        if not background:
+            self.clock.announce("generate")
         self.events.record("generate_begin", rollout_id=rollout_id, weights_version=version)
         seed = config.seed * 1_000_003 + rollout_id
         counts: dict[str, float] = {}
@@ -387,6 +404,8 @@ class PPODriver:
         gpus = self.gpus
         data = self.dataset.state_dict() if data_state is None else data_state
         turns = self.save_schedule().turns
+        # Room for it, as the last save took (known after the first): else stop before writing anything.
+        check_free_space([*(m.save for m in model_folders(self.config) if m.save), state_dir(self.run_dir)])
 
         def save_model(index: int) -> None:
             turn = turns[index]
@@ -406,6 +425,7 @@ class PPODriver:
                     gpus.after(turn)
             # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
             save_run_checkpoint(self.run_dir, state, saves)
+            prune_checkpoints(self.run_dir, model_folders(self.config), keep=self.config.keep_checkpoints)
             if any(t.work == "weights" for t in turns):
                 gpus.sync_weights()
 
@@ -442,11 +462,16 @@ def train(config: PPOConfig) -> RunSummary:
     `errors.WorkerDied` naming the worker when a train worker's process dies. The driver's log
     lines also go to `RUN_DIR/logs/driver.log` once the run folder is locked and its inputs checked."""
     driver = PPODriver(config)
+    # SIGTERM before the loop (which finishes its step on one): stop at once, nothing trained yet.
+    previous = _on_sigterm(_stop_during_start_up)
     try:
         driver.setup()
         if driver.complete:
             return driver.complete_summary()
         return driver.run()
+    except KeyboardInterrupt:
+        driver.stopping_now = True  # the workers are not asked to finish what they are doing
+        raise
     except RayActorError as exc:
         # A train worker's process died: name its role, rank, pid and log (the last complete
         # checkpoint stays, and the next start resumes from it).
@@ -463,5 +488,17 @@ def train(config: PPOConfig) -> RunSummary:
         raise
     finally:
         driver.close()
+        _on_sigterm(previous)
         if driver.started_logs:
             remove_empty_logs(config.run_dir)
+
+
+def _stop_during_start_up(signum: int, frame: Any) -> None:
+    raise StoppedNow("during start-up: nothing trained by this start, the run folder as it was", by="SIGTERM")
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install `handler` for SIGTERM (in the main thread only, where Python runs handlers); the one before."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)

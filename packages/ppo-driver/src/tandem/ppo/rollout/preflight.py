@@ -9,6 +9,7 @@ id is resolved to its local folder first, by whoever resolves it.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,15 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.model_folder import missing_folder
 from tandem.ppo.rollout.reward_mix import RewardMix, build_reward, reward_terms
 from tandem.ppo.rollout.rewards import RewardFunction, load_reward
 
 __all__ = [
     "LABEL_REWARDS",
+    "announce_dropped",
     "check_model_folder",
     "check_prompt_labels",
+    "check_prompts_fit",
     "check_reward_signature",
     "load_tokenizer",
+    "model_context",
     "read_inputs",
 ]
 
@@ -51,6 +56,8 @@ LABEL_REWARDS = frozenset({"exact_match", "math"})
 def check_model_folder(folder: str | Path, flag: str, *, tokenizer: bool = True) -> None:
     """`folder` (local) holds a config, weights and, when asked, a tokenizer; ValueError naming `flag` otherwise."""
     path = Path(folder)
+    if not path.exists():
+        raise missing_folder(str(folder), flag)
     if not (path / "config.json").is_file():
         raise ValueError(
             f"{flag}: {str(folder)!r} is not a Hugging Face model folder (no config.json); point it at a "
@@ -124,6 +131,60 @@ def check_prompt_labels(
     logger.warning("%s: %s: %s; the reward function gets label None for them", flag, path, counted)
 
 
+def model_context(folder: str | Path) -> tuple[int, Path] | None:
+    """The model's context in tokens (`max_position_embeddings` of its config.json, or of its
+    `text_config`) and that file; None when the config gives none."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # check_model_folder names a missing or broken config
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value, path
+    return None
+
+
+def check_prompts_fit(dataset: PromptDataset, context: tuple[int, Path], *, response_len: int) -> None:
+    """Every kept prompt leaves the engine room for a response within the model's context; ValueError
+    naming --max-prompt-len, the first prompt that does not fit (file and line) and the limit."""
+    positions, config_file = context
+    too_long = next((s for s in dataset.samples if len(s.prompt_ids) >= positions), None)
+    if too_long is None:
+        return
+    fitting = positions - response_len
+    advice = (
+        f"lower --max-prompt-len to at most {fitting} (room for --rollout-max-response-len {response_len})"
+        if fitting >= 1
+        else f"lower --max-prompt-len and --rollout-max-response-len ({response_len}) to add up to at most {positions}"
+    )
+    raise ValueError(
+        f"--max-prompt-len: {too_long.record.origin or f'prompt #{too_long.record.index}'}: the prompt has "
+        f"{len(too_long.prompt_ids)} tokens, but the model's context is {positions} (max_position_embeddings in "
+        f"{config_file}), and --max-prompt-len {dataset.max_prompt_len} keeps it; {advice} to drop such "
+        "prompts, or shorten them"
+    )
+
+
+def announce_dropped(dataset: PromptDataset, path: str, total: int, flag: str) -> None:
+    """One log line with the prompts dropped for their length (`PromptDataset.num_dropped`), if any."""
+    first = dataset.first_dropped
+    if not dataset.num_dropped or first is None:
+        return
+    logger.warning(
+        "%s: %s: %d of its %d prompts are longer than --max-prompt-len %d tokens and are dropped (the first: "
+        "%s, %d tokens); raise --max-prompt-len to keep them",
+        flag,
+        path,
+        dataset.num_dropped,
+        total,
+        dataset.max_prompt_len,
+        first[0].origin or f"prompt #{first[0].index}",
+        first[1],
+    )
+
+
 @dataclass
 class RunInputs:
     """What a run reads before Ray starts, each part checked."""
@@ -158,6 +219,8 @@ def read_inputs(config: Any) -> RunInputs:
     terms = reward_terms(config)
     label_reward = next((t for t in terms if t in LABEL_REWARDS), config.rm_type)
 
+    context = model_context(config.hf_checkpoint)
+
     def prompts(path: str, flag: str) -> PromptDataset:
         try:
             records = read_prompts(path, prompt_key=config.input_key, label_key=config.label_key)
@@ -171,13 +234,20 @@ def read_inputs(config: Any) -> RunInputs:
             label_key=config.label_key,
             flag=flag,
         )
-        return PromptDataset(
-            records,
-            tokenizer,
-            max_prompt_len=config.max_prompt_len,
-            seed=config.seed,
-            apply_chat_template=config.apply_chat_template,
-        )
+        try:
+            dataset = PromptDataset(
+                records,
+                tokenizer,
+                max_prompt_len=config.max_prompt_len,
+                seed=config.seed,
+                apply_chat_template=config.apply_chat_template,
+            )
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        if context is not None:
+            check_prompts_fit(dataset, context, response_len=config.rollout_max_response_len)
+        announce_dropped(dataset, path, len(records), flag)
+        return dataset
 
     dataset = prompts(str(config.prompt_data), "--prompt-data")
     eval_dataset = None

@@ -251,10 +251,25 @@ def compute_rewards(fn: RewardFunction, inputs: Sequence[RewardInput]) -> list[f
         )
     checked = []
     for inp, reward in zip(inputs, rewards, strict=True):
-        if not isinstance(reward, numbers.Real) or not isfinite(reward):
+        value = _real(reward)
+        if value is None or not isfinite(value):
             raise RewardError(
                 f"reward function {_name(fn)} returned {reward!r} for {_describe(inp)}; "
-                "each reward must be a finite number (return float(...))"
+                "each reward must be a finite real number (return float(...))"
             )
-        checked.append(float(reward))
+        checked.append(value)
     return checked
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float when it is one real number, else None.
+
+    Python's numbers (bool included), and any scalar of an array library: NumPy's bool, integer and
+    float scalars (`np.bool_` is no `numbers.Real`), 0-d arrays and tensors, through their `.item()`.
+    """
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None

@@ -90,6 +90,7 @@ class Rollout:
         seconds: `generate` and `reward` wall seconds (and `reward_model` with a reward model).
         reward_terms: with a weighted reward (`tandem.ppo.rollout.reward_mix`), each term's unweighted
             value per sample, by term name; empty for a plain reward function.
+        params: what the responses were sampled with (whether a stop token could end them: `truncated`).
         teacher_log_probs: with a distillation teacher, its log-prob of each response token, one
             tensor per sample (`PPODriver.teach`); None without one.
     """
@@ -100,6 +101,7 @@ class Rollout:
     rewards: list[float]
     seconds: dict[str, float] = field(default_factory=dict)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
+    params: SamplingParams | None = None
     teacher_log_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
@@ -123,7 +125,7 @@ class Rollout:
             f"{prefix}/accuracy": float((rewards >= accuracy_threshold).double().mean()),
             **terms,
             f"{prefix}/response_length": float(lengths.mean()),
-            f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
+            f"{prefix}/truncated": sum(truncated(g, self.params) for g in self.generations) / len(self),
         }
         if n_samples_per_prompt > 1 and len(self) % n_samples_per_prompt == 0:
             groups = self.groups(n_samples_per_prompt)
@@ -144,6 +146,7 @@ class Rollout:
             responses=[self.responses[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
             reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
+            params=self.params,
             teacher_log_probs=None
             if self.teacher_log_probs is None
             else [self.teacher_log_probs[i] for i in indices],
@@ -166,6 +169,7 @@ class Rollout:
                 k: [v for part in parts for v in part.reward_terms[k]]
                 for k in (parts[0].reward_terms if parts else {})
             },
+            params=parts[0].params if parts else None,
         )
 
     def response_tokens(self) -> int:
@@ -188,7 +192,9 @@ def generate_samples(
     generations = engines.generate([p.prompt_ids for p in repeated], params)
     generated = time.perf_counter()
     responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
-    return Rollout(repeated, generations, responses, rewards=[], seconds={"generate": generated - start})
+    return Rollout(
+        repeated, generations, responses, rewards=[], seconds={"generate": generated - start}, params=params
+    )
 
 
 def score_requests(rollout: Rollout) -> list[ScoreRequest]:
@@ -242,6 +248,18 @@ def generate_rollout(
         engines, prompts, n_samples_per_prompt=n_samples_per_prompt, params=params, tokenizer=tokenizer
     )
     return score_rollout(samples, reward_fn)
+
+
+def truncated(generation: Generation, params: SamplingParams | None) -> bool:
+    """Whether a response was cut by the length limit: it hit the limit (finish reason `length`) where a
+    stop token could have ended it. Not where none could: sampling that ignores EOS or stops on no token
+    runs every response to the limit by design, and a limit of one token leaves no room for EOS after an
+    answer (the demo's one-digit answers). `params` None: any `length` counts."""
+    if generation.finish_reason != "length":
+        return False
+    return params is None or (
+        bool(params.stop_token_ids) and not params.ignore_eos and params.max_new_tokens > 1
+    )
 
 
 def has_signal(group: Rollout) -> bool:

@@ -59,6 +59,11 @@ class RolloutBatch:
         rollout_log_probs: log-probs the rollout engine reported per response token, when it did
             (one tensor per sample, its response length); truncated importance sampling
             (`WorkerConfig.use_tis`) weighs the policy loss with them.
+        step_rewards: rewards at their tokens, when the rollout gave some (an episode of several turns:
+            each turn's reward at that turn's last model token), one tensor per sample of its response
+            length; `rewards` is then each sample's total. Estimators that take token rewards (GAE,
+            REINFORCE++) use them instead of the scalar at the last trainable token
+            (`targets.reward_signal`).
         old_log_probs: actor: log-probs under the weights the rollout's training started
             from. Shape `(n, max_response_len)`, 0 past each response; None until computed.
         ref_log_probs: actor with a KL loss: log-probs under the reference weights. Same shape.
@@ -76,6 +81,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
     rollout_log_probs: list[torch.Tensor] | None = None
+    step_rewards: list[torch.Tensor] | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -92,6 +98,7 @@ class RolloutBatch:
             "loss_masks": len(self.loss_masks),
             "rewards": int(self.rewards.numel()),
             "sample_indices": len(self.sample_indices),
+            **({"step_rewards": len(self.step_rewards)} if self.step_rewards is not None else {}),
         }
         bad = {k: v for k, v in sizes.items() if v != n}
         if bad:
@@ -109,6 +116,11 @@ class RolloutBatch:
             if mask.numel() != rlen:
                 raise ValueError(
                     f"RolloutBatch: sample {i} has loss_mask of {mask.numel()} entries, expected {rlen}"
+                )
+            if self.step_rewards is not None and self.step_rewards[i].numel() != rlen:
+                raise ValueError(
+                    f"RolloutBatch: sample {i} has step_rewards of {self.step_rewards[i].numel()} entries, "
+                    f"expected {rlen} (one per response token)"
                 )
         shape = (n, self.max_response_length)
         for name in TARGETS:
@@ -130,6 +142,12 @@ class RolloutBatch:
     def padded_loss_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The loss masks as `(n, max_response_len)`, 0 past each response."""
         return to_device(pad_responses(self.loss_masks), device)
+
+    def padded_step_rewards(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """`step_rewards` as `(n, max_response_len)`, 0 past each response; None when there are none."""
+        if self.step_rewards is None:
+            return None
+        return to_device(pad_responses(self.step_rewards), device)
 
     def with_targets(self, **targets: torch.Tensor | None) -> RolloutBatch:
         """A copy of this batch with the given `TARGETS` fields set (checked like the constructor's)."""
@@ -160,6 +178,7 @@ class RolloutBatch:
             rollout_log_probs=None
             if self.rollout_log_probs is None
             else [self.rollout_log_probs[i] for i in rows],
+            step_rewards=None if self.step_rewards is None else [self.step_rewards[i] for i in rows],
             **targets,
         )
 

@@ -2,8 +2,9 @@
 
 docs/design.md, "The train step inside steps 3 and 4".
 
-The rewards are the scalar rewards, or with `kl_coef != 0` the KL-folded token
-rewards (`reward_signal`), the same on both roles since both get the actor's old
+The rewards are the scalar rewards (an episode's rewards at their tokens where the
+rollout gave them), or with `kl_coef != 0` the KL-folded token rewards
+(`reward_signal`), the same on both roles since both get the actor's old
 and reference log-probs. Critic: old values → λ-returns (`critic_targets`);
 actor: the advantage estimator's advantages, whitened when asked (`actor_targets`).
 Each returns the batch with its padded per-token targets set and the rollout's figures.
@@ -36,23 +37,31 @@ def reward_signal(
     dp_group: Any = None,
     scalar_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The rewards the estimator runs on, and their figures: scalar rewards, or the KL-folded token rewards.
+    """The rewards the estimator runs on, and their figures: scalar rewards, or token rewards.
 
     `scalar_rewards`: the per-sample rewards to use, shape `(n,)` (the estimator's,
-    `rollout_rewards.estimator_rewards`); None: `batch.rewards`. With `kl_coef == 0`:
-    those, exactly as without the KL-first plan (the log-probs are not read). Otherwise
-    `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
-    `(n, max_response_len)`; critic and actor call this with the same log-probs
-    (the actor's, from `compute_log_probs`), hence the same rewards bit for bit.
+    `rollout_rewards.estimator_rewards`); None: `batch.rewards`. A batch with `step_rewards`
+    (episodes rewarded turn by turn) gives an estimator without a group baseline (GAE,
+    REINFORCE++) those token rewards, shape `(n, max_response_len)`, 0 at masked tokens; a
+    group estimator compares each sample's total with its group's and keeps the scalar. With
+    `kl_coef == 0`: that, exactly as without the KL-first plan (the log-probs are not read).
+    Otherwise `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
+    `(n, max_response_len)`; critic and actor call this with the same log-probs (the actor's,
+    from `compute_log_probs`), hence the same rewards bit for bit.
     """
-    scalar = batch.rewards if scalar_rewards is None else scalar_rewards
+    rewards = batch.rewards if scalar_rewards is None else scalar_rewards
+    if batch.step_rewards is not None and not config.estimator.groups:
+        mask = batch.padded_loss_mask(device)
+        steps = batch.padded_step_rewards(device)
+        assert steps is not None
+        rewards = torch.where(mask != 0, steps, 0.0)
     if config.kl_coef == 0:
-        return scalar, {}
+        return rewards, {}
     assert log_probs is not None and ref_log_probs is not None, "checked by the caller"
     mask = batch.padded_loss_mask(device)
     log_probs, ref_log_probs = log_probs.to(device), ref_log_probs.to(device)
     rewards = kl_penalized_rewards(
-        scalar.to(device), log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
+        rewards.to(device), log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
     )
     kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
     return rewards, {"reward_kl": masked_mean_var(kl, mask, group=dp_group)[0]}

@@ -32,6 +32,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("PPO algorithm", "the policy loss, advantages, KL, and the optimizer"),
     ("critic", "the value model that shares the actor's GPUs"),
     ("data and rewards", "prompts, rewards and the eval set"),
+    ("episodes and tools", "multi-turn rollouts: the environment, its budgets, tools, the chat endpoint"),
     ("schedule and checkpoints", "how long the run is, where it goes, when it saves and evaluates"),
     ("placement and resources", "GPUs, nodes, who shares a GPU, and sleeping"),
     ("logging", "metrics, TensorBoard, experiment trackers, the terminal"),
@@ -65,6 +66,10 @@ _GROUP_MEMBERS: dict[str, str] = {
     "data and rewards": (
         "prompt_data input_key label_key apply_chat_template max_prompt_len rm_type custom_rm_path "
         "accuracy_threshold eval_prompt_data n_samples_per_eval_prompt eval_temperature"
+    ),
+    "episodes and tools": (
+        "env_path custom_generate_function_path max_turns max_episode_tokens env_timeout tool_timeout "
+        "max_env_failures endpoint_host endpoint_port"
     ),
     "schedule and checkpoints": (
         "run_dir num_rollout load save save_interval save_on_interrupt eval_interval export_hf"

@@ -163,7 +163,10 @@ def episode_setup(config: Any, tokenizer: Any) -> EpisodeSetup | None:
     )
     name = config.env_path or config.custom_generate_function_path
     failures = EnvFailures(
-        environment=name, limit=config.max_env_failures, log_dir=Path(config.run_dir) / "logs" / "episodes"
+        environment=name,
+        limit=config.max_env_failures,
+        log_dir=Path(config.run_dir) / "logs" / "episodes",
+        flag="--env-path" if config.env_path is not None else "--custom-generate-function-path",
     )
     if config.env_path is not None:
         return EpisodeSetup(name, limits, failures, factory=load_env_factory(config.env_path))

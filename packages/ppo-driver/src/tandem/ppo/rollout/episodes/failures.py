@@ -27,8 +27,11 @@ class TooManyEnvFailures(RuntimeError):
 class EnvFailures:
     """Counts and logs the run's failed episodes (see the module docstring)."""
 
-    def __init__(self, *, environment: str, limit: int, log_dir: Path | None) -> None:
+    def __init__(
+        self, *, environment: str, limit: int, log_dir: Path | None, flag: str = "--env-path"
+    ) -> None:
         self.environment = environment
+        self.flag = flag
         self.limit = limit
         self.log_dir = log_dir
         self.total = 0
@@ -46,7 +49,7 @@ class EnvFailures:
             where = f"; its log: {last_log}" if last_log is not None else ""
             first_line = (episode.failure or "").strip().splitlines()
             raise TooManyEnvFailures(
-                f"--env-path {self.environment}: {self.total} episodes failed in this run, more than "
+                f"{self.flag} {self.environment}: {self.total} episodes failed in this run, more than "
                 f"--max-env-failures {self.limit}; the last: sample {sample.index} "
                 f"(prompt {sample.prompt!r}, label {sample.label!r}){where}: "
                 f"{first_line[-1] if first_line else 'no message'}"

@@ -35,7 +35,7 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "init", refuse)
 
 
-ENVS = '''
+ENVS = """
 class NoStep:
     def reset(self, sample):
         return "go"
@@ -56,10 +56,12 @@ def two_arguments(ctx, extra):
     return None
 
 not_callable = 3
-'''
+"""
 
 
-def refused(capsys: pytest.CaptureFixture[str], model: Path, prompts: Path, tmp_path: Path, *flags: str) -> str:
+def refused(
+    capsys: pytest.CaptureFixture[str], model: Path, prompts: Path, tmp_path: Path, *flags: str
+) -> str:
     run_dir = tmp_path / "run"
     argv = ["train", "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir)]
     status = cli(
@@ -79,10 +81,16 @@ def refused(capsys: pytest.CaptureFixture[str], model: Path, prompts: Path, tmp_
         (["--env-path", "no_such_module_here:Env"], "--env-path 'no_such_module_here:Env': no module named"),
         (["--env-path", "{envs}:Missing"], "has no function 'Missing'; name one of its functions"),
         (["--env-path", "{envs}:not_callable"], "is a int, not callable"),
-        (["--env-path", "{envs}:needs_a_setting"], "the factory's signature is (level), but it is called with no argument"),
+        (
+            ["--env-path", "{envs}:needs_a_setting"],
+            "the factory's signature is (level), but it is called with no argument",
+        ),
         (["--env-path", "{envs}:broken_factory"], "making an environment raised RuntimeError: no game today"),
         (["--env-path", "{envs}:NoStep"], "which has no step() method"),
-        (["--env-path", "{envs}:ResetWithoutSample"], "ResetWithoutSample.reset() cannot be called with one argument"),
+        (
+            ["--env-path", "{envs}:ResetWithoutSample"],
+            "ResetWithoutSample.reset() cannot be called with one argument",
+        ),
         (["--env-path", "envs"], "--env-path: got 'envs'; write it as package.module:name"),
         (["--env-path", "textarena:NoSuchGame-v0"], "TextArena has no game 'NoSuchGame-v0'"),
         (

@@ -55,7 +55,13 @@ def play(agent: Any, tmp_path: Any = None) -> Any:
         endpoint=EndpointOptions("127.0.0.1", 0, KEY),
     )
     rollout = generate_episodes(
-        engine, samples, n_samples_per_prompt=1, params=SamplingParams(seed=3), tokenizer=TOKENIZER, setup=setup, label="t"
+        engine,
+        samples,
+        n_samples_per_prompt=1,
+        params=SamplingParams(seed=3),
+        tokenizer=TOKENIZER,
+        setup=setup,
+        label="t",
     )
     return rollout, engine
 
@@ -67,7 +73,9 @@ async def two_turns(ctx: Any) -> Any:
     session = ctx.endpoint_session()
     client = session.async_client(max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
-    first = await client.chat.completions.create(model="policy", messages=messages, logprobs=True, max_tokens=4)
+    first = await client.chat.completions.create(
+        model="policy", messages=messages, logprobs=True, max_tokens=4
+    )
     messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "add"}]
     second = await client.chat.completions.create(model="policy", messages=messages)
     call = second.choices[0].message.tool_calls[0]
@@ -100,12 +108,14 @@ def test_an_agent_on_the_openai_client_makes_the_episode_without_retokenizing() 
     assert calls[0].prompt_ids == prompt
     _, context = chat.after_turn(EOS, [{"role": "user", "content": "add"}])
     assert calls[1].prompt_ids == prompt + calls[0].completion_ids + context
-    assert calls[2].prompt_ids[: len(calls[1].prompt_ids) + 2] == calls[1].prompt_ids + [CALL_ID, EOS]
+    assert calls[2].prompt_ids[: len(calls[1].prompt_ids) + 2] == [*calls[1].prompt_ids, CALL_ID, EOS]
     # The episode is the last prompt and its completion; only the completions train, with their log-probs.
     assert episode.prompt_ids + episode.token_ids == calls[2].prompt_ids + calls[2].completion_ids
     trained = [t for t, m in zip(episode.token_ids, episode.loss_mask, strict=True) if m]
     assert trained == [c for call in calls for c in call.completion_ids]
-    assert [p for p, m in zip(episode.log_probs, episode.loss_mask, strict=True) if m] == [LOG_PROB] * len(trained)
+    assert [p for p, m in zip(episode.log_probs, episode.loss_mask, strict=True) if m] == [LOG_PROB] * len(
+        trained
+    )
     assert episode.reward == 1.0 and episode.counts == {"endpoint/calls": 3.0}
     assert [len(p) for p, _ in engine.calls] == [1, 1, 1]
 

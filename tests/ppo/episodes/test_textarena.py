@@ -61,7 +61,9 @@ def test_a_bad_move_is_the_games_message_and_the_seed_comes_from_the_data() -> N
     assert "invalid move" in (observation or "").lower() and reward == 0.0 and not done
 
 
-@pytest.mark.parametrize(("game_id", "opening"), [("Mastermind-v0", "Mastermind"), ("TowerOfHanoi-v0", "Tower of Hanoi")])
+@pytest.mark.parametrize(
+    ("game_id", "opening"), [("Mastermind-v0", "Mastermind"), ("TowerOfHanoi-v0", "Tower of Hanoi")]
+)
 def test_other_offline_games_start(game_id: str, opening: str) -> None:
     game = load_env_factory(f"textarena:{game_id}")()
     assert opening in game.reset(EpisodeSample(None, None, None, seed=1))
@@ -83,7 +85,9 @@ def test_an_episode_of_the_game_in_the_loop() -> None:
         low_high["guess"] = (low_high["low"] + low_high["high"]) // 2
         return [*tokenizer(f"[{low_high['guess']}]", add_special_tokens=False)["input_ids"], eos]
 
-    samples = PromptDataset([PromptRecord(0, "play", None, None, {"seed": 7})], tokenizer, max_prompt_len=64, seed=0)
+    samples = PromptDataset(
+        [PromptRecord(0, "play", None, None, {"seed": 7})], tokenizer, max_prompt_len=64, seed=0
+    )
     setup = EpisodeSetup(
         "textarena:GuessTheNumber-v0",
         EpisodeLimits(max_turns=10, max_turn_tokens=8, max_context=100_000),
@@ -102,5 +106,7 @@ def test_an_episode_of_the_game_in_the_loop() -> None:
     (episode,) = rollout.episodes
     assert episode.end == "done" and episode.reward == 1.0 and 1 < episode.turns <= 5
     # The game's hints are context ("higher"/"lower" have no capitals: the tiny vocabulary keeps them).
-    decoded = tokenizer.decode([t for t, m in zip(episode.token_ids, episode.loss_mask, strict=True) if not m])
+    decoded = tokenizer.decode(
+        [t for t, m in zip(episode.token_ids, episode.loss_mask, strict=True) if not m]
+    )
     assert "higher" in decoded or "lower" in decoded

@@ -62,7 +62,10 @@ def test_well_formed_calls_are_parsed_in_order() -> None:
         '<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"k\\"}"}</tool_call>'
     )
     parsed = parse_tool_calls(text)
-    assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 1, "b": 2}), ("lookup", {"key": "k"})]
+    assert [(c.name, c.arguments) for c in parsed.calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("lookup", {"key": "k"}),
+    ]
     assert parsed.malformed == [] and parsed
     assert not parse_tool_calls("no tools here")
 
@@ -74,7 +77,7 @@ def test_malformed_calls_are_named() -> None:
     )
     assert parsed.calls == []
     assert [m.split(" (")[0].split(" is ")[-1][:12] for m in parsed.malformed][:1] == ["not JSON"]
-    assert "not an object with a \"name\"" in parsed.malformed[1]
+    assert 'not an object with a "name"' in parsed.malformed[1]
     assert "not a JSON object" in parsed.malformed[2]
     assert "not closed" in parsed.malformed[3]
 
@@ -148,7 +151,13 @@ def test_an_episode_with_tools_runs_them_and_the_results_are_context() -> None:
         factory=Calculator,
     )
     rollout = generate_episodes(
-        engine, samples, n_samples_per_prompt=1, params=SamplingParams(seed=1), tokenizer=tokenizer, setup=setup, label="t"
+        engine,
+        samples,
+        n_samples_per_prompt=1,
+        params=SamplingParams(seed=1),
+        tokenizer=tokenizer,
+        setup=setup,
+        label="t",
     )
     (episode,) = rollout.episodes
     assert episode.reward == 1.0 and episode.turns == 2 and episode.end == "done"

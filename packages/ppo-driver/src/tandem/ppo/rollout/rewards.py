@@ -151,6 +151,11 @@ def load_reward(spec: str) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    target, sep, function_name = spec.rpartition(":")
+    if not sep or not target or not function_name:
+        raise _spec_error(
+            spec, "not a built-in reward and not of the form X:function", f"use one of {_SPEC_FORMS}"
+        )
     return load_named(
         spec,
         "--custom-rm-path",

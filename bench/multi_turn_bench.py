@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         build_model(args.shape, device, dtype, Path(folder))
         tokenizer.save_pretrained(folder)
-        engine = EmbeddedEngine(folder, EngineOptions(device=device.type))
+        # One thread on the CPU: a shared machine's other jobs make OpenMP's waiting threads spin.
+        threads = 1 if device.type == "cpu" else None
+        engine = EmbeddedEngine(folder, EngineOptions(device=device.type, cpu_threads=threads))
         recording = Recording(engine)
         records = [PromptRecord(i, "go", None, None) for i in range(args.episodes)]
         samples = PromptDataset(records, tokenizer, max_prompt_len=64, seed=0).samples

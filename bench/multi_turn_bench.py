@@ -10,11 +10,12 @@ template (the tiny character tokenizer's, one token a character). Reported, from
    engine calls it made (one per turn: every episode asks at once);
 2. `single_turn`: the same engine generating the same model tokens per episode in one call
    (`--episodes` prompts of `--turns × --turn-tokens` tokens): what the turns cost;
-3. `reprefill`: what keeping each episode's KV cache across turns could save at most. Each
-   turn re-prefills the whole episode so far; the seconds of those prefills alone (each turn's
-   prompts generated again for one token) and the share of their tokens that an earlier turn
-   had already prefilled or sampled. Keeping the KV cache would save at most
-   `upper_bound_saving_s` = that share of the prefill seconds: the decision to build it.
+3. `reprefill`: what keeping each episode's KV cache across turns can save at most. Without it
+   each turn re-prefills the whole episode so far; the seconds of those prefills alone (each
+   turn's prompts generated again for one token) and the share of their tokens that an earlier
+   turn had already prefilled or sampled give `upper_bound_saving_s`;
+4. `kept_kv`: the same rollout with the engine keeping each episode's KV cache between its turns
+   (`--keep-episode-kv`, the default), its tokens per second and its speed-up over re-prefilling.
 
 CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
 
@@ -79,9 +80,12 @@ class Recording:
         self.engine = engine
         self.prompts: list[list[list[int]]] = []
 
-    def generate(self, prompts: Any, params: Any) -> Any:
+    def generate(self, prompts: Any, params: Any, sessions: Any = None) -> Any:
         self.prompts.append([list(p) for p in prompts])
-        return self.engine.generate(prompts, params)
+        return self.engine.generate(prompts, params, sessions)
+
+    def end_sessions(self) -> None:
+        self.engine.end_sessions()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -113,8 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             factory=functools.partial(FixedTurns, args.turns, args.observation_chars),
         )
 
-        def episodes() -> tuple[float, Any]:
+        def episodes(keep_kv: bool) -> tuple[float, Any]:
             recording.prompts.clear()
+            setup.keep_kv = keep_kv
             sync(device)
             start = time.perf_counter()
             rollout = generate_episodes(
@@ -130,8 +135,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return time.perf_counter() - start, rollout
 
         if not args.quick:
-            episodes()  # warm-up: CUDA graphs, caches, the first calls' one-time costs
-        multi_s, rollout = episodes()
+            episodes(False)  # warm-up: CUDA graphs, caches, the first calls' one-time costs
+        kept_s, kept_rollout = episodes(True)
+        multi_s, rollout = episodes(False)
         model_tokens = sum(sum(e.loss_mask) for e in rollout.episodes)
         turn_prompts = [list(p) for p in recording.prompts]
 
@@ -176,6 +182,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_calls": len(turn_prompts),
             "batch_sizes": [len(p) for p in turn_prompts],
             "engine_seconds": rollout.seconds.get("generate_engine"),
+        },
+        "kept_kv": {
+            "seconds": kept_s,
+            "model_tokens": sum(sum(e.loss_mask) for e in kept_rollout.episodes),
+            "tokens_per_s": model_tokens / kept_s,
+            "speedup_over_reprefill": multi_s / kept_s,
         },
         "single_turn": {
             "seconds": single_s,

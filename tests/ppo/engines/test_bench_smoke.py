@@ -53,6 +53,8 @@ def test_the_multi_turn_benchmark_runs_quick(tmp_path: Path) -> None:
     assert report["multi_turn"]["batch_sizes"] == [4, 4]
     assert report["multi_turn"]["model_tokens"] == report["single_turn"]["model_tokens"] == 4 * 2 * 4
     assert report["multi_over_single"] > 0
+    assert report["kept_kv"]["model_tokens"] == report["multi_turn"]["model_tokens"]
+    assert report["kept_kv"]["speedup_over_reprefill"] > 0
     reprefill = report["reprefill"]
     assert (
         0 < reprefill["already_cached_share"] < 1 and reprefill["upper_bound_saving_s"] < reprefill["seconds"]

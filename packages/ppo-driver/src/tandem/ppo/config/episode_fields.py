@@ -50,6 +50,11 @@ class EpisodeFields:
     """Failed episodes (the environment raised, returned the wrong types or timed out) a run tolerates;
     one more stops it, naming the environment, the sample and its log in RUN_DIR/logs/episodes."""
 
+    keep_episode_kv: bool = True
+    """The embedded engine keeps each episode's KV cache between its turns, so that a turn prefills only
+    the tokens that are new since the last one (the environment's reply); off: each turn prefills the
+    whole episode again. SGLang reuses the prefixes itself either way."""
+
     endpoint_host: str = "127.0.0.1"
     """Where the OpenAI-compatible chat endpoint of a custom generate function listens. Any address but
     the loopback needs an API key in the environment variable TANDEM_ENDPOINT_API_KEY (checked on every

@@ -69,7 +69,7 @@ _GROUP_MEMBERS: dict[str, str] = {
     ),
     "episodes and tools": (
         "env_path custom_generate_function_path max_turns max_episode_tokens env_timeout tool_timeout "
-        "max_env_failures endpoint_host endpoint_port"
+        "max_env_failures keep_episode_kv endpoint_host endpoint_port"
     ),
     "schedule and checkpoints": (
         "run_dir num_rollout load save save_interval save_on_interrupt eval_interval export_hf"

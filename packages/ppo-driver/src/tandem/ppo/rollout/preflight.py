@@ -168,11 +168,14 @@ def episode_setup(config: Any, tokenizer: Any) -> EpisodeSetup | None:
         log_dir=Path(config.run_dir) / "logs" / "episodes",
         flag="--env-path" if config.env_path is not None else "--custom-generate-function-path",
     )
+    keep_kv = config.keep_episode_kv
     if config.env_path is not None:
-        return EpisodeSetup(name, limits, failures, factory=load_env_factory(config.env_path))
+        return EpisodeSetup(
+            name, limits, failures, factory=load_env_factory(config.env_path), keep_kv=keep_kv
+        )
     custom = load_custom_generate(config.custom_generate_function_path)
     endpoint = endpoint_options(config.endpoint_host, config.endpoint_port)
-    return EpisodeSetup(name, limits, failures, custom=custom, endpoint=endpoint)
+    return EpisodeSetup(name, limits, failures, custom=custom, endpoint=endpoint, keep_kv=keep_kv)
 
 
 def read_inputs(config: Any) -> RunInputs:

@@ -9,6 +9,10 @@ asking. Requests of one batch with different token budgets go out as one call pe
 The engines' call runs on a thread, so the environments of other episodes are not held up
 by it. Seeds: the `k`-th engine call of a rollout samples with `seed + 7919 k`, so a rollout
 whose episodes ask in the same order samples the same tokens.
+
+With `keep_kv`, each request names its episode as a session: the engine keeps the episode's KV
+cache between its turns and prefills only what is new (`engines._sessions`; `--keep-episode-kv`),
+and `close` has the engines forget them once the rollout is over.
 """
 
 from __future__ import annotations
@@ -37,13 +41,17 @@ class _Request:
     prompt_ids: list[int]
     max_new_tokens: int
     future: asyncio.Future[Generation]
+    session: str | None = None
 
 
 class TurnBatcher:
     """Batches the model turns of `episodes` episodes running in one event loop (see the module docstring)."""
 
-    def __init__(self, engines: Generator, params: SamplingParams, *, episodes: int) -> None:
+    def __init__(
+        self, engines: Generator, params: SamplingParams, *, episodes: int, keep_kv: bool = False
+    ) -> None:
         self.engines = engines
+        self.keep_kv = keep_kv
         self.params = params
         self.live = episodes
         """Episodes that have not ended."""
@@ -55,10 +63,13 @@ class TurnBatcher:
         """Wall seconds spent in the engines' calls."""
         self.batch_sizes: list[int] = []
 
-    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
-        """The model's next turn after `prompt_ids`, at most `max_new_tokens` tokens."""
+    async def generate(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, session: str | None = None
+    ) -> Generation:
+        """The model's next turn after `prompt_ids`, at most `max_new_tokens` tokens; `session`: the
+        episode's, whose KV the engine keeps for its next turn (with `keep_kv`)."""
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(list(prompt_ids), int(max_new_tokens), future))
+        self.pending.append(_Request(list(prompt_ids), int(max_new_tokens), future, session))
         self._maybe_flush()
         return await future
 
@@ -80,10 +91,18 @@ class TurnBatcher:
                 requests = [r for r in batch if r.max_new_tokens == budget]
                 params = dataclasses.replace(self.params, max_new_tokens=budget, seed=self._next_seed())
                 start = time.perf_counter()
+                prompts = [r.prompt_ids for r in requests]
                 try:
-                    generations = await asyncio.to_thread(
-                        self.engines.generate, [r.prompt_ids for r in requests], params
-                    )
+                    if self.keep_kv:
+                        sessions = [r.session for r in requests]
+                        generations = await asyncio.to_thread(
+                            self.engines.generate,  # type: ignore[call-arg]
+                            prompts,
+                            params,
+                            sessions,
+                        )
+                    else:
+                        generations = await asyncio.to_thread(self.engines.generate, prompts, params)
                 finally:
                     self.seconds += time.perf_counter() - start
                 self.batch_sizes.append(len(requests))
@@ -96,6 +115,12 @@ class TurnBatcher:
         finally:
             self._flushing = False
             self._maybe_flush()
+
+    async def close(self) -> None:
+        """The rollout is over: with `keep_kv`, the engines forget its sessions."""
+        end = getattr(self.engines, "end_sessions", None)
+        if self.keep_kv and callable(end):
+            await asyncio.to_thread(end)
 
     def _next_seed(self) -> int | None:
         self.calls += 1

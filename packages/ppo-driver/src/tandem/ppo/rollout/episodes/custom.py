@@ -65,14 +65,15 @@ class EpisodeContext:
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> Generation:
         """The model's continuation of `prompt_ids` (at most `max_new_tokens`, default and cap
-        `--rollout-max-response-len`), batched with the other episodes' turns."""
+        `--rollout-max-response-len`), batched with the other episodes' turns (the episode's KV kept
+        between its calls with `--keep-episode-kv`)."""
         budget = (
             self.limits.max_turn_tokens
             if max_new_tokens is None
             else min(max_new_tokens, self.limits.max_turn_tokens)
         )
         try:
-            return await self._batcher.generate(prompt_ids, budget)
+            return await self._batcher.generate(prompt_ids, budget, str(self.sample.index))
         except Exception as exc:
             self.engine_error = exc
             raise EngineFailed(f"the rollout engines failed: {exc}") from exc

@@ -146,7 +146,7 @@ class ChatSession:
         if budget <= 0:
             raise _HttpError(400, "the episode's token budget is spent (--max-episode-tokens or the context)")
         prompt_ids = trajectory.context_ids
-        generation = await self._endpoint.batcher.generate(prompt_ids, budget)
+        generation = await self._endpoint.batcher.generate(prompt_ids, budget, self.session_id)
         trajectory.add_model(generation)
         self.calls.append(_Call(prompt_ids, list(generation.token_ids), list(generation.log_probs)))
         tokenizer = self._endpoint.tokenizer

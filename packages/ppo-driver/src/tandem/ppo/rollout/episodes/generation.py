@@ -53,6 +53,8 @@ class EpisodeSetup:
     custom: CustomGenerate | None = None
     endpoint: EndpointOptions | None = None
     """The chat endpoint's address and key, for a custom generate function."""
+    keep_kv: bool = False
+    """The engines keep each episode's KV cache between its turns (`--keep-episode-kv`)."""
 
 
 def episode_sample(prompt: PromptSample, index: int, seed: int) -> EpisodeSample:
@@ -117,7 +119,7 @@ async def _play(
     tokenizer: Any,
     setup: EpisodeSetup,
 ) -> tuple[list[Episode], float]:
-    batcher = TurnBatcher(engines, params, episodes=len(samples))
+    batcher = TurnBatcher(engines, params, episodes=len(samples), keep_kv=setup.keep_kv)
     env_calls = EnvCalls(setup.limits.env_timeout_s)
     endpoint = None
     if setup.custom is not None and setup.endpoint is not None:
@@ -162,4 +164,5 @@ async def _play(
     finally:
         if endpoint is not None:
             endpoint.stop()
+        await batcher.close()
     return episodes, batcher.seconds

@@ -141,7 +141,9 @@ async def run_episode(
         text, prompt_ids = chat.first_prompt(messages)
         trajectory = Trajectory(prompt_ids, text)
         trajectory.transcript.extend(messages)
-        end = await _turns(env, trajectory, chat, tools, batcher, tokenizer, limits, env_calls)
+        end = await _turns(
+            str(sample.index), env, trajectory, chat, tools, batcher, tokenizer, limits, env_calls
+        )
     except EnvFailure as exc:
         failed = trajectory or Trajectory(fallback_prompt, "")
         episode = failed.finish("failed")
@@ -157,6 +159,7 @@ async def run_episode(
 
 
 async def _turns(
+    session: str,
     env: Any,
     trajectory: Trajectory,
     chat: ChatRenderer,
@@ -175,7 +178,7 @@ async def _turns(
             budget = min(budget, limits.max_episode_tokens - len(trajectory))
         if budget <= 0:
             return _budget_end(trajectory, limits)
-        generation = await batcher.generate(trajectory.context_ids, budget)
+        generation = await batcher.generate(trajectory.context_ids, budget, session)
         trajectory.add_model(generation)
         cut = generation.finish_reason == "length"
         text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)

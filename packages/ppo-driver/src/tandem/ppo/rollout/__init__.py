@@ -3,7 +3,8 @@
 `data` (prompt files and the data cursor), `rewards` (the rule rewards and user
 functions), `reward_mix` (the reward as a weighted sum of terms), `reward_model/`
 (a reward model on the shared GPUs), `samples` (a round of sampling, its scores,
-dynamic sampling, the per-rank batches) and `preflight` (the run's inputs checked
+dynamic sampling, the per-rank batches), `episodes/` (multi-turn rollouts with an
+environment, tools and a chat endpoint) and `preflight` (the run's inputs checked
 before Ray starts). It may import the engines, torch, transformers, Ray and
 tandem.megatron's shared data and algorithms; never the config, the run folder,
 the loop or the command: what it needs of the config it names as a Protocol

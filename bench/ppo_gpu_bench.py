@@ -61,6 +61,13 @@ mode's steps early, after at least 2, so that the whole bench fits in about that
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --out "$OUT"
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --reward-model --skip-probe --out "$OUT"
 
+The weight sync's count of changed weights (`policy/changed_fraction`, `..._since_start`, in every
+mode's steps and summary): `--ab-policy-change-count` runs the shared mode again with it off
+(`shared_no_count`) and reports the sync's seconds with and without it (`policy_change_count`);
+`--no-policy-change-count` turns it off in every mode.
+
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --ab-policy-change-count --skip-resident --skip-probe --out "$OUT"
+
 CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a reward model):
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
@@ -94,7 +101,7 @@ from ppo_harness import (
     write_prompts,
     write_report,
 )
-from ppo_modes import ppo_values, run_mode
+from ppo_modes import NO_COUNT_MODE, ppo_values, run_mode
 from ppo_report import compare, new_report, plot, print_summary
 
 __all__ = ["main", "parse_args", "ppo_values"]
@@ -153,6 +160,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-resident", action="store_true", help="run only the shared mode")
     parser.add_argument("--skip-shared", action="store_true", help="run only the resident mode")
     parser.add_argument("--skip-probe", action="store_true", help="no training-speed probe")
+    parser.add_argument(
+        "--no-policy-change-count",
+        action="store_true",
+        help="every mode's weight sync without the count of changed weights (policy_change_count=False)",
+    )
+    parser.add_argument(
+        "--ab-policy-change-count",
+        action="store_true",
+        help="after the shared mode, the same run with the count off (mode shared_no_count): the weight "
+        "sync's seconds with and without it",
+    )
     parser.add_argument(
         "--reward-model",
         action="store_true",
@@ -244,6 +262,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         parser.error(f"--set {bad[0]}: write it as FIELD=VALUE")
     args.overrides = {key.strip(): yaml.safe_load(value) for key, _, value in pairs}
+    if args.no_policy_change_count:
+        if args.ab_policy_change_count:
+            parser.error("--no-policy-change-count: the A/B (--ab-policy-change-count) needs the count on")
+        args.overrides["policy_change_count"] = False
     if args.target_median_len is None:
         args.target_median_len = max(1, round(args.response_len * 276 / 512))
     return args
@@ -313,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = [
             m for m, skip in (("shared", args.skip_shared), ("resident", args.skip_resident)) if not skip
         ]
+        if args.ab_policy_change_count:
+            modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, NO_COUNT_MODE)
         for i, mode in enumerate(modes):
             # Keep time for what follows: another mode (about this one's wall time) and the probe.
             reserve = 0.0 if args.skip_probe else 120.0

@@ -69,7 +69,7 @@ def ppo_values(
         "params_dtype": "float32" if args.quick else "bfloat16",
         "offload_backend": "pinned_host",
         "local_gpus": 1 if args.quick else None,
-        "offload_train": mode == "shared",
+        "offload_train": mode in SHARED_MODES,
         "local_single_rank_groups": args.local_single_rank_groups,
         "keep_single_rank_groups": args.keep_single_rank_groups,
         "export_hf": False,
@@ -80,12 +80,20 @@ def ppo_values(
     }
     if mode == "resident":
         values["rollout_kv_cache_memory_fraction"] = args.resident_kv_fraction
+    if mode == NO_COUNT_MODE:
+        values["policy_change_count"] = False
     if reward_model is not None:
         # The model's term first: the rollout's timeline is generate, reward model, rule.
         values.update(rm_type="model", reward_model=str(reward_model), reward_weights="model=1.0,custom=1.0")
     values.update(args.overrides)
     return values
 
+
+NO_COUNT_MODE = "shared_no_count"
+"""The shared mode with the weight sync's count of changed weights off (`--ab-policy-change-count`)."""
+
+SHARED_MODES = ("shared", NO_COUNT_MODE)
+"""The modes whose models time-share the GPU."""
 
 SHARING_PHASES = (
     "engine_release",
@@ -153,6 +161,15 @@ def summarize_mode(
             cells.setdefault(row["cell"], []).append(float(row["time/step"]))
     result["step_s_by_cell"] = {cell: mean(xs) for cell, xs in cells.items()}
     result["response_length_mean"] = mean([float(s["reward/response_length"]) for s in steady])
+    # What each weight sync changed in the engine's weights, and the engine's own seconds in the sync.
+    result["changed_fraction"] = [s.get("policy/changed_fraction") for s in steps]
+    result["changed_fraction_since_start"] = [s.get("policy/changed_fraction_since_start") for s in steps]
+    result["engine_weight_update_s"] = mean(
+        [float(s["time/engine_weight_update"]) for s in steady if "time/engine_weight_update" in s]
+    )
+    result["sampler_log_prob_gap"] = mean(
+        [float(s["actor/sampler_log_prob_gap"]) for s in steady if "actor/sampler_log_prob_gap" in s]
+    )
     result["truncated_share"] = mean([float(s["reward/truncated"]) for s in steady])
     allocs = sorted({k for s in steps for k in s if k.startswith("alloc/")})
     result["allocator_calls"] = {k: [s.get(k) for s in steps] for k in allocs}

@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_harness import fmt, gpu_name
-from ppo_modes import PHASES
+from ppo_modes import NO_COUNT_MODE, PHASES
 
 from tandem.ppo.app.plot import plot_run
 
@@ -59,6 +59,7 @@ def compare(report: dict[str, Any]) -> None:
         "step": VERL_ANCHOR_S["step"],
     }
     report["vs_verl"] = {k: {"verl_s": verl[k], "shared_s": ours[k]} for k in ours}
+    report["policy_change_count"] = count_cost(shared, report["modes"].get(NO_COUNT_MODE) or {})
     probe = report.get("probe") or {}
     peaks = shared.get("gpu_peak_gib") or {}
     overhead = report["overhead_of_sharing"]
@@ -73,6 +74,24 @@ def compare(report: dict[str, Any]) -> None:
             if peaks.get("overall") and (resident.get("gpu_peak_gib") or {}).get("overall")
             else None
         ),
+    }
+
+
+def count_cost(counted: dict[str, Any], uncounted: dict[str, Any]) -> dict[str, Any] | None:
+    """The weight sync with and without the count of changed weights (`--ab-policy-change-count`): the
+    sync's seconds (`time/weight_sync`) and the engine's own (`time/engine_weight_update`) in each
+    shared run, and what the count adds as a share of the uncounted sync (goal: under 5 %)."""
+    if not counted.get("phase_s_mean") or not uncounted.get("phase_s_mean"):
+        return None
+    sync = (counted["phase_s_mean"].get("weight_sync"), uncounted["phase_s_mean"].get("weight_sync"))
+    engine = (counted.get("engine_weight_update_s"), uncounted.get("engine_weight_update_s"))
+    return {
+        "weight_sync_s": {"count": sync[0], "no_count": sync[1]},
+        "engine_weight_update_s": {"count": engine[0], "no_count": engine[1]},
+        "count_share_of_sync": sync[0] / sync[1] - 1 if sync[0] and sync[1] else None,
+        "engine_count_share_of_sync": (engine[0] - engine[1]) / sync[1]
+        if engine[0] is not None and engine[1] is not None and sync[1]
+        else None,
     }
 
 
@@ -124,6 +143,22 @@ def print_summary(report: dict[str, Any]) -> None:
             None if modes[m].get("clock_gap_s") is None else 1000 * modes[m]["clock_gap_s"] for m in names
         ],
         "setup (s)": [modes[m].get("setup_s") for m in names],
+        "engine's own seconds in the weight sync (ms)": [
+            None
+            if modes[m].get("engine_weight_update_s") is None
+            else 1000 * modes[m]["engine_weight_update_s"]
+            for m in names
+        ],
+        "weights changed by the last sync (%)": [
+            _last_percent(modes[m].get("changed_fraction")) for m in names
+        ],
+        "weights changed since the start (%)": [
+            _last_percent(modes[m].get("changed_fraction_since_start")) for m in names
+        ],
+        "sampler vs trainer |log-prob gap| (nats x 1000)": [
+            None if modes[m].get("sampler_log_prob_gap") is None else 1000 * modes[m]["sampler_log_prob_gap"]
+            for m in names
+        ],
     }
     for label, cells in rows.items():
         print(f"| {label} | " + " | ".join(fmt(c, ".1f") for c in cells) + " |")
@@ -158,6 +193,15 @@ def print_summary(report: dict[str, Any]) -> None:
     print(
         f"\noverhead of sharing (shared step / resident step - 1): {fmt(report.get('overhead_of_sharing'), '.1%')}"
     )
+    cost = report.get("policy_change_count")
+    if cost:
+        print(
+            f"\nweight sync with / without the count of changed weights: {fmt(cost['weight_sync_s']['count'], '.3f')}"
+            f" / {fmt(cost['weight_sync_s']['no_count'], '.3f')} s ({fmt(cost['count_share_of_sync'], '+.1%')}); "
+            f"the engine's own: {fmt(cost['engine_weight_update_s']['count'], '.4f')} / "
+            f"{fmt(cost['engine_weight_update_s']['no_count'], '.4f')} s "
+            f"({fmt(cost['engine_count_share_of_sync'], '+.1%')} of the sync)"
+        )
     print("\n| vs verl (one GPU) | verl s | ours (shared) s |\n|---|---|---|")
     for k, v in (report.get("vs_verl") or {}).items():
         print(f"| {k} | {fmt(v['verl_s'], '.1f')} | {fmt(v['shared_s'], '.1f')} |")
@@ -174,6 +218,11 @@ def print_summary(report: dict[str, Any]) -> None:
             )
     print(f"\ngoals: {report.get('goals')}")
     print(f"command: {report['command']}")
+
+
+def _last_percent(values: list[float | None] | None) -> float | None:
+    known = [v for v in values or [] if v is not None]
+    return 100 * known[-1] if known else None
 
 
 def new_report(args: argparse.Namespace, argv: list[str], started: float) -> dict[str, Any]:

@@ -77,8 +77,8 @@ class LocalCluster:
         self.cpus_per_node = cpus_per_node
         # Short: Ray puts unix sockets under it (108 bytes at most for a socket path).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="tdm-ray-", dir="/tmp"))
-        self.port, self.dashboard_port = free_ports(2)
-        self._taken: set[int] = {self.port, self.dashboard_port}
+        self.port, self.dashboard_port, self.client_port = free_ports(3)
+        self._taken: set[int] = {self.port, self.dashboard_port, self.client_port}
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -133,7 +133,9 @@ class LocalCluster:
             "head",
             ["--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
              "--include-dashboard", str(self.with_dashboard).lower(),
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port)],
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+             # Ray's client server would take port 10001, which another test run's head may hold.
+             "--ray-client-server-port", str(self.client_port)],
         )  # fmt: skip
         self._wait_for(lambda: self._answers(self.port), timeout_s, "the head's GCS port")
         if self.nodes == 2:

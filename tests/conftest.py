@@ -175,3 +175,29 @@ def smollm2() -> Path:
     folder = Path(proc.stdout.strip().splitlines()[-1])
     assert (folder / "config.json").is_file(), folder
     return folder
+
+
+MAIN_SUITE_BUDGET_S = 1800
+"""The main suite's share, in seconds, of CI's 45 minutes on the 2-core machine (tests/README.md): the
+rest goes to the environment, lint, types, the wheels and the two dependency ends."""
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Where the suite stands against its budget, under the slowest tests that `--durations` lists."""
+    seen: dict[str, float] = {}
+    slow: set[str] = set()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                seen[report.nodeid] = seen.get(report.nodeid, 0.0) + report.duration
+                if "slow" in report.keywords:
+                    slow.add(report.nodeid)
+    if not seen:
+        return
+    total = sum(seen.values())
+    slow_s = sum(seen[n] for n in slow)
+    terminalreporter.write_sep("=", "time budget")
+    terminalreporter.write_line(
+        f"tests: {total:.0f} s of the main suite's {MAIN_SUITE_BUDGET_S} s ({total / MAIN_SUITE_BUDGET_S:.0%}; "
+        f"`slow` tests {slow_s:.0f} s, the rest {total - slow_s:.0f} s); tests/README.md says how to keep it"
+    )

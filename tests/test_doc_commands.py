@@ -37,7 +37,14 @@ import pytest
 from tandem.ppo.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("packages/*/README.md")})
+DOCS = sorted(
+    {
+        ROOT / "README.md",
+        ROOT / "tests" / "README.md",
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("packages/*/README.md"),
+    }
+)
 SHELL_INFOS = {"bash", "sh", "shell", "console", "zsh"}
 GPU_KIT = "source .gpu-kit/setup.sh && "
 RUN_TIMEOUT_S = 850

@@ -3,16 +3,18 @@ turns is skipped, each turn's reward reaches GAE at that turn's last model token
 
 from __future__ import annotations
 
-import types
+import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from tandem.megatron import WorkerConfig
 from tandem.megatron.algorithms.gae import compute_gae
 from tandem.megatron.algorithms.kl import approx_kl, kl_penalized_rewards
 from tandem.megatron.batch import RolloutBatch
-from tandem.megatron.choices import ESTIMATORS
-from tandem.megatron.worker.targets import reward_signal
+from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
 
 # The response after the first prompt: turn 1 (two model tokens), three context tokens (the
 # environment's observation through the chat template), turn 2 (two model tokens).
@@ -44,19 +46,53 @@ def episode_batch() -> RolloutBatch:
     )
 
 
-def config(estimator: str, kl_coef: float = 0.0) -> types.SimpleNamespace:
-    return types.SimpleNamespace(kl_coef=kl_coef, kl_penalty_type="k1", estimator=ESTIMATORS[estimator])
+CPU = torch.device("cpu")
+MakeConfig = Callable[..., WorkerConfig]
 
 
-def test_gae_over_an_episodes_turns_by_hand() -> None:
-    batch = episode_batch()
-    rewards, figures = reward_signal(batch, None, None, config("gae"), device=torch.device("cpu"))
+@pytest.fixture
+def config(tmp_path: Path) -> MakeConfig:
+    """A worker config of `estimator` with γ, λ above, no whitening (the advantages stay the hand's)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+    def make(estimator: str, **overrides: object) -> WorkerConfig:
+        fields: dict[str, object] = {
+            "hf_checkpoint": str(tmp_path),
+            "rollout_batch_size": 1,
+            "global_batch_size": 1,
+            "device": "cpu",
+            "params_dtype": "float32",
+            "normalize_advantages": False,
+            "advantage_estimator": estimator,
+            "gamma": GAMMA,
+            "lambd": LAMBD,
+            "n_samples_per_prompt": 1,
+            **overrides,
+        }
+        return WorkerConfig(**fields)  # type: ignore[arg-type]
+
+    return make
+
+
+def test_gae_over_an_episodes_turns_by_hand(config: MakeConfig) -> None:
+    # The worker's path: reward_signal, then the critic's returns and the actor's advantages.
+    batch, gae = episode_batch(), config("gae")
+    rewards, figures = reward_signal(batch, None, None, gae, device=CPU)
     assert figures == {} and rewards.tolist() == [STEP_REWARDS]
-    advantages, returns = compute_gae(
-        rewards, torch.tensor([VALUES]), batch.padded_loss_mask(), gamma=GAMMA, lambd=LAMBD
+    critic_batch, _ = critic_targets(batch, torch.tensor([VALUES]), gae, rewards=rewards)
+    assert critic_batch.returns is not None
+    assert critic_batch.returns[0].tolist() == pytest.approx(RETURNS)
+    actor_batch, _ = actor_targets(
+        batch, None, None, torch.tensor([VALUES]), gae, rewards=rewards, device=CPU
     )
-    assert advantages[0].tolist() == pytest.approx(ADVANTAGES)
-    assert returns[0].tolist() == pytest.approx(RETURNS)
+    assert actor_batch.advantages is not None
+    assert actor_batch.advantages[0].tolist() == pytest.approx(ADVANTAGES)
+
+
+def test_each_turns_reward_is_clipped_at_its_token(config: MakeConfig) -> None:
+    # --reward-clip 0.6 on turn rewards 0.5 and 1.0: 0.5 stays, 1.0 becomes 0.6, at the same tokens.
+    rewards, _ = reward_signal(episode_batch(), None, None, config("gae", reward_clip=0.6), device=CPU)
+    assert rewards[0].tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.6])
 
 
 def test_the_scalar_reward_alone_would_put_both_turns_rewards_at_the_end() -> None:
@@ -71,19 +107,17 @@ def test_the_scalar_reward_alone_would_put_both_turns_rewards_at_the_end() -> No
     assert per_turn[0, 1] > scalar[0, 1]
 
 
-def test_a_group_estimator_compares_the_episodes_totals() -> None:
+def test_a_group_estimator_compares_the_episodes_totals(config: MakeConfig) -> None:
     batch = episode_batch()
-    rewards, _ = reward_signal(batch, None, None, config("grpo"), device=torch.device("cpu"))
+    rewards, _ = reward_signal(batch, None, None, config("grpo", n_samples_per_prompt=2), device=CPU)
     assert rewards.tolist() == [1.5]
 
 
-def test_the_kl_folds_into_the_turn_rewards_at_model_tokens_only() -> None:
+def test_the_kl_folds_into_the_turn_rewards_at_model_tokens_only(config: MakeConfig) -> None:
     batch = episode_batch()
     log_probs = torch.tensor([[-1.0, -2.0, 0.0, 0.0, 0.0, -1.5, -0.5]])
     ref_log_probs = torch.tensor([[-1.5, -1.0, 0.0, 0.0, 0.0, -1.5, -1.0]])
-    rewards, figures = reward_signal(
-        batch, log_probs, ref_log_probs, config("gae", kl_coef=0.1), device=torch.device("cpu")
-    )
+    rewards, figures = reward_signal(batch, log_probs, ref_log_probs, config("gae", kl_coef=0.1), device=CPU)
     # k1 = log π − log π_ref per model token: 0.5, −1.0, 0, 0.5; r_t − 0.1·k1 there, 0 at the context.
     expected = [0.0 - 0.05, 0.5 + 0.1, 0.0, 0.0, 0.0, 0.0, 1.0 - 0.05]
     assert rewards[0].tolist() == pytest.approx(expected)

@@ -127,10 +127,11 @@ def test_train_group_passes_the_records_by_name_and_checks_the_last_stage() -> N
     values = CriticValues(values="box", sample_indices=(0, 1))
     own = ActorLogProbs(log_probs="lp", ref_log_probs=None, sample_indices=(0, 1))
     critic_out = [TrainResult(metrics={}), TrainResult(metrics={}, values=values)]
-    actor.train(3, "data", critic=critic_out, log_probs=[None, own])
+    actor.train(3, "data", critic=critic_out, log_probs=[None, own], kl_coef=0.02)
+    # The step's KL coefficient (the adaptive controller's) reaches every rank alike.
     assert [w.calls[0][1] for w in workers] == [
-        {"critic": None, "log_probs": None},
-        {"critic": values, "log_probs": own},
+        {"critic": None, "log_probs": None, "kl_coef": 0.02},
+        {"critic": values, "log_probs": own, "kl_coef": 0.02},
     ]
     assert workers[0].calls[0][0] == (3, "data")
     # A last-stage rank without the critic's values is a routing error, caught before any call.

@@ -167,6 +167,7 @@ def groups(
             advantage_estimator="reinforce_plus_plus_baseline",
             kl_coef=KL_COEF,
             normalize_advantages=True,
+            gamma=1.0,  # its centred outcome reward is not discounted (OpenRLHF forces 1)
         ),
     }
     from ray.util.placement_group import placement_group
@@ -363,7 +364,7 @@ def test_grpo_pools_each_prompts_samples_across_data_parallel_ranks(groups: Grou
 
 def test_reinforce_plus_plus_baseline_without_a_critic(groups: Groups) -> None:
     """Group-centred reward at the last token, −β·KL per token (the actor's own reference pass),
-    discounted back, whitened over the trainable tokens of both ranks."""
+    summed back (γ = 1), whitened over the trainable tokens of both ranks."""
     actor = groups.actor_only("rpp_baseline")
     batch = make_batch(8, seed=9)
     batch.sample_indices = list(range(8))
@@ -390,7 +391,7 @@ def test_reinforce_plus_plus_baseline_without_a_critic(groups: Groups) -> None:
             token_reward[steps[-1]] += centred[index]
             g = [0.0] * n
             for k in range(len(steps)):
-                g[steps[k]] = sum(GAMMA ** (j - k) * token_reward[steps[j]] for j in range(k, len(steps)))
+                g[steps[k]] = sum(token_reward[steps[j]] for j in range(k, len(steps)))
             raw[index] = g
     assert moved > 1e-4, "the policy equals the reference: the KL term is vacuous"
     tokens = [

@@ -187,6 +187,51 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
     assert "install sentencepiece" not in line  # the misleading hint transformers gives
 
 
+# --- the algorithms' flags --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "start", "fix"),
+    [
+        (("--critic-updates-per-step", "0"), "--critic-updates-per-step: got 0", "positive integer"),
+        (("--length-adaptive-gae-alpha", "0"), "--length-adaptive-gae-alpha: got 0.0", "finite number > 0"),
+        (("--length-adaptive-gae-alpha", "-0.05"), "--length-adaptive-gae-alpha: got -0.05", "VAPO's 0.05"),
+        (
+            ("--loss-type", "cispo", "--eps-clip-c", "3"),
+            "--eps-clip-c: 3.0 is PPO's dual clip",
+            "unset --eps-clip-c, or use --loss-type ppo",
+        ),
+        (
+            (
+                "--advantage-estimator",
+                "grpo",
+                "--n-samples-per-prompt",
+                "2",
+                "--critic-updates-per-step",
+                "2",
+            ),
+            "--critic-updates-per-step: set, but --advantage-estimator grpo trains no critic",
+            "use --advantage-estimator gae",
+        ),
+    ],
+)
+def test_the_algorithms_flags_are_refused_before_ray_naming_the_flag_and_the_fix(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    flags: tuple[str, ...],
+    start: str,
+    fix: str,
+) -> None:
+    status, _, err = train(capsys, model, prompts, tmp_path / "run", "--rollout-batch-size", "4", *flags)
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(start), line
+    assert fix in line, line
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 # --- the reward function ----------------------------------------------------------------------------
 
 

@@ -60,6 +60,17 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
             ["grpo", "rloo", "reinforce_plus_plus_baseline"] if n_samples >= 2 else []
         )
         estimator = "gae" if use_critic else d(st.sampled_from(critic_free))
+        # The critic's own algorithms (VAPO's λs, SAO's updates) exactly with a critic.
+        critic_fields = (
+            {
+                "critic_lambd": d(st.none() | st.floats(0, 1)),
+                "length_adaptive_gae_alpha": d(st.none() | st.floats(0.001, 1)),
+                "critic_updates_per_step": d(st.integers(1, 3)),
+            }
+            if use_critic
+            else {}
+        )
+        loss_type = d(st.sampled_from(["ppo", "gspo", "cispo"]))
         return {
             **files,
             "actor_num_gpus_per_node": gpus,
@@ -72,11 +83,22 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
             "num_critic_only_steps": d(st.integers(0, num_rollout)) if use_critic else 0,
             "lr": d(st.floats(0, 1e-2)),
             "eps_clip": d(st.floats(0.01, 0.5)),
-            "gamma": d(st.floats(0, 1)),
+            # REINFORCE++-baseline's centred outcome reward takes γ = 1.
+            "gamma": 1.0 if estimator == "reinforce_plus_plus_baseline" else d(st.floats(0, 1)),
             "lambd": d(st.floats(0, 1)),
             "use_critic": use_critic,
             "advantage_estimator": estimator,
-            "loss_type": d(st.sampled_from(["ppo", "gspo"])),
+            "loss_type": loss_type,
+            # GSPO's objective is a mean over sequences; the others take any aggregation.
+            "loss_aggregation": "sample_mean"
+            if loss_type == "gspo"
+            else d(
+                st.sampled_from(
+                    ["sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+                )
+            ),
+            "reward_clip": d(st.none() | st.floats(0.1, 100)),
+            **critic_fields,
             "overlong_buffer_len": d(st.none() | st.integers(1, 128)),
             "filter_truncated": d(st.booleans()),
             "offload_train": d(st.booleans()),
@@ -133,6 +155,12 @@ BREAKERS: list[tuple[str, Any]] = [
         lambda v: {**v, "filter_truncated": True, "rollout_ignore_eos": True, "overlong_buffer_len": None},
     ),
     ("--loss-aggregation", lambda v: {**v, "loss_type": "gspo", "loss_aggregation": "token_mean"}),
+    ("--critic-updates-per-step", lambda v: {**v, "critic_updates_per_step": 0}),
+    ("--length-adaptive-gae-alpha", lambda v: {**v, "length_adaptive_gae_alpha": 0.0}),
+    (
+        "--eps-clip-c",
+        lambda v: {**v, "loss_type": "cispo", "loss_aggregation": "sample_mean", "eps_clip_c": 3.0},
+    ),
 ]
 
 

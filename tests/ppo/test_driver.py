@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
 from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 from ._runs import demo_config, last_state, read_jsonl, run_driver
+from .conftest import KlFirstRun
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +43,22 @@ def test_demo_task_learns(tmp_path: Path, ray_cluster: str) -> None:
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 40
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert (run_dir / "hf" / "config.json").is_file()
+    # A run that learns gets no hint (tests/ppo/test_hints_e2e.py trips them), and its figures say why
+    # it can: the sampling weights move (fp32 on the CPU: nearly all of them at lr 3e-3), the engine's
+    # log-probs are the trainer's to rounding, and the critic comes to explain the returns.
+    assert [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "hint"] == []
+    assert "hint:" not in (run_dir / "logs" / "driver.log").read_text()
+    since_start = [m["policy/changed_fraction_since_start"] for m in summary.metrics]
+    assert since_start == sorted(since_start) and 0.5 < since_start[-1] <= 1.0
+    for m in summary.metrics:
+        assert 0.5 < m["policy/changed_fraction"] <= m["policy/changed_fraction_since_start"]
+        assert 0 <= m["actor/sampler_log_prob_gap"] < 1e-4
+        assert 0 <= m["reward/tied_groups"] <= 1
+    assert summary.metrics[-1]["critic/explained_variance_window"] > 0.3
 
 
-def test_event_order_follows_the_plan(tmp_path: Path, ray_cluster: str) -> None:
-    config = demo_config(
-        tmp_path / "run", num_rollout=3, num_critic_only_steps=1, save_interval=2, eval_interval=None
-    )
-    run_driver(config, ray_cluster)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+def test_event_order_follows_the_plan(kl_first_run: KlFirstRun) -> None:
+    events = kl_first_run.events
     awake: set[str] = {"actor", "critic"}  # both start awake, then sleep before the first rollout
     training: set[str] = set()
     order: list[str] = []
@@ -65,10 +74,11 @@ def test_event_order_follows_the_plan(tmp_path: Path, ray_cluster: str) -> None:
             awake.add(role)
         elif e["event"] == "sleep":
             awake.discard(role)
-        elif e["event"] == "train_begin":
-            assert awake == {role}, f"{role} trains while {awake} are awake"
-            training.add(role)
-            order.append(f"{role}@{e['rollout_id']}")
+        elif e["event"] in ("train_begin", "log_probs_begin"):
+            assert awake == {role}, f"{role} computes while {awake} are awake"
+            if e["event"] == "train_begin":
+                training.add(role)
+                order.append(f"{role}@{e['rollout_id']}")
         elif e["event"] == "train_end":
             training.discard(role)
         elif e["event"] == "save":
@@ -156,6 +166,9 @@ def test_resume_continues_exactly(
     for a, b in zip(straight.metrics, resumed.metrics, strict=True):
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)
+        # The resume's own weight sync (the checkpoint's weights into engines that start from the HF
+        # folder) is not counted in the first resumed step's: each step counts its own sync.
+        assert a["policy/changed_fraction"] == pytest.approx(b["policy/changed_fraction"], abs=1e-3)
     for role in ("actor", "critic"):
         a = torch.load(last_state(straight_dir, role), weights_only=False)
         b = torch.load(last_state(tmp_path / "resumed", role), weights_only=False)
@@ -287,26 +300,16 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_cluster: str) -> None:
     assert received and all(e["agree"] and len(e["digests"]) == 2 for e in received), received
 
 
-def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path, ray_cluster: str) -> None:
-    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan);
-    the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
+def test_kl_first_plan_and_the_exported_folder_matches_the_actor(kl_first_run: KlFirstRun) -> None:
+    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan),
+    in the critic-only warm-up step too; the run's HF folder, loaded by transformers, gives the
+    actor's own log-probs on a fresh rollout. The same run steers the KL coefficient
+    (`--kl-target`) and trains the critic twice a step (`--critic-updates-per-step 2`) within its
+    one turn."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.value_transfer import unpack_values
-
-    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None)
-    got: dict[str, Any] = {}
-
-    def actor_log_probs(driver: PPODriver) -> None:
-        sampled = driver.draw(2)
-        driver.actor.run("wake_up")
-        (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
-        got["batch"] = ray.get(sampled.data_refs["actor"][0])
-        got["log_probs"] = unpack_values(out.log_probs, "cpu")
-
-    summary = run_driver(config, ray_cluster, after=actor_log_probs)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
-    for k in (0, 1):
+    summary, events, config = kl_first_run.summary, kl_first_run.events, kl_first_run.config
+    for k in (0, 1, 2):
         (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
         (critic,) = [
             e["t"]
@@ -316,15 +319,32 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
         assert logp < critic  # the actor's log-probs exist before the critic trains
     for m in summary.metrics:
         assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
+    warmup = config.num_critic_only_steps
+    for m in summary.metrics[warmup:]:
         assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
-    assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
+    # After the actor's first update (step 1) the policy has moved from the reference.
+    assert summary.metrics[warmup + 1]["critic/reward_kl"] != 0
+    for m in summary.metrics:
+        # 128 samples, 32 an optimizer step: the critic's two passes are 8 steps, the actor's one 4.
+        assert m["critic/optimizer_steps"] == 8.0
+    assert all(m["actor/optimizer_steps"] == 4.0 for m in summary.metrics[warmup:])
+    # The controller: step 0 uses kl_coef; step 1 kl_coef · (1 + clip(KL_0 / 0.01 − 1, ±0.2) · 128 / 10000),
+    # with KL_0 the warm-up step's (the critic's: the actor did not train then).
+    kl_0 = summary.metrics[0]["critic/reward_kl"]
+    assert summary.metrics[0]["kl/reward_coef"] == 0.05
+    error = min(max(kl_0 / 0.01 - 1, -0.2), 0.2)
+    assert summary.metrics[1]["kl/reward_coef"] == pytest.approx(0.05 * (1 + error * 128 / 10000))
+    # One critic turn a step, whatever its passes.
+    assert sum(e["event"] == "train_begin" and e["role"] == "critic" for e in events) == len(summary.metrics)
 
     assert summary.hf_dir is not None
     model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)
     base: Any = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=torch.float32)
-    batch = got["batch"]
+    batch = kl_first_run.fresh_batch
     moved = 0.0
-    for tokens, length, actor_lp in zip(batch.tokens, batch.response_lengths, got["log_probs"], strict=True):
+    for tokens, length, actor_lp in zip(
+        batch.tokens, batch.response_lengths, kl_first_run.fresh_log_probs, strict=True
+    ):
         with torch.no_grad():
             logits = model(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
             base_logits = base(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
@@ -340,23 +360,36 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(tmp_path: Path,
 
     from tandem.ppo.app.evaluate import export_run
 
-    again = Path(export_run(str(tmp_path / "run"), str(tmp_path / "exported")))
+    out = kl_first_run.run_dir.parent / "exported"
+    again = Path(export_run(str(kl_first_run.run_dir), str(out)))
     written = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
     at_end = {k: v for f in sorted(summary.hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert written.keys() == at_end.keys() and all(torch.equal(written[k], at_end[k]) for k in written)
 
 
 def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ppo-driver eval` scores a model and says how far its weights are from its base (`--base`)."""
+    from safetensors.torch import load_file, save_file
+
     from tandem.ppo.app.cli import run as cli
 
     config = demo_config(tmp_path / "run")  # builds the base model and the task
+    trained = tmp_path / "trained"
+    shutil.copytree(config.hf_checkpoint, trained)
+    (weights,) = trained.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"].view(-1)[:1000] += 0.5  # 1000 elements moved, counted by hand
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    elements = sum(t.numel() for t in tensors.values())
     status = cli(
-        ["eval", config.hf_checkpoint, "--data", str(config.eval_prompt_data), "--max-response-len", "1",
+        ["eval", str(trained), "--base", config.hf_checkpoint, "--data", str(config.eval_prompt_data),
+         "--max-response-len", "1", "--n-samples-per-prompt", "2", "--temperature", "1.0",
          "--local-gpus", "1", "--custom-rm-path", "tandem.ppo._demo:digit_reward"]
     )  # fmt: skip
     assert status == 0
     out = capsys.readouterr().out
-    assert "eval/mean:" in out and "eval/accuracy:" in out
+    assert "eval/mean:" in out and "eval/accuracy:" in out and "eval/tied_groups:" in out
+    assert f"policy/changed_fraction_since_start: {1000 / elements:.4f}" in out
 
 
 def test_sequence_packing_trains_as_the_padded_run(

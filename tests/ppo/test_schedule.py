@@ -11,7 +11,6 @@ of its save's.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +27,8 @@ from tandem.ppo.loop.schedule import (
     save_schedule,
     step_schedule,
 )
+
+from .conftest import KlFirstRun
 
 FACTS = ("colocate", "offload_train", "critic", "reward_model", "kl_first", "warm_up", "generate_ahead")
 
@@ -280,32 +281,16 @@ def check_run_follows_its_schedules(events: list[dict[str, Any]], schedules: lis
 
 
 @pytest.mark.slow
-def test_a_cpu_run_records_its_events_in_the_schedules_order(tmp_path: Path, ray_cluster: str) -> None:
-    from ._runs import demo_config, read_jsonl, run_driver
-
-    # Shared and time-shared, KL-first, one critic-only warm-up step.
-    config = demo_config(
-        tmp_path / "run",
-        num_rollout=3,
-        num_critic_only_steps=1,
-        kl_coef=0.05,
-        eval_interval=None,
-        export_hf=False,
-    )
-    kept: dict[str, Any] = {}
-    run_driver(
-        config,
-        ray_cluster,
-        after=lambda d: kept.update(schedules=[d.schedule_of(k) for k in range(3)], save=d.save_schedule()),
-    )
-    schedules: list[StepSchedule] = kept["schedules"]
+def test_a_cpu_run_records_its_events_in_the_schedules_order(kl_first_run: KlFirstRun) -> None:
+    """Shared and time-shared, KL-first, one critic-only warm-up step (tests/ppo/conftest.py's run)."""
+    schedules = kl_first_run.schedules
     assert schedules[0].describe() == (
         "engine: generate, release → actor: wake, log_probs, sleep → critic: wake, train, sleep → engine: resume"
     )
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    events = kl_first_run.events
     check_run_follows_its_schedules(events, schedules)
     # The final step's checkpoint, after it: the engines make room for each model's save.
-    save: StepSchedule = kept["save"]
+    save = kl_first_run.save
     assert save.describe() == (
         "engine: release → critic: wake, save, sleep → actor: wake, save, sleep → engine: resume, weights"
     )

@@ -123,18 +123,21 @@ def test_an_agent_on_the_openai_client_makes_the_episode_without_retokenizing() 
 def plain(ctx: Any) -> Any:
     session = ctx.endpoint_session()
     SEEN["base_url"] = session.base_url
-    client = session.client(max_retries=0)
-    answer = client.chat.completions.create(model="p", messages=[{"role": "user", "content": "go"}])
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=session.base_url, api_key="wrong", max_retries=0).chat.completions.create(
-            model="p", messages=[{"role": "user", "content": "go"}]
-        )
-    request = urllib.request.Request(session.base_url + "/models")  # no key at all
-    with pytest.raises(urllib.error.HTTPError) as raised:
-        urllib.request.urlopen(request, timeout=10)
-    SEEN["no_key_status"] = raised.value.code
-    # Rewriting the history starts the trajectory again.
-    client.chat.completions.create(model="p", messages=[{"role": "user", "content": "other"}])
+    # Each client and the refused response closed here: a socket left to the collector warns in a later test.
+    with session.client(max_retries=0) as client:
+        answer = client.chat.completions.create(model="p", messages=[{"role": "user", "content": "go"}])
+        with (
+            openai.OpenAI(base_url=session.base_url, api_key="wrong", max_retries=0) as wrong,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            wrong.chat.completions.create(model="p", messages=[{"role": "user", "content": "go"}])
+        request = urllib.request.Request(session.base_url + "/models")  # no key at all
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request, timeout=10)
+        SEEN["no_key_status"] = raised.value.code
+        raised.value.close()
+        # Rewriting the history starts the trajectory again.
+        client.chat.completions.create(model="p", messages=[{"role": "user", "content": "other"}])
     session.add_reward(float(answer.choices[0].message.content == "ok"))
     return session.episode()
 

@@ -15,8 +15,8 @@ from typing import Literal, get_args
 Role = Literal["actor", "critic"]
 """Which network a train worker trains: the policy or the value model."""
 
-KlKind = Literal["k1", "k2", "k3", "low_var_kl"]
-"""KL estimators (`kl.approx_kl`)."""
+KlKind = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+"]
+"""KL estimators (`kl.approx_kl`); a `+` keeps the value and takes k2's gradient (straight-through)."""
 
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 """Shapes of Megatron's learning-rate decay."""
@@ -30,14 +30,18 @@ OffloadBackend = Literal["torch_memory_saver", "pinned_host", "none"]
 ParamsDtype = Literal["float32", "bfloat16"]
 """Dtype of every model weight."""
 
-LossAggregation = Literal["sample_mean", "token_mean"]
-"""How per-token losses become one scalar (`losses.aggregate_loss`)."""
+LossAggregation = Literal["sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+"""How per-token losses become one scalar (`aggregation.aggregate_loss`)."""
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 """How the actor's advantages are estimated (`estimators`); every one but `gae` needs no critic."""
 
-LossType = Literal["ppo", "gspo"]
-"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`) or GSPO's sequence ratio (`gspo`)."""
+LossType = Literal["ppo", "gspo", "cispo"]
+"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`), GSPO's sequence ratio (`gspo`)
+or CISPO's clipped weight (`cispo`)."""
+
+TisMode = Literal["token", "seq_mask"]
+"""Truncated importance sampling per token, or with whole sequences masked out (`importance`)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 KL_KINDS: tuple[str, ...] = get_args(KlKind)
@@ -95,6 +99,7 @@ ESTIMATORS: dict[str, Estimator] = {
 }
 """Every advantage estimator, by name (the order of `AdvantageEstimator`)."""
 
+TIS_MODES: tuple[str, ...] = get_args(TisMode)
 CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if not e.needs_critic)
 """The estimators whose baseline is not a learned value: a run with one of them trains no critic."""
 GROUP_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if e.groups)

@@ -77,9 +77,15 @@ class WorkerConfig(WorkerFields):
         return _reuses(self.reuse_old_log_probs, self.old_log_probs_redundant)
 
     def old_values_redundant(self) -> str | None:
-        """None when the critic's old values are its update's own (one epoch, one step); else why
-        not, naming the field."""
-        return self._one_epoch_one_step("values")
+        """None when the critic's old values are its update's own (one epoch, one step, one update
+        a step); else why not, naming the field."""
+        why = self._one_epoch_one_step("values")
+        if why is None and self.critic_updates_per_step != 1:
+            why = (
+                f"critic_updates_per_step is {self.critic_updates_per_step} (later passes train against the "
+                "first's values)"
+            )
+        return why
 
     @property
     def reuses_old_values(self) -> bool:
@@ -91,6 +97,16 @@ class WorkerConfig(WorkerFields):
         """Whether micro-batches are packed rows or cut by tokens, so that their shapes vary
         (`use_sequence_packing`, `use_dynamic_batch_size`); the default RoPE path follows it."""
         return self.use_sequence_packing or self.use_dynamic_batch_size
+
+    @property
+    def critic_lambda(self) -> float:
+        """GAE λ of the critic's targets: `critic_lambd`, else `lambd` (VAPO's decoupled GAE)."""
+        return self.lambd if self.critic_lambd is None else self.critic_lambd
+
+    @property
+    def critic_passes(self) -> int:
+        """The critic's passes over each rollout: `ppo_epochs * critic_updates_per_step`."""
+        return self.ppo_epochs * self.critic_updates_per_step
 
     def lr_of(self, role: Role) -> float:
         """Peak learning rate of `role`."""

@@ -23,8 +23,13 @@ padded `(batch, response_len)` and 0 at masked positions; only trainable tokens
   `A_t = Σ_{s≥t} γ^{s−t} r_s`, then whitened over the whole batch
   (`advantages.whiten_advantages`, with `normalize_advantages`).
 - `reinforce_plus_plus_baseline`: the same with the scalar reward replaced by
-  `r_i − mean_g r` (the paper's REINFORCE++-baseline, as its authors'
-  OpenRLHF computes it: the KL term still runs to the end of the response).
+  `r_i − mean_g r` (the paper's REINFORCE++-baseline, as its authors' OpenRLHF
+  computes it at 3c3be62, `experience_maker.py` `compute_advantages_and_returns`:
+  the KL term still runs to the end of the response), with γ = 1: OpenRLHF sets γ
+  to 1 for it and verl's `compute_reinforce_plus_plus_baseline_outcome_advantage`
+  (b178a3c) has no γ, so `WorkerConfig` refuses another. verl gives every token the
+  centred sum of the response's token rewards (its KL included) instead of a
+  return-to-go: the same as ours without reward-level KL.
 
 Ties: a group whose rewards are all equal gives exactly 0 to each of its
 samples, never NaN (`tied_groups`; in floating point the mean of equal numbers
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.megatron.algorithms.gae import compute_gae, lambda_returns
+from tandem.megatron.algorithms.gae import Lambda, compute_gae, lambda_returns
 from tandem.megatron.choices import ADVANTAGE_ESTIMATORS, AdvantageEstimator, Estimator
 from tandem.megatron.choices import estimator as estimator_of
 
@@ -220,7 +225,7 @@ def token_advantages(
     loss_mask: torch.Tensor,
     *,
     gamma: float = 1.0,
-    lambd: float = 1.0,
+    lambd: Lambda = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages (before any whitening) and returns, for the actor's loss.
 
@@ -233,7 +238,8 @@ def token_advantages(
             `sample_signal` gave, `(batch,)`.
         values: `gae` only: the critic's old values, `(batch, response_len)`; ignored otherwise.
         loss_mask: 1 for trainable tokens, `(batch, response_len)`.
-        gamma, lambd: GAE's γ and λ; the REINFORCE++ family discounts with `gamma`.
+        gamma, lambd: GAE's γ and λ (one per response, `(batch,)`, for length-adaptive GAE);
+            the REINFORCE++ family discounts with `gamma`.
 
     Returns:
         `(advantages, returns)`, each `(batch, response_len)`, 0 at masked positions;

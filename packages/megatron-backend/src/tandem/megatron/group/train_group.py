@@ -165,6 +165,7 @@ class TrainGroup:
         critic: Sequence[TrainResult | CriticValues | None] | CriticValues | None = None,
         log_probs: Sequence[ActorLogProbs | None] | ActorLogProbs | None = None,
         sample_indices: Sequence[Sequence[int]] | None = None,
+        kl_coef: float | None = None,
     ) -> list[ObjectRef[TrainResult]]:
         """Start `train` on every rank with its records; the refs (of `TrainResult`s), in rank order.
 
@@ -176,7 +177,9 @@ class TrainGroup:
         rank (or per data-parallel rank), each in its batch's order. Without it,
         record `r` goes to rank `r` (`route_per_rank`); with it, the records are
         routed by sample when they do not line up rank by rank (actor and critic
-        with different layouts), see `payloads.route_payloads`.
+        with different layouts), see `payloads.route_payloads`. `kl_coef`: this step's
+        reward-level KL coefficient, the same for both roles (the driver's adaptive KL
+        controller, `kl_target`); None: the config's `kl_coef`.
         """
         if critic is not None and self.role != "actor":
             raise ValueError(
@@ -197,7 +200,12 @@ class TrainGroup:
         routed = (route_payloads if own else route)("log_probs", log_probs, world)
         return [
             w.call.remote(
-                "train", rollout_id, data_refs, critic=None if values is None else values[r], log_probs=lp
+                "train",
+                rollout_id,
+                data_refs,
+                critic=None if values is None else values[r],
+                log_probs=lp,
+                kl_coef=kl_coef,
             )
             for r, (w, lp) in enumerate(zip(self.workers, routed, strict=True))
         ]

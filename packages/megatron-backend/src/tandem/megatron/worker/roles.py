@@ -51,7 +51,7 @@ from tandem.megatron.worker.role_losses import (
     actor_loss,
     critic_loss,
 )
-from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
+from tandem.megatron.worker.targets import actor_targets, clipped_rewards, critic_targets, reward_signal
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
 from tandem.value_transfer import pack_values
 
@@ -109,11 +109,13 @@ def train_critic(
     rank: int,
     rollout_id: int,
     on_targets: TargetsHook | None = None,
+    kl_coef: float | None = None,
 ) -> TrainResult:
     """Step 3 on one critic rank: its metrics, and its old values (`CriticValues`) on last-stage ranks.
 
     `log_probs`: in the KL-first plan (`kl_first`), the actor's `compute_log_probs` record for
-    this rank (routed by `TrainGroup.train`); ignored otherwise.
+    this rank (routed by `TrainGroup.train`); ignored otherwise. `kl_coef`: this step's
+    reward-level KL coefficient (the adaptive controller's); None: the config's.
     """
     from megatron.core import parallel_state as mpu
 
@@ -157,7 +159,13 @@ def train_critic(
     rewards: torch.Tensor | None = None
     if last:
         rewards, figures = reward_signal(
-            batch, old_log_probs, ref_log_probs, config, device=trainee.device, dp_group=dp_group
+            batch,
+            old_log_probs,
+            ref_log_probs,
+            config,
+            device=trainee.device,
+            dp_group=dp_group,
+            kl_coef=kl_coef,
         )
     if old_values is not None:
         batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
@@ -177,7 +185,7 @@ def train_critic(
             seen.append((mb.sample_indices, outputs["values"].detach()))
         return critic_loss(config, mb, outputs)
 
-    sums = train_step(trainee, batch, loss, rollout_id=rollout_id)
+    sums = train_step(trainee, batch, loss, rollout_id=rollout_id, passes=config.critic_passes)
     if from_update and last:
         old_values = _update_values(batch, seen)
         batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
@@ -225,11 +233,13 @@ def train_actor(
     rank: int,
     rollout_id: int,
     on_targets: TargetsHook | None = None,
+    kl_coef: float | None = None,
 ) -> TrainResult:
     """Step 4 on one actor rank: its metrics.
 
     `critic`: the critic's values for this rank, None without a critic (values 0);
-    `log_probs`: in the KL-first plan this rank's own `compute_log_probs` record, reused.
+    `log_probs`: in the KL-first plan this rank's own `compute_log_probs` record, reused;
+    `kl_coef`: this step's reward-level KL coefficient (the adaptive controller's); None: the config's.
     """
     from megatron.core import parallel_state as mpu
 
@@ -275,7 +285,7 @@ def train_actor(
         # Critic-free group estimators: each sample's reward less its prompt's baseline, pooled over DP.
         scalar_rewards, group_figures = estimator_rewards(
             config.advantage_estimator,
-            batch.rewards,
+            clipped_rewards(batch.rewards, config),
             batch.sample_indices,
             n_samples_per_prompt=config.n_samples_per_prompt,
             std_normalization=config.grpo_std_normalization,
@@ -289,6 +299,7 @@ def train_actor(
             device=device,
             dp_group=dp_group,
             scalar_rewards=scalar_rewards,
+            kl_coef=kl_coef,
         )
         figures |= group_figures
         batch, target_figures = actor_targets(
@@ -317,6 +328,8 @@ def train_actor(
         ({"kl_loss"} if not config.use_kl_loss else set())
         | ({"entropy"} if config.entropy_coef <= 0 else set())
         | ({"tis_weight"} if not config.use_tis else set())
+        | ({"tis_masked_frac"} if not (config.use_tis and config.tis_mode == "seq_mask") else set())
+        | ({"sampler_log_prob_gap"} if batch.rollout_log_probs is None else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
         | ({"values_mean"} if not config.estimator.needs_critic else set())
         | ({"returns_mean"} if config.estimator.per_sample else set())

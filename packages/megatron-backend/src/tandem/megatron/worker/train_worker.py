@@ -20,12 +20,12 @@ from typing import Any, Protocol, runtime_checkable
 import ray
 import torch
 
-from megatron.core import parallel_state as mpu
 from tandem.lifecycle import forget_all, make_backend, reloadable_process_groups
 from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models._megatron_core import import_megatron_core
 from tandem.megatron.models.hf_weights import export_hf_weights, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.runtime.fault_points import set_context as set_fault_context
@@ -44,6 +44,8 @@ from tandem.megatron.worker.startup import (
 )
 
 __all__ = ["TrainWorker", "WeightReceiver"]
+
+mpu = import_megatron_core().parallel_state
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ class TrainWorker:
         *,
         critic: CriticValues | None = None,
         log_probs: ActorLogProbs | None = None,
+        kl_coef: float | None = None,
     ) -> TrainResult:
         """Train on this rank's share of a rollout; wakes the model first if asleep, never sleeps after.
 
@@ -130,6 +133,8 @@ class TrainWorker:
             log_probs: the actor's: in the KL-first plan this rank's own
                 `compute_log_probs` record, which is then reused. The critic's: with
                 `kl_coef != 0`, the actor's record for this rank (required); ignored otherwise.
+            kl_coef: this step's reward-level KL coefficient, the same for both roles (the adaptive
+                KL controller's, `kl_target`); None: the config's `kl_coef`.
 
         Returns:
             A `TrainResult`: the metrics, the same on every rank; the allocator calls this
@@ -158,6 +163,7 @@ class TrainWorker:
             rank=self.rank,
             rollout_id=rollout_id,
             on_targets=self._keep_targets,
+            kl_coef=kl_coef,
         )
         with AllocatorCalls() as calls:
             out = train()

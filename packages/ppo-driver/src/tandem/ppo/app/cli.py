@@ -64,6 +64,10 @@ class EvalArgs:
     """Logical GPUs of a local Ray cluster; None: what Ray detects, or 1 on a machine without GPUs."""
     seed: int = 1234
     """Sampling seed."""
+    base: str | None = None
+    """A Hugging Face folder to compare the model's weights with, in the dtype the engine samples in:
+    prints `policy/changed_fraction_since_start`, the share of weight elements that differ from it (0:
+    the model samples as its base did); None: the run's `--hf-checkpoint` when MODEL is a run dir."""
 
 
 @dataclass(frozen=True)

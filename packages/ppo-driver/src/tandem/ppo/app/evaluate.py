@@ -1,4 +1,9 @@
-"""`ppo-driver eval` and `ppo-driver export`: a saved actor on an eval set, and a checkpoint as an HF folder."""
+"""`ppo-driver eval` and `ppo-driver export`: a saved actor on an eval set, and a checkpoint as an HF folder.
+
+`eval` also says how far the model's weights are from its base (`--base`, or a run dir's own
+`--hf-checkpoint`): `policy/changed_fraction_since_start`, the share of weight elements that differ
+in the dtype the engine samples in (`weights_changed`), as the run's weight syncs count it.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +59,10 @@ class EvalSettings:
     episodes_of: Any = None
     """The run's config when its rollouts are episodes (`--env-path`, `--custom-generate-function-path`):
     the eval plays them as the run did, scored by the environment."""
+    base: str | None = None
+    """The folder the weights are compared with (`--base`, else the run's `--hf-checkpoint`); None: none."""
+    dtype: str = "auto"
+    """The engine's dtype (the run's `--rollout-dtype`): the weights compare in it."""
 
 
 EVAL_DEFAULTS = {
@@ -75,6 +84,11 @@ def eval_settings(args: Any) -> EvalSettings:
     base: dict[str, Any] = dict(EVAL_DEFAULTS)
     keys: dict[str, Any] = {}
     source = "defaults"
+    base_model: str | None = args.base
+    if base_model is not None and not (Path(base_model) / "config.json").is_file():
+        raise ValueError(
+            f"--base: {base_model!r} is not a Hugging Face folder (no config.json); fix the path"
+        )
     if run_file.is_file():
         run = read_run_config(args.model, flag="MODEL")
         base = {
@@ -91,10 +105,13 @@ def eval_settings(args: Any) -> EvalSettings:
             "input_key": run.input_key,
             "label_key": run.label_key,
             "stop_token_ids": tuple(run.rollout_stop_token_ids),
+            "dtype": run.rollout_dtype,
         }
         source = str(run_file)
         if run.plays_episodes:
             keys["episodes_of"] = run
+        if base_model is None and run.hf_checkpoint and (Path(run.hf_checkpoint) / "config.json").is_file():
+            base_model = run.hf_checkpoint  # the run's own start, where it still is
     given = {k: getattr(args, k) for k in (*EVAL_DEFAULTS, "custom_rm_path") if getattr(args, k) is not None}
     if "rm_type" in given and "custom_rm_path" not in given:
         base["custom_rm_path"] = None  # --rm-type given: the built-in, not the run's own reward
@@ -112,8 +129,46 @@ def eval_settings(args: Any) -> EvalSettings:
         accuracy_threshold=merged["accuracy_threshold"],
         apply_chat_template=merged["apply_chat_template"],
         source=source,
+        base=base_model,
         **keys,
     )
+
+
+def weights_changed(model_dir: str | Path, base_dir: str | Path, dtype: str = "auto") -> tuple[int, int]:
+    """(elements that differ, elements compared) between two Hugging Face folders' safetensors weights,
+    each tensor present in both compared bit for bit in `dtype` (auto: bfloat16 where CUDA is, as the
+    engine samples; else float32). ValueError naming `--base` when they share no tensor."""
+    import torch
+    from safetensors import safe_open
+
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    as_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    as_bits = torch.int32 if as_dtype == torch.float32 else torch.int16
+
+    def files(folder: str | Path) -> dict[str, Path]:
+        return {
+            name: path
+            for path in sorted(Path(folder).glob("*.safetensors"))
+            for name in safe_open(str(path), "pt").keys()  # noqa: SIM118 (a safetensors handle is no dict)
+        }
+
+    ours, theirs = files(model_dir), files(base_dir)
+    common = sorted(ours.keys() & theirs.keys())
+    if not common:
+        raise ValueError(
+            f"--base: {base_dir} holds none of the weights of {model_dir} (safetensors names); give the model's "
+            "own base folder"
+        )
+    changed = elements = 0
+    for name in common:
+        with safe_open(str(ours[name]), "pt") as a, safe_open(str(theirs[name]), "pt") as b:
+            mine, base = a.get_tensor(name), b.get_tensor(name)
+        if mine.shape != base.shape or not mine.is_floating_point():
+            continue
+        changed += int((mine.to(as_dtype).view(as_bits) != base.to(as_dtype).view(as_bits)).sum())
+        elements += mine.numel()
+    return changed, elements
 
 
 def evaluate_model(args: Any) -> dict[str, float]:
@@ -187,8 +242,15 @@ def evaluate_model(args: Any) -> dict[str, float]:
                     )
             finally:
                 engines.shutdown()
-        metrics = rollout.metrics(accuracy_threshold=settings.accuracy_threshold, prefix="eval")
+        metrics = rollout.metrics(
+            accuracy_threshold=settings.accuracy_threshold,
+            prefix="eval",
+            n_samples_per_prompt=settings.n_samples_per_prompt,
+        )
         metrics["eval/dropped_prompts"] = float(dataset.num_dropped)
+        if settings.base is not None:
+            changed, elements = weights_changed(model_dir, settings.base, settings.dtype)
+            metrics["policy/changed_fraction_since_start"] = changed / elements
         return metrics
     finally:
         if started:

@@ -5,7 +5,8 @@ a name without "/" goes to `other`). Each figure has one panel per metric of its
 group and one line per run, so two runs (say shared and resident placement)
 overlay in the same PNG. Every panel's y-axis names its unit (`UNITS`: seconds,
 GiB, tokens/s, ...). A metric that is 0 at every step of every run (its feature
-was off: `async/staleness` without `--async`) gets no panel. The lifecycle's
+was off: `async/staleness` without `--async`) gets no panel, but for `policy/`
+(`KEEP_AT_ZERO`: no weight changed is the figure to see). The lifecycle's
 seconds (`lifecycle/<role>_<sleep|wake>/<stage>`) make one panel per role (and
 run): at each step a sleep bar and a wake bar, each stacked by stage. Figures
 are drawn with matplotlib's object API on the Agg canvas: no pyplot, no global
@@ -25,7 +26,7 @@ from typing import Any
 
 from tandem.ppo.run.metrics import read_metrics
 
-__all__ = ["UNITS", "Panel", "panels", "plot_run", "unit_of"]
+__all__ = ["KEEP_AT_ZERO", "UNITS", "Panel", "panels", "plot_run", "unit_of"]
 
 _COLUMNS = 3
 _SUBPLOT_SIZE = (4.5, 3.0)
@@ -39,7 +40,9 @@ UNITS: tuple[tuple[str, str], ...] = (
     (r"tokens_per_s$", "tokens/s"),
     (r"response_length$", "tokens"),
     (r"(^|/)lr$", "learning rate"),
-    (r"(accuracy|_frac|truncated|explained_variance|critic_only)$", "fraction"),
+    (r"(accuracy|_frac|_fraction|_fraction_since_start|truncated|tied_groups|critic_only)$", "fraction"),
+    (r"explained_variance(_window)?$", "explained variance"),
+    (r"log_prob_gap$", "|log-prob difference| (nats)"),
     (r"^(reward|eval)/(mean|std)$", "reward"),
     (r"(^loss/|_loss$)", "loss"),
     (r"(^|/)(approx_kl|kl)$", "KL (nats)"),
@@ -51,6 +54,10 @@ UNITS: tuple[tuple[str, str], ...] = (
     (r"grad_norm$", "gradient norm"),
 )
 """(regex, unit) of the y-axis, first match wins; other metrics are labelled with their own name."""
+
+KEEP_AT_ZERO = re.compile(r"^policy/")
+"""Metrics drawn even when 0 throughout: `policy/changed_fraction` at 0 says the sampling weights never
+changed, which is what a run that does not learn may need to show."""
 
 _LIFECYCLE = re.compile(r"^lifecycle/(?P<role>\w+?)_(?P<phase>sleep|wake)/(?P<stage>\w+)$")
 
@@ -101,7 +108,7 @@ def panels(runs: Sequence[Series]) -> dict[str, list[Panel]]:
     """The figures to draw for `runs` (each a metric's steps and values): group -> its panels."""
     keys = sorted({key for series in runs for key in series})
     # A metric at 0 throughout every run measured a feature that was off: no panel for it.
-    live = [k for k in keys if any(v != 0 for s in runs if k in s for v in s[k][1])]
+    live = [k for k in keys if KEEP_AT_ZERO.match(k) or any(v != 0 for s in runs if k in s for v in s[k][1])]
     groups: dict[str, list[Panel]] = defaultdict(list)
     stages_of_role: dict[str, set[str]] = defaultdict(set)
     for key in live:
@@ -146,7 +153,8 @@ def _draw_stages(ax: Any, panel: Panel, series: Series) -> None:
             )
             for s, v in zip(steps, values, strict=True):
                 bottoms[s] += v
-    ax.legend(fontsize=7, title="stage (hatched: wake)", title_fontsize=7)
+    # A fixed corner: "best" searches the bars and warns (an error under the tests) on many steps.
+    ax.legend(fontsize=7, title="stage (hatched: wake)", title_fontsize=7, loc="upper left")
 
 
 def plot_run(
@@ -199,7 +207,7 @@ def plot_run(
                         linestyle = _LINESTYLES[i % len(_LINESTYLES)]
                         ax.plot(steps, values, label=label, linestyle=linestyle, marker=marker, markersize=3)
                 if len(runs) > 1:
-                    ax.legend(fontsize=8)
+                    ax.legend(fontsize=8, loc="upper left")
             ax.set_title(panel.title, fontsize=10)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

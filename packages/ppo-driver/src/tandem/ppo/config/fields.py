@@ -294,6 +294,18 @@ class RunFields(EpisodeFields, WorkerFields):
     progress: bool = True
     """Show a progress bar with the key figures."""
 
+    policy_change_count: bool = True
+    """At each weight sync, count the elements of the engine's weights that changed in it and since the
+    start, on the engine's device as the sync copies (`policy/changed_fraction`,
+    `policy/changed_fraction_since_start`; the embedded engine; one bit of GPU memory a weight). Off:
+    neither is measured (the sync's time without the count)."""
+
+    hints: bool = True
+    """Say once, on the terminal and in RUN_DIR/logs/driver.log, why a run that is not learning may not
+    be: sampling weights that barely change, rewards without signal, a critic that explains nothing,
+    responses cut short, each with what was measured and the flag to change (docs/troubleshooting.md).
+    Off: not said (events.jsonl still records them)."""
+
     # --- experiment trackers (extras tandem-ppo-driver[wandb] and [mlflow]) --------------------
     use_wandb: bool = False
     """Log every step's metrics (as metrics.jsonl has them) and the resolved config to Weights & Biases."""
@@ -390,6 +402,9 @@ class RunFields(EpisodeFields, WorkerFields):
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
         values["cpu_threads"] = self.resolved_cpu_threads()
+        if self.loss_norm_tokens is None:
+            # Dr.GRPO's constant: the generation budget, the longest response the engines may give.
+            values["loss_norm_tokens"] = self.rollout_max_response_len
         return WorkerConfig(**values)
 
     def resolved_cpu_threads(self) -> int | None:

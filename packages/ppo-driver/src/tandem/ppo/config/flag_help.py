@@ -56,11 +56,13 @@ _GROUP_MEMBERS: dict[str, str] = {
     "PPO algorithm": (
         "global_batch_size ppo_epochs shuffle_minibatches eps_clip eps_clip_high eps_clip_c gamma lambd "
         "normalize_advantages loss_aggregation kl_coef kl_penalty_type use_kl_loss kl_loss_coef "
-        "kl_loss_type entropy_coef use_tis tis_cap reuse_old_log_probs reuse_old_values filter_truncated lr min_lr lr_decay_style lr_warmup_steps "
+        "kl_loss_type kl_target kl_horizon length_adaptive_gae_alpha loss_norm_tokens reward_clip "
+        "loss_type entropy_coef use_tis tis_cap tis_cap_low tis_mode reuse_old_log_probs reuse_old_values filter_truncated lr min_lr lr_decay_style lr_warmup_steps "
         "lr_decay_steps weight_decay adam_beta1 adam_beta2 adam_eps clip_grad"
     ),
     "critic": (
-        "use_critic critic_hf_checkpoint critic_lr value_clip num_critic_only_steps "
+        "use_critic critic_hf_checkpoint critic_lr value_clip num_critic_only_steps critic_lambd "
+        "critic_updates_per_step "
         "critic_tensor_model_parallel_size critic_pipeline_model_parallel_size critic_load critic_save"
     ),
     "data and rewards": (
@@ -79,7 +81,7 @@ _GROUP_MEMBERS: dict[str, str] = {
         "actor_gpu_share critic_gpu_share engine_gpu_share device local_gpus ray_address offload_grads "
         "background_optimizer_wake max_engine_restarts"
     ),
-    "logging": "tensorboard gpu_memory_metrics progress",
+    "logging": "tensorboard gpu_memory_metrics progress policy_change_count hints",
 }
 
 GROUP_OF: dict[str, str] = {name: group for group, names in _GROUP_MEMBERS.items() for name in names.split()}

@@ -40,6 +40,7 @@ from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
 from ._sampling import Draws
 from ._sessions import SessionKV
+from ._weight_changes import ChangeCounter, weight_magnitudes
 from ._weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,13 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         self._fused = build_fused_decoder(
             self.model, options=options, max_context_len=self._max_context_len, ops=decode_ops
         )
+        self._changes = (
+            ChangeCounter(self._params_by_name, self.device) if options.count_weight_changes else None
+        )
+        self._weights_magnitudes = (
+            weight_magnitudes(self._params_by_name, self.dtype) if options.count_weight_changes else {}
+        )
+        self._update_seconds = 0.0
 
         if memory_backend is None:
             if options.offload_backend == "none":
@@ -434,7 +442,9 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
             torch.cuda.empty_cache()
 
     def _weight_tensors(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), *self.model.buffers()]
+        # The change counter's bitmask goes to the host and back with the weights it describes.
+        counter = self._changes.tensors() if self._changes is not None else []
+        return [*self.model.parameters(), *self.model.buffers(), *counter]
 
 
 def _own_storages(model: torch.nn.Module) -> None:

@@ -202,6 +202,21 @@ class EngineGroup(ActorGroup):
             [(r, h.weights_digest.remote()) for r, h in enumerate(self.handles)], "weights_digest"
         )
 
+    def weight_changes(self) -> dict[str, float] | None:
+        """Engine rank 0's `weight_changes()` (every engine receives the same weights); None when the
+        engines do not count (SGLang's)."""
+        if not hasattr(self.handles[0], "weight_changes"):
+            return None
+        return self.wait([(0, self.handles[0].weight_changes.remote())], "weight_changes")[0]
+
+    def weight_magnitudes(self) -> dict[str, Any] | None:
+        """Engine rank 0's `weight_magnitudes()` (how large the loaded weights are, for their dtype's
+        spacing); None when the engines do not say (SGLang's) or do not count changes."""
+        if not hasattr(self.handles[0], "weight_magnitudes"):
+            return None
+        magnitudes = self.wait([(0, self.handles[0].weight_magnitudes.remote())], "weight_magnitudes")[0]
+        return magnitudes or None
+
     def flush_cache(self) -> None:
         """Every engine drops its cached prefixes."""
         self.all("flush_cache")

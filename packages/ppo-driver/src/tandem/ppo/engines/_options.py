@@ -59,6 +59,12 @@ class EngineOptions:
     """Threads of torch's CPU kernels of an engine on the CPU (`torch.set_num_threads`); None: the
     process's setting. The driver passes its `cpu_threads`."""
 
+    count_weight_changes: bool = True
+    """Count, at each weight update, the elements of the weights that change (and those that ever
+    changed since the engine loaded them), compared on the device as the update copies
+    (`_weight_changes.py`; read by `weight_changes`). Costs one bit of device memory per weight element
+    (moved with the weights when they are released) and a read of the old weights during the copy."""
+
     offload_backend: EngineOffload = "pinned_host"
     """Where released weights go: "pinned_host" (tandem.lifecycle's retained host buffers, back at
     link speed) or "none" (weights stay resident; only the KV cache is freed)."""

@@ -3,7 +3,7 @@
 A newcomer reads the step here: `driver` (`PPODriver`: setup, one step, save, eval),
 `schedule` (a step's turns as data, checked), `turns` (each turn's work),
 `shared_gpus` (`SharedGpus`: the roles on the GPUs and who is awake), `weight_sync`,
-`step_metrics`, `run_loop` (one step per rollout, sync or async, Ctrl-C), `startup`
+`step_metrics`, `hints` (the run's hints said), `run_loop` (one step per rollout, sync or async, Ctrl-C), `startup`
 (the run's processes coming up), `cluster` (Ray, placement groups, the groups) and
 `node_checks`. It may import every layer below: the run folder, the config, the
 rollout layer, the engines, tandem.megatron's `group` and shared records,

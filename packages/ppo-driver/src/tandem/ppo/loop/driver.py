@@ -32,9 +32,10 @@ from ray.exceptions import RayActorError
 from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
+from tandem.ppo.loop.hints import RunHints
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
-from tandem.ppo.loop.step_metrics import step_metrics
+from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
 from tandem.ppo.loop.turns import StepTurns
 from tandem.ppo.rollout.episodes.generation import generate_episodes
 from tandem.ppo.rollout.preflight import read_inputs
@@ -92,6 +93,7 @@ class PPODriver:
     """How episodes are played (`--env-path`, `--custom-generate-function-path`); None: single-turn."""
     start_rollout_id: int
     logger: MetricsLogger
+    hints: RunHints
 
     def __init__(self, config: PPOConfig) -> None:
         config = resolve_checkpoints(config)  # hub ids -> local folders, before the checks read them
@@ -162,6 +164,9 @@ class PPODriver:
             self.gpus.start_asleep(self.between_steps())
         # 5. The resumed rollout: data cursor, RNG, metrics; the engines get the resumed actor's weights.
         self.start_rollout_id, self.metrics_so_far = startup.resume(self.folder, self.gpus, self.dataset)
+        self.hints = RunHints(
+            config, self.engines.weight_magnitudes(), events=self.events, before=self.metrics_so_far
+        )
         # 6. Everything is up: the run folder changes now, and the metrics start.
         self.folder.commit()
         self.events.start()
@@ -334,6 +339,7 @@ class PPODriver:
             sampled=sampled,
             draw=functools.partial(self.draw, rollout_id),
             start_next=start_next,
+            kl_coef=kl_coef_of_step(self.config, self.metrics_so_far),
         )
         for turn in schedule.turns:
             turns.take(turn)
@@ -341,7 +347,7 @@ class PPODriver:
 
         seconds = time.perf_counter() - step_start
         self.events.record("step_end", rollout_id=rollout_id, seconds=seconds)
-        return step_metrics(
+        metrics = step_metrics(
             turns.metrics,
             turns.rollout,
             seconds=seconds,
@@ -349,10 +355,14 @@ class PPODriver:
             rollout_id=rollout_id,
             critic_only=schedule.turn("actor", "train") is None,
             accuracy_threshold=self.config.accuracy_threshold,
+            n_samples_per_prompt=self.config.n_samples_per_prompt,
             dropped_prompts=self.dataset.num_dropped,
             restarts=self.gpus.engine_restarts - restarts_before,
             restarts_total=self.gpus.engine_restarts,
         )
+        # Why a run may not be learning, said once each, never while the reward rises (loop/hints.py).
+        metrics.update(self.hints.after_step(rollout_id, metrics, turns.rollout.rollout))
+        return metrics
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
     def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:
@@ -389,7 +399,11 @@ class PPODriver:
         with self.gpus.phase("eval"):
             prompts = self.eval_dataset.next_batch(len(self.eval_dataset))
             rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True, label="eval")
-        return rollout.metrics(accuracy_threshold=self.config.accuracy_threshold, prefix="eval")
+        return rollout.metrics(
+            accuracy_threshold=self.config.accuracy_threshold,
+            prefix="eval",
+            n_samples_per_prompt=self.config.n_samples_per_eval_prompt,
+        )
 
     def export_hf(self) -> Path:
         """The actor as a Hugging Face folder at RUN_DIR/hf."""

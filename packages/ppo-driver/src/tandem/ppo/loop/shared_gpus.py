@@ -70,6 +70,8 @@ class SharedGpus:
         self.weight_pack = weight_pack
         """The engines' `ipc_payload` where actor rank r and engine r share a GPU, else None (CPU copies)."""
         self.weights_version = 0
+        self.weight_changes: dict[str, float] | None = None
+        """What the last weight sync changed in the engines' weights (`weight_sync.sync_weights`)."""
         self.engine_restarts = 0
         self._awake: set[Role] = {"engine", "actor"}
         if critic is not None:
@@ -183,7 +185,7 @@ class SharedGpus:
         """The actor's weights into the engines (`weight_sync.sync_weights`); engines that released their
         memory take it back around the sync (weights first, then the KV cache). `weights_version`: the
         step whose weights they now hold (None: as before)."""
-        sync_weights(
+        self.weight_changes = sync_weights(
             self.actor,
             self.engines,
             pack=self.weight_pack,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from tandem.ppo.loop.schedule import Turn, Work
-from tandem.ppo.loop.step_metrics import role_metrics
+from tandem.ppo.loop.step_metrics import KL_COEF, policy_metrics, role_metrics
 
 if TYPE_CHECKING:
     from tandem.megatron.payloads import ActorLogProbs, TrainResult
@@ -32,7 +32,9 @@ class StepTurns:
     `sampled`: the step's rollout when drawn before the step (the async loop), else the
     `generate` turn draws it with `draw`, whose rounds take the `generate` and `score`
     turns' work (`PPODriver.draw`). `start_next`: starts generating the next rollout
-    (`start_next`); the future is `generating`.
+    (`start_next`); the future is `generating`. `kl_coef`: the step's reward-level KL coefficient
+    where the adaptive controller steers it (`step_metrics.kl_coef_of_step`), the same for both
+    roles; None: the config's.
     """
 
     def __init__(
@@ -43,14 +45,16 @@ class StepTurns:
         sampled: Sampled | None,
         draw: Callable[[], Sampled],
         start_next: Callable[[], Future[Sampled]] | None,
+        kl_coef: float | None = None,
     ) -> None:
         self.gpus = gpus
+        self.kl_coef = kl_coef
         self.rollout_id = rollout_id
         self.sampled = sampled
         self.draw = draw
         self.start_next = start_next
         self.generating: Future[Sampled] | None = None
-        self.metrics: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {} if kl_coef is None else {KL_COEF: kl_coef}
         self.critic_out: list[TrainResult] | None = None
         self.log_probs: list[ActorLogProbs | None] | None = None
         self._work: dict[Work | None, Callable[[Turn], None]] = {
@@ -113,6 +117,7 @@ class StepTurns:
                 critic=self.critic_out if group.role == "actor" else None,
                 log_probs=self.log_probs,
                 sample_indices=sampled.sample_indices[group.role],
+                kl_coef=self.kl_coef,
             )
             out: list[TrainResult] = ray.get(refs)
             gpus.events.record("train_end", role=group.role, rollout_id=rollout_id)
@@ -136,6 +141,7 @@ class StepTurns:
     def _weights(self, turn: Turn) -> None:
         assert turn.wake_before == (not self.gpus.awake("engine")), turn
         self.gpus.sync_weights(weights_version=self.rollout_id + 1)
+        self.metrics.update(policy_metrics(self.gpus.weight_changes))
 
     # a turn of the lifecycle alone (the warm-up's engines resume: no weights to send)
     def _lifecycle(self, turn: Turn) -> None:

@@ -3,7 +3,8 @@
 The engines' weights come back first (when they released their memory), the
 asleep actor sends its weights (CUDA IPC where actor rank r and engine r share a
 GPU, else CPU copies), the engines flush their prefix caches and say what they
-hold (`weights_received`), and their KV cache comes back last.
+hold (`weights_received`) and what the sync changed in their weights (`weight_changes`, counted on
+their device as they copied), and their KV cache comes back last.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def sync_weights(
     release_engines: bool,
     events: EventLog,
     clock: PhaseClock,
-) -> None:
-    """Engines' weights back -> the actor's weights into them -> KV cache back."""
+) -> dict[str, float] | None:
+    """Engines' weights back -> the actor's weights into them -> KV cache back; what the sync changed in
+    the engines' weights (`EngineGroup.weight_changes`; None where the engines do not say)."""
     if release_engines:
         with clock.phase("engine_resume_weights"):
             engines.resume_memory(["weights"])
@@ -49,9 +51,11 @@ def sync_weights(
             actor.update_weights(engines.handles, pack)
         engines.flush_cache()
         check_engines_agree(engines, events)
+        changes = engines.weight_changes()
     if release_engines:
         with clock.phase("engine_resume_kv_cache"):
             engines.resume_memory(["kv_cache"])
+    return changes
 
 
 def send_to_restarted(

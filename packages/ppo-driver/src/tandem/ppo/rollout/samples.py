@@ -106,15 +106,19 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.generations)
 
-    def metrics(self, *, accuracy_threshold: float, prefix: str = "reward") -> dict[str, float]:
-        """Reward mean, std, accuracy; each reward term's mean; response length; the share of truncated responses."""
+    def metrics(
+        self, *, accuracy_threshold: float, prefix: str = "reward", n_samples_per_prompt: int = 1
+    ) -> dict[str, float]:
+        """Reward mean, std, accuracy; each reward term's mean; response length; the share of truncated
+        responses; with several samples a prompt, `tied_groups`: the share of prompts whose samples all
+        got the same reward (no signal for a group baseline, nor for a critic between them)."""
         rewards = torch.tensor(self.rewards, dtype=torch.float64)
         lengths = torch.tensor([len(g.token_ids) for g in self.generations], dtype=torch.float64)
         terms = {
             f"{prefix}/{name}": float(torch.tensor(values, dtype=torch.float64).mean())
             for name, values in self.reward_terms.items()
         }
-        return {
+        metrics = {
             f"{prefix}/mean": float(rewards.mean()),
             f"{prefix}/std": float(rewards.std(unbiased=False)),
             f"{prefix}/accuracy": float((rewards >= accuracy_threshold).double().mean()),
@@ -123,6 +127,10 @@ class Rollout:
             f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
             **self.episode_metrics("episodes" if prefix == "reward" else f"{prefix}_episodes"),
         }
+        if n_samples_per_prompt > 1 and len(self) % n_samples_per_prompt == 0:
+            groups = self.groups(n_samples_per_prompt)
+            metrics[f"{prefix}/tied_groups"] = sum(not has_signal(g) for g in groups) / len(groups)
+        return metrics
 
     def episode_metrics(self, prefix: str = "episodes") -> dict[str, float]:
         """Of a rollout of episodes: the mean turns, model tokens and cut turns per episode, the share of

@@ -2,8 +2,9 @@
 
 The function takes one `EpisodeContext` and returns the episode (`Episode`, or a `Trajectory`,
 finished as `done`); it may be a plain function or an `async def` (a plain one runs on a
-thread). The context gives the sample, the tokenizer, the model's turns through the same
-batcher as every other episode (`generate`), the chat renderer, and the chat-completions
+daemon thread of its own, `threads`: as many at once as there are episodes). The context gives
+the sample, the tokenizer, the model's turns through the same batcher as every other episode
+(`generate`), the chat renderer, and the chat-completions
 endpoint (`endpoint_session`), whose calls become the episode without re-tokenizing. A
 function that raises or returns something else fails its episode, like an environment;
 an engine's error inside `generate` stays the run's own.
@@ -21,6 +22,7 @@ from tandem.ppo.rollout.episodes.batcher import TurnBatcher
 from tandem.ppo.rollout.episodes.chat import ChatRenderer
 from tandem.ppo.rollout.episodes.environment import EnvFailure, EpisodeSample
 from tandem.ppo.rollout.episodes.runner import EpisodeLimits
+from tandem.ppo.rollout.episodes.threads import in_daemon_thread
 from tandem.ppo.rollout.episodes.trajectory import Episode, Trajectory
 
 if TYPE_CHECKING:
@@ -106,7 +108,7 @@ async def run_custom(fn: CustomGenerate, context: EpisodeContext, name: str) -> 
         if inspect.iscoroutinefunction(fn):
             result = await fn(context)
         else:
-            result = await asyncio.to_thread(fn, context)
+            result = await in_daemon_thread(fn, context, name="tandem-episode")
             if inspect.isawaitable(result):
                 result = await result
     except EngineFailed as exc:

@@ -10,15 +10,15 @@ is counted (`episodes/cut_turns`) and goes on to the environment as it is.
 Everything the environment does runs guarded (`EnvCalls`): an exception, a result of the wrong
 type or a call past `--env-timeout` fails the episode (it trains nothing and is counted); any
 other error (an engine's) is the run's own and propagates. Plain (not `async`) environment
-methods run one at a time on a thread of their own, in the order the episodes call them (an
-environment library may keep global state, as TextArena's games seed Python's `random`); a
-call that times out leaves that thread behind and the next call gets a new one.
+methods run one at a time on a daemon thread of their own, in the order the episodes call them
+(an environment library may keep global state, as TextArena's games seed Python's `random`); a
+call that times out leaves that thread behind (neither the rollout nor the process waits for
+it) and the next call gets a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import inspect
 import traceback
@@ -36,6 +36,7 @@ from tandem.ppo.rollout.episodes.environment import (
     checked_messages,
     checked_step,
 )
+from tandem.ppo.rollout.episodes.threads import DaemonWorker
 from tandem.ppo.rollout.episodes.tools import ParsedCalls, ToolBox, parse_tool_calls
 from tandem.ppo.rollout.episodes.trajectory import EndReason, Episode, Trajectory
 
@@ -66,7 +67,7 @@ class EnvCalls:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-env")
+        self._worker = DaemonWorker("tandem-env")
         self._queue = asyncio.Lock()
 
     async def __call__(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -74,14 +75,12 @@ class EnvCalls:
             if inspect.iscoroutinefunction(fn):
                 return await asyncio.wait_for(fn(*args), self.timeout_s)
             async with self._queue:
-                loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(self._thread, fn, *args)
                 try:
-                    result = await asyncio.wait_for(future, self.timeout_s)
+                    result = await asyncio.wait_for(self._worker.run(fn, *args), self.timeout_s)
                 except TimeoutError:
-                    # The call keeps its thread; the next one gets a new thread.
-                    self._thread.shutdown(wait=False)
-                    self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-env")
+                    # The call keeps its (daemon) thread; the next one gets a new thread.
+                    self._worker.stop()
+                    self._worker = DaemonWorker("tandem-env")
                     raise
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(_awaited(result), self.timeout_s)
@@ -94,7 +93,7 @@ class EnvCalls:
             raise EnvFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False)
+        self._worker.stop()
 
 
 async def _awaited(result: Awaitable[Any]) -> Any:

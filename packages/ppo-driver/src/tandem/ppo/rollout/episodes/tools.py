@@ -11,13 +11,15 @@ do, and are counted (`tools/calls`, `tools/errors_<kind>`); none stops the run.
 
 A tool is a plain function or an `async def` with type hints and a docstring whose `Args:`
 describe its parameters (transformers builds its JSON schema from them). A plain function
-runs on a thread, so that a timeout can leave it behind; the episode does not wait for it.
+runs on a daemon thread of its own (`threads`), so that a timeout can leave it behind: neither
+the episode nor the rollout waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import re
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tandem.ppo.rollout.episodes.environment import Message, ToolCall
+from tandem.ppo.rollout.episodes.threads import in_daemon_thread
 
 __all__ = ["TOOL_ERRORS", "ParsedCalls", "ToolBox", "parse_tool_calls"]
 
@@ -121,7 +124,8 @@ class ToolBox:
             if inspect.iscoroutinefunction(tool):
                 value = await asyncio.wait_for(tool(**call.arguments), self.timeout_s)
             else:
-                value = await asyncio.wait_for(asyncio.to_thread(tool, **call.arguments), self.timeout_s)
+                call_it = functools.partial(tool, **call.arguments)
+                value = await asyncio.wait_for(in_daemon_thread(call_it, name="tandem-tool"), self.timeout_s)
         except TimeoutError:
             return _error_text(f"the tool {call.name} took longer than {self.timeout_s:g} s"), "timeout"
         except Exception as exc:

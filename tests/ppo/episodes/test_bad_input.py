@@ -143,3 +143,58 @@ def test_a_model_without_a_chat_template_is_refused(
         extra.unlink()
     message = refused(capsys, bare, prompts, tmp_path, "--env-path", "tandem.ppo._recall:RecallEnv")
     assert message.startswith("--hf-checkpoint: episodes grow through the model's chat template")
+
+
+def test_a_remote_endpoint_takes_its_key_from_the_environment_and_writes_it_nowhere(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tandem.ppo.config.episode_fields import ENDPOINT_KEY_VARIABLE
+    from tandem.ppo.config.file import unvalidated
+    from tandem.ppo.config.record import write_run_config
+    from tandem.ppo.rollout.episodes.endpoint import endpoint_options
+
+    key = "k3y-that-must-not-leak"
+    monkeypatch.setenv(ENDPOINT_KEY_VARIABLE, key)
+    agent = tmp_path / "agent.py"
+    agent.write_text("def agent(ctx):\n    return None\n")
+    run_dir = tmp_path / "run"
+    argv = ["train", "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir)]
+    argv += ["--device", "cpu", "--params-dtype", "float32", "--local-gpus", "1", "--no-progress"]
+    argv += ["--custom-generate-function-path", f"{agent}:agent", "--endpoint-host", "0.0.0.0", "--dry-run"]
+    assert cli(argv) == 0  # with the key in the environment, any address is accepted
+    out, err = capsys.readouterr()
+    assert "0.0.0.0" in out and key not in out + err
+    # The run's record holds the address, never the key; the endpoint is given the key from the environment.
+    config = unvalidated({"run_dir": str(run_dir), "endpoint_host": "0.0.0.0"})
+    write_run_config(config)
+    record = (run_dir / "config.yaml").read_text()
+    assert "endpoint_host: 0.0.0.0" in record and key not in record
+    options = endpoint_options(config.endpoint_host, config.endpoint_port)
+    assert options.api_key == key and key not in repr(options)
+    monkeypatch.delenv(ENDPOINT_KEY_VARIABLE)
+    fresh = endpoint_options("127.0.0.1", 0)  # the loopback without a key: a random one for the run
+    assert len(fresh.api_key) >= 24 and fresh.api_key != endpoint_options("127.0.0.1", 0).api_key
+
+
+def test_a_missing_extra_names_its_install_command(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from tandem.ppo.rollout.episodes.endpoint import ChatSession
+
+    monkeypatch.setitem(sys.modules, "textarena", None)  # `import textarena` raises ImportError
+    monkeypatch.setitem(sys.modules, "openai", None)
+    message = refused(capsys, model, prompts, tmp_path, "--env-path", "textarena:GuessTheNumber-v0")
+    assert "TextArena is not installed; pip install 'tandem-ppo-driver[textarena]'" in message
+    session = ChatSession.__new__(ChatSession)  # the client needs nothing of a running endpoint to fail
+    with pytest.raises(ImportError, match=r"pip install 'tandem-ppo-driver\[openai\]'"):
+        session.client()

@@ -4,6 +4,7 @@ tokens, budgets and how episodes end, failed environments, episodes leaving the 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from tandem.ppo._recall import RecallEnv
 from tandem.ppo.engines import SamplingParams
 from tandem.ppo.rollout.data import PromptDataset, PromptRecord
 from tandem.ppo.rollout.episodes.chat import ChatRenderer
+from tandem.ppo.rollout.episodes.environment import EnvFailure, checked_messages, checked_step
 from tandem.ppo.rollout.episodes.failures import EnvFailures, TooManyEnvFailures
 from tandem.ppo.rollout.episodes.generation import EpisodeSetup, generate_episodes
 from tandem.ppo.rollout.episodes.runner import EpisodeLimits
@@ -224,6 +226,30 @@ def test_an_environment_that_fails_fails_its_episode_and_the_rollout_goes_on(
     (log,) = (tmp_path / "episodes").iterdir()
     assert "test:env" in log.read_text() and message in log.read_text()
     to_train_batches(rollout, 1)  # a failed episode still makes a valid (untrained) sample
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        ("done", "step must return a tuple (observation, reward, done)"),
+        (("obs", 1.0), "step must return a tuple (observation, reward, done)"),
+        ((3, 1.0, True), "an observation is a string or a non-empty list of chat messages"),
+        (([{"role": "user"}], 1.0, True), "message 0 = {'role': 'user'}; a chat message is a dict"),
+        (("obs", float("nan"), True), "the reward nan; it must be a finite number"),
+        (("obs", True, True), "the reward True; it must be a finite number"),
+        (("obs", 1.0, "yes"), "done = 'yes'; it must be True or False"),
+    ],
+)
+def test_each_wrong_type_from_step_is_named(result: Any, message: str) -> None:
+    with pytest.raises(EnvFailure, match=re.escape(message)):
+        checked_step(result, "Env.step")
+
+
+def test_a_step_result_of_the_right_types_is_taken() -> None:
+    assert checked_step(("obs", 1, False), "Env.step") == ([{"role": "user", "content": "obs"}], 1.0, False)
+    assert checked_step([None, 0.5, True], "Env.step") == ([], 0.5, True)
+    with pytest.raises(EnvFailure, match="non-empty list"):
+        checked_messages([], "Env.reset", first=True)
 
 
 def test_past_max_env_failures_the_run_stops_naming_the_environment_the_sample_and_its_log(

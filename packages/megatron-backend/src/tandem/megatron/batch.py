@@ -64,6 +64,9 @@ class RolloutBatch:
             length; `rewards` is then each sample's total. Estimators that take token rewards (GAE,
             REINFORCE++) use them instead of the scalar at the last trainable token
             (`targets.reward_signal`).
+        teacher_log_probs: on-policy distillation (`WorkerConfig.opd_coef`): the teacher's log-probs of
+            each response token under the sampling temperature (one tensor per sample, its response
+            length), the other half of the reverse KL.
         old_log_probs: actor: log-probs under the weights the rollout's training started
             from. Shape `(n, max_response_len)`, 0 past each response; None until computed.
         ref_log_probs: actor with a KL loss: log-probs under the reference weights. Same shape.
@@ -82,6 +85,7 @@ class RolloutBatch:
     sample_indices: list[int] = field(default_factory=list)
     rollout_log_probs: list[torch.Tensor] | None = None
     step_rewards: list[torch.Tensor] | None = None
+    teacher_log_probs: list[torch.Tensor] | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -100,6 +104,8 @@ class RolloutBatch:
             "sample_indices": len(self.sample_indices),
             **({"step_rewards": len(self.step_rewards)} if self.step_rewards is not None else {}),
         }
+        if self.teacher_log_probs is not None:
+            sizes["teacher_log_probs"] = len(self.teacher_log_probs)
         bad = {k: v for k, v in sizes.items() if v != n}
         if bad:
             raise ValueError(
@@ -121,6 +127,11 @@ class RolloutBatch:
                 raise ValueError(
                     f"RolloutBatch: sample {i} has step_rewards of {self.step_rewards[i].numel()} entries, "
                     f"expected {rlen} (one per response token)"
+                )
+            if self.teacher_log_probs is not None and self.teacher_log_probs[i].numel() != rlen:
+                raise ValueError(
+                    f"RolloutBatch: sample {i} has {self.teacher_log_probs[i].numel()} teacher log-probs for "
+                    f"{rlen} response tokens; the teacher gives one per response token"
                 )
         shape = (n, self.max_response_length)
         for name in TARGETS:
@@ -148,6 +159,17 @@ class RolloutBatch:
         if self.step_rewards is None:
             return None
         return to_device(pad_responses(self.step_rewards), device)
+
+    def padded_teacher_log_probs(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The teacher's log-probs as `(n, max_response_len)`, 0 past each response; ValueError naming
+        `opd_coef` when the batch has none."""
+        if self.teacher_log_probs is None:
+            raise ValueError(
+                "opd_coef: on-policy distillation needs the teacher's log-probs of every response token "
+                "(RolloutBatch.teacher_log_probs), but the batch has none; start the run with a teacher "
+                "(--teacher-hf-checkpoint), or set opd_coef to 0"
+            )
+        return to_device(pad_responses(self.teacher_log_probs), device)
 
     def with_targets(self, **targets: torch.Tensor | None) -> RolloutBatch:
         """A copy of this batch with the given `TARGETS` fields set (checked like the constructor's)."""
@@ -179,6 +201,9 @@ class RolloutBatch:
             if self.rollout_log_probs is None
             else [self.rollout_log_probs[i] for i in rows],
             step_rewards=None if self.step_rewards is None else [self.step_rewards[i] for i in rows],
+            teacher_log_probs=None
+            if self.teacher_log_probs is None
+            else [self.teacher_log_probs[i] for i in rows],
             **targets,
         )
 

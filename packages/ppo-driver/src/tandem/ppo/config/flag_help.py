@@ -33,6 +33,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("critic", "the value model that shares the actor's GPUs"),
     ("data and rewards", "prompts, rewards and the eval set"),
     ("episodes and tools", "multi-turn rollouts: the environment, its budgets, tools, the chat endpoint"),
+    ("on-policy distillation", "a teacher that scores the student's own samples on the rollout GPUs"),
     ("schedule and checkpoints", "how long the run is, where it goes, when it saves and evaluates"),
     ("placement and resources", "GPUs, nodes, who shares a GPU, and sleeping"),
     ("logging", "metrics, TensorBoard, experiment trackers, the terminal"),
@@ -72,6 +73,9 @@ _GROUP_MEMBERS: dict[str, str] = {
     "episodes and tools": (
         "env_path custom_generate_function_path max_turns max_episode_tokens env_timeout tool_timeout "
         "max_env_failures keep_episode_kv endpoint_host endpoint_port"
+    ),
+    "on-policy distillation": (
+        "teacher_hf_checkpoint opd_coef opd_mode teacher_dtype teacher_max_tokens_per_gpu teacher_gpu_share"
     ),
     "schedule and checkpoints": (
         "run_dir num_rollout load save save_interval save_on_interrupt eval_interval export_hf"

@@ -93,6 +93,8 @@ class Rollout:
             value per sample, by term name; empty for a plain reward function.
         episodes: a rollout of episodes (`tandem.ppo.rollout.episodes`): each sample's episode, whose
             loss mask and rewards at their tokens the training batches take; None for single-turn samples.
+        teacher_log_probs: with a distillation teacher, its log-prob of each response token, one
+            tensor per sample (`PPODriver.teach`); None without one.
     """
 
     prompts: list[PromptSample]
@@ -102,6 +104,7 @@ class Rollout:
     seconds: dict[str, float] = field(default_factory=dict)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
     episodes: list[Episode] | None = None
+    teacher_log_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.generations)
@@ -167,6 +170,9 @@ class Rollout:
             rewards=[self.rewards[i] for i in indices],
             reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
             episodes=None if self.episodes is None else [self.episodes[i] for i in indices],
+            teacher_log_probs=None
+            if self.teacher_log_probs is None
+            else [self.teacher_log_probs[i] for i in indices],
         )
 
     @staticmethod
@@ -376,6 +382,9 @@ def to_train_batches(
                 sample_indices=list(indices),
                 rollout_log_probs=log_probs,
                 step_rewards=step_rewards if rollout.episodes is not None else None,
+                teacher_log_probs=None
+                if rollout.teacher_log_probs is None
+                else [rollout.teacher_log_probs[i] for i in indices],
             )
         )
     return batches

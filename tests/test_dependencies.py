@@ -67,6 +67,8 @@ IMPORT_TO_DIST = {
     "pandas": "pandas",
     "wandb": "wandb",
     "mlflow": "mlflow-skinny",
+    "textarena": "textarena",
+    "openai": "openai",
     "tandem.placement": "tandem-placement",
     "tandem.lifecycle": "tandem-lifecycle",
     "tandem.value_transfer": "tandem-value-transfer",

@@ -65,6 +65,13 @@ def test_demo_dry_run_writes_nothing(
     assert "\nhf_checkpoint: ./base\n" in out and "\nprompt_data: ./data/train.jsonl\n" in out  # RUN_DIR's
     assert "# dry run: config valid" in out
     assert not run_dir.exists()
+    # The multi-turn task the same way.
+    assert run(["demo", "--task", "recall", "--dry-run", "--run-dir", str(run_dir)]) == 0, (
+        capsys.readouterr().err
+    )
+    out = capsys.readouterr().out
+    assert "\nprompt_data: ./data/recall.jsonl\n" in out and "# dry run: config valid" in out
+    assert not run_dir.exists()
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     assert run(["demo", "--model", "smollm2", "--dry-run", "--run-dir", str(run_dir)]) == 2

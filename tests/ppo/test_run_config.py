@@ -154,6 +154,14 @@ def test_eval_takes_the_runs_reward_and_lengths(tmp_path: Path) -> None:
     assert (given.reward, given.max_response_len, given.temperature) == ("math", 64, 0.0)
 
 
+def test_eval_of_a_run_of_episodes_plays_them(tmp_path: Path) -> None:
+    config = _config(tmp_path, env_path="tandem.ppo._recall:RecallEnv", custom_rm_path=None, max_turns=2)
+    write_run_config(config)
+    settings = eval_settings(_eval_args(str(tmp_path)))
+    assert settings.episodes_of is not None and settings.episodes_of.max_turns == 2
+    assert settings.reward == "the environment of tandem.ppo._recall:RecallEnv"
+
+
 def test_eval_of_a_bare_model_folder_uses_the_defaults(tmp_path: Path) -> None:
     settings = eval_settings(_eval_args(str(_hf_folder(tmp_path / "hf"))))
     assert settings.reward == EVAL_DEFAULTS["rm_type"] and settings.source == "defaults"

@@ -22,6 +22,7 @@ import tyro
 
 from tandem.ppo import __version__
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
+from tandem.ppo._recall import RECALL_DEFAULTS, prepare_recall_demo
 from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
 from tandem.ppo.app.dry_run import dry_run_report, split_dry_run
 from tandem.ppo.app.machine import adapt_to_machine, announce
@@ -100,18 +101,29 @@ def _train(argv: Sequence[str]) -> int:
 DEMO_MODELS = ("tiny", "smollm2")
 """`ppo-driver demo --model`: the tiny local model (the default), or SmolLM2-135M-Instruct from PyPI."""
 
+DEMO_TASKS = ("digits", "recall")
+"""`ppo-driver demo --task`: the tiny model's single-turn digits (the default), or the multi-turn recall
+task (`tandem.ppo._recall`: episodes of two turns with an environment)."""
+
 
 def _demo(argv: Sequence[str]) -> int:
 
     dry_run, argv = split_dry_run(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default="tiny")
+    pre.add_argument("--task", default="digits")
     known, rest = pre.parse_known_args(list(argv))
     if known.model not in DEMO_MODELS:
         raise ValueError(f"--model: got {known.model!r}; choose one of {', '.join(DEMO_MODELS)}")
+    if known.task not in DEMO_TASKS:
+        raise ValueError(f"--task: got {known.task!r}; choose one of {', '.join(DEMO_TASKS)}")
+    if known.task == "recall" and known.model != "tiny":
+        raise ValueError("--task recall: runs on the tiny model; leave --model out")
     base, prepare = (
         (DEMO_DEFAULTS, prepare_demo) if known.model == "tiny" else (SUMS_DEFAULTS, prepare_sums_demo)
     )
+    if known.task == "recall":
+        base, prepare = RECALL_DEFAULTS, prepare_recall_demo
     parsed = parse_config(rest, prog=f"{PROG} demo", base=base, validate=False)
     if not dry_run:
         return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
@@ -187,7 +199,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "demo": (
         _demo,
         "PPO on a tiny local model that learns on the CPU in minutes (no downloads); "
-        "--model smollm2: on the pretrained SmolLM2-135M-Instruct",
+        "--model smollm2: on the pretrained SmolLM2-135M-Instruct; --task recall: episodes of two turns",
     ),
     "eval": (_eval, "run a saved actor on an eval JSONL and print the metrics"),
     "export": (_export, "write a run's latest actor checkpoint as a Hugging Face folder"),

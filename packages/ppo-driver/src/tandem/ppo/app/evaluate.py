@@ -23,7 +23,9 @@ from tandem.ppo.config.record import RUN_CONFIG_FILE
 from tandem.ppo.engines import SamplingParams, create_engine_group
 from tandem.ppo.loop.cluster import start_ray
 from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.episodes.generation import generate_episodes
 from tandem.ppo.rollout.model_folder import missing_folder
+from tandem.ppo.rollout.preflight import episode_setup
 from tandem.ppo.rollout.rewards import load_reward
 from tandem.ppo.rollout.samples import generate_rollout
 from tandem.ppo.run.export import export_actor
@@ -61,6 +63,9 @@ class EvalSettings:
     stop_token_ids: tuple[int, ...] = ()
     source: str = "defaults"
     """Where the settings that no flag gave come from: `RUN_DIR/config.yaml`, or the defaults."""
+    episodes_of: Any = None
+    """The run's config when its rollouts are episodes (`--env-path`, `--custom-generate-function-path`):
+    the eval plays them as the run did, scored by the environment."""
     base: str | None = None
     """The folder the weights are compared with (`--base`, else the run's `--hf-checkpoint`); None: none."""
     dtype: str = "auto"
@@ -110,14 +115,20 @@ def eval_settings(args: Any) -> EvalSettings:
             "dtype": run.rollout_dtype,
         }
         source = str(run_file)
+        if run.plays_episodes:
+            keys["episodes_of"] = run
         if base_model is None and run.hf_checkpoint and (Path(run.hf_checkpoint) / "config.json").is_file():
             base_model = run.hf_checkpoint  # the run's own start, where it still is
     given = {k: getattr(args, k) for k in (*EVAL_DEFAULTS, "custom_rm_path") if getattr(args, k) is not None}
     if "rm_type" in given and "custom_rm_path" not in given:
         base["custom_rm_path"] = None  # --rm-type given: the built-in, not the run's own reward
     merged = {**base, **given}
+    episodes_of = keys.get("episodes_of")
+    reward = merged.get("custom_rm_path") or merged["rm_type"]
+    if episodes_of is not None:
+        reward = f"the environment of {episodes_of.env_path or episodes_of.custom_generate_function_path}"
     return EvalSettings(
-        reward=merged.get("custom_rm_path") or merged["rm_type"],
+        reward=reward,
         max_response_len=merged["max_response_len"],
         max_prompt_len=merged["max_prompt_len"],
         temperature=merged["temperature"],
@@ -186,7 +197,8 @@ def evaluate_model(args: Any) -> dict[str, float]:
         settings.source,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    reward_fn = load_reward(settings.reward)
+    episodes = None if settings.episodes_of is None else episode_setup(settings.episodes_of, tokenizer)
+    reward_fn = load_reward(settings.reward) if episodes is None else None
     dataset = PromptDataset(
         read_prompts(args.data, prompt_key=settings.input_key, label_key=settings.label_key),
         tokenizer,
@@ -211,14 +223,28 @@ def evaluate_model(args: Any) -> dict[str, float]:
                     stop_token_ids=stops,
                     seed=args.seed,
                 )
-                rollout = generate_rollout(
-                    engines,
-                    dataset.next_batch(len(dataset)),
-                    n_samples_per_prompt=settings.n_samples_per_prompt,
-                    params=params,
-                    tokenizer=tokenizer,
-                    reward_fn=reward_fn,
-                )
+                prompts = dataset.next_batch(len(dataset))
+                if episodes is not None:  # played as the run played them, scored by the environment
+                    limits = dataclasses.replace(episodes.limits, max_context=engines.max_context_len)
+                    rollout = generate_episodes(
+                        engines,
+                        prompts,
+                        n_samples_per_prompt=settings.n_samples_per_prompt,
+                        params=params,
+                        tokenizer=tokenizer,
+                        setup=dataclasses.replace(episodes, limits=limits),
+                        label="eval",
+                    )
+                else:
+                    assert reward_fn is not None
+                    rollout = generate_rollout(
+                        engines,
+                        prompts,
+                        n_samples_per_prompt=settings.n_samples_per_prompt,
+                        params=params,
+                        tokenizer=tokenizer,
+                        reward_fn=reward_fn,
+                    )
             finally:
                 engines.shutdown()
         metrics = rollout.metrics(

@@ -40,6 +40,7 @@ from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
 from tandem.ppo.loop.turns import StepTurns
+from tandem.ppo.rollout.episodes.generation import generate_episodes
 from tandem.ppo.rollout.preflight import read_inputs
 from tandem.ppo.rollout.reward_model import uses_reward_model
 from tandem.ppo.rollout.samples import (
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from tandem.ppo.engines import EngineGroup
     from tandem.ppo.loop.shared_gpus import SharedGpus
     from tandem.ppo.rollout.data import PromptDataset, PromptSample
+    from tandem.ppo.rollout.episodes.generation import EpisodeSetup
     from tandem.ppo.rollout.reward_mix import RewardMix
     from tandem.ppo.rollout.reward_model import RewardModelRole
     from tandem.ppo.rollout.rewards import RewardFunction
@@ -93,6 +95,8 @@ class PPODriver:
     reward_fn: RewardFunction | RewardMix
     dataset: PromptDataset
     eval_dataset: PromptDataset | None
+    episodes: EpisodeSetup | None
+    """How episodes are played (`--env-path`, `--custom-generate-function-path`); None: single-turn."""
     start_rollout_id: int
     logger: MetricsLogger
     hints: RunHints
@@ -151,6 +155,7 @@ class PPODriver:
         inputs = read_inputs(config)
         self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
         self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
+        self.episodes = inputs.episodes
         # 3. Ray; from here on a failure is the run's own (the workers'): its lines go to RUN_DIR/logs.
         startup.start_cluster(config, self.run_dir, closing)
         closing.enter_context(driver_log(self.run_dir))
@@ -169,6 +174,9 @@ class PPODriver:
             stopping_now=lambda: self.stopping_now,
         )
         self.gpus.start_asleep(self.between_steps())
+        if self.episodes is not None:  # an episode's context is the engines'
+            limits = dataclasses.replace(self.episodes.limits, max_context=self.engines.max_context_len)
+            self.episodes = dataclasses.replace(self.episodes, limits=limits)
         if self.facts.reward_model:
             startup.start_reward(config, self.placements, self.gpus, events=self.events)
             self.gpus.start_asleep(self.between_steps())
@@ -264,13 +272,17 @@ class PPODriver:
         if config.dynamic_sampling:
             rounds = iter(range(config.dynamic_sampling_max_rounds))
             rollout, counts = dynamic_sample(
-                lambda n: self.sample(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
+                lambda n: self.sample(
+                    self.dataset.next_batch(n), seed=seed + 7919 * next(rounds), label=f"rollout{rollout_id}"
+                ),
                 num_prompts=config.rollout_batch_size,
                 n_samples_per_prompt=config.n_samples_per_prompt,
                 max_rounds=config.dynamic_sampling_max_rounds,
             )
         else:
-            rollout = self.sample(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
+            rollout = self.sample(
+                self.dataset.next_batch(config.rollout_batch_size), seed=seed, label=f"rollout{rollout_id}"
+            )
         rollout = self.teach(rollout)
         data_state = self.dataset.state_dict()
         rewards, shaping = training_rewards(rollout, config)
@@ -285,10 +297,13 @@ class PPODriver:
             rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds, background
         )
 
-    def sample(self, prompts: list[PromptSample], *, seed: int, eval_mode: bool = False) -> Rollout:
+    def sample(
+        self, prompts: list[PromptSample], *, seed: int, eval_mode: bool = False, label: str = "rollout"
+    ) -> Rollout:
         """One round of sampling: the engines' `generate` turn, the reward model's `score` turn, the rules.
 
-        On shared GPUs the reward model scores once the engines have released their memory (the
+        A run of episodes plays them in the generate turn, and their environments score them
+        (`label` names the rollout in failed episodes' logs). On shared GPUs the reward model scores once the engines have released their memory (the
         generate turn's release, brought forward), and engines that generate again take it back
         first (another round of dynamic sampling, an eval).
         """
@@ -301,6 +316,16 @@ class PPODriver:
             config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
         )
         n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
+        if self.episodes is not None:
+            return generate_episodes(
+                self.gpus.engines,
+                prompts,
+                n_samples_per_prompt=n,
+                params=params,
+                tokenizer=self.tokenizer,
+                setup=self.episodes,
+                label=label,
+            )
         rollout = generate_samples(
             self.gpus.engines, prompts, n_samples_per_prompt=n, params=params, tokenizer=self.tokenizer
         )
@@ -434,7 +459,7 @@ class PPODriver:
         assert self.eval_dataset is not None
         with self.gpus.phase("eval"):
             prompts = self.eval_dataset.next_batch(len(self.eval_dataset))
-            rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True)
+            rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True, label="eval")
         return rollout.metrics(
             accuracy_threshold=self.config.accuracy_threshold,
             prefix="eval",

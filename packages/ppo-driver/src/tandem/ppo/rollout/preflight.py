@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.episodes.chat import ChatRenderer
+from tandem.ppo.rollout.episodes.endpoint import endpoint_options
+from tandem.ppo.rollout.episodes.failures import EnvFailures
+from tandem.ppo.rollout.episodes.generation import EpisodeSetup
+from tandem.ppo.rollout.episodes.loading import load_custom_generate, load_env_factory
+from tandem.ppo.rollout.episodes.runner import EpisodeLimits
 from tandem.ppo.rollout.model_folder import missing_folder
 from tandem.ppo.rollout.reward_mix import RewardMix, build_reward, reward_terms
 from tandem.ppo.rollout.rewards import RewardFunction, load_reward
@@ -195,6 +201,42 @@ class RunInputs:
     dataset: PromptDataset
     """The training prompts."""
     eval_dataset: PromptDataset | None
+    episodes: EpisodeSetup | None = None
+    """How the rollout's episodes are played (`--env-path`, `--custom-generate-function-path`); None:
+    single-turn samples."""
+
+
+def episode_setup(config: Any, tokenizer: Any) -> EpisodeSetup | None:
+    """The run's episodes, their environment factory or custom generate function loaded and checked
+    (before Ray starts); None for a single-turn run."""
+    if config.env_path is None and config.custom_generate_function_path is None:
+        return None
+    try:
+        ChatRenderer(tokenizer)
+    except ValueError as exc:
+        raise ValueError(f"--hf-checkpoint: {exc}") from None
+    limits = EpisodeLimits(
+        max_turns=config.max_turns,
+        max_turn_tokens=config.rollout_max_response_len,
+        max_episode_tokens=config.max_episode_tokens,
+        env_timeout_s=config.env_timeout,
+        tool_timeout_s=config.tool_timeout,
+    )
+    name = config.env_path or config.custom_generate_function_path
+    failures = EnvFailures(
+        environment=name,
+        limit=config.max_env_failures,
+        log_dir=Path(config.run_dir) / "logs" / "episodes",
+        flag="--env-path" if config.env_path is not None else "--custom-generate-function-path",
+    )
+    keep_kv = config.keep_episode_kv
+    if config.env_path is not None:
+        return EpisodeSetup(
+            name, limits, failures, factory=load_env_factory(config.env_path), keep_kv=keep_kv
+        )
+    custom = load_custom_generate(config.custom_generate_function_path)
+    endpoint = endpoint_options(config.endpoint_host, config.endpoint_port)
+    return EpisodeSetup(name, limits, failures, custom=custom, endpoint=endpoint, keep_kv=keep_kv)
 
 
 def read_inputs(config: Any) -> RunInputs:
@@ -213,6 +255,7 @@ def read_inputs(config: Any) -> RunInputs:
         if folder is not None:
             check_model_folder(folder, name, tokenizer=False)
     tokenizer = load_tokenizer(config.hf_checkpoint, "--hf-checkpoint")
+    episodes = episode_setup(config, tokenizer)
     if config.custom_rm_path is not None:
         check_reward_signature(load_reward(config.custom_rm_path), "--custom-rm-path", config.custom_rm_path)
     reward_fn = build_reward(config)
@@ -226,14 +269,15 @@ def read_inputs(config: Any) -> RunInputs:
             records = read_prompts(path, prompt_key=config.input_key, label_key=config.label_key)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
-        check_prompt_labels(
-            records,
-            path,
-            reward=label_reward,
-            custom=config.custom_rm_path is not None and label_reward not in LABEL_REWARDS,
-            label_key=config.label_key,
-            flag=flag,
-        )
+        if episodes is None:  # an environment reads the labels, if it needs any
+            check_prompt_labels(
+                records,
+                path,
+                reward=label_reward,
+                custom=config.custom_rm_path is not None and label_reward not in LABEL_REWARDS,
+                label_key=config.label_key,
+                flag=flag,
+            )
         try:
             dataset = PromptDataset(
                 records,
@@ -253,4 +297,4 @@ def read_inputs(config: Any) -> RunInputs:
     eval_dataset = None
     if config.eval_prompt_data is not None:
         eval_dataset = prompts(config.eval_prompt_data, "--eval-prompt-data")
-    return RunInputs(tokenizer, reward_fn, dataset, eval_dataset)
+    return RunInputs(tokenizer, reward_fn, dataset, eval_dataset, episodes)

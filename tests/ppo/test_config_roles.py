@@ -188,6 +188,15 @@ DEPENDENT = (
     "kl_coef",
     "loss_type",
     "loss_aggregation",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "critic_lora_rank",
+    "critic_lora_alpha",
+    "critic_lora_dropout",
+    "critic_lora_target_modules",
+    "lora_base_offload",
 )
 """Worker fields drawn together in `worker_values`, since their rules tie them to each other."""
 
@@ -228,6 +237,14 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
     values["loss_aggregation"] = (
         "sample_mean" if values["loss_type"] == "gspo" else draw(_one_of("sample_mean", "token_mean"))
     )
+    for prefix in ("", "critic_"):  # LoRA's fields only with a rank (else refused, naming the flag)
+        rank = values[f"{prefix}lora_rank"] = draw(_one_of(None, 4))
+        values[f"{prefix}lora_alpha"] = draw(_one_of(None, 8.0)) if rank else None
+        values[f"{prefix}lora_dropout"] = draw(_one_of(0.0, 0.1)) if rank else 0.0
+        values[f"{prefix}lora_target_modules"] = (
+            draw(_one_of(None, ("q_proj", "linear_fc2"))) if rank else None
+        )
+    values["lora_base_offload"] = draw(st.booleans())
     run_dir = Path(files["run_dir"])
     values["save"] = draw(_one_of(None, str(run_dir / "mine" / "actor")))
     values["load"] = draw(_one_of(None, values["save"]))  # a load folder that exists, or the save folder
@@ -243,6 +260,8 @@ def as_flags(values: dict[str, Any]) -> list[str]:
     for name, value in values.items():
         if hints[name] is bool:
             argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, tuple):
+            argv += [flag(name), *value]
         else:
             argv += [flag(name), str(value)]
     return argv

@@ -25,12 +25,14 @@ from tandem.megatron._config_checks import (
     check_choices,
     check_estimator,
     check_folders,
+    check_lora,
     check_model_layout,
     check_positive_ints,
     check_ppo,
 )
 from tandem.megatron._config_fields import WorkerFields
 from tandem.megatron.choices import CRITIC_FREE_ESTIMATORS, ROLES, Role, check_role
+from tandem.megatron.models.lora_spec import LoraSettings, resolve_targets
 
 __all__ = ["ROLES", "Role", "WorkerConfig", "WorkerFields"]
 
@@ -47,6 +49,7 @@ class WorkerConfig(WorkerFields):
         check_estimator(self)
         check_batches(self)
         check_folders(self)
+        check_lora(self)
 
     # --- what the fields imply, and each role's own fields -----------------------------
     def _one_epoch_one_step(self, what: str) -> str | None:
@@ -69,6 +72,8 @@ class WorkerConfig(WorkerFields):
             why = "kl_coef folds the KL into the rewards before the update"
         if why is None and self.use_tis:
             why = "use_tis weighs each token by the old against the sampler's log-probs"
+        if why is None and self.lora_rank is not None and self.lora_dropout > 0:
+            why = "lora_dropout drops adapter inputs in the update's forward pass"
         return why
 
     @property
@@ -79,7 +84,10 @@ class WorkerConfig(WorkerFields):
     def old_values_redundant(self) -> str | None:
         """None when the critic's old values are its update's own (one epoch, one step); else why
         not, naming the field."""
-        return self._one_epoch_one_step("values")
+        why = self._one_epoch_one_step("values")
+        if why is None and self.critic_lora_rank is not None and self.critic_lora_dropout > 0:
+            why = "critic_lora_dropout drops adapter inputs in the update's forward pass"
+        return why
 
     @property
     def reuses_old_values(self) -> bool:
@@ -99,8 +107,24 @@ class WorkerConfig(WorkerFields):
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
+        """Whether the actor computes reference log-probs (for the KL loss or reward-level KL): from
+        reference weights kept on the host, or with LoRA from its base with the adapters off."""
         return self.use_kl_loss or self.kl_coef != 0
+
+    def lora_of(self, role: Role) -> LoraSettings | None:
+        """`role`'s LoRA settings (rank, alpha, dropout, target layers); None: it trains in full."""
+        _check_role(role)
+        prefix = "critic_" if role == "critic" else ""
+        rank = getattr(self, f"{prefix}lora_rank")
+        if rank is None:
+            return None
+        alpha = getattr(self, f"{prefix}lora_alpha")
+        return LoraSettings(
+            rank=rank,
+            alpha=float(rank if alpha is None else alpha),
+            dropout=float(getattr(self, f"{prefix}lora_dropout")),
+            targets=resolve_targets(getattr(self, f"{prefix}lora_target_modules")),
+        )
 
     def lr_of(self, role: Role) -> float:
         """Peak learning rate of `role`."""

@@ -102,8 +102,8 @@ class _WorkerHost:
     def load_model(self) -> int | None:
         return self._worker.load_model()
 
-    def update_weights(self, engine: Any, pack: Any = None) -> int:
-        return self._worker.update_weights(engine, pack)
+    def update_weights(self, engine: Any, pack: Any = None, adapters: bool = False) -> int:
+        return self._worker.update_weights(engine, pack, adapters=adapters)
 
     def state_snapshot(self) -> dict[str, Any]:
         return self._worker.state_snapshot()
@@ -187,12 +187,16 @@ class TrainGroup:
         """Load the role's checkpoint on every rank; each rank's loaded rollout id (None: none)."""
         return self.run("load_model")
 
-    def update_weights(self, engines: Sequence[Any], pack: Any = None) -> list[int]:
+    def update_weights(
+        self, engines: Sequence[Any], pack: Any = None, *, adapters: bool = False
+    ) -> list[int]:
         """Send the actor's weights to `engines` (every rank takes part); each rank's chunk count.
 
         `pack`: the engines' `ipc_payload` when engine r shares rank r's GPU, else None (CPU copies).
+        `adapters`: a LoRA actor's adapters alone, to the engines' `update_adapter_from_tensors`
+        (`TrainWorker.update_weights`); else its whole weights, adapters merged in.
         """
-        return self.run("update_weights", list(engines), pack)
+        return self.run("update_weights", list(engines), pack, adapters)
 
     def shutdown(self) -> None:
         """Every rank leaves its process groups (before `kill`)."""

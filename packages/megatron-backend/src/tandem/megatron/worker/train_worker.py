@@ -26,10 +26,10 @@ from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
-from tandem.megatron.models.hf_weights import export_hf_weights, send_chunk
+from tandem.megatron.models.hf_weights import export_hf_weights, export_lora_adapters, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.worker import roles
-from tandem.megatron.worker._trainee import WEIGHTS, Trainee, build_trainee
+from tandem.megatron.worker._trainee import BASE, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
 from tandem.megatron.worker.fault_points import set_context as set_fault_context
 from tandem.megatron.worker.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """A rollout engine that takes HF-named weights in chunks (`update_weights`'s target).
+    """A rollout engine that takes HF-named weights in chunks (`update_weights`'s target; with
+    `adapters=True` it also needs `update_adapter_from_tensors(named_tensors, scaling=...)`).
 
     A Ray actor handle whose class has this method works too (the worker calls
     `.remote` and waits); it then receives CPU tensors.
@@ -266,7 +267,9 @@ class TrainWorker:
         )
 
     # --- weights to the rollout engine ---------------------------------------------------------
-    def update_weights(self, engine: Any, pack: Callable[[Any], Any] | None = None) -> int:
+    def update_weights(
+        self, engine: Any, pack: Callable[[Any], Any] | None = None, *, adapters: bool = False
+    ) -> int:
         """Send the model's weights, HF-named and in chunks, to `engine` (or each engine of a list).
 
         Every rank takes part (tensors are gathered over TP and PP). Without `pack`,
@@ -275,10 +278,19 @@ class TrainWorker:
         to engine r, so there must be one engine per rank.
         While asleep only the weights come back, over temporary process groups
         that are torn down again afterwards. Returns the number of chunks sent.
+
+        A LoRA actor sends its weights with the adapters merged in (a frozen base that
+        sleeps comes back for it too), or with `adapters` its adapters alone, in PEFT's
+        names, to each engine's `update_adapter_from_tensors(named, scaling=...)`, which
+        merges them into its own copy of the base; then only the adapters come back.
         """
-        self._require_init()
+        trainee = self._require_init()
         if self.role != "actor":
             raise ValueError("update_weights: only the actor's weights go to the rollout engine")
+        if adapters and trainee.lora is None:
+            raise ValueError(
+                "update_weights: adapters=True, but the actor trains in full (lora_rank is unset)"
+            )
         engines = list(engine) if isinstance(engine, list | tuple) else [engine]
         if pack is not None and len(engines) != self.world_size:
             raise ValueError(
@@ -286,17 +298,18 @@ class TrainWorker:
                 f"engines for {self.world_size} ranks; pass one engine per rank, or no pack"
             )
         if not self._lifecycle.asleep:
-            return self._send_weights(engines, pack)
+            return self._send_weights(engines, pack, adapters=adapters)
         # Only the weights come back, and the process groups only where the export gathers
         # over TP or PP (each rebuild and teardown costs a communicator setup and shutdown):
         # a rank of a TP = PP = 1 model holds every weight already.
         tp, pp = self.config.topology(self.role)
         collectives = tp * pp > 1
-        self._lifecycle.wake_up([WEIGHTS], process_groups=collectives)
+        tags = [BASE, WEIGHTS] if trainee.base_sleeps and not adapters else [WEIGHTS]
+        self._lifecycle.wake_up(tags, process_groups=collectives)
         try:
-            return self._send_weights(engines, pack, barrier=collectives)
+            return self._send_weights(engines, pack, barrier=collectives, adapters=adapters)
         finally:
-            self._lifecycle.sleep([WEIGHTS], process_groups=collectives)
+            self._lifecycle.sleep(tags, process_groups=collectives)
 
     def lifecycle_timings(self) -> dict[str, float]:
         """Seconds of each step of this worker's last sleep or wake (that of a weight export included)."""
@@ -323,16 +336,29 @@ class TrainWorker:
         return counts
 
     def _send_weights(
-        self, engines: list[Any], pack: Callable[[Any], Any] | None = None, *, barrier: bool = True
+        self,
+        engines: list[Any],
+        pack: Callable[[Any], Any] | None = None,
+        *,
+        barrier: bool = True,
+        adapters: bool = False,
     ) -> int:
         trainee = self._require_init()
+        chunk_bytes = self.config.update_weights_chunk_bytes
+        if adapters:
+            assert trainee.lora is not None
+            exported = export_lora_adapters(trainee.module, trainee.spec, trainee.lora, chunk_bytes)
+            how: dict[str, Any] = {"method": "update_adapter_from_tensors", "scaling": trainee.lora.scaling}
+        else:
+            exported = export_hf_weights(trainee.module, trainee.spec, chunk_bytes)
+            how = {}
         chunks = 0
-        for named in export_hf_weights(trainee.module, trainee.spec, self.config.update_weights_chunk_bytes):
+        for named in exported:
             if pack is not None:
-                send_chunk(engines[self.rank], named, pack)
+                send_chunk(engines[self.rank], named, pack, **how)
             elif self.rank == 0:
                 for target in engines:
-                    send_chunk(target, named)
+                    send_chunk(target, named, **how)
             chunks += 1
         if barrier:  # without it the caller's wait for every rank's answer is the barrier
             self._barrier()

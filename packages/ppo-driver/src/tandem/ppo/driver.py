@@ -362,7 +362,8 @@ class PPODriver:
         from tandem.ppo.export import export_actor
 
         with self._phase("export_hf"):
-            return Path(export_actor(self.actor, self.run_dir / "hf", self.config.hf_checkpoint))
+            lora = self.config.actor_config().lora_of("actor")
+            return Path(export_actor(self.actor, self.run_dir / "hf", self.config.hf_checkpoint, lora))
 
     # --- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:

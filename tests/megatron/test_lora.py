@@ -154,6 +154,9 @@ def test_a_resumed_worker_trains_on_exactly_and_sleep_changes_nothing(
     # The optimizer keeps state for the adapters (and the value head) only: far less than the base.
     nbytes = straight["nbytes"]
     assert 0 < nbytes["weights"] < nbytes["base"] and 0 < nbytes["optimizer"] <= 2 * nbytes["weights"]
+    # Two sleeps: the trained state went to the host at each, the frozen base at the first only.
+    copied = straight["copied_to_host"]
+    assert copied["base"] == nbytes["base"] and copied["weights"] == 2 * nbytes["weights"]
 
 
 def test_the_reference_is_the_base_with_the_adapters_off(run: Path) -> None:

@@ -212,6 +212,7 @@ def worker_phase(hf: Path, work: Path, role: str, resumed: bool, port: int, out:
     worker.sleep()
     worker.wake_up()
     result["state_after_wake"] = worker.state_snapshot()
+    result["copied_to_host"] = worker.bytes_copied_to_host()
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(to_cpu(result), out)
     worker.shutdown()

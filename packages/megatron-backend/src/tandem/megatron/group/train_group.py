@@ -117,6 +117,9 @@ class _WorkerHost:
     def host_buffer_bytes(self) -> int | None:
         return self._worker.host_buffer_bytes()
 
+    def bytes_copied_to_host(self) -> dict[str, int]:
+        return self._worker.bytes_copied_to_host()
+
     def lifecycle_timings(self) -> dict[str, float]:
         return self._worker.lifecycle_timings()
 

@@ -136,7 +136,8 @@ class Trainee:
         base = (BASE,) if self.base_sleeps else ()
         if isinstance(backend, PinnedHostBackend):
             if base:
-                backend.register(BASE, self.frozen_tensors())
+                # Copied to the host at the first sleep only: the base never changes.
+                backend.register(BASE, self.frozen_tensors(), frozen=True)
             backend.register(WEIGHTS, self.weight_tensors())
             # Gradients are zeroed before every minibatch: their bytes are not worth moving.
             backend.register(GRADS, self.grad_tensors(), keep=self.config.offload_grads)

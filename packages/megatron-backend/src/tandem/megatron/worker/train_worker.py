@@ -385,6 +385,15 @@ class TrainWorker:
         host_nbytes = getattr(self._backend, "host_nbytes", None)
         return int(host_nbytes()) if host_nbytes is not None else None
 
+    def bytes_copied_to_host(self) -> dict[str, int]:
+        """Bytes each memory tag has copied to the host so far (pinned_host; {} elsewhere): a LoRA model's
+        frozen base only at its first sleep."""
+        self._require_init()
+        copied = getattr(self._backend, "copied_to_host", None)
+        if copied is None:
+            return {}
+        return {tag: int(copied(tag)) for tag in self._backend.tags}
+
     def gpu_memory(self) -> dict[str, int | None]:
         """This worker's GPU memory now and at start-up, in bytes, as nvidia-smi reports it.
 

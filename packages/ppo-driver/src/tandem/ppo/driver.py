@@ -302,13 +302,20 @@ class PPODriver:
             release_engines=self.release_engines if resume is None else resume,
             events=self.events,
             clock=self.clock,
+            adapters=self.config.syncs_adapters,
         )
 
     def _engine_restarted(self, rank: int, handle: Any) -> None:
         """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
         self.engine_restarts += 1
         send_to_restarted(
-            self.actor, self.engines, rank, handle, weights_version=self.weights_version, events=self.events
+            self.actor,
+            self.engines,
+            rank,
+            handle,
+            weights_version=self.weights_version,
+            events=self.events,
+            adapters=self.config.syncs_adapters,
         )
 
     @contextlib.contextmanager

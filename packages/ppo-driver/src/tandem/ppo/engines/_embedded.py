@@ -16,7 +16,8 @@ The model code is transformers' own; the engine owns the loop around it:
   (`PinnedHostBackend`) and the KV cache, CUDA graphs and their memory pool are freed.
 
 The forward passes, the cache and the CUDA graphs are in `_forward.py`, the weight
-updates in `_weight_updates.py` (mixins of `EmbeddedEngine`).
+updates in `_weight_updates.py` and LoRA adapters merged into the base in
+`_adapter_updates.py` (mixins of `EmbeddedEngine`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from tandem.megatron.worker.fault_points import fault_point
 
+from ._adapter_updates import AdapterUpdates
 from ._errors import EngineMemoryReleasedError
 from ._forward import ForwardPasses
 from ._fused_decode import DecodeOpsKind, build_fused_decoder
@@ -38,14 +40,13 @@ from ._kv_cache import StaticKVCache, register_attention
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
 from ._sampling import Draws
-from ._weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
 _MIN_BUCKET = 8
 
 
-class EmbeddedEngine(WeightUpdates, ForwardPasses):
+class EmbeddedEngine(AdapterUpdates, ForwardPasses):
     """A rollout engine on Hugging Face transformers (CPU or one CUDA device); see the module docstring.
 
     Args:
@@ -110,8 +111,18 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 memory_backend = NoopBackend()
             else:
                 memory_backend = PinnedHostBackend(self.device)
+        # With adapter_sync the weights are the base, copied to the host once (`_adapter_updates`).
+        frozen = {"frozen": True} if options.adapter_sync else {}
         if hasattr(memory_backend, "register"):
-            memory_backend.register("weights", self._weight_tensors)
+            memory_backend.register("weights", self._weight_tensors, **frozen)
+        self._base_copy: Any = None
+        if options.adapter_sync:
+            self._base_copy = memory_backend if isinstance(memory_backend, PinnedHostBackend) else None
+            if self._base_copy is None:  # released weights stay put (or another backend): a copy of its own
+                self._base_copy = PinnedHostBackend(self.device)
+                self._base_copy.register("weights", self._weight_tensors, frozen=True)
+        self._adapters: dict[str, Any] = {}
+        self._merged: set[str] = set()
         self._lifecycle = Lifecycle(memory_backend, tags=["weights"])
         self._kv_released = False
         self._lock = threading.RLock()
@@ -174,6 +185,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 if self._fused is not None:
                     self._fused.release()
                 self._lifecycle.sleep(["weights"])
+                self._adapters_released()
             self._empty_device_cache()
 
     def resume_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
@@ -213,6 +225,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 )
             token_lists = self._check_prompts(prompts)
             _check_params(params)
+            self._merge_kept_adapters()
             if not token_lists:
                 return []
             if params.max_new_tokens == 0:

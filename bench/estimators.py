@@ -285,8 +285,8 @@ def run_estimator(
     """
     import ray
 
-    from tandem.ppo.config_file import unvalidated
-    from tandem.ppo.driver import PPODriver
+    from tandem.ppo.config.file import unvalidated
+    from tandem.ppo.loop.driver import PPODriver
 
     run_dir = paths["work"] / f"run-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)

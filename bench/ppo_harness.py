@@ -5,12 +5,14 @@ Everything is built here, nothing comes from a hub: random Hugging Face folders 
 the Qwen2.5 family's and SmolLM2-135M's shapes (bf16, tied embeddings) with a
 byte-level BPE tokenizer of exactly the model's ids, reward models of those shapes
 (one-label sequence classifiers on the same tokenizer), and JSONL prompts of an
-exact token length. `bench/ppo_gpu_bench.py`, `bench/two_gpu_bench.py`,
-`bench/train_profile.py` and `bench/estimators.py` import it (from the same folder).
+exact token length; the actor's training-speed probe (`run_probe`). `bench/ppo_gpu_bench.py`
+(and its modes, `bench/ppo_modes.py`), `bench/two_gpu_bench.py`, `bench/train_profile.py` and
+`bench/estimators.py` import it (from the same folder).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -20,11 +22,16 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tandem.megatron.config import WorkerConfig
+from tandem.megatron.group import create_train_group
 
 H200_BF16_PEAK_FLOPS = 989e12
 """H200 (SXM) dense bf16 peak, FLOP/s."""
@@ -556,29 +563,24 @@ class Timeline:
 
 
 def traced_driver_class() -> type:
-    """PPODriver whose `_phase` also records each phase's wall-clock interval (for the memory peaks),
-    and the rollout's draw as a `rollout` interval (not a phase of the driver's clock: `step()` draws
-    it inside its own timer, or the async loop in the background)."""
-    from tandem.ppo.driver import PPODriver
+    """PPODriver whose phases (its clock's `on_phase`) also go into `timeline` as wall-clock intervals
+    (for the memory peaks), and the rollout's draw as a `rollout` interval (not a phase of the driver's
+    clock: `step()` draws it inside its own timer, or the async loop in the background)."""
+    from tandem.ppo.loop.driver import PPODriver
 
     class TracedDriver(PPODriver):
         timeline: Timeline
 
-        def _draw(self, rollout_id: int, background: bool = False) -> Any:
+        def setup(self) -> None:
+            self.clock.on_phase = self.timeline.add
+            super().setup()
+
+        def draw(self, rollout_id: int, background: bool = False) -> Any:
             t0 = time.time()
             try:
-                return super()._draw(rollout_id, background)
+                return super().draw(rollout_id, background)
             finally:
                 self.timeline.add("rollout", t0, time.time())
-
-        @contextlib.contextmanager
-        def _phase(self, name: str) -> Iterator[None]:
-            t0 = time.time()
-            try:
-                with super()._phase(name):
-                    yield
-            finally:
-                self.timeline.add(name, t0, time.time())
 
     return TracedDriver
 
@@ -606,6 +608,99 @@ def make_probe_batch(
         loss_masks=[torch.ones(r) for r in responses],
         rewards=torch.randn(n, generator=g),
     )
+
+
+def run_probe(
+    args: argparse.Namespace, paths: dict[str, Path], sampler: GpuMemory, report: dict[str, Any]
+) -> None:
+    """tokens/s and MFU of the actor's `train()` on the probe shape; figures (or error) into report["probe"]."""
+    import ray
+
+    shape = QUICK_PROBE_MODEL if args.quick else PROBE_MODEL
+    seq_len = args.probe_seq_len
+    result: dict[str, Any] = {
+        "shape": {**shape, "seq_len": seq_len},
+        "samples_per_train": args.probe_samples,
+        "micro_batch_size": args.probe_micro_batch_size,
+        "error": None,
+    }
+    report["probe"] = result
+    started = time.time()
+    group = None
+    try:
+        from ray.util.placement_group import placement_group
+
+        hf = paths["work"] / "probe-hf"
+        params = build_probe_model(hf, shape, seq_len=seq_len)
+        embedding = shape["vocab_size"] * shape["hidden_size"]
+        result["params"] = params
+        result["params_without_input_embedding"] = params - embedding
+        config = WorkerConfig(
+            hf_checkpoint=str(hf),
+            rollout_batch_size=args.probe_samples,
+            n_samples_per_prompt=1,
+            global_batch_size=args.probe_samples,
+            micro_batch_size=args.probe_micro_batch_size,
+            device="cpu" if args.quick else "cuda",
+            params_dtype="float32" if args.quick else "bfloat16",
+            offload_backend="pinned_host",
+            lr=1e-6,
+            seed=args.seed,
+            save=str(paths["work"] / "probe-save"),
+        )
+        ray.init(
+            num_gpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            **({"num_cpus": 2} if args.quick else {}),
+        )
+        pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
+        ray.get(pg.ready())
+        t0 = time.time()
+        group = create_train_group(config, "actor", pg, [0], num_gpus_per_worker=0.4, num_cpus_per_worker=0.4)
+        result["setup_s"] = time.time() - t0
+        batch_ref = ray.put(
+            make_probe_batch(args.probe_samples, seq_len, args.probe_prompt_len, shape["vocab_size"], 0)
+        )
+        tokens = args.probe_samples * seq_len
+        seconds: list[float] = []
+        windows: list[tuple[float, float]] = []
+        for i in range(args.probe_iters):
+            t0 = time.time()
+            ray.get(group.train(i, [batch_ref]))
+            t1 = time.time()
+            seconds.append(t1 - t0)
+            windows.append((t0, t1))
+            print(f"[probe] train {i}: {t1 - t0:.2f} s, {tokens / (t1 - t0):.0f} tokens/s", flush=True)
+        timed = seconds[1:] if len(seconds) > 1 else seconds
+        train_s = statistics.median(timed)
+        tps = tokens / train_s
+        result.update(
+            {
+                "tokens_per_train": tokens,
+                "train_s": seconds,
+                "train_s_median_after_first": train_s,
+                "tokens_per_s": tps,
+                "mfu_6n": 6 * params * tps / H200_BF16_PEAK_FLOPS,
+                "mfu_8n_with_logprob_forward": 8 * params * tps / H200_BF16_PEAK_FLOPS,
+                "peak_flops": H200_BF16_PEAK_FLOPS,
+            }
+        )
+        if sampler.available:
+            peaks = [sampler.peak(a, b) for a, b in windows]
+            known = [p for p in peaks if p is not None]
+            result["gpu_peak_gib"] = max(known) / 1024 if known else None
+    except Exception:
+        result["error"] = traceback.format_exc()[-6000:]
+        print(f"[probe] FAILED:\n{result['error']}", file=sys.stderr, flush=True)
+    finally:
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.kill()
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    result["wall_s"] = time.time() - started
+    write_report(report, paths["json"])
 
 
 # --- the report ----------------------------------------------------------------------------------

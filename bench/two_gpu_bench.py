@@ -2,7 +2,7 @@
 
 Issue 16's bench. Everything is built here (the random Qwen2.5-0.5B-shaped model, its
 tokenizer, the prompts and the dense reward of bench/ppo_gpu_bench.py), then each run
-is one `python3 -m tandem.ppo.cli train --config RUN.yaml` in a fresh process, on the
+is one `python3 -m tandem.ppo.app.cli train --config RUN.yaml` in a fresh process, on the
 same seed and data:
 
 | run | actor | critic | where |
@@ -132,7 +132,7 @@ def run_values(args: argparse.Namespace, name: str, paths: dict[str, Path]) -> d
 # --- measuring ----------------------------------------------------------------------------------------------
 def gpu_used_gib() -> list[float] | None:
     """Memory in use on each GPU (nvidia-smi), GiB; None without GPUs."""
-    from tandem.megatron.worker.gpu_memory import all_devices_used_bytes
+    from tandem.megatron.runtime.gpu_memory import all_devices_used_bytes
 
     used = all_devices_used_bytes()
     return None if used is None else [b / GIB for b in used]
@@ -291,7 +291,7 @@ def compare_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[st
 
 # --- the bench ----------------------------------------------------------------------------------------------
 def run_one(name: str, args: argparse.Namespace, paths: dict[str, Path], report: dict[str, Any]) -> None:
-    from tandem.ppo.config_file import unvalidated, write_yaml
+    from tandem.ppo.config.file import unvalidated, write_yaml
 
     values = run_values(args, name, paths)
     run_dir = Path(values["run_dir"])
@@ -299,13 +299,13 @@ def run_one(name: str, args: argparse.Namespace, paths: dict[str, Path], report:
     keep.mkdir(parents=True, exist_ok=True)
     config_path = keep / "config.yaml"
     write_yaml(unvalidated(values), config_path)
-    result: dict[str, Any] = {"command": f"python3 -m tandem.ppo.cli train --config {config_path}"}
+    result: dict[str, Any] = {"command": f"python3 -m tandem.ppo.app.cli train --config {config_path}"}
     report["runs"][name] = result
     result["gpu_used_before_gib"] = gpu_used_gib()
     started = time.time()
     with open(keep / "log.txt", "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "tandem.ppo.cli", "train", "--config", str(config_path)],
+            [sys.executable, "-m", "tandem.ppo.app.cli", "train", "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=args.run_timeout_s,

@@ -132,17 +132,17 @@ def run_backend(backend: str, hf: Path, root: Path, args: argparse.Namespace) ->
         group = create_train_group(config, "actor", pg, [0], num_gpus_per_worker=0.4)
         worker = group.workers[0]
         ray.get(group.train(0, [ray.put(make_batch(8, args.vocab, seed=0))]))
-        nbytes = ray.get(worker.state_nbytes.remote())
+        nbytes = ray.get(worker.call.remote("state_nbytes"))
         total = sum(nbytes.values())
         sleeps, wakes, held = [], [], []
         steps: dict[str, list[float]] = {}
         for _ in range(args.cycles):
             t0 = time.perf_counter()
-            sleep_steps = ray.get(worker.sleep.remote())
+            sleep_steps = ray.get(worker.call.remote("sleep"))
             t1 = time.perf_counter()
-            held.append(held_asleep(ray.get(worker.gpu_memory.remote())))
+            held.append(held_asleep(ray.get(worker.call.remote("gpu_memory"))))
             t2 = time.perf_counter()
-            wake_steps = ray.get(worker.wake_up.remote())
+            wake_steps = ray.get(worker.call.remote("wake_up"))
             t3 = time.perf_counter()
             sleeps.append(t1 - t0)
             wakes.append(t3 - t2)

@@ -34,10 +34,17 @@ from pathlib import Path
 
 import pytest
 
-from tandem.ppo.metrics import read_metrics
+from tandem.ppo.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("packages/*/README.md")})
+DOCS = sorted(
+    {
+        ROOT / "README.md",
+        ROOT / "tests" / "README.md",
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("packages/*/README.md"),
+    }
+)
 SHELL_INFOS = {"bash", "sh", "shell", "console", "zsh"}
 GPU_KIT = "source .gpu-kit/setup.sh && "
 RUN_TIMEOUT_S = 850
@@ -232,7 +239,7 @@ def test_the_test_that_runs_it_runs_it(command: DocCommand) -> None:
             command.id
         )
         return
-    source = "".join((ROOT / "tests" / "ppo" / f).read_text() for f in ("test_cluster.py", "_ray_cluster.py"))
+    source = "".join((ROOT / "tests" / f).read_text() for f in ("ppo/test_cluster.py", "_ray_cluster.py"))
     program = words[: words.index("--")] if "--" in words else words
     named = [w for w in program[1:] if w.isalpha() or (w.startswith("--") and len(w) > 2)]
     assert named, command.id

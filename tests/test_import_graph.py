@@ -37,8 +37,12 @@ def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     ]
 
 
-def module_imports(folder: str, package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports (the package's `__init__` left out)."""
+def module_imports(folder: str, package: str, *, packages: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (the package's `__init__` left out).
+
+    `packages`: a subpackage imported as such (`from tandem.ppo.engines import EngineGroup`) is
+    its `__init__` (`engines.__init__`), kept in the targets.
+    """
     src = ROOT / "packages" / folder / "src" / Path(*package.split("."))
     modules = {p.relative_to(src).with_suffix("").as_posix().replace("/", "."): p for p in src.rglob("*.py")}
     graph: dict[str, set[str]] = {}
@@ -52,10 +56,12 @@ def module_imports(folder: str, package: str) -> dict[str, set[str]]:
                     stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
                 elif node.module and node.module.startswith(package + "."):
                     stem = node.module.removeprefix(package + ".")
+                elif node.module == package:  # `from tandem.ppo import startup`
+                    stem = ""
                 else:
                     continue
                 for alias in node.names:
-                    for candidate in (f"{stem}.{alias.name}".lstrip("."), stem):
+                    for candidate in (f"{stem}.{alias.name}".lstrip("."), stem, f"{stem}.__init__"):
                         if candidate in modules:
                             targets.add(candidate)
                             break
@@ -63,7 +69,9 @@ def module_imports(folder: str, package: str) -> dict[str, set[str]]:
                 for alias in node.names:
                     if alias.name.startswith(package + "."):
                         targets.add(alias.name.removeprefix(package + "."))
-        graph[name] = {t for t in targets if t != name and not t.endswith("__init__")}
+        graph[name] = {
+            t for t in targets if t != name and (not t.endswith("__init__") or (packages and t != "__init__"))
+        }
     return graph
 
 
@@ -116,6 +124,7 @@ def test_the_moved_names_are_still_public() -> None:
 
 
 MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("runtime", ("runtime.",)),
     ("shared data", ("choices", "batch")),
     ("algorithms", ("algorithms.",)),
     ("models", ("models.",)),
@@ -128,6 +137,7 @@ MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 Each subpackage's `__init__` docstring says the same in words."""
 
 PURE = {
+    "runtime": {"megatron", "transformers", "ray"},
     "algorithms": {"megatron", "transformers", "ray", "safetensors", "tandem"},
     "group": {"megatron", "torch", "transformers"},
     "the seam": {"megatron", "transformers", "ray"},
@@ -203,3 +213,70 @@ def test_the_layer_check_finds_an_upward_import() -> None:
     )
     with pytest.raises(AssertionError, match="in no layer"):
         megatron_layer("stray")
+
+
+PPO_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engines", ("engines.",)),
+    ("rollout", ("rollout.",)),
+    ("config", ("config.",)),
+    ("run", ("run.",)),
+    ("loop", ("loop.",)),
+    ("app", ("app.", "_demo", "_sums", "_tiny")),
+)
+"""tandem.ppo's layers, lowest first: a module may import its own layer's and lower layers' modules (a
+subpackage imported as such counts as its layer). `_demo`, `_sums` and `_tiny` stay where run configs name
+them (`tandem.ppo._demo:digit_reward`) and belong to the command. Each subpackage's `__init__` docstring
+says the same in words."""
+
+PPO_LIGHT = {"config": {"torch", "ray", "megatron"}}
+"""Per layer, the top-level names of distributions its modules never import, lazily or not: the config is
+read, checked and printed (`--help`, `--dry-run`) without torch, Ray or Megatron."""
+
+
+def layer_of(module: str, layers: tuple[tuple[str, tuple[str, ...]], ...], package: str) -> int:
+    """The index of `module`'s layer in `layers`."""
+    for index, (_, members) in enumerate(layers):
+        if any(module == m or (m.endswith(".") and module.startswith(m)) for m in members):
+            return index
+    raise AssertionError(f"{package}.{module}: in no layer; add it to one")
+
+
+def test_every_ppo_module_has_a_layer_and_imports_only_downwards() -> None:
+    graph = module_imports("ppo-driver", "tandem.ppo", packages=True)
+    upward = []
+    for module, targets in graph.items():
+        if module == "__init__":
+            continue
+        for target in targets:
+            if layer_of(target, PPO_LAYERS, "tandem.ppo") > layer_of(module, PPO_LAYERS, "tandem.ppo"):
+                mine, theirs = (
+                    PPO_LAYERS[layer_of(m, PPO_LAYERS, "tandem.ppo")][0] for m in (module, target)
+                )
+                upward.append(f"{module} ({mine}) -> {target} ({theirs})")
+    assert not upward, "tandem.ppo: imports against the layering: " + "; ".join(sorted(upward))
+
+
+def test_the_ppo_layers_read_as_their_inits_say() -> None:
+    src = ROOT / "packages" / "ppo-driver" / "src" / "tandem" / "ppo"
+    for name, _ in PPO_LAYERS[:-1]:
+        doc = " ".join((ast.get_docstring(ast.parse((src / name / "__init__.py").read_text())) or "").split())
+        assert "may import" in doc, f"tandem.ppo.{name}: its __init__ says what it may import"
+
+
+@pytest.mark.parametrize("layer", sorted(PPO_LIGHT))
+def test_the_light_ppo_layers_import_no_heavy_stack(layer: str) -> None:
+    src = ROOT / "packages" / "ppo-driver" / "src" / "tandem" / "ppo" / layer
+    found = [
+        f"{path.name} imports {name}"
+        for path in sorted(src.rglob("*.py"))
+        for name in external_imports(path)
+        if name.split(".")[0] in PPO_LIGHT[layer]
+    ]
+    assert not found, f"tandem.ppo.{layer}: " + "; ".join(found)
+
+
+def test_the_ppo_layer_check_finds_an_upward_import() -> None:
+    assert layer_of("engines._group", PPO_LAYERS, "p") < layer_of("config.checks", PPO_LAYERS, "p")
+    assert layer_of("loop.driver", PPO_LAYERS, "p") < layer_of("_demo", PPO_LAYERS, "p")
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("stray", PPO_LAYERS, "p")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -13,7 +12,6 @@ from tandem.lifecycle import (
     BACKEND_NAMES,
     MemoryBackend,
     NoopBackend,
-    OffloadPlan,
     PinnedHostBackend,
     clear_torch_caches,
     make_backend,
@@ -76,20 +74,6 @@ def test_torch_memory_saver_is_refused_without_cuda_and_never_imported() -> None
 def test_torch_memory_saver_env_is_refused_in_process_too() -> None:
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         torch_memory_saver_env()
-
-
-def test_the_offload_plan_is_the_drivers_and_is_validated() -> None:
-    shared = OffloadPlan.time_shared()
-    assert shared.sleep_after_train and shared.wake_up_before_save
-    assert shared.wake_up_before_train and shared.sleep_after_save
-    resident = OffloadPlan.resident()
-    assert not (resident.sleep_after_train or resident.wake_up_before_train or resident.sleep_after_save)
-    # Waking to save a model that stays resident is harmless and does not put it to sleep afterwards.
-    assert not OffloadPlan(sleep_after_train=False, wake_up_before_save=True).sleep_after_save
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        shared.sleep_after_train = False  # type: ignore[misc]
-    with pytest.raises(ValueError, match="sleep_after_train"):
-        OffloadPlan(sleep_after_train="yes")  # type: ignore[arg-type]
 
 
 class _Cycle:

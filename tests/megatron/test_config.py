@@ -94,6 +94,19 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"log_probs_chunk_tokens": -1}, "log_probs_chunk_tokens"),
         ({"log_probs_chunk_tokens": 1.5}, "log_probs_chunk_tokens"),
         ({"log_probs_chunk_tokens": True}, "log_probs_chunk_tokens"),
+        ({"critic_updates_per_step": 0}, "critic_updates_per_step"),
+        ({"critic_updates_per_step": 1.5}, "critic_updates_per_step"),
+        ({"critic_lambd": 1.5}, "critic_lambd"),
+        ({"length_adaptive_gae_alpha": 0.0}, "length_adaptive_gae_alpha"),
+        ({"length_adaptive_gae_alpha": -0.05}, "length_adaptive_gae_alpha"),
+        ({"length_adaptive_gae_alpha": float("inf")}, "length_adaptive_gae_alpha"),
+        ({"reward_clip": 0.0}, "reward_clip"),
+        ({"kl_target": -0.1, "kl_coef": 0.01}, "kl_target"),
+        ({"kl_horizon": 0}, "kl_horizon"),
+        ({"loss_norm_tokens": 0}, "loss_norm_tokens"),
+        ({"use_tis": True, "tis_cap_low": 1.5}, "tis_cap_low"),
+        ({"tis_mode": "sequence"}, "tis_mode"),
+        ({"kl_loss_type": "k2+"}, "kl_loss_type"),
     ],
 )
 def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:
@@ -260,6 +273,24 @@ def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:
         ({"advantage_estimator": "ppo"}, "advantage_estimator", "gae"),
         ({"loss_type": "grpo"}, "loss_type", "gspo"),
         ({"grpo_std_normalization": "no"}, "grpo_std_normalization", "True or False"),
+        ({"loss_type": "cispo", "eps_clip_c": 3.0}, "eps_clip_c", "loss_type"),
+        ({"loss_aggregation": "seq_mean_token_sum_norm"}, "loss_norm_tokens", "loss_aggregation"),
+        (
+            {"advantage_estimator": "reinforce_plus_plus_baseline", "gamma": 0.99},
+            "gamma",
+            "reinforce_plus_plus",
+        ),
+        ({"advantage_estimator": "grpo", "critic_updates_per_step": 2}, "critic_updates_per_step", "gae"),
+        (
+            {"advantage_estimator": "grpo", "length_adaptive_gae_alpha": 0.05},
+            "length_adaptive_gae_alpha",
+            "gae",
+        ),
+        ({"advantage_estimator": "rloo", "critic_lambd": 1.0}, "critic_lambd", "gae"),
+        ({"kl_target": 0.1}, "kl_target", "kl_coef"),
+        ({"kl_target": 0.1, "kl_coef": 0.01, "kl_horizon": 1}, "kl_horizon", "kl_horizon"),
+        ({"tis_mode": "seq_mask"}, "tis_mode", "use_tis"),
+        ({"tis_cap_low": 0.5}, "tis_cap_low", "use_tis"),
     ],
 )
 def test_estimator_combinations_are_refused_naming_both_fields(
@@ -286,6 +317,49 @@ def test_estimators_accept_what_they_need(hf_dir: str) -> None:
     make(
         hf_dir, advantage_estimator="grpo", use_kl_loss=True, kl_loss_coef=0.001, grpo_std_normalization=False
     )
+
+
+def test_the_new_algorithm_fields_are_accepted_where_they_apply(hf_dir: str) -> None:
+    # VAPO (decoupled and length-adaptive GAE), SAO's critic updates, CISPO, Dr.GRPO's loss, the
+    # adaptive KL controller, reward clipping and both TIS variants with a lower bound.
+    config = make(
+        hf_dir,
+        lambd=0.95,
+        critic_lambd=1.0,
+        length_adaptive_gae_alpha=0.05,
+        critic_updates_per_step=2,
+        loss_type="cispo",
+        eps_clip_high=0.28,
+        kl_coef=0.01,
+        kl_target=0.1,
+        reward_clip=10.0,
+        use_tis=True,
+        tis_cap_low=0.5,
+        tis_mode="seq_mask",
+    )
+    assert (config.critic_lambda, config.critic_passes) == (1.0, 2)
+    assert make(hf_dir, lambd=0.9).critic_lambda == 0.9
+    make(
+        hf_dir,
+        advantage_estimator="grpo",
+        grpo_std_normalization=False,
+        loss_aggregation="seq_mean_token_sum_norm",
+        loss_norm_tokens=512,
+    )
+    for kind in ("abs", "k3+", "low_var_kl+"):
+        make(hf_dir, use_kl_loss=True, kl_loss_type=kind)
+
+
+def test_several_critic_updates_take_the_old_values_from_a_forward_of_their_own(hf_dir: str) -> None:
+    # One epoch and one step would let the update's forward give the old values; a second pass
+    # trains against the first's, so they must come from a forward of their own.
+    one_step = {"global_batch_size": 8}  # the rollout's 4 × 2 samples
+    assert make(hf_dir, **one_step).reuses_old_values
+    config = make(hf_dir, critic_updates_per_step=2, **one_step)
+    assert not config.reuses_old_values
+    assert "critic_updates_per_step" in (config.old_values_redundant() or "")
+    with pytest.raises(ValueError, match=r"^reuse_old_values: .*critic_updates_per_step"):
+        make(hf_dir, critic_updates_per_step=2, reuse_old_values=True, **one_step)
 
 
 def test_no_critic_worker_for_a_critic_free_estimator(hf_dir: str) -> None:

@@ -266,3 +266,28 @@ def test_token_advantages_refuse_what_the_estimator_cannot_take() -> None:
         token_advantages("gae", torch.zeros(2), None, mask)
     with pytest.raises(ValueError, match="kl_coef"):
         token_advantages("grpo", torch.zeros(2, 3), None, mask)
+
+
+def test_each_estimator_is_one_registered_definition() -> None:
+    """The registry holds every choice once; what the config, the plan and the worker read follows from it."""
+    from tandem.megatron.choices import (
+        ADVANTAGE_ESTIMATORS,
+        CRITIC_FREE_ESTIMATORS,
+        ESTIMATORS,
+        GROUP_ESTIMATORS,
+        estimator,
+    )
+
+    assert tuple(ESTIMATORS) == ADVANTAGE_ESTIMATORS
+    # As the papers define them: only GAE's baseline is learned; GRPO, RLOO and REINFORCE++-baseline
+    # compare a sample with its prompt's others; GRPO and RLOO give one advantage per sample.
+    assert CRITIC_FREE_ESTIMATORS == ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    assert GROUP_ESTIMATORS == ("grpo", "rloo", "reinforce_plus_plus_baseline")
+    assert [e for e in ESTIMATORS if ESTIMATORS[e].per_sample] == ["grpo", "rloo"]
+    assert [e for e in ADVANTAGE_ESTIMATORS if whitens(e, True)] == [  # type: ignore[arg-type]
+        "gae",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+    ]
+    with pytest.raises(ValueError, match="advantage_estimator: got 'ppo'"):
+        estimator("ppo")

@@ -236,3 +236,77 @@ def test_suffix_sums_match_the_loop(batch: int, length: int, decay: float, seed:
     got = gae._suffix_sums(terms, decay)
     assert got.dtype == terms.dtype and got.shape == terms.shape
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(gae_batches(), st.data())
+def test_a_lambda_per_response_is_each_rows_own_gae(
+    case: tuple[list[float], list[list[float]], list[list[bool]], float, float], data: st.DataObject
+) -> None:
+    # Length-adaptive GAE gives each response its λ: every row must be the textbook loop with its own.
+    rewards, values, masks, gamma, _ = case
+    lambdas = data.draw(
+        st.lists(st.sampled_from([0.0, 1.0]) | unit, min_size=len(values), max_size=len(values))
+    )
+    args = (
+        torch.tensor(rewards, dtype=torch.float64),
+        torch.tensor(values, dtype=torch.float64),
+        torch.tensor(masks, dtype=torch.float64),
+    )
+    per_row = torch.tensor(lambdas, dtype=torch.float64)
+    advantages, returns = compute_gae(*args, gamma=gamma, lambd=per_row)
+    torch.testing.assert_close(lambda_returns(*args, gamma=gamma, lambd=per_row), returns)
+    for i, (reward, row_values, row_mask, lambd) in enumerate(
+        zip(rewards, values, masks, lambdas, strict=True)
+    ):
+        expected_adv, expected_ret = reference_gae(reward, row_values, row_mask, gamma, lambd)
+        torch.testing.assert_close(advantages[i], torch.tensor(expected_adv, dtype=torch.float64))
+        torch.testing.assert_close(returns[i], torch.tensor(expected_ret, dtype=torch.float64))
+
+
+def test_length_adaptive_lambdas_by_hand() -> None:
+    # VAPO's λ = 1 − 1/(α·l) with α = 0.05: l = 100 → 1 − 1/5 = 0.8; l = 40 → 1 − 1/2 = 0.5;
+    # l = 20 → 0 (exactly 1/α tokens); l = 10 → 1 − 2 < 0, clamped to 0; no trainable token → 0.
+    lengths = [100, 40, 20, 10, 0]
+    mask = torch.zeros(len(lengths), 120)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    got = gae.length_adaptive_lambdas(mask, 0.05)
+    torch.testing.assert_close(got, torch.tensor([0.8, 0.5, 0.0, 0.0, 0.0], dtype=torch.float64))
+    # A hole does not count: 3 trainable tokens of 5 with α = 1 give 1 − 1/3.
+    assert gae.length_adaptive_lambdas(torch.tensor([[1, 0, 1, 0, 1]]), 1.0).item() == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="alpha"):
+        gae.length_adaptive_lambdas(mask, 0.0)
+
+
+def test_per_response_lambda_by_hand() -> None:
+    # Two identical responses (values 1, 2; reward 3; γ = 1) with λ 0 and 1:
+    # δ = (0 + 2 − 1, 3 + 0 − 2) = (1, 1). λ = 0: A = δ = (1, 1); λ = 1: A_0 = 1 + 1 = 2, A_1 = 1.
+    values = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    advantages, returns = compute_gae(
+        torch.tensor([3.0, 3.0]), values, torch.ones(2, 2), 1.0, torch.tensor([0.0, 1.0])
+    )
+    torch.testing.assert_close(advantages, torch.tensor([[1.0, 1.0], [2.0, 1.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[2.0, 3.0], [3.0, 3.0]]))
+    with pytest.raises(ValueError, match="`lambd`"):
+        compute_gae(torch.tensor([3.0, 3.0]), values, torch.ones(2, 2), 1.0, torch.tensor([0.5, 1.5]))
+    with pytest.raises(ValueError, match=r"shape \(batch,\)"):
+        compute_gae(torch.tensor([3.0, 3.0]), values, torch.ones(2, 2), 1.0, torch.tensor([0.5]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 3 * gae._BLOCK + 3), st.integers(0, 2**31 - 1), st.data())
+def test_suffix_sums_with_a_decay_per_row_match_the_loop(
+    batch: int, length: int, seed: int, data: st.DataObject
+) -> None:
+    decays = data.draw(
+        st.lists(st.sampled_from([0.0, 1e-3, 0.999, 1.0]) | unit, min_size=batch, max_size=batch)
+    )
+    terms = torch.randn(batch, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    decay = torch.tensor(decays, dtype=torch.float64)
+    expected = torch.zeros_like(terms)
+    running = torch.zeros(batch, dtype=torch.float64)
+    for k in reversed(range(length)):
+        running = terms[:, k] + decay * running
+        expected[:, k] = running
+    torch.testing.assert_close(gae._suffix_sums(terms, decay), expected, rtol=1e-12, atol=1e-12)

@@ -15,11 +15,15 @@ log_prob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
 
 
 def formula(kind: str, log_prob: float, ref_log_prob: float) -> float:
+    """Schulman's estimators (and verl's `abs`) of r = log π_ref − log π; a `+` kind has its base kind's value."""
     r = ref_log_prob - log_prob
+    kind = kind.removesuffix("+")
     if kind == "k1":
         return -r
     if kind == "k2":
         return r * r / 2
+    if kind == "abs":
+        return abs(r)
     k3 = math.exp(r) - 1 - r if r < 700 else math.inf
     if kind == "k3":
         return k3
@@ -69,6 +73,40 @@ def test_low_var_kl_gradient_is_finite_for_huge_ratios() -> None:
     assert log_probs.grad is not None
     # Clamped entries get no gradient; at r = 0 the gradient of k3 is 1 − e^0 = 0.
     torch.testing.assert_close(log_probs.grad, torch.zeros(3))
+
+
+def test_abs_and_straight_through_kinds_by_hand() -> None:
+    # log π = (0, −1), log π_ref = (3, −1.5): r = (3, −0.5).
+    log_probs = torch.tensor([0.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref_log_probs = torch.tensor([3.0, -1.5], dtype=torch.float64)
+    # abs: |r| = (3, 0.5); its gradient in log π is −sign(r) = (−1, +1).
+    kl = approx_kl(log_probs, ref_log_probs, "abs")
+    torch.testing.assert_close(kl, torch.tensor([3.0, 0.5], dtype=torch.float64))
+    (grad,) = torch.autograd.grad(kl.sum(), log_probs)
+    torch.testing.assert_close(grad, torch.tensor([-1.0, 1.0], dtype=torch.float64))
+    # k3+: k3's value, e³ − 1 − 3 = 16.0855 (not clamped) and e^−0.5 − 1 + 0.5 = 0.1065;
+    # low_var_kl+: the same clamped to 10 (verl's k3 and OpenRLHF's give 10.0 on the first token).
+    # Both take k2's gradient, ∂(r²/2)/∂log π = −r = (−3, 0.5), where k3's would be 1 − e^r = (−19.09, 0.39).
+    k3_value = [math.expm1(3.0) - 3.0, math.expm1(-0.5) + 0.5]
+    for kind, value in (("k3+", k3_value), ("low_var_kl+", [10.0, k3_value[1]])):
+        kl = approx_kl(log_probs, ref_log_probs, kind)  # type: ignore[arg-type]
+        torch.testing.assert_close(kl, torch.tensor(value, dtype=torch.float64))
+        (grad,) = torch.autograd.grad(kl.sum(), log_probs)
+        torch.testing.assert_close(grad, torch.tensor([-3.0, 0.5], dtype=torch.float64))
+    assert approx_kl(log_probs, ref_log_probs, "k3")[0].item() == pytest.approx(16.0855, abs=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(log_prob, log_prob), min_size=1, max_size=12))
+def test_straight_through_gradient_is_k2s(pairs: list[tuple[float, float]]) -> None:
+    ref_log_probs = torch.tensor([q for _, q in pairs], dtype=torch.float64)
+    grads = {}
+    for kind in ("k2", "k3+", "low_var_kl+"):
+        log_probs = torch.tensor([p for p, _ in pairs], dtype=torch.float64, requires_grad=True)
+        approx_kl(log_probs, ref_log_probs, kind).sum().backward()  # type: ignore[arg-type]
+        grads[kind] = log_probs.grad
+    torch.testing.assert_close(grads["k3+"], grads["k2"], rtol=0, atol=0)
+    torch.testing.assert_close(grads["low_var_kl+"], grads["k2"], rtol=0, atol=0)
 
 
 def test_padding_gives_zero() -> None:

@@ -10,7 +10,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tandem.megatron.algorithms.aggregation import metric_aggregation
 from tandem.megatron.algorithms.entropy import entropy_from_logits, entropy_of_shifted
+from tandem.megatron.algorithms.importance import tis_sequence_mask, tis_weights
 from tandem.megatron.algorithms.losses import (
     LOSS_AGGREGATIONS,
     LossAggregation,
@@ -18,7 +20,6 @@ from tandem.megatron.algorithms.losses import (
     explained_variance,
     loss_sum_and_count,
     policy_loss,
-    tis_weights,
     value_loss,
     value_loss_and_metrics,
 )
@@ -188,10 +189,26 @@ def test_loss_sum_and_count_by_hand() -> None:
     assert (total.item(), count.item()) == (6.0, 2)
 
 
+def test_token_sum_modes_by_hand() -> None:
+    # seq_mean_token_sum: the row sums 1 + 2 + 3 = 6 and 4, over the 2 rows with a trainable token: 5.
+    # seq_mean_token_sum_norm with L = 4: (6 / 4 + 4 / 4) / 2 = 1.25 (Dr.GRPO: no 1/|y_i|, a constant L).
+    total, count = loss_sum_and_count(torch.tensor(LOSS), torch.tensor(MASK), "seq_mean_token_sum")
+    assert (total.item(), count.item()) == (10.0, 2)
+    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "seq_mean_token_sum")
+    torch.testing.assert_close(got, torch.tensor(5.0))
+    got = aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "seq_mean_token_sum_norm", norm_tokens=4)
+    torch.testing.assert_close(got, torch.tensor(1.25))
+    with pytest.raises(ValueError, match="norm_tokens"):
+        aggregate_loss(torch.tensor(LOSS), torch.tensor(MASK), "seq_mean_token_sum_norm")
+    # Metrics beside a token-sum loss are token means per sample (their count is the samples').
+    assert metric_aggregation("seq_mean_token_sum_norm") == "sample_mean"
+    assert metric_aggregation("token_mean") == "token_mean"
+
+
 def test_aggregate_nothing_trainable_gives_connected_zero() -> None:
     loss = torch.full((2, 3), 7.0, requires_grad=True)
-    for mode in ("sample_mean", "token_mean"):
-        got = aggregate_loss(loss, torch.zeros(2, 3), mode)
+    for mode in LOSS_AGGREGATIONS:
+        got = aggregate_loss(loss, torch.zeros(2, 3), mode, norm_tokens=3)  # type: ignore[arg-type]
         assert got.item() == 0.0
         got.backward()  # still in the graph, so a backward pass on every rank works
         assert loss.grad is not None and loss.grad.eq(0).all()
@@ -223,9 +240,10 @@ def test_sums_and_counts_of_micro_batches_give_the_whole_mean(
     losses, masks, cuts = case
     loss = torch.tensor(losses, dtype=torch.float64)
     mask = torch.tensor(masks)
-    whole = aggregate_loss(loss, mask, mode)
+    whole = aggregate_loss(loss, mask, mode, norm_tokens=7)
     parts = [
-        loss_sum_and_count(loss[a:b], mask[a:b], mode) for a, b in itertools.pairwise([0, *cuts, len(losses)])
+        loss_sum_and_count(loss[a:b], mask[a:b], mode, norm_tokens=7)
+        for a, b in itertools.pairwise([0, *cuts, len(losses)])
     ]
     total = torch.stack([t for t, _ in parts]).sum()
     count = int(sum(int(c) for _, c in parts))
@@ -327,3 +345,88 @@ def test_tis_weights_by_hand() -> None:
         tis_weights(old, old, cap=0.0)
     with pytest.raises(ValueError, match="rollout_log_probs"):
         tis_weights(old, torch.zeros(1, 3), cap=2.0)
+
+
+def test_tis_lower_bound_and_sequence_mask_by_hand() -> None:
+    # old − rollout per token = ln of (1, 1.5, 3, 0.25): weights clipped to [0.5, 2] are (1, 1.5, 2, 0.5).
+    old = torch.tensor([[0.0, math.log(1.5), math.log(3.0), math.log(0.25)]], dtype=torch.float64)
+    rollout = torch.zeros_like(old)
+    weights = tis_weights(old, rollout, cap=2.0, low=0.5)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.5, 2.0, 0.5]], dtype=torch.float64))
+    # Sequences: row 0's geometric mean is (1 · 1.5 · 3 · 0.25)^(1/4) = 1.125^(1/4) ≈ 1.03, inside [0.5, 2]:
+    # kept. Row 1 = (4, 4, masked 0.01): its trainable tokens' mean ratio is 4 > 2: every token left out.
+    # Row 2 = (0.25, 0.25): 0.25 < 0.5, out; with no lower bound (low 0) it stays.
+    old = torch.tensor(
+        [
+            [0.0, math.log(1.5), math.log(3.0), math.log(0.25)],
+            [math.log(4.0), math.log(4.0), math.log(0.01), 0.0],
+            [math.log(0.25), math.log(0.25), 0.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]])
+    kept = tis_sequence_mask(old, torch.zeros_like(old), mask, 2.0, low=0.5)
+    torch.testing.assert_close(kept, torch.tensor([[1.0] * 4, [0.0] * 4, [0.0] * 4], dtype=torch.float64))
+    unbounded_below = tis_sequence_mask(old, torch.zeros_like(old), mask, 2.0)
+    torch.testing.assert_close(unbounded_below[:, 0], torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="`low`"):
+        tis_weights(old, old, cap=2.0, low=3.0)
+
+
+def _verl_agg_loss(loss: list[list[float]], mask: list[list[bool]], mode: str, norm: int) -> float:
+    """verl's `agg_loss` (core_algos.py at b178a3c) over one whole batch, re-derived from its formulas.
+
+    seq-mean-token-sum: each sequence's masked token sum, averaged over the sequences with a token;
+    seq-mean-token-sum-norm: the sum over all sequences of their token sums / loss_scale_factor, which
+    Tandem then divides by the sequences with a token (verl's actor by its gradient accumulation).
+    """
+    sums = [
+        sum(v for v, m in zip(row, row_mask, strict=True) if m)
+        for row, row_mask in zip(loss, mask, strict=True)
+    ]
+    live = [any(row_mask) for row_mask in mask]
+    samples = max(sum(live), 1)
+    total = sum(s for s, alive in zip(sums, live, strict=True) if alive)
+    return total / samples if mode == "seq_mean_token_sum" else total / norm / samples
+
+
+@settings(max_examples=60, deadline=None)
+@given(split_batches(), st.sampled_from(["seq_mean_token_sum", "seq_mean_token_sum_norm"]), st.integers(1, 9))
+def test_token_sum_modes_match_their_formulas(
+    case: tuple[list[list[float]], list[list[bool]], list[int]], mode: LossAggregation, norm: int
+) -> None:
+    losses, masks, _ = case
+    got = aggregate_loss(
+        torch.tensor(losses, dtype=torch.float64), torch.tensor(masks), mode, norm_tokens=norm
+    )
+    assert got.item() == pytest.approx(_verl_agg_loss(losses, masks, mode, norm), rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.floats(-3.0, 3.0), st.booleans()), min_size=1, max_size=6),
+        min_size=1,
+        max_size=4,
+    ),
+    st.floats(0.0, 1.0),
+    st.floats(1.0, 5.0),
+)
+def test_tis_weights_and_sequence_mask_match_their_formulas(
+    rows: list[list[tuple[float, bool]]], low: float, cap: float
+) -> None:
+    # Re-derived from OpenRLHF's `seq-mask-tis` (models/loss.py at 3c3be62), with TIS's clamp on the token
+    # weights: w_t = clip(e^{d_t}, low, cap), d_t = log π_old − log π_rollout; a sequence is kept when
+    # exp(mean of d over its trainable tokens) lies in [low, cap] (a row without one: ratio 1).
+    width = max(len(r) for r in rows)
+    diffs = [[d for d, _ in r] + [0.0] * (width - len(r)) for r in rows]
+    masks = [[m for _, m in r] + [False] * (width - len(r)) for r in rows]
+    old = torch.tensor(diffs, dtype=torch.float64)
+    weights = tis_weights(old, torch.zeros_like(old), cap, low=low)
+    kept = tis_sequence_mask(old, torch.zeros_like(old), torch.tensor(masks), cap, low=low)
+    for i, (row, mask) in enumerate(zip(diffs, masks, strict=True)):
+        for t, d in enumerate(row):
+            assert weights[i, t].item() == pytest.approx(min(max(math.exp(d), low), cap), rel=1e-12)
+        live = [d for d, m in zip(row, mask, strict=True) if m]
+        ratio = math.exp(sum(live) / len(live)) if live else 1.0
+        assert kept[i].eq(1.0 if low <= ratio <= cap else 0.0).all()

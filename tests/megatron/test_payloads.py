@@ -5,12 +5,11 @@ Per rank when they line up, else by sample; the actor's own log-probs stay with 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import ray
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,10 +26,9 @@ from tandem.value_transfer import SampleGather, pack_values, unpack_values
 
 
 @pytest.fixture(scope="module")
-def local_ray(ray_start: Callable[[Callable[[], Any]], Any]) -> Iterator[None]:
-    ray_start(lambda: ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False))
+def local_ray(module_ray_job: str) -> Iterator[None]:
+    """This module as a job of the session's Ray cluster (tests/conftest.py)."""
     yield
-    ray.shutdown()
 
 
 def _values(indices: list[int]) -> list[torch.Tensor]:
@@ -118,7 +116,9 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.train = SimpleNamespace(remote=lambda *a, **kw: self.calls.append((a, kw)) or len(self.calls))
+        self.call = SimpleNamespace(
+            remote=lambda method, *a, **kw: self.calls.append((a, kw)) if method == "train" else None
+        )
 
 
 def test_train_group_passes_the_records_by_name_and_checks_the_last_stage() -> None:
@@ -127,10 +127,11 @@ def test_train_group_passes_the_records_by_name_and_checks_the_last_stage() -> N
     values = CriticValues(values="box", sample_indices=(0, 1))
     own = ActorLogProbs(log_probs="lp", ref_log_probs=None, sample_indices=(0, 1))
     critic_out = [TrainResult(metrics={}), TrainResult(metrics={}, values=values)]
-    actor.train(3, "data", critic=critic_out, log_probs=[None, own])
+    actor.train(3, "data", critic=critic_out, log_probs=[None, own], kl_coef=0.02)
+    # The step's KL coefficient (the adaptive controller's) reaches every rank alike.
     assert [w.calls[0][1] for w in workers] == [
-        {"critic": None, "log_probs": None},
-        {"critic": values, "log_probs": own},
+        {"critic": None, "log_probs": None, "kl_coef": 0.02},
+        {"critic": values, "log_probs": own, "kl_coef": 0.02},
     ]
     assert workers[0].calls[0][0] == (3, "data")
     # A last-stage rank without the critic's values is a routing error, caught before any call.

@@ -1,4 +1,5 @@
-"""The actor's loss with truncated importance sampling, by hand (no Megatron: `role_losses.actor_loss` is pure)."""
+"""The actor's loss with truncated importance sampling, and its metrics, by hand (no Megatron:
+`role_losses.actor_loss` is pure)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def test_tis_without_rollout_log_probs_names_the_flag(tmp_path: Path) -> None:
         actor_loss(_config(tmp_path, use_tis=True), mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))
 
 
+def test_the_sampler_log_prob_gap_is_the_mean_distance_over_trainable_tokens(tmp_path: Path) -> None:
+    # Old log-probs ln 0.5 everywhere; the engine's ln 0.5, ln 0.2 | ln 1.0, (masked).
+    rollout = [torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([1.0, 0.3]))]
+    mb = _micro_batch(rollout)
+    assert mb.old_log_probs is not None
+    _, count, metrics = actor_loss(_config(tmp_path), mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))
+    # sample_mean numerator: sample 0 (0 + ln 2.5) / 2, sample 1 |ln 0.5| / 1; divided by 2 samples.
+    expected = (math.log(2.5) / 2 + math.log(2.0)) / 2
+    assert (metrics["sampler_log_prob_gap"] / count).item() == pytest.approx(expected)
+    _, _, without = actor_loss(
+        _config(tmp_path), _micro_batch(None), ResponseOutputs(log_probs=mb.old_log_probs)
+    )
+    assert "sampler_log_prob_gap" not in without
+
+
 def test_gspo_loss_type_clips_each_sequence_as_a_whole(tmp_path: Path) -> None:
     # Sample 0: tokens' ratios 1.5 and 0.5 (log-ratios ±ln: mean (ln 1.5 + ln 0.5) / 2 = ln √0.75);
     # sample 1: its one trainable token's ratio 2 (its masked token's 100 must not count).
@@ -97,3 +113,43 @@ def test_gspo_loss_type_clips_each_sequence_as_a_whole(tmp_path: Path) -> None:
     # GSPO-token: token t's gradient is −A_t · s_i / |y_i| (sample_mean), whatever its own ratio.
     expected = torch.tensor([[-1.0 * s0 / 2, 2.0 * s0 / 2], [0.0, 0.0]])
     torch.testing.assert_close(log_probs.grad, expected)
+
+
+def test_cispo_loss_type_keeps_the_gradient_of_clipped_tokens(tmp_path: Path) -> None:
+    # Ratios: sample 0 (1.5, 1.0), sample 1 (0.5 | masked). Weights clip(r, 0.8, 1.2) = (1.2, 1.0 | 0.8).
+    # Advantages (1, −2 | 3): per-token loss −w·A·log π with log π = log r + ln 0.5.
+    mb = _micro_batch(None)
+    assert mb.old_log_probs is not None
+    shift = torch.tensor([[math.log(1.5), 0.0], [math.log(0.5), 0.0]])
+    log_probs = (mb.old_log_probs + shift).requires_grad_()
+    loss_sum, count, metrics = actor_loss(
+        _config(tmp_path, loss_type="cispo"), mb, ResponseOutputs(log_probs=log_probs)
+    )
+    lp = log_probs.detach()
+    expected = (-1.2 * 1.0 * lp[0, 0] + -1.0 * -2.0 * lp[0, 1]) / 2 + (-0.8 * 3.0 * lp[1, 0])
+    assert loss_sum.item() == pytest.approx(expected.item())
+    assert count.item() == 2
+    # Clipped weights: token (0, 0) and (1, 0); sample means 0.5 and 1, summed.
+    assert metrics["clip_frac"].item() == pytest.approx(1.5)
+    loss_sum.backward()
+    assert log_probs.grad is not None
+    # −w·A / |y_i|: (−0.6, 1.0 | −2.4); PPO's clip would give token (0, 0) none.
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-0.6, 1.0], [-2.4, 0.0]]))
+
+
+def test_seq_mask_tis_and_a_token_sum_loss(tmp_path: Path) -> None:
+    # Ratio 1, per-token loss −A = (−1, 2 | −3, ·). Engine log-probs: sample 0 (ln 0.5, ln 0.2): token weights
+    # (1, 2.5 → cap 2), geometric mean ratio √(1 · 2.5) = 1.58 ≤ 2: kept. Sample 1 (ln 0.125): ratio 4 > 2:
+    # left out whole. seq_mean_token_sum: sample 0's token sum (−1·1 + 2·2) = 3, sample 1's 0; over 2 samples.
+    rollout = [torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.125, 0.3]))]
+    mb = _micro_batch(rollout)
+    assert mb.old_log_probs is not None
+    config = _config(
+        tmp_path, use_tis=True, tis_cap=2.0, tis_mode="seq_mask", loss_aggregation="seq_mean_token_sum"
+    )
+    loss_sum, count, metrics = actor_loss(config, mb, ResponseOutputs(log_probs=mb.old_log_probs.clone()))
+    assert loss_sum.item() == pytest.approx(3.0)
+    assert count.item() == 2
+    # Metrics stay token means per sample: weights (1 + 2) / 2 + 0 = 1.5; masked fraction 0 + 1 = 1.
+    assert metrics["tis_weight"].item() == pytest.approx(1.5)
+    assert metrics["tis_masked_frac"].item() == pytest.approx(1.0)

@@ -101,7 +101,7 @@ class Workers:
 @pytest.fixture(scope="module")
 def workers(
     tmp_path_factory: pytest.TempPathFactory,
-    ray_start: Callable[[Callable[[], Any]], Any],
+    module_ray_job: str,
     random_llama: Callable[..., None],
 ) -> Iterator[Workers]:
     import dataclasses
@@ -170,7 +170,6 @@ def workers(
             critic_load=None,
         ),
     }
-    ray_start(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     from ray.util.placement_group import placement_group
 
     pg = placement_group([{"CPU": 1}] * RANKS, strategy="PACK")
@@ -178,7 +177,6 @@ def workers(
     state = Workers(root, pg, configs)
     yield state
     state.kill()
-    ray.shutdown()
 
 
 def ppo_step(critic: TrainGroup, actor: TrainGroup, rollout_id: int, data: list[Any], *, sleep: bool) -> dict:

@@ -102,7 +102,7 @@ class Groups:
 @pytest.fixture(scope="module")
 def groups(
     tmp_path_factory: pytest.TempPathFactory,
-    ray_start: Callable[[Callable[[], Any]], Any],
+    module_ray_job: str,
     random_llama: Callable[..., None],
 ) -> Iterator[Groups]:
     root: Path = tmp_path_factory.mktemp("plans")
@@ -167,9 +167,9 @@ def groups(
             advantage_estimator="reinforce_plus_plus_baseline",
             kl_coef=KL_COEF,
             normalize_advantages=True,
+            gamma=1.0,  # its centred outcome reward is not discounted (OpenRLHF forces 1)
         ),
     }
-    ray_start(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     from ray.util.placement_group import placement_group
 
     pg = placement_group([{"CPU": 1}] * RANKS, strategy="PACK")
@@ -177,7 +177,6 @@ def groups(
     state = Groups(pg, configs)
     yield state
     state.kill()
-    ray.shutdown()
 
 
 def by_sample(box: Any, indices: list[int]) -> dict[int, torch.Tensor]:
@@ -365,7 +364,7 @@ def test_grpo_pools_each_prompts_samples_across_data_parallel_ranks(groups: Grou
 
 def test_reinforce_plus_plus_baseline_without_a_critic(groups: Groups) -> None:
     """Group-centred reward at the last token, −β·KL per token (the actor's own reference pass),
-    discounted back, whitened over the trainable tokens of both ranks."""
+    summed back (γ = 1), whitened over the trainable tokens of both ranks."""
     actor = groups.actor_only("rpp_baseline")
     batch = make_batch(8, seed=9)
     batch.sample_indices = list(range(8))
@@ -392,7 +391,7 @@ def test_reinforce_plus_plus_baseline_without_a_critic(groups: Groups) -> None:
             token_reward[steps[-1]] += centred[index]
             g = [0.0] * n
             for k in range(len(steps)):
-                g[steps[k]] = sum(GAMMA ** (j - k) * token_reward[steps[j]] for j in range(k, len(steps)))
+                g[steps[k]] = sum(token_reward[steps[j]] for j in range(k, len(steps)))
             raw[index] = g
     assert moved > 1e-4, "the policy equals the reference: the KL term is vacuous"
     tokens = [

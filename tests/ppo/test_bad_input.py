@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import ray
 
-from tandem.ppo.cli import run as cli
-from tandem.ppo.config_file import parse_config
+from tandem.ppo.app.cli import run as cli
+from tandem.ppo.config.file import parse_config
 
 from .test_run_folder import finished_run, snapshot
 
@@ -137,8 +137,8 @@ def test_prompts_without_labels_are_refused_under_a_label_reward(
 def test_prompts_without_labels_under_a_custom_reward_warn_once_with_the_count(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tandem.ppo.data import PromptRecord
-    from tandem.ppo.preflight import check_prompt_labels
+    from tandem.ppo.rollout.data import PromptRecord
+    from tandem.ppo.rollout.preflight import check_prompt_labels
 
     records = [PromptRecord(i, "p", None, None if i % 2 else "x") for i in range(6)]
     check_prompt_labels(records, "t.jsonl", reward="exact_match", custom=True, label_key="label")
@@ -187,6 +187,51 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
     assert "install sentencepiece" not in line  # the misleading hint transformers gives
 
 
+# --- the algorithms' flags --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "start", "fix"),
+    [
+        (("--critic-updates-per-step", "0"), "--critic-updates-per-step: got 0", "positive integer"),
+        (("--length-adaptive-gae-alpha", "0"), "--length-adaptive-gae-alpha: got 0.0", "finite number > 0"),
+        (("--length-adaptive-gae-alpha", "-0.05"), "--length-adaptive-gae-alpha: got -0.05", "VAPO's 0.05"),
+        (
+            ("--loss-type", "cispo", "--eps-clip-c", "3"),
+            "--eps-clip-c: 3.0 is PPO's dual clip",
+            "unset --eps-clip-c, or use --loss-type ppo",
+        ),
+        (
+            (
+                "--advantage-estimator",
+                "grpo",
+                "--n-samples-per-prompt",
+                "2",
+                "--critic-updates-per-step",
+                "2",
+            ),
+            "--critic-updates-per-step: set, but --advantage-estimator grpo trains no critic",
+            "use --advantage-estimator gae",
+        ),
+    ],
+)
+def test_the_algorithms_flags_are_refused_before_ray_naming_the_flag_and_the_fix(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    flags: tuple[str, ...],
+    start: str,
+    fix: str,
+) -> None:
+    status, _, err = train(capsys, model, prompts, tmp_path / "run", "--rollout-batch-size", "4", *flags)
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(start), line
+    assert fix in line, line
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 # --- the reward function ----------------------------------------------------------------------------
 
 
@@ -205,8 +250,8 @@ def test_a_reward_with_the_wrong_signature_is_refused_before_ray(
 
 
 def test_a_reward_that_fails_is_one_line_and_exit_2() -> None:
-    from tandem.ppo.errors import failure_line
-    from tandem.ppo.rewards import RewardError, RewardInput, compute_rewards
+    from tandem.ppo.rollout.rewards import RewardError, RewardInput, compute_rewards
+    from tandem.ppo.run.errors import failure_line
 
     inputs = [RewardInput("p", "r", "l", index=i) for i in range(3)]
     for fn, expected in (
@@ -246,7 +291,7 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(
 def test_help_into_a_closed_pipe_prints_nothing_else(command: str) -> None:
     # The reader is gone before the help is written (as with `| head` once head has its line).
     with subprocess.Popen(
-        [sys.executable, "-m", "tandem.ppo.cli", command, "--help"],
+        [sys.executable, "-m", "tandem.ppo.app.cli", command, "--help"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     ) as proc:
@@ -264,7 +309,7 @@ def test_help_into_a_closed_pipe_prints_nothing_else(command: str) -> None:
 def test_a_run_folder_in_use_is_refused_at_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
 ) -> None:
-    from tandem.ppo.run_lock import RunLock
+    from tandem.ppo.run.lock import RunLock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -9,10 +9,10 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from tandem.ppo.cli import run
+from tandem.ppo.app.cli import run
 from tandem.ppo.config import PPOConfig, flag
-from tandem.ppo.config_file import parse_config
-from tandem.ppo.flag_help import EXAMPLES, GROUPS, field_group, field_metavar, help_text
+from tandem.ppo.config.file import parse_config
+from tandem.ppo.config.flag_help import EXAMPLES, GROUPS, field_group, field_metavar, help_text
 
 FIELDS = [f.name for f in dataclasses.fields(PPOConfig)]
 
@@ -26,7 +26,7 @@ def _help(command: str = "train", width: int = 100) -> str:
 def test_help_imports_neither_torch_nor_ray() -> None:
     code = (
         "import sys\n"
-        "from tandem.ppo.cli import run\n"
+        "from tandem.ppo.app.cli import run\n"
         "try:\n    run(['train', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
         "heavy = [m for m in ('torch', 'ray', 'transformers', 'megatron') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
@@ -39,7 +39,7 @@ def test_help_imports_neither_torch_nor_ray() -> None:
 @pytest.mark.parametrize("name", FIELDS)
 def test_every_field_has_a_named_group(name: str) -> None:
     assert field_group(name) in {title for title, _ in GROUPS[:-1]}, (
-        f"{name}: add it to a group in tandem/ppo/flag_help.py (_GROUP_MEMBERS)"
+        f"{name}: add it to a group in tandem/ppo/config/flag_help.py (_GROUP_MEMBERS)"
     )
 
 
@@ -64,7 +64,7 @@ def test_help_lines_fit_and_no_word_is_cut() -> None:
         assert len(line) <= width or len(words) == 1, line
     # Every docstring's words appear whole: a word split mid-way would leave fragments that no
     # docstring holds.
-    from tandem.ppo.flag_help import _docstrings
+    from tandem.ppo.config.flag_help import _docstrings
 
     doc_words = {w for doc in _docstrings(PPOConfig).values() for w in doc.split()}
     assert doc_words <= docs_words

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
-from tandem.ppo.config_file import unvalidated, write_yaml
+from tandem.ppo.config.file import unvalidated, write_yaml
 
-from ._ray_cluster import two_node_cluster
+from .._ray_cluster import two_node_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,15 @@ def test_ppo_trains_on_a_two_node_cluster_and_through_ray_job_submit(tmp_path: P
         cluster.check_not_discoverable()
 
         def train(*flags: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-            command = [sys.executable, "-m", "tandem.ppo.cli", "train", "--config", str(demo_yaml), *flags]
+            command = [
+                sys.executable,
+                "-m",
+                "tandem.ppo.app.cli",
+                "train",
+                "--config",
+                str(demo_yaml),
+                *flags,
+            ]
             return subprocess.run(
                 command, env=cluster.env, cwd=cwd, capture_output=True, text=True, timeout=1800
             )

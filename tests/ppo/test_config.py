@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.ppo.config import PPOConfig, flag
-from tandem.ppo.config_file import config_fields, parse_config, unvalidated
+from tandem.ppo.config.file import config_fields, parse_config, unvalidated
 
 from ._config_files import LLAMA_CONFIG, write_config_files
 
@@ -60,6 +60,17 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
             ["grpo", "rloo", "reinforce_plus_plus_baseline"] if n_samples >= 2 else []
         )
         estimator = "gae" if use_critic else d(st.sampled_from(critic_free))
+        # The critic's own algorithms (VAPO's λs, SAO's updates) exactly with a critic.
+        critic_fields = (
+            {
+                "critic_lambd": d(st.none() | st.floats(0, 1)),
+                "length_adaptive_gae_alpha": d(st.none() | st.floats(0.001, 1)),
+                "critic_updates_per_step": d(st.integers(1, 3)),
+            }
+            if use_critic
+            else {}
+        )
+        loss_type = d(st.sampled_from(["ppo", "gspo", "cispo"]))
         return {
             **files,
             "actor_num_gpus_per_node": gpus,
@@ -72,11 +83,22 @@ def valid_values(files: dict[str, str]) -> st.SearchStrategy[dict[str, Any]]:
             "num_critic_only_steps": d(st.integers(0, num_rollout)) if use_critic else 0,
             "lr": d(st.floats(0, 1e-2)),
             "eps_clip": d(st.floats(0.01, 0.5)),
-            "gamma": d(st.floats(0, 1)),
+            # REINFORCE++-baseline's centred outcome reward takes γ = 1.
+            "gamma": 1.0 if estimator == "reinforce_plus_plus_baseline" else d(st.floats(0, 1)),
             "lambd": d(st.floats(0, 1)),
             "use_critic": use_critic,
             "advantage_estimator": estimator,
-            "loss_type": d(st.sampled_from(["ppo", "gspo"])),
+            "loss_type": loss_type,
+            # GSPO's objective is a mean over sequences; the others take any aggregation.
+            "loss_aggregation": "sample_mean"
+            if loss_type == "gspo"
+            else d(
+                st.sampled_from(
+                    ["sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+                )
+            ),
+            "reward_clip": d(st.none() | st.floats(0.1, 100)),
+            **critic_fields,
             "overlong_buffer_len": d(st.none() | st.integers(1, 128)),
             "filter_truncated": d(st.booleans()),
             "offload_train": d(st.booleans()),
@@ -133,6 +155,12 @@ BREAKERS: list[tuple[str, Any]] = [
         lambda v: {**v, "filter_truncated": True, "rollout_ignore_eos": True, "overlong_buffer_len": None},
     ),
     ("--loss-aggregation", lambda v: {**v, "loss_type": "gspo", "loss_aggregation": "token_mean"}),
+    ("--critic-updates-per-step", lambda v: {**v, "critic_updates_per_step": 0}),
+    ("--length-adaptive-gae-alpha", lambda v: {**v, "length_adaptive_gae_alpha": 0.0}),
+    (
+        "--eps-clip-c",
+        lambda v: {**v, "loss_type": "cispo", "loss_aggregation": "sample_mean", "eps_clip_c": 3.0},
+    ),
 ]
 
 
@@ -368,7 +396,7 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(
     ]
     argv += ["--actor-num-gpus-per-node", "4", "--rollout-batch-size", "8", "--global-batch-size", "8"]
     argv += [x for name, value in sizes.items() for x in (flag(name), str(value))]
-    from tandem.ppo.cli import run
+    from tandem.ppo.app.cli import run
 
     assert run(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -388,8 +416,8 @@ def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[
 def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
     """`--rollout-fused-decode` / `--no-rollout-fused-decode` and the other rollout fields become the
     embedded engines' `EngineOptions` (`cluster.engine_options_of`)."""
-    from tandem.ppo.cluster import engine_options_of
     from tandem.ppo.config import PPOConfig
+    from tandem.ppo.loop.cluster import engine_options_of
 
     config = PPOConfig(
         hf_checkpoint="",
@@ -420,9 +448,64 @@ def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
 def test_lora_sync_picks_adapters_where_the_engine_merges_them(
     values: dict[str, Any], adapters: bool
 ) -> None:
-    from tandem.ppo.cluster import engine_options_of
     from tandem.ppo.config import PPOConfig
+    from tandem.ppo.loop.cluster import engine_options_of
 
     config = PPOConfig(hf_checkpoint="", rollout_batch_size=32, global_batch_size=32, **values)
     assert config.syncs_adapters is adapters
     assert engine_options_of(config).adapter_sync is adapters
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    hidden=st.sampled_from([64, 511, 512, 576, 4096]),
+    critic_hidden=st.sampled_from([None, 64, 576]),
+    device=st.sampled_from(["cpu", "cuda"]),
+    async_mode=st.booleans(),
+    asked=st.sampled_from([None, 1, 3]),
+)
+def test_cpu_threads_are_the_machines_cores_only_where_models_take_turns_on_a_large_enough_cpu_model(
+    tmp_path_factory: pytest.TempPathFactory,
+    hidden: int,
+    critic_hidden: int | None,
+    device: str,
+    async_mode: bool,
+    asked: int | None,
+) -> None:
+    """None picks the cores for a CPU sync run of hidden size >= 512 (actor and critic), else leaves
+    Ray's one thread; a number given is passed through as it is. Both roles' configs and the
+    engines' options carry the same choice."""
+    import os
+
+    from tandem.ppo.config.fields import CPU_THREADS_MIN_HIDDEN_SIZE
+    from tandem.ppo.loop.cluster import engine_options_of
+
+    root = tmp_path_factory.mktemp("threads")
+    folders = {}
+    for name, size in (("actor", hidden), ("critic", critic_hidden)):
+        if size is not None:
+            (root / name).mkdir()
+            (root / name / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "hidden_size": size}))
+            folders[name] = str(root / name)
+    config = unvalidated(
+        {
+            "hf_checkpoint": folders["actor"],
+            "critic_hf_checkpoint": folders.get("critic"),
+            "prompt_data": "unused.jsonl",
+            "run_dir": str(root / "run"),
+            "device": device,
+            "params_dtype": "float32" if device == "cpu" else "bfloat16",
+            "async_mode": async_mode,
+            "cpu_threads": asked,
+        }
+    )
+    sizes = [hidden] + ([critic_hidden] if critic_hidden is not None else [])
+    if asked is not None:
+        expected: int | None = asked
+    elif device == "cpu" and not async_mode and min(sizes) >= CPU_THREADS_MIN_HIDDEN_SIZE:
+        expected = len(os.sched_getaffinity(0))
+    else:
+        expected = None
+    assert config.resolved_cpu_threads() == expected
+    assert engine_options_of(config).cpu_threads == expected
+    assert config._worker_config().cpu_threads == expected

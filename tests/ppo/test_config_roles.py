@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tandem.megatron.config import WorkerConfig, WorkerFields
 from tandem.ppo.config import PPOConfig, flag
-from tandem.ppo.config_file import parse_config, unvalidated
+from tandem.ppo.config.file import parse_config, unvalidated
 
 from ._config_files import write_config_files
 
@@ -146,10 +146,13 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "value_clip": _one_of(0.5, None, 0.2),
     "gamma": _one_of(1.0, 0.99),
     "lambd": _one_of(1.0, 0.95),
-    "kl_penalty_type": _one_of("k1", "k2", "k3", "low_var_kl"),
+    "kl_penalty_type": _one_of("k1", "k2", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+"),
+    "kl_horizon": _one_of(10000, 1000),
+    "reward_clip": _one_of(None, 10.0),
+    "loss_norm_tokens": _one_of(None, 512),
     "use_kl_loss": st.booleans(),
     "kl_loss_coef": _one_of(0.001, 0.01),
-    "kl_loss_type": _one_of("k1", "k2", "k3", "low_var_kl"),
+    "kl_loss_type": _one_of("k1", "k2", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+"),
     "entropy_coef": _one_of(0.0, 0.01),
     "normalize_advantages": st.booleans(),
     "grpo_std_normalization": st.booleans(),
@@ -160,6 +163,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "temperature": _one_of(1.0, 0.7),
     "device": _one_of("cpu"),
     "fused_rope": _one_of(None, False),
+    "cpu_threads": _one_of(None, 1, 2),
     "fused_log_probs": _one_of(None, False),
     "jit_fusions": st.booleans(),
     "offload_backend": _one_of("pinned_host", "none"),
@@ -197,6 +201,12 @@ DEPENDENT = (
     "critic_lora_dropout",
     "critic_lora_target_modules",
     "lora_base_offload",
+    "kl_target",
+    "tis_cap_low",
+    "tis_mode",
+    "critic_lambd",
+    "length_adaptive_gae_alpha",
+    "critic_updates_per_step",
 )
 """Worker fields drawn together in `worker_values`, since their rules tie them to each other."""
 
@@ -233,9 +243,15 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
     values["advantage_estimator"] = draw(_one_of("gae", *CRITIC_FREE))
     no_kl = values["advantage_estimator"] in ("grpo", "rloo")  # one reward per sample: no KL in it
     values["kl_coef"] = 0.0 if no_kl else draw(_one_of(0.0, 0.05))
-    values["loss_type"] = draw(_one_of("ppo", "gspo"))
+    values["kl_target"] = draw(_one_of(None, 0.1)) if values["kl_coef"] else None  # steers a KL in the reward
+    if values["advantage_estimator"] == "reinforce_plus_plus_baseline":
+        values["gamma"] = 1.0  # its centred outcome reward is not discounted
+    # CISPO's loss has no negative-advantage bound for dual clip to take.
+    values["loss_type"] = draw(_one_of("ppo", "gspo", *(("cispo",) if values["eps_clip_c"] is None else ())))
     values["loss_aggregation"] = (
-        "sample_mean" if values["loss_type"] == "gspo" else draw(_one_of("sample_mean", "token_mean"))
+        "sample_mean"
+        if values["loss_type"] == "gspo"
+        else draw(_one_of("sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"))
     )
     for prefix in ("", "critic_"):  # LoRA's fields only with a rank (else refused, naming the flag)
         rank = values[f"{prefix}lora_rank"] = draw(_one_of(None, 4))
@@ -245,6 +261,12 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
             draw(_one_of(None, ("q_proj", "linear_fc2"))) if rank else None
         )
     values["lora_base_offload"] = draw(st.booleans())
+    values["tis_cap_low"] = draw(_one_of(0.0, 0.5)) if values["use_tis"] else 0.0
+    values["tis_mode"] = draw(_one_of("token", "seq_mask")) if values["use_tis"] else "token"
+    gae = values["advantage_estimator"] == "gae"  # the critic's own algorithms need one
+    values["critic_lambd"] = draw(_one_of(None, 1.0)) if gae else None
+    values["length_adaptive_gae_alpha"] = draw(_one_of(None, 0.05)) if gae else None
+    values["critic_updates_per_step"] = draw(_one_of(1, 2)) if gae else 1
     run_dir = Path(files["run_dir"])
     values["save"] = draw(_one_of(None, str(run_dir / "mine" / "actor")))
     values["load"] = draw(_one_of(None, values["save"]))  # a load folder that exists, or the save folder
@@ -290,6 +312,8 @@ def test_every_worker_field_reaches_both_roles_configs_from_its_flag(
     actor_save = values["save"] or str(run_dir / "actor")
     critic_save = values["critic_save"] or str(run_dir / "critic")
     expected = dict(values, save=actor_save, load=values["load"] or actor_save)
+    # Dr.GRPO's constant divisor defaults to the generation budget.
+    expected["loss_norm_tokens"] = values["loss_norm_tokens"] or config.rollout_max_response_len
     if async_mode and values["reuse_old_log_probs"] is None:
         expected["reuse_old_log_probs"] = False  # a stale rollout: the old log-probs get a forward
     actor = config.actor_config()

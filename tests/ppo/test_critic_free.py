@@ -10,54 +10,26 @@ since each start costs minutes on a small CPU machine.
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
-from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.loop.driver import PPODriver
+
+from . import _runs as runs
+from ._runs import read_jsonl
 
 pytestmark = pytest.mark.slow
 
 
 def demo_config(run_dir: Path, **overrides: Any) -> PPOConfig:
-    values = {**DEMO_DEFAULTS, "run_dir": str(run_dir), "progress": False, "eval_interval": None, **overrides}
-    return unvalidated(prepare_demo(values))
+    return runs.demo_config(run_dir, **{"eval_interval": None, **overrides})
 
 
-def run(
-    config: PPOConfig,
-    ray_start: Callable[[Callable[[], Any]], Any],
-    after: Callable[[PPODriver], None] | None = None,
-) -> RunSummary:
-    ray_start(
-        lambda: ray.init(num_gpus=config.local_gpus, num_cpus=2, include_dashboard=False, log_to_driver=False)
-    )
-    driver = PPODriver(config)
-    try:
-        driver.setup()
-        summary = driver.run()
-        if after is not None:
-            after(driver)
-        return summary
-    finally:
-        driver.close()
-        ray.shutdown()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def test_critic_free_run_has_no_critic_anywhere(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_critic_free_run_has_no_critic_anywhere(tmp_path: Path, ray_cluster: str) -> None:
     """REINFORCE++-baseline with the KL in its rewards, GSPO's loss and DAPO's overlong penalty."""
     # The demo's responses are one token long (its cap): each ends on the overlong buffer's last token.
     config = demo_config(
@@ -79,11 +51,11 @@ def test_critic_free_run_has_no_critic_anywhere(
         seen.update(critic=driver.critic, roles=dict(driver.data_parallel_sizes))
         # `--filter-truncated` reaches the batches the actor trains on: mask 0 for responses cut at the cap.
         driver.config = dataclasses.replace(driver.config, filter_truncated=True)
-        sampled = driver._draw(2)
+        sampled = driver.draw(2)
         seen["rollout"] = sampled.rollout
         seen["batches"] = [ray.get(ref) for ref in sampled.data_refs["actor"]]
 
-    summary = run(config, ray_start, after=inspect)
+    summary = runs.run_driver(config, ray_cluster, after=inspect)
     assert (seen["critic"], seen["roles"]) == (None, {"actor": 1})
 
     events = read_jsonl(tmp_path / "run" / "events.jsonl")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.ppo._tiny import CHARACTERS, build_tiny_tokenizer
-from tandem.ppo.data import PromptDataset, PromptRecord, read_prompts
+from tandem.ppo.rollout.data import PromptDataset, PromptRecord, read_prompts
 
 
 @pytest.fixture(scope="module")

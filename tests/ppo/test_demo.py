@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.ppo.cli import COMMANDS, run
+from tandem.ppo.app.cli import COMMANDS, run
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

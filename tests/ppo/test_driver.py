@@ -10,68 +10,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
-from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
-from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.loop.driver import PPODriver, RunSummary
+
+from ._runs import demo_config, last_state, read_jsonl, run_driver
+from .conftest import KlFirstRun
 
 pytestmark = pytest.mark.slow
 
 
-def demo_config(run_dir: Path, **overrides: Any) -> PPOConfig:
-    values = {**DEMO_DEFAULTS, "run_dir": str(run_dir), "progress": False, **overrides}
-    return unvalidated(prepare_demo(values))
-
-
-def run(
-    config: PPOConfig,
-    ray_start: Callable[[Callable[[], Any]], Any],
-    *,
-    snapshot: bool = False,
-    after: Callable[[PPODriver], None] | None = None,
-) -> RunSummary:
-    """Run the driver; with `snapshot`, save each model's final weights and optimizer state to RUN_DIR.
-
-    `after(driver)` runs once the run is over, before the workers stop.
-    """
-    ray_start(
-        lambda: ray.init(num_gpus=config.local_gpus, num_cpus=2, include_dashboard=False, log_to_driver=False)
-    )
-    driver = PPODriver(config)
-    try:
-        driver.setup()
-        summary = driver.run()
-        if snapshot:
-            for group in (driver.actor, driver.critic):
-                group.run("wake_up")
-                torch.save(group.run("state_snapshot")[0], _last_state(Path(config.run_dir), group.role))
-        if after is not None:
-            after(driver)
-        return summary
-    finally:
-        driver.close()
-        ray.shutdown()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def test_demo_task_learns(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
+def test_demo_task_learns(tmp_path: Path, ray_cluster: str) -> None:
     config = demo_config(tmp_path / "run", num_rollout=40, eval_interval=None, save_interval=None)
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     rewards = [m["reward/mean"] for m in summary.metrics]
     assert len(rewards) == 40
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -83,14 +43,22 @@ def test_demo_task_learns(tmp_path: Path, ray_start: Callable[[Callable[[], Any]
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 40
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert (run_dir / "hf" / "config.json").is_file()
+    # A run that learns gets no hint (tests/ppo/test_hints_e2e.py trips them), and its figures say why
+    # it can: the sampling weights move (fp32 on the CPU: nearly all of them at lr 3e-3), the engine's
+    # log-probs are the trainer's to rounding, and the critic comes to explain the returns.
+    assert [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "hint"] == []
+    assert "hint:" not in (run_dir / "logs" / "driver.log").read_text()
+    since_start = [m["policy/changed_fraction_since_start"] for m in summary.metrics]
+    assert since_start == sorted(since_start) and 0.5 < since_start[-1] <= 1.0
+    for m in summary.metrics:
+        assert 0.5 < m["policy/changed_fraction"] <= m["policy/changed_fraction_since_start"]
+        assert 0 <= m["actor/sampler_log_prob_gap"] < 1e-4
+        assert 0 <= m["reward/tied_groups"] <= 1
+    assert summary.metrics[-1]["critic/explained_variance_window"] > 0.3
 
 
-def test_event_order_follows_the_plan(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
-    config = demo_config(
-        tmp_path / "run", num_rollout=3, num_critic_only_steps=1, save_interval=2, eval_interval=None
-    )
-    run(config, ray_start)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+def test_event_order_follows_the_plan(kl_first_run: KlFirstRun) -> None:
+    events = kl_first_run.events
     awake: set[str] = {"actor", "critic"}  # both start awake, then sleep before the first rollout
     training: set[str] = set()
     order: list[str] = []
@@ -106,10 +74,11 @@ def test_event_order_follows_the_plan(tmp_path: Path, ray_start: Callable[[Calla
             awake.add(role)
         elif e["event"] == "sleep":
             awake.discard(role)
-        elif e["event"] == "train_begin":
-            assert awake == {role}, f"{role} trains while {awake} are awake"
-            training.add(role)
-            order.append(f"{role}@{e['rollout_id']}")
+        elif e["event"] in ("train_begin", "log_probs_begin"):
+            assert awake == {role}, f"{role} computes while {awake} are awake"
+            if e["event"] == "train_begin":
+                training.add(role)
+                order.append(f"{role}@{e['rollout_id']}")
         elif e["event"] == "train_end":
             training.discard(role)
         elif e["event"] == "save":
@@ -137,20 +106,18 @@ def event_time(events: list[dict[str, Any]], event: str, rollout_id: int) -> flo
     return float(t)
 
 
-def test_step_clock_is_the_wall_clock_however_step_is_called(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_step_clock_is_the_wall_clock_however_step_is_called(tmp_path: Path, ray_cluster: str) -> None:
     """`time/step` is the span of the step's events, whether the step draws its rollout or is given it."""
     config = demo_config(tmp_path / "run", num_rollout=2, eval_interval=None, export_hf=False)
     direct: dict[int, dict[str, Any]] = {}
 
     def call_step_directly(driver: PPODriver) -> None:
         direct[2] = driver.step(2)  # draws its rollout inside (as bench/ppo_gpu_bench.py calls it)
-        sampled = driver._draw(3)
+        sampled = driver.draw(3)
         time.sleep(0.5)  # idle time between the draw and the step is not the step's
         direct[3] = driver.step(3, sampled)
 
-    summary = run(config, ray_start, after=call_step_directly)
+    summary = run_driver(config, ray_cluster, after=call_step_directly)
     metrics = {0: summary.metrics[0], 1: summary.metrics[1], **direct}
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     spans = step_spans(events)
@@ -172,37 +139,51 @@ def test_step_clock_is_the_wall_clock_however_step_is_called(
     assert event_time(events, "generate_end", 3) <= spans[3][0] - 0.5
 
 
-def test_resume_continues_exactly(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
-    common = {"eval_interval": None, "export_hf": False, "save_interval": 2}
-    straight = run(demo_config(tmp_path / "straight", num_rollout=4, **common), ray_start, snapshot=True)
-    first = run(demo_config(tmp_path / "resumed", num_rollout=2, **common), ray_start)
+RESUME_COMMON = {"eval_interval": None, "export_hf": False, "save_interval": 2}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory, ray_cluster: str) -> tuple[Path, RunSummary]:
+    """Four demo steps in one go, each model's final state saved: what a resumed run must equal, and
+    the padded run that the packed one must equal (one run for both tests)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    summary = run_driver(demo_config(run_dir, num_rollout=4, **RESUME_COMMON), ray_cluster, snapshot=True)
+    return run_dir, summary
+
+
+def test_resume_continues_exactly(
+    tmp_path: Path, ray_cluster: str, straight_run: tuple[Path, RunSummary]
+) -> None:
+    straight_dir, straight = straight_run
+    first = run_driver(demo_config(tmp_path / "resumed", num_rollout=2, **RESUME_COMMON), ray_cluster)
     assert first.last_rollout_id == 1
-    resumed = run(demo_config(tmp_path / "resumed", num_rollout=4, **common), ray_start, snapshot=True)
+    resumed = run_driver(
+        demo_config(tmp_path / "resumed", num_rollout=4, **RESUME_COMMON), ray_cluster, snapshot=True
+    )
     assert resumed.last_rollout_id == 3
     keys = ("reward/mean", "loss/policy", "loss/value", "actor/lr", "critic/lr")
     assert len(straight.metrics) == len(resumed.metrics) == 4
     for a, b in zip(straight.metrics, resumed.metrics, strict=True):
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)
+        # The resume's own weight sync (the checkpoint's weights into engines that start from the HF
+        # folder) is not counted in the first resumed step's: each step counts its own sync.
+        assert a["policy/changed_fraction"] == pytest.approx(b["policy/changed_fraction"], abs=1e-3)
     for role in ("actor", "critic"):
-        a = torch.load(_last_state(tmp_path / "straight", role), weights_only=False)
-        b = torch.load(_last_state(tmp_path / "resumed", role), weights_only=False)
+        a = torch.load(last_state(straight_dir, role), weights_only=False)
+        b = torch.load(last_state(tmp_path / "resumed", role), weights_only=False)
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{role} {k}")
-    straight_data = json.loads((tmp_path / "straight" / "driver" / "iter_0000003.json").read_text())["data"]
+    straight_data = json.loads((straight_dir / "driver" / "iter_0000003.json").read_text())["data"]
     resumed_data = json.loads((tmp_path / "resumed" / "driver" / "iter_0000003.json").read_text())["data"]
     assert straight_data == resumed_data
     lines = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
 
 
-def _last_state(run_dir: Path, role: str) -> Path:
-    return run_dir / f"{role}_state.pt"
-
-
 def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_file(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+    tmp_path: Path, ray_cluster: str
 ) -> None:
     reward_file = tmp_path / "elsewhere" / "my_reward.py"
     reward_file.parent.mkdir()
@@ -218,7 +199,7 @@ def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_
         eval_interval=None,
         export_hf=False,
     )
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     assert all(0.0 <= m["reward/mean"] <= 1.0 for m in summary.metrics)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert not [e for e in events if e["event"] in ("wake", "sleep")]
@@ -228,7 +209,7 @@ def test_no_offload_keeps_both_models_resident_with_a_user_reward_module_from_a_
 def test_ctrl_c_stops_cleanly_with_a_loadable_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "tandem.ppo.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
+        sys.executable, "-m", "tandem.ppo.app.cli", "demo", "--run-dir", str(run_dir), "--num-rollout", "200",
         "--save-interval", "1000", "--no-progress", "--eval-interval", "1000", "--no-eval-before-train",
     ]  # fmt: skip
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
@@ -258,9 +239,7 @@ def test_config_of_the_demo_is_valid(tmp_path: Path) -> None:
     assert dataclasses.asdict(config)["rollout_max_response_len"] == 1
 
 
-def test_async_overlaps_generation_with_training(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_async_overlaps_generation_with_training(tmp_path: Path, ray_cluster: str) -> None:
     separate = {
         "colocate": False,
         "rollout_num_gpus": 1,
@@ -269,7 +248,7 @@ def test_async_overlaps_generation_with_training(
         "export_hf": False,
     }
     config = demo_config(tmp_path / "async", num_rollout=3, async_mode=True, **separate)
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     events = read_jsonl(tmp_path / "async" / "events.jsonl")
 
     def when(event: str, rollout_id: int, role: str | None = None) -> float:
@@ -292,7 +271,7 @@ def test_async_overlaps_generation_with_training(
     assert [m["async/staleness"] for m in summary.metrics] == [0.0, 1.0, 1.0]
 
     # The same seed and data without --async: the first step is the same step.
-    sync = run(demo_config(tmp_path / "sync", num_rollout=1, **separate), ray_start)
+    sync = run_driver(demo_config(tmp_path / "sync", num_rollout=1, **separate), ray_cluster)
     for key in ("reward/mean", "loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm"):
         assert sync.metrics[0][key] == pytest.approx(summary.metrics[0][key], rel=1e-6, abs=1e-9), key
 
@@ -302,7 +281,7 @@ def test_async_is_refused_with_colocate(tmp_path: Path) -> None:
         demo_config(tmp_path / "run", async_mode=True).validate()
 
 
-def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]) -> None:
+def test_critic_with_its_own_layout(tmp_path: Path, ray_cluster: str) -> None:
     config = demo_config(
         tmp_path / "run",
         num_rollout=1,
@@ -314,35 +293,23 @@ def test_critic_with_its_own_layout(tmp_path: Path, ray_start: Callable[[Callabl
         eval_interval=None,
         export_hf=False,
     )
-    summary = run(config, ray_start)
+    summary = run_driver(config, ray_cluster)
     assert summary.metrics[0]["critic/values_mean"] == pytest.approx(summary.metrics[0]["actor/values_mean"])
     # The weights reached both engines (one per GPU): equal fingerprints after the sync.
     received = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "weights_received"]
     assert received and all(e["agree"] and len(e["digests"]) == 2 for e in received), received
 
 
-def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
-    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan);
-    the run's HF folder, loaded by transformers, gives the actor's own log-probs on a fresh rollout."""
+def test_kl_first_plan_and_the_exported_folder_matches_the_actor(kl_first_run: KlFirstRun) -> None:
+    """With KL in the rewards the actor's log-probs come before the critic trains (the KL-first plan),
+    in the critic-only warm-up step too; the run's HF folder, loaded by transformers, gives the
+    actor's own log-probs on a fresh rollout. The same run steers the KL coefficient
+    (`--kl-target`) and trains the critic twice a step (`--critic-updates-per-step 2`) within its
+    one turn."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.value_transfer import unpack_values
-
-    config = demo_config(tmp_path / "run", num_rollout=2, kl_coef=0.05, eval_interval=None)
-    got: dict[str, Any] = {}
-
-    def actor_log_probs(driver: PPODriver) -> None:
-        sampled = driver._draw(2)
-        driver.actor.run("wake_up")
-        (out,) = ray.get(driver.actor.compute_log_probs(2, sampled.data_refs["actor"]))
-        got["batch"] = ray.get(sampled.data_refs["actor"][0])
-        got["log_probs"] = unpack_values(out.log_probs, "cpu")
-
-    summary = run(config, ray_start, after=actor_log_probs)
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
-    for k in (0, 1):
+    summary, events, config = kl_first_run.summary, kl_first_run.events, kl_first_run.config
+    for k in (0, 1, 2):
         (logp,) = [e["t"] for e in events if e["event"] == "log_probs_end" and e["rollout_id"] == k]
         (critic,) = [
             e["t"]
@@ -352,15 +319,32 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
         assert logp < critic  # the actor's log-probs exist before the critic trains
     for m in summary.metrics:
         assert m["time/kl_first"] > 0  # the extra wake of the actor, measured
+    warmup = config.num_critic_only_steps
+    for m in summary.metrics[warmup:]:
         assert m["critic/reward_kl"] == pytest.approx(m["actor/reward_kl"])
-    assert summary.metrics[1]["critic/reward_kl"] != 0  # after one update the policy has moved
+    # After the actor's first update (step 1) the policy has moved from the reference.
+    assert summary.metrics[warmup + 1]["critic/reward_kl"] != 0
+    for m in summary.metrics:
+        # 128 samples, 32 an optimizer step: the critic's two passes are 8 steps, the actor's one 4.
+        assert m["critic/optimizer_steps"] == 8.0
+    assert all(m["actor/optimizer_steps"] == 4.0 for m in summary.metrics[warmup:])
+    # The controller: step 0 uses kl_coef; step 1 kl_coef · (1 + clip(KL_0 / 0.01 − 1, ±0.2) · 128 / 10000),
+    # with KL_0 the warm-up step's (the critic's: the actor did not train then).
+    kl_0 = summary.metrics[0]["critic/reward_kl"]
+    assert summary.metrics[0]["kl/reward_coef"] == 0.05
+    error = min(max(kl_0 / 0.01 - 1, -0.2), 0.2)
+    assert summary.metrics[1]["kl/reward_coef"] == pytest.approx(0.05 * (1 + error * 128 / 10000))
+    # One critic turn a step, whatever its passes.
+    assert sum(e["event"] == "train_begin" and e["role"] == "critic" for e in events) == len(summary.metrics)
 
     assert summary.hf_dir is not None
     model: Any = AutoModelForCausalLM.from_pretrained(summary.hf_dir, dtype=torch.float32)
     base: Any = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=torch.float32)
-    batch = got["batch"]
+    batch = kl_first_run.fresh_batch
     moved = 0.0
-    for tokens, length, actor_lp in zip(batch.tokens, batch.response_lengths, got["log_probs"], strict=True):
+    for tokens, length, actor_lp in zip(
+        batch.tokens, batch.response_lengths, kl_first_run.fresh_log_probs, strict=True
+    ):
         with torch.no_grad():
             logits = model(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
             base_logits = base(tokens.unsqueeze(0)).logits[0, -length - 1 : -1].float()
@@ -374,34 +358,50 @@ def test_kl_first_plan_and_the_exported_folder_matches_the_actor(
     # `ppo-driver export` writes the same folder from the run's last checkpoint.
     from safetensors.torch import load_file
 
-    from tandem.ppo.evaluate import export_run
+    from tandem.ppo.app.evaluate import export_run
 
-    again = Path(export_run(str(tmp_path / "run"), str(tmp_path / "exported")))
+    out = kl_first_run.run_dir.parent / "exported"
+    again = Path(export_run(str(kl_first_run.run_dir), str(out)))
     written = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
     at_end = {k: v for f in sorted(summary.hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert written.keys() == at_end.keys() and all(torch.equal(written[k], at_end[k]) for k in written)
 
 
 def test_eval_command_on_a_saved_actor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.ppo.cli import run as cli
+    """`ppo-driver eval` scores a model and says how far its weights are from its base (`--base`)."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.ppo.app.cli import run as cli
 
     config = demo_config(tmp_path / "run")  # builds the base model and the task
+    trained = tmp_path / "trained"
+    shutil.copytree(config.hf_checkpoint, trained)
+    (weights,) = trained.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"].view(-1)[:1000] += 0.5  # 1000 elements moved, counted by hand
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    elements = sum(t.numel() for t in tensors.values())
     status = cli(
-        ["eval", config.hf_checkpoint, "--data", str(config.eval_prompt_data), "--max-response-len", "1",
+        ["eval", str(trained), "--base", config.hf_checkpoint, "--data", str(config.eval_prompt_data),
+         "--max-response-len", "1", "--n-samples-per-prompt", "2", "--temperature", "1.0",
          "--local-gpus", "1", "--custom-rm-path", "tandem.ppo._demo:digit_reward"]
     )  # fmt: skip
     assert status == 0
     out = capsys.readouterr().out
-    assert "eval/mean:" in out and "eval/accuracy:" in out
+    assert "eval/mean:" in out and "eval/accuracy:" in out and "eval/tied_groups:" in out
+    assert f"policy/changed_fraction_since_start: {1000 / elements:.4f}" in out
 
 
 def test_sequence_packing_trains_as_the_padded_run(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
+    tmp_path: Path, ray_cluster: str, straight_run: tuple[Path, RunSummary]
 ) -> None:
-    """`--use-sequence-packing` through the driver: the first step (same rollout) trains as the padded run."""
-    common = {"num_rollout": 1, "eval_interval": None, "export_hf": False}
-    padded = run(demo_config(tmp_path / "padded", **common), ray_start)
-    packed = run(demo_config(tmp_path / "packed", use_sequence_packing=True, **common), ray_start)
+    """`--use-sequence-packing` through the driver: the first step (same rollout) trains as the padded
+    run's first step (the straight run's: the same seed, data and settings but the packing)."""
+    _, padded = straight_run
+    packed = run_driver(
+        demo_config(tmp_path / "packed", use_sequence_packing=True, **{**RESUME_COMMON, "num_rollout": 1}),
+        ray_cluster,
+    )
     a, b = padded.metrics[0], packed.metrics[0]
     assert b["reward/mean"] == a["reward/mean"]  # the same rollout
     for key in ("critic/value_loss", "critic/values_mean", "actor/pg_loss", "actor/values_mean"):

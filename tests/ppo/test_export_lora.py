@@ -19,7 +19,7 @@ from tandem.megatron.models.lora_spec import (
     merge_lora,
     resolve_targets,
 )
-from tandem.ppo.export import ADAPTER_FOLDER, HfFolderWriter
+from tandem.ppo.run.export import ADAPTER_FOLDER, HfFolderWriter
 
 
 def _base(path: Path) -> Any:

@@ -37,7 +37,7 @@ def demo(
     if once is not None:
         env["TANDEM_FAULT_ONCE"] = str(once)
     command = [
-        sys.executable, "-m", "tandem.ppo.cli", "demo", "--run-dir", str(run_dir), "--no-progress",
+        sys.executable, "-m", "tandem.ppo.app.cli", "demo", "--run-dir", str(run_dir), "--no-progress",
         "--eval-interval", "1000", "--no-tensorboard", "--no-export-hf", *flags,
     ]  # fmt: skip
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tandem.ppo._demo import build_base_model, write_task
-from tandem.ppo.hub import looks_like_hub_id, resolve_model_path
+from tandem.ppo.config.hub import looks_like_hub_id, resolve_model_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -44,7 +44,7 @@ def test_hub_id_resolves_to_the_cached_snapshot_offline(hub_cache: Path, tmp_pat
     train, _ = write_task(tmp_path / "data")
     code = (
         "from tandem.ppo._demo import DEMO_DEFAULTS\n"
-        "from tandem.ppo.config_file import parse_config\n"
+        "from tandem.ppo.config.file import parse_config\n"
         f"c = parse_config(['--hf-checkpoint', 'tandem-test/tiny-llama', '--prompt-data', {str(train)!r},"
         f" '--run-dir', {str(tmp_path / 'run')!r}, '--eval-interval', 'None'], base=DEMO_DEFAULTS)\n"
         "print(c.hf_checkpoint)\n"
@@ -60,7 +60,7 @@ def test_unknown_hub_id_offline_is_refused_naming_the_flag(hub_cache: Path, tmp_
     train, _ = write_task(tmp_path / "data")
     code = (
         "import sys\n"
-        "from tandem.ppo.cli import run\n"
+        "from tandem.ppo.app.cli import run\n"
         f"sys.exit(run(['train', '--hf-checkpoint', 'tandem-test/no-such-model', '--prompt-data', {str(train)!r}]))\n"
     )
     proc = _offline(hub_cache, code)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo.metrics import MetricsLogger, read_metrics
-from tandem.ppo.plot import plot_run
+from tandem.ppo.app.plot import plot_run
+from tandem.ppo.run.metrics import MetricsLogger, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -181,3 +181,22 @@ def test_resume_rewrites_an_older_files_nan_as_null(tmp_path: Path) -> None:
     assert [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         {"step": 0, "v": None}
     ]
+
+
+def test_the_adaptive_kl_coefficient_is_replayed_from_the_steps_so_far() -> None:
+    # kl_coef 0.01, target 0.1, horizon 1000, 8 × 4 = 32 samples a step (K_β = 0.032). Step 0 is a critic-only
+    # warm-up (its KL is the critic's), step 1 the actor's: KL 0.3 → error clipped to 0.2, KL 0.1 → 0.
+    # The next step's coefficient: 0.01 · (1 + 0.2 · 0.032) · (1 + 0) = 0.010064. A resumed run has the same
+    # history back with its state, hence the same coefficient.
+    from tandem.ppo.config import PPOConfig
+    from tandem.ppo.loop.step_metrics import kl_coef_of_step
+
+    config = PPOConfig(
+        rollout_batch_size=8, n_samples_per_prompt=4, kl_coef=0.01, kl_target=0.1, kl_horizon=1000
+    )
+    history = [{"critic/reward_kl": 0.3}, {"actor/reward_kl": 0.1, "critic/reward_kl": 0.1}]
+    assert kl_coef_of_step(config, []) == 0.01
+    assert kl_coef_of_step(config, history) == pytest.approx(0.010064)
+    # Without a target the coefficient is the workers' own kl_coef: nothing to pass.
+    fixed = PPOConfig(rollout_batch_size=8, n_samples_per_prompt=4, kl_coef=0.01)
+    assert kl_coef_of_step(fixed, history) is None

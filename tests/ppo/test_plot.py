@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.ppo.metrics import MetricsLogger
-from tandem.ppo.plot import panels, plot_run, unit_of
+from tandem.ppo.app.plot import panels, plot_run, unit_of
+from tandem.ppo.run.metrics import MetricsLogger
 
 
 def _series(rows: list[dict[str, float]]) -> dict[str, tuple[list[int], list[float]]]:
@@ -26,6 +26,11 @@ def test_units_name_what_the_axis_measures() -> None:
     assert unit_of("reward/accuracy") == "fraction"
     assert unit_of("actor/grad_norm") == "gradient norm"
     assert unit_of("actor/some_new_figure") == "some new figure"
+    assert unit_of("policy/changed_fraction") == unit_of("policy/changed_fraction_since_start") == "fraction"
+    assert unit_of("reward/tied_groups") == unit_of("eval/tied_groups") == "fraction"
+    assert unit_of("critic/explained_variance_window") == "explained variance"
+    assert unit_of("actor/sampler_log_prob_gap") == "|log-prob difference| (nats)"
+    assert unit_of("time/engine_weight_update") == "seconds"
 
 
 def test_a_metric_that_stayed_zero_gets_no_panel() -> None:
@@ -36,6 +41,26 @@ def test_a_metric_that_stayed_zero_gets_no_panel() -> None:
     # Zero in one run but not in another: the panel stays, for both.
     other = _series([{**r, "async/staleness": 1.0} for r in rows])
     assert [p.keys for p in panels([shared, other])["async"]] == [("async/staleness",)]
+
+
+def test_the_policys_movement_gets_its_figure_even_when_no_weight_changed(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, total_steps=3, progress=False, tensorboard=False) as logger:
+        for step in range(3):
+            logger.log(
+                step,
+                {
+                    "policy/changed_fraction": 0.0,
+                    "policy/changed_fraction_since_start": 0.0,
+                    "reward/tied_groups": 1.0,
+                    "critic/explained_variance_window": -0.5,
+                    "actor/sampler_log_prob_gap": 0.01,
+                },
+            )
+    paths = {p.name: p for p in plot_run([tmp_path], tmp_path / "plots")}
+    assert set(paths) == {"policy.png", "reward.png", "critic.png", "actor.png"}
+    assert [p.keys for p in panels([_series([{"policy/changed_fraction": 0.0}])])["policy"]] == [
+        ("policy/changed_fraction",)
+    ]
 
 
 def test_the_lifecycle_is_one_panel_per_role_stacking_sleep_and_wake_by_stage() -> None:

@@ -68,6 +68,9 @@ def test_quick_run_writes_both_modes_the_probe_and_the_reward_model(tmp_path: Pa
         assert result["step_s_mean"] > 0
         assert result["tokens_per_s"] > 0
         assert result["sharing_adds_share"] is not None
+        # What each weight sync changed in the engine's weights (counted on its device) is reported.
+        assert all(0 < f <= 1 for f in result["changed_fraction_since_start"]), result
+        assert result["engine_weight_update_s"] > 0 and result["sampler_log_prob_gap"] >= 0
     assert report["modes"]["shared"]["config"]["offload_train"] is True
     # What the sleep backend keeps on the host (bench/capacity_bench.py reads it): shared, both models'
     # state; resident, nothing.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.ppo.cli import run
-from tandem.ppo.pretrained import MODELS, SOURCE_FILE, cached_model, fetch_model, wheel_url
+from tandem.ppo.app.cli import run
+from tandem.ppo.app.pretrained import MODELS, SOURCE_FILE, cached_model, fetch_model, wheel_url
 
 INFO = MODELS["smollm2"]
 

@@ -20,16 +20,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from tandem.ppo._sums import SUMS_DEFAULTS, write_sums_task
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import train
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.loop.driver import train
 
 pytestmark = pytest.mark.slow
 
@@ -72,9 +70,7 @@ def _strict_json(line: str) -> Any:
 
 
 @pytest.mark.timeout(1200)  # the bound: 20 minutes on two otherwise idle cores
-def test_smollm2_learns_the_sums_task(
-    smollm2: Path, tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
+def test_smollm2_learns_the_sums_task(smollm2: Path, tmp_path: Path, ray_cluster: str) -> None:
     train_file, eval_file = write_sums_task(tmp_path / "data")
     run_dir = tmp_path / "run"
     config = unvalidated(
@@ -85,13 +81,10 @@ def test_smollm2_learns_the_sums_task(
             "eval_prompt_data": str(eval_file),
             "run_dir": str(run_dir),
             "progress": False,
+            "ray_address": ray_cluster,  # a job of the session's cluster (tests/conftest.py)
         }
     )
-    ray_start(lambda: ray.init(num_gpus=1, num_cpus=2, include_dashboard=False, log_to_driver=False))
-    try:
-        summary = train(config)
-    finally:
-        ray.shutdown()
+    summary = train(config)
 
     rows = [_strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # The eval before training has a line of its own (step -1); the others join their step's.

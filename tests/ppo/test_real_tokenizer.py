@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.ppo.data import PromptDataset, read_prompts
 from tandem.ppo.engines import EmbeddedEngine, EngineOptions, SamplingParams
-from tandem.ppo.rewards import load_reward
 from tandem.ppo.rollout import generate_rollout, to_train_batches
+from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.rewards import load_reward
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_rewards_see_bpe_text_decoded_as_a_user_expects(
 def test_nine_heads_refuse_tensor_parallel_two_naming_the_flag(
     smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tandem.ppo.cli import run
+    from tandem.ppo.app.cli import run
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "Hi.", "label": ""}) + "\n")

@@ -8,11 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.data import PromptRecord, PromptSample
 from tandem.ppo.engines import Generation
-from tandem.ppo.reward_mix import RewardMix, ScoreRequest, build_reward, combine, parse_reward_weights
-from tandem.ppo.rewards import RewardInput, exact_match
-from tandem.ppo.rollout import Rollout, generate_rollout
+from tandem.ppo.rollout import Rollout
+from tandem.ppo.rollout.data import PromptRecord, PromptSample
+from tandem.ppo.rollout.reward_mix import RewardMix, ScoreRequest, build_reward, combine, parse_reward_weights
+from tandem.ppo.rollout.rewards import RewardInput, exact_match
+from tandem.ppo.rollout.samples import generate_samples, score_requests, score_rollout
 
 finite = st.floats(-100, 100, allow_nan=False)
 
@@ -41,21 +42,15 @@ def test_rewards_are_the_weighted_sum_of_the_terms(
 ) -> None:
     scores = data.draw(st.lists(finite, min_size=n, max_size=n))
     responses = data.draw(st.lists(st.sampled_from(["1", "2"]), min_size=n, max_size=n))
-    inputs, requests = inputs_and_requests(["1"] * n, responses)
-    seen: list[list[ScoreRequest]] = []
-
-    def model(batch: list[ScoreRequest]) -> list[float]:
-        seen.append(batch)
-        return scores
-
-    mix = RewardMix({"model": w_model, "exact_match": w_rule}, {"exact_match": exact_match}, model)
-    mixed = mix.compute(inputs, requests)
+    inputs, _ = inputs_and_requests(["1"] * n, responses)
+    mix = RewardMix({"model": w_model, "exact_match": w_rule}, {"exact_match": exact_match})
+    assert mix.has_model
+    mixed = mix.compute(inputs, scores)  # the reward model's scores, from its `score` turn
     rule = [float(r == "1") for r in responses]
     assert mixed.terms == {"model": scores, "exact_match": rule}
     for reward, s, e in zip(mixed.rewards, scores, rule, strict=True):
         assert reward == pytest.approx(w_model * s + w_rule * e, abs=1e-9)
-    assert seen == [requests]  # the model term is asked once, for every sample, in order
-    assert set(mixed.seconds) == {"reward", "reward_model"}
+    assert set(mixed.seconds) == {"reward"}
 
 
 def test_parse_reward_weights_keeps_the_order_written() -> None:
@@ -74,10 +69,12 @@ def test_combine_refuses_a_term_of_the_wrong_length() -> None:
 
 
 def test_a_model_term_that_returns_too_few_scores_fails_loudly() -> None:
-    inputs, requests = inputs_and_requests(["1", "1"], ["1", "2"])
-    mix = RewardMix({"model": 1.0}, {}, lambda batch: [0.0])
+    inputs, _ = inputs_and_requests(["1", "1"], ["1", "2"])
+    mix = RewardMix({"model": 1.0}, {})
     with pytest.raises(RuntimeError, match="returned 1 scores for 2 samples"):
-        mix.compute(inputs, requests)
+        mix.compute(inputs, [0.0])
+    with pytest.raises(ValueError, match="needs the reward model's scores"):
+        mix.compute(inputs)
 
 
 class Config:
@@ -92,7 +89,7 @@ def test_one_rule_term_stays_the_plain_function() -> None:
     # No mix for the plain runs: their rewards and metrics are exactly what they were.
     assert build_reward(Config()) is exact_match
     assert isinstance(build_reward(Config(reward_weights="exact_match=2")), RewardMix)
-    mix = build_reward(Config(rm_type="model"), model=lambda batch: [1.0] * len(batch))
+    mix = build_reward(Config(rm_type="model"))
     assert isinstance(mix, RewardMix) and dict(mix.weights) == {"model": 1.0}
 
 
@@ -107,16 +104,10 @@ def test_a_rollout_keeps_the_terms_and_reports_their_means() -> None:
 
     record = PromptRecord(index=0, prompt="p", messages=None, label="1")
     prompts = [PromptSample(record, [3, 4], "p")]
-    requests: list[ScoreRequest] = []
-
-    def model(batch: list[ScoreRequest]) -> list[float]:
-        requests.extend(batch)
-        return [float(len(requests) - len(batch) + i) for i in range(len(batch))]
-
-    mix = RewardMix({"model": 2.0, "exact_match": 1.0}, {"exact_match": exact_match}, model)
-    rollout = generate_rollout(
-        Engines(), prompts, n_samples_per_prompt=4, params=None, tokenizer=Tokenizer(), reward_fn=mix
-    )
+    mix = RewardMix({"model": 2.0, "exact_match": 1.0}, {"exact_match": exact_match})
+    samples = generate_samples(Engines(), prompts, n_samples_per_prompt=4, params=None, tokenizer=Tokenizer())
+    requests = score_requests(samples)  # what the reward model's `score` turn is given
+    rollout = score_rollout(samples, mix, [float(i) for i in range(len(requests))])
     # Responses 10..13 decode to "0","1","0","1"; the model scores 0,1,2,3.
     assert rollout.reward_terms == {"model": [0.0, 1.0, 2.0, 3.0], "exact_match": [0.0, 1.0, 0.0, 1.0]}
     assert rollout.rewards == [0.0, 3.0, 4.0, 7.0]

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo import rewards
-from tandem.ppo.rewards import RewardError, RewardInput, compute_rewards, load_reward
+from tandem.ppo.rollout import rewards
+from tandem.ppo.rollout.rewards import RewardError, RewardInput, compute_rewards, load_reward
 
 
 def inputs(*pairs: tuple[str, Any]) -> list[RewardInput]:
@@ -111,7 +111,7 @@ def test_user_function_from_a_module(user_file: Path, monkeypatch: pytest.Monkey
     monkeypatch.syspath_prepend(str(user_file.parent))
     monkeypatch.delitem(sys.modules, "my_reward", raising=False)
     assert compute_rewards(load_reward("my_reward:length"), inputs(("abcd", None))) == [4.0]
-    assert load_reward("tandem.ppo.rewards:exact_match") is rewards.exact_match
+    assert load_reward("tandem.ppo.rollout.rewards:exact_match") is rewards.exact_match
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def test_user_function_from_a_module(user_file: Path, monkeypatch: pytest.Monkey
     [
         ("nonsense", "not a built-in reward"),
         ("no_such_module_xyz:f", "no module named 'no_such_module_xyz'"),
-        ("tandem.ppo.rewards:nope", "has no function 'nope'.*exact_match"),
+        ("tandem.ppo.rollout.rewards:nope", "has no function 'nope'.*exact_match"),
         ("/no/such/file.py:f", "does not exist"),
         ("{file}:missing", "has no function 'missing'.*async_length"),
         ("{file}:NOT_CALLABLE", "is a int, not callable"),

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.data import PromptRecord, PromptSample
 from tandem.ppo.engines import Generation
 from tandem.ppo.rollout import Rollout, dynamic_sample, to_train_batches
+from tandem.ppo.rollout.data import PromptRecord, PromptSample
 
 
 def fake_rollout(prompt_ids: list[int], n: int, reward_of: Any) -> Rollout:
@@ -55,6 +55,22 @@ def test_a_short_batch_is_filled_and_counted() -> None:
     assert counts["dynamic/kept_prompts"] == 4 and counts["dynamic/filled_prompts"] == 4
 
 
+@given(
+    n=st.integers(2, 5),
+    tied=st.lists(st.booleans(), min_size=1, max_size=12),
+)
+def test_tied_groups_is_the_share_of_prompts_whose_samples_all_scored_the_same(
+    n: int, tied: list[bool]
+) -> None:
+    # Prompt p's samples score (p, p, ..., p) when tied, else (p, p, ..., p + 1) for its last sample.
+    rollout = fake_rollout(list(range(len(tied))), n, lambda p, j: p + (j == n - 1 and not tied[p]))
+    metrics = rollout.metrics(accuracy_threshold=1.0, n_samples_per_prompt=n)
+    assert metrics["reward/tied_groups"] == pytest.approx(sum(tied) / len(tied))
+    assert "reward/tied_groups" not in rollout.metrics(
+        accuracy_threshold=1.0
+    )  # one sample a prompt: no groups
+
+
 @given(ranks=st.sampled_from([1, 2, 4]), per_rank=st.integers(1, 6), n=st.integers(1, 3))
 def test_train_batches_split_contiguously_in_order(ranks: int, per_rank: int, n: int) -> None:
     total = ranks * per_rank * n
@@ -79,7 +95,7 @@ def long_rollout(lengths: list[int], finish: list[str], rewards: list[float]) ->
 
 
 def test_training_rewards_add_the_overlong_penalty_and_keep_the_task_reward() -> None:
-    from tandem.ppo.config_file import unvalidated
+    from tandem.ppo.config.file import unvalidated
     from tandem.ppo.rollout import training_rewards
 
     rollout = long_rollout([2, 7, 8, 10], ["stop", "stop", "stop", "length"], [1.0, 1.0, 0.0, 1.0])

@@ -26,9 +26,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.worker.checkpoint_folder import MARKER, iteration_dir, read_latest
-from tandem.ppo.run_checkpoint import ModelFolders, find_resume_point, set_aside
-from tandem.ppo.state import load_state
+from tandem.megatron.runtime.checkpoint_folder import MARKER, iteration_dir, read_latest
+from tandem.ppo.run.checkpoint import ModelFolders, find_resume_point, set_aside
+from tandem.ppo.run.state import load_state
 
 SCRIPTS = Path(__file__).parent / "_scripts"
 ROLES = ("critic", "actor")

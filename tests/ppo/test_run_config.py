@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem.ppo import machine
-from tandem.ppo.cli import EvalArgs, run
+from tandem.ppo.app import machine
+from tandem.ppo.app.cli import EvalArgs, run
+from tandem.ppo.app.evaluate import EVAL_DEFAULTS, eval_settings
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import read_run_config, read_yaml, unvalidated
-from tandem.ppo.evaluate import EVAL_DEFAULTS, eval_settings
-from tandem.ppo.run_config import RUN_CONFIG_MARKER, write_run_config
+from tandem.ppo.config.file import read_run_config, read_yaml, unvalidated
+from tandem.ppo.config.record import RUN_CONFIG_MARKER, write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -158,6 +158,38 @@ def test_eval_of_a_bare_model_folder_uses_the_defaults(tmp_path: Path) -> None:
     settings = eval_settings(_eval_args(str(_hf_folder(tmp_path / "hf"))))
     assert settings.reward == EVAL_DEFAULTS["rm_type"] and settings.source == "defaults"
     assert dataclasses.asdict(settings)["max_response_len"] == EVAL_DEFAULTS["max_response_len"]
+    assert settings.base is None  # nothing to compare the weights with
+
+
+def test_eval_compares_with_the_runs_base_or_the_one_given(tmp_path: Path) -> None:
+    base = _hf_folder(tmp_path / "base")
+    write_run_config(_config(tmp_path / "run", hf_checkpoint=str(base), rollout_dtype="bfloat16"))
+    settings = eval_settings(_eval_args(str(tmp_path / "run")))
+    assert (settings.base, settings.dtype) == (str(base), "bfloat16")
+    other = _hf_folder(tmp_path / "other")
+    assert eval_settings(_eval_args(str(tmp_path / "run"), base=str(other))).base == str(other)
+    with pytest.raises(ValueError, match="--base"):
+        eval_settings(_eval_args(str(tmp_path / "run"), base=str(tmp_path / "nowhere")))
+
+
+def test_weights_changed_counts_the_elements_that_differ_in_the_engines_dtype(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from tandem.ppo.app.evaluate import weights_changed
+
+    base = {"a": torch.ones(4, 5), "b": torch.zeros(3), "only_in_base": torch.ones(2)}
+    mine = {k: v.clone() for k, v in base.items() if k != "only_in_base"}
+    mine["a"][0, :3] += 0.5  # 3 elements, another value in float32 and in bfloat16
+    mine["a"][2, 1] += 2**-12  # 1 element, in float32 only: 1 + 2**-12 rounds to 1 in bfloat16
+    mine["b"][2] = -0.0  # the sign of zero is another bit pattern
+    save_file(base, str(_hf_folder(tmp_path / "base") / "model.safetensors"))
+    save_file(mine, str(_hf_folder(tmp_path / "mine") / "model.safetensors"))
+    assert weights_changed(tmp_path / "mine", tmp_path / "base", "float32") == (5, 23)
+    assert weights_changed(tmp_path / "mine", tmp_path / "base", "bfloat16") == (4, 23)
+    save_file({"c": torch.ones(1)}, str(_hf_folder(tmp_path / "stranger") / "model.safetensors"))
+    with pytest.raises(ValueError, match="--base"):
+        weights_changed(tmp_path / "mine", tmp_path / "stranger")
 
 
 # --- --dry-run and examples/ --------------------------------------------------------------------
@@ -237,6 +269,6 @@ def test_dry_run_of_a_bad_config_names_the_flag(tmp_path: Path, capsys: pytest.C
 def test_eval_args_fields_all_default_to_the_run() -> None:
     # Every scoring setting of `eval` must fall back to the run's (None) so that a run is scored as trained.
     defaults = {f.name: f.default for f in dataclasses.fields(EvalArgs)}
-    for name in (*EVAL_DEFAULTS, "custom_rm_path"):
+    for name in (*EVAL_DEFAULTS, "custom_rm_path", "base"):
         assert defaults[name] is None, name
     assert SimpleNamespace(**defaults).seed == 1234

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated, write_yaml
-from tandem.ppo.run_folder import CONFIG_FILE, FIXED_ON_RESUME, RunFolder
-from tandem.ppo.run_lock import LOCK_FILE, RunLock
+from tandem.ppo.config.file import unvalidated, write_yaml
+from tandem.ppo.run.folder import CONFIG_FILE, FIXED_ON_RESUME, RunFolder
+from tandem.ppo.run.lock import LOCK_FILE, RunLock
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, float]]:
@@ -68,7 +68,7 @@ def finished_run(run_dir: Path, hf_dir: Path, rollouts: int, **overrides: Any) -
 
 HOLD = """
 import sys, time
-from tandem.ppo.run_lock import RunLock
+from tandem.ppo.run.lock import RunLock
 RunLock.acquire(sys.argv[1])
 print("held", flush=True)
 time.sleep(600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.ppo.run_log import RunSummary
+from tandem.ppo.run.log import RunSummary
 
 
 def _lines(run_dir: Path) -> dict[str, str]:

@@ -11,15 +11,13 @@ of its save's.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.schedule import (
+from tandem.ppo.loop.schedule import (
     ScheduleError,
     StepFacts,
     StepSchedule,
@@ -29,6 +27,8 @@ from tandem.ppo.schedule import (
     save_schedule,
     step_schedule,
 )
+
+from .conftest import KlFirstRun
 
 FACTS = ("colocate", "offload_train", "critic", "reward_model", "kl_first", "warm_up", "generate_ahead")
 
@@ -281,34 +281,16 @@ def check_run_follows_its_schedules(events: list[dict[str, Any]], schedules: lis
 
 
 @pytest.mark.slow
-def test_a_cpu_run_records_its_events_in_the_schedules_order(
-    tmp_path: Path, ray_start: Callable[[Callable[[], Any]], Any]
-) -> None:
-    from .test_driver import demo_config, read_jsonl, run
-
-    # Shared and time-shared, KL-first, one critic-only warm-up step.
-    config = demo_config(
-        tmp_path / "run",
-        num_rollout=3,
-        num_critic_only_steps=1,
-        kl_coef=0.05,
-        eval_interval=None,
-        export_hf=False,
-    )
-    kept: dict[str, Any] = {}
-    run(
-        config,
-        ray_start,
-        after=lambda d: kept.update(schedules=[d.schedule_of(k) for k in range(3)], save=d.save_schedule()),
-    )
-    schedules: list[StepSchedule] = kept["schedules"]
+def test_a_cpu_run_records_its_events_in_the_schedules_order(kl_first_run: KlFirstRun) -> None:
+    """Shared and time-shared, KL-first, one critic-only warm-up step (tests/ppo/conftest.py's run)."""
+    schedules = kl_first_run.schedules
     assert schedules[0].describe() == (
         "engine: generate, release → actor: wake, log_probs, sleep → critic: wake, train, sleep → engine: resume"
     )
-    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    events = kl_first_run.events
     check_run_follows_its_schedules(events, schedules)
     # The final step's checkpoint, after it: the engines make room for each model's save.
-    save: StepSchedule = kept["save"]
+    save = kl_first_run.save
     assert save.describe() == (
         "engine: release → critic: wake, save, sleep → actor: wake, save, sleep → engine: resume, weights"
     )

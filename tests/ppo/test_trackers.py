@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.metrics import MetricsLogger, read_metrics
-from tandem.ppo.trackers import check_trackers, config_params, open_trackers
+from tandem.ppo.config.checks import check_trackers
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.run.metrics import MetricsLogger, read_metrics
+from tandem.ppo.run.trackers import config_params, open_trackers
 
 STEPS = [
     {"reward/mean": 0.25, "loss/policy": -0.5, "lifecycle/actor_sleep/pause_weights": 0.125},

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import ray
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -81,10 +80,9 @@ junk = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def local_ray(ray_start: Callable[[Callable[[], object]], object]) -> Iterator[None]:
-    ray_start(lambda: ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False))
+def local_ray(module_ray_job: str) -> Iterator[None]:
+    """This module as a job of the session's Ray cluster (tests/conftest.py)."""
     yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

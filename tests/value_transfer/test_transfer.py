@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -32,10 +32,9 @@ ray_settings = settings(
 
 
 @pytest.fixture(scope="module")
-def local_ray(ray_start: Callable[[Callable[[], object]], object]) -> Iterator[None]:
-    ray_start(lambda: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False))
+def local_ray(module_ray_job: str) -> Iterator[None]:
+    """This module as a job of the session's Ray cluster (tests/conftest.py)."""
     yield
-    ray.shutdown()
 
 
 def sample_value(index: int, length: int) -> torch.Tensor:

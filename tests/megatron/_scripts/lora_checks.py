@@ -219,9 +219,10 @@ def worker_phase(hf: Path, work: Path, role: str, resumed: bool, port: int, out:
 
 
 def main() -> None:
-    import tandem.value_transfer
+    from tandem.megatron.worker import roles
 
-    tandem.value_transfer.pack_values = lambda values: [v.detach().cpu() for v in values]  # type: ignore[assignment]
+    # Where roles looks it up (it imports the name): the records keep plain lists of tensors.
+    roles.pack_values = lambda values: [v.detach().cpu() for v in values]  # type: ignore[assignment,misc]
     hf, work = Path(sys.argv[1]), Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     port = iter(ports())

@@ -95,11 +95,9 @@ def train_critic(work: Path, phase: str) -> None:
     """The critic's rollout with `reuse_old_values` False and True, saved as `train` saves the actor's."""
     from megatron.core import parallel_state as mpu
 
-    import tandem.value_transfer as value_transfer
-
     dp = mpu.get_data_parallel_world_size()
     batch = make_batch(700 + mpu.get_data_parallel_rank())
-    forward_only, pack_values = roles.forward_only, value_transfer.pack_values
+    forward_only, pack_values = roles.forward_only, roles.pack_values
     results = []
     for reuse in (False, True):
         passes = 0
@@ -114,7 +112,7 @@ def train_critic(work: Path, phase: str) -> None:
             targets.update(old_values=batch.old_values, returns=batch.returns)  # type: ignore[arg-type]
 
         roles.forward_only = counted  # type: ignore[assignment]
-        value_transfer.pack_values = lambda values: [v.detach().clone() for v in values]  # type: ignore[assignment,misc]
+        roles.pack_values = lambda values: [v.detach().clone() for v in values]  # type: ignore[assignment,misc]
         try:
             config = WorkerConfig(
                 hf_checkpoint=str(work / "hf"),
@@ -135,7 +133,7 @@ def train_critic(work: Path, phase: str) -> None:
             )
         finally:
             roles.forward_only = forward_only  # type: ignore[assignment]
-            value_transfer.pack_values = pack_values  # type: ignore[misc]
+            roles.pack_values = pack_values  # type: ignore[assignment]
         weights = {k: v for k, v in trainee.snapshot().items() if k.startswith("weights/")}
         metrics = {f"metric:{k}": torch.tensor(float(v)) for k, v in result.metrics.items()}
         sent = {} if result.values is None else {"sent_values": torch.cat(result.values.values)}

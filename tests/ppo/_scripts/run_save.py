@@ -14,10 +14,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tandem.megatron.worker.checkpoint_folder import save_folder
-from tandem.megatron.worker.fault_points import set_context
-from tandem.ppo.run_checkpoint import save_run_checkpoint
-from tandem.ppo.state import DriverState
+from tandem.megatron.runtime.checkpoint_folder import save_folder
+from tandem.megatron.runtime.fault_points import set_context
+from tandem.ppo.run.checkpoint import save_run_checkpoint
+from tandem.ppo.run.state import DriverState
 
 
 def cursor(rollout_id: int) -> dict[str, int]:

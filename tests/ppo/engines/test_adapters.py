@@ -48,6 +48,11 @@ def _weights(engine: EmbeddedEngine) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in engine._params_by_name.items()}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as integers of their bits (the change counter compares bits, not values)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["transformers", "fused-views"])
 def test_repeated_syncs_merge_into_the_base_exactly(tiny_llama_dir: str, fused: bool) -> None:
     engine = EmbeddedEngine(
@@ -57,8 +62,11 @@ def test_repeated_syncs_merge_into_the_base_exactly(tiny_llama_dir: str, fused: 
     )
     base = _weights(engine)
     nbytes = sum(t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()])
+    ever = {name: torch.zeros_like(t, dtype=torch.bool) for name, t in base.items()}
+    now = base  # what the engine samples with
     for sync in range(12):
-        adapters = _adapters(engine, seed=sync)
+        # Every other sync sends the adapters again (changing nothing), one after a release of each kind.
+        adapters = _adapters(engine, seed=(sync + 1) // 2)
         if sync % 3 == 1:  # in chunks of one weight each, as the actor may cut them
             for chunk in _named(adapters)[::2]:
                 a_name = chunk[0]
@@ -69,11 +77,24 @@ def test_repeated_syncs_merge_into_the_base_exactly(tiny_llama_dir: str, fused: 
                 )
         else:
             engine.update_adapter_from_tensors(_named(adapters), scaling=SCALING)
+        sampled_with, now = now, _weights(engine)
+        # The sync's changes are counted against what the engine sampled with before it, a release
+        # before it or not (then the older merge is made again from the base to compare with); the
+        # bitmask of changes since the start survives the releases (a tag of its own: the base is frozen).
+        changed = {name: _bits(now[name]) != _bits(sampled_with[name]) for name in now}
+        for name, mask in changed.items():
+            ever[name] |= mask
+        counted = engine.weight_changes()
+        assert counted["changed"] == sum(int(m.sum()) for m in changed.values()), sync
+        assert counted["changed_since_start"] == sum(int(m.sum()) for m in ever.values()), sync
         if sync % 2:  # a release and a resume between syncs, as a shared step does
             engine.release_memory()
             engine.resume_memory()
-            engine.weights_digest()  # reading the weights merges the kept adapters back
-        now = _weights(engine)
+            if sync % 4 == 1:  # else the next sync finds the base alone, as a shared step's sync does
+                engine.weights_digest()  # reading the weights merges the kept adapters back
+                assert engine.weight_changes()["changed"] == 0  # merging back changes nothing sampled with
+        if sync % 4 != 3:
+            now = _weights(engine)
         for name, tensor in now.items():
             if name in adapters:
                 a, b = adapters[name]

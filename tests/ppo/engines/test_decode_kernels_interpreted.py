@@ -17,7 +17,9 @@ import torch
 
 from .conftest import INTERPRETED
 
-KERNEL_TESTS = Path(__file__).with_name("test_decode_kernels.py")
+KERNEL_TESTS = [
+    Path(__file__).with_name(name) for name in ("test_decode_kernels.py", "test_weight_change_kernel.py")
+]
 INTERPRETER_NUMPY_WARNING = "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
 """Triton 3.6's interpreter turns a loop bound loaded from memory (a one-element array) into an int
 the way NumPy >= 1.25 deprecates; Triton 3.8's does not. Only the interpreter does this: a compiled
@@ -25,12 +27,10 @@ kernel never meets NumPy."""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    torch.cuda.is_available() or INTERPRETED, reason="test_decode_kernels.py runs in this process"
-)
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="the kernel tests run in this process")
 def test_the_kernel_tests_pass_in_tritons_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "pytest", str(KERNEL_TESTS), "-q", "-p", "no:cacheprovider", "-x"]
+    command = [sys.executable, "-m", "pytest", *map(str, KERNEL_TESTS), "-q", "-p", "no:cacheprovider", "-x"]
     proc = subprocess.run(
         [*command, "-W", INTERPRETER_NUMPY_WARNING],
         capture_output=True,

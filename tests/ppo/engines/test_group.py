@@ -4,7 +4,7 @@ and engines that die and are restarted on their bundle (up to `max_restarts`).""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -49,26 +49,25 @@ def kill_and_wait(handle: Any, timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(ray_start: Callable[[Callable[[], Any]], Any]) -> Iterator[Any]:
+def engine_bundles(module_ray_job: str) -> Iterator[Any]:
+    """Two bundles of one logical GPU each, in this module's job of the session's Ray cluster."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    ray_start(lambda: ray.init(num_gpus=2, num_cpus=2, include_dashboard=False, log_to_driver=False))
     pg = placement_group([{"GPU": 1, "CPU": 1}] * 2, strategy="PACK")
     ray.get(pg.ready(), timeout=60)
     try:
         yield pg
     finally:
         remove_placement_group(pg)
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def group(ray_cluster: Any, tiny_llama_dir: str) -> Iterator[EngineGroup]:
+def group(engine_bundles: Any, tiny_llama_dir: str) -> Iterator[EngineGroup]:
     options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
     engines = create_engine_group(
         tiny_llama_dir,
-        ray_cluster,
+        engine_bundles,
         [0, 1],
         num_gpus_per_engine=0.5,
         num_cpus_per_engine=0.25,
@@ -145,7 +144,7 @@ class _StuckEngine:
         return []
 
 
-def test_a_stuck_engine_is_named_within_the_timeout(ray_cluster: Any) -> None:
+def test_a_stuck_engine_is_named_within_the_timeout(engine_bundles: Any) -> None:
     import ray
 
     stuck: Any = ray.remote(_StuckEngine).options(num_cpus=0)
@@ -160,11 +159,11 @@ def test_a_stuck_engine_is_named_within_the_timeout(ray_cluster: Any) -> None:
             ray.kill(h)
 
 
-def test_a_dead_engine_is_named(ray_cluster: Any, tiny_llama_dir: str) -> None:
+def test_a_dead_engine_is_named(engine_bundles: Any, tiny_llama_dir: str) -> None:
 
     options = EngineOptions(device="cpu", request_timeout_s=60)
     engines = create_engine_group(
-        tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options
+        tiny_llama_dir, engine_bundles, [0, 1], num_gpus_per_engine=0.25, options=options
     )
     try:
         kill_and_wait(engines.handles[1])
@@ -176,12 +175,12 @@ def test_a_dead_engine_is_named(ray_cluster: Any, tiny_llama_dir: str) -> None:
 
 
 def test_a_dead_engine_is_restarted_on_its_bundle_and_given_its_prompts_again(
-    ray_cluster: Any, group: EngineGroup, tiny_llama_dir: str
+    engine_bundles: Any, group: EngineGroup, tiny_llama_dir: str
 ) -> None:
 
     options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
     engines = create_engine_group(
-        tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options, max_restarts=1
+        tiny_llama_dir, engine_bundles, [0, 1], num_gpus_per_engine=0.25, options=options, max_restarts=1
     )
     restarted: list[tuple[int, Any]] = []
     engines.on_restart = lambda rank, handle: restarted.append((rank, handle))
@@ -207,13 +206,13 @@ def test_a_dead_engine_is_restarted_on_its_bundle_and_given_its_prompts_again(
 
 
 def test_a_restarted_engine_is_put_back_in_the_groups_memory_state(
-    ray_cluster: Any, tiny_llama_dir: str
+    engine_bundles: Any, tiny_llama_dir: str
 ) -> None:
     import ray
 
     options = EngineOptions(device="cpu", max_context_len=32, request_timeout_s=120)
     engines = create_engine_group(
-        tiny_llama_dir, ray_cluster, [0, 1], num_gpus_per_engine=0.25, options=options, max_restarts=3
+        tiny_llama_dir, engine_bundles, [0, 1], num_gpus_per_engine=0.25, options=options, max_restarts=3
     )
     try:
         engines.release_memory()

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.reward_model import read_reward_model_folder
+from tandem.ppo.config.file import unvalidated
+from tandem.ppo.rollout.reward_model import read_reward_model_folder
 
 from .conftest import save_reward_model
 
@@ -156,7 +156,7 @@ def test_bad_reward_input_is_refused_naming_the_flag(
 def test_the_command_exits_2_with_one_line_naming_the_flag(
     folders: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tandem.ppo.cli import run
+    from tandem.ppo.app.cli import run
 
     argv = ["train", "--hf-checkpoint", folders["policy"], "--prompt-data", folders["prompts"]]
     argv += ["--run-dir", folders["run"], "--rm-type", "model", "--reward-model", folders["two_labels"]]

@@ -11,19 +11,17 @@ critic starts from the reward model (`--critic-hf-checkpoint`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.config_file import unvalidated
-from tandem.ppo.driver import PPODriver, RunSummary
+from tandem.ppo.config.file import unvalidated
 
+from .._runs import run_driver
 from ..test_schedule import check_run_follows_its_schedules
 from .conftest import save_reward_model
 
@@ -62,22 +60,6 @@ def config_of(demo: dict[str, Any], run_dir: Path, **overrides: Any) -> PPOConfi
         **overrides,
     }
     return unvalidated(values)
-
-
-def run(config: PPOConfig, ray_start: Callable[[Callable[[], Any]], Any], after: Any = None) -> RunSummary:
-    ray_start(
-        lambda: ray.init(num_gpus=config.local_gpus, num_cpus=2, include_dashboard=False, log_to_driver=False)
-    )
-    driver = PPODriver(config)
-    try:
-        driver.setup()
-        summary = driver.run()
-        if after is not None:
-            after(driver)
-        return summary
-    finally:
-        driver.close()
-        ray.shutdown()
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
@@ -121,7 +103,7 @@ def check_turns(events: list[dict[str, Any]]) -> None:
 
 
 def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
-    tmp_path: Path, demo_with_rm: dict[str, Any], ray_start: Callable[[Callable[[], Any]], Any]
+    tmp_path: Path, demo_with_rm: dict[str, Any], ray_cluster: str
 ) -> None:
     # The critic starts from the reward model too (its score head as the value head), as OpenRLHF's does.
     config = config_of(
@@ -134,9 +116,9 @@ def test_the_reward_model_takes_its_turn_and_its_score_is_in_the_reward(
         critic_hf_checkpoint=demo_with_rm["rm"],
     )
     kept: dict[str, Any] = {}
-    summary = run(
+    summary = run_driver(
         config,
-        ray_start,
+        ray_cluster,
         after=lambda d: kept.update(
             rollout=d.last_sampled.rollout, schedules=[d.schedule_of(k) for k in range(3)]
         ),

@@ -53,7 +53,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     import ray
     from ray.util.placement_group import placement_group
 
-    from tandem.ppo.reward_model import RewardModelOptions, create_reward_model_group
+    from tandem.ppo.rollout.reward_model import RewardModelOptions, create_reward_model_group
 
     folder = tmp_path_factory.mktemp("rm-gpu")
     save_reward_model(folder, pad_token_id=2, eos_token_id=2, dtype=torch.bfloat16, device="cuda", **SHAPE)

@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 
 from tandem.ppo.config import PPOConfig
-from tandem.ppo.data import PromptRecord, PromptSample
-from tandem.ppo.driver import PPODriver
 from tandem.ppo.engines import Generation
-from tandem.ppo.reward_mix import RewardMix, ScoreRequest
-from tandem.ppo.reward_model import RewardModelInputs, RewardModelRole
-from tandem.ppo.rewards import exact_match
-from tandem.ppo.run_log import PhaseClock
+from tandem.ppo.loop.driver import PPODriver
+from tandem.ppo.loop.schedule import StepFacts
+from tandem.ppo.loop.shared_gpus import SharedGpus
+from tandem.ppo.rollout.data import PromptRecord, PromptSample
+from tandem.ppo.rollout.reward_mix import RewardMix, ScoreRequest
+from tandem.ppo.rollout.reward_model import RewardModelInputs, RewardModelRole
+from tandem.ppo.rollout.rewards import exact_match
+from tandem.ppo.run.log import PhaseClock
 
 
 class Calls:
@@ -71,20 +73,34 @@ class Tokenizer:
         return "7"
 
 
+class Model:
+    """A train group that only sleeps (the start puts it to sleep with the reward model)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    def sleep(self) -> list[dict[str, float]]:
+        return [{"total": 0.0}]
+
+
 def driver_with(calls: Calls, *, sleeps: bool) -> PPODriver:
     driver = PPODriver.__new__(PPODriver)  # the plan's methods only: no validation, no Ray
     driver.config = PPOConfig(n_samples_per_prompt=2)
-    driver.events = calls
+    driver.facts = StepFacts(colocate=True, offload_train=sleeps, critic=False, reward_model=True)
+    driver.events = calls  # type: ignore[assignment]
     driver.clock = PhaseClock(track_gpu_memory=False)
-    driver.engines = Engines(calls)
     driver.tokenizer = Tokenizer()
-    driver._engines_released_to_score = False
-    driver.reward_model = RewardModelRole(
-        Group(calls), RewardModelInputs("tokens"), events=calls, sleeps=sleeps
+    driver.gpus = SharedGpus(
+        engines=Engines(calls),  # type: ignore[arg-type]
+        actor=Model("actor"),  # type: ignore[arg-type]
+        critic=None,
+        events=calls,  # type: ignore[arg-type]
+        clock=driver.clock,
     )
-    driver.reward_fn = RewardMix(
-        {"model": 1.0, "exact_match": 1.0}, {"exact_match": exact_match}, driver._score_with_reward_model
-    )
+    driver.gpus.add_reward_model(RewardModelRole(Group(calls), RewardModelInputs("tokens"), events=calls))  # type: ignore[arg-type]
+    driver.gpus.start_asleep(driver.between_steps())  # as a run's start does
+    calls.log.clear()
+    driver.reward_fn = RewardMix({"model": 1.0, "exact_match": 1.0}, {"exact_match": exact_match})
     return driver
 
 
@@ -94,8 +110,8 @@ PROMPT = PromptSample(PromptRecord(0, "q", None, "7"), [5, 6], "q")
 def test_shared_each_generation_is_followed_by_release_wake_score_sleep() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=True)
-    first = driver._generate([PROMPT], seed=0)  # e.g. dynamic sampling's first round
-    second = driver._generate([PROMPT], seed=1)  # its second round: the engines come back first
+    first = driver.sample([PROMPT], seed=0)  # e.g. dynamic sampling's first round
+    second = driver.sample([PROMPT], seed=1)  # its second round: the engines come back first
     turn = [
         "release",
         "event:engine_release",
@@ -124,8 +140,8 @@ def test_shared_each_generation_is_followed_by_release_wake_score_sleep() -> Non
 def test_resident_the_reward_model_scores_in_place() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=False)
-    driver._generate([PROMPT], seed=0)
-    driver._generate([PROMPT], seed=1)
+    driver.sample([PROMPT], seed=0)
+    driver.sample([PROMPT], seed=1)
     score = ["event:score_begin", "rm.score:[[5, 6, 7, 2], [5, 6, 7, 2]]", "event:score_end"]
     assert calls.log == ["generate", *score, "generate", *score]
 
@@ -139,7 +155,7 @@ def test_a_failed_score_still_puts_the_reward_model_to_sleep() -> None:
 
     driver.reward_model.group.score = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="rank 0"):
-        driver._generate([PROMPT], seed=0)
+        driver.sample([PROMPT], seed=0)
     assert calls.log[-2:] == ["rm.sleep", "event:rm_sleep"]
 
 
@@ -169,7 +185,7 @@ def test_importing_the_package_imports_neither_torch_nor_ray() -> None:
     import sys
 
     code = (
-        "import sys, tandem.ppo.reward_model, tandem.ppo.reward_mix; "
+        "import sys, tandem.ppo.rollout.reward_model, tandem.ppo.rollout.reward_mix; "
         "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(

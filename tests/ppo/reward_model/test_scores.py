@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.ppo.reward_model import RewardModelOptions, score_position, token_budget_batches
+from tandem.ppo.rollout.reward_model import RewardModelOptions, score_position, token_budget_batches
 
 from .conftest import EOS, VOCAB
 
@@ -51,7 +51,7 @@ def reference(model: Any, rows: list[list[int]], side: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def workers(reward_model_folder: Any) -> dict[str, Any]:
-    from tandem.ppo.reward_model import RewardModelWorker
+    from tandem.ppo.rollout.reward_model import RewardModelWorker
 
     out = {}
     for family in ("llama", "qwen2"):
@@ -82,7 +82,7 @@ def test_scores_equal_transformers_padded_either_side(
 
 
 def test_scores_do_not_depend_on_the_batching(workers: dict[str, Any]) -> None:
-    from tandem.ppo.reward_model import RewardModelWorker
+    from tandem.ppo.rollout.reward_model import RewardModelWorker
 
     worker, _ = workers["llama"]
     whole = RewardModelWorker(str(workers["llama-folder"]), RewardModelOptions(max_tokens_per_batch=10_000))
@@ -94,7 +94,7 @@ def test_scores_do_not_depend_on_the_batching(workers: dict[str, Any]) -> None:
 
 
 def test_a_model_without_a_pad_id_scores_the_last_token(reward_model_folder: Any) -> None:
-    from tandem.ppo.reward_model import RewardModelWorker
+    from tandem.ppo.rollout.reward_model import RewardModelWorker
 
     folder, model = reward_model_folder("qwen2", pad_token_id=None)
     worker = RewardModelWorker(str(folder), RewardModelOptions(max_tokens_per_batch=64))
@@ -105,7 +105,7 @@ def test_a_model_without_a_pad_id_scores_the_last_token(reward_model_folder: Any
 
 
 def test_sleep_and_wake_give_back_the_same_scores(workers: dict[str, Any]) -> None:
-    from tandem.ppo.reward_model import RewardModelAsleepError
+    from tandem.ppo.rollout.reward_model import RewardModelAsleepError
 
     worker, _ = workers["qwen2"]
     before = worker.score(samples())

@@ -4,8 +4,8 @@
 `MemoryBackend`: `PinnedHostBackend` (retained host buffers, any device),
 `TorchMemorySaverBackend` (GPU only; its process starts with
 `torch_memory_saver_env()`) or `NoopBackend`, chosen by `make_backend`.
-`ReloadableProcessGroup`s let the NCCL communicators go too, and `OffloadPlan`
-is the driver's side: when to sleep and wake. `HostCopies` keeps tensors that
+`ReloadableProcessGroup`s let the NCCL communicators go too (when to sleep and
+wake is the driver's plan, not this package's). `HostCopies` keeps tensors that
 stay on the host for a run (an actor's reference weights) in one exact-size
 page-locked buffer.
 
@@ -20,7 +20,6 @@ from ._host_buffers import HostCopies
 from ._lifecycle import Lifecycle
 from ._memory_saver import TorchMemorySaverBackend, torch_memory_saver_env
 from ._pinned_host import PinnedHostBackend
-from ._plan import OffloadPlan
 from ._process_groups import (
     ProcessGroupTornDownError,
     ReloadableProcessGroup,
@@ -44,7 +43,6 @@ __all__ = [
     "Lifecycle",
     "MemoryBackend",
     "NoopBackend",
-    "OffloadPlan",
     "PinnedHostBackend",
     "ProcessGroupTornDownError",
     "ReloadableProcessGroup",

@@ -19,8 +19,9 @@ loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
 - PPO math (torch only): `compute_gae`, `lambda_returns`, `policy_loss`, `value_loss`,
   `aggregate_loss`, `loss_sum_and_count`, `approx_kl`, `whiten_advantages`,
   `entropy_from_logits`, `explained_variance`.
-- Critic-free estimators and GSPO (torch only): `grpo_advantages`, `rloo_advantages`,
-  `group_centered_rewards`, `discounted_returns`, `token_advantages`, `gspo_policy_loss`.
+- Critic-free estimators, GSPO and CISPO (torch only): `grpo_advantages`, `rloo_advantages`,
+  `group_centered_rewards`, `discounted_returns`, `token_advantages`, `gspo_policy_loss`,
+  `cispo_policy_loss`.
 - Data: `RolloutBatch` (with its padded per-token targets), `pad_responses`, `unpad_responses`.
 - Models and weights: `ModelSpec`, `build_model`, `load_hf_checkpoint`,
   `export_hf_weights`, and the pure HF ⇄ Megatron mapping `param_map`, `to_megatron`, `to_hf`.
@@ -58,6 +59,7 @@ _EXPORTS = {
     "discounted_returns": "algorithms.estimators",
     "token_advantages": "algorithms.estimators",
     "gspo_policy_loss": "algorithms.gspo",
+    "cispo_policy_loss": "algorithms.cispo",
     "entropy_from_logits": "algorithms.entropy",
     "RolloutBatch": "batch",
     "pad_responses": "batch",
@@ -83,6 +85,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .algorithms.advantages import whiten_advantages
+    from .algorithms.cispo import cispo_policy_loss
     from .algorithms.entropy import entropy_from_logits
     from .algorithms.estimators import (
         discounted_returns,
@@ -140,6 +143,7 @@ __all__ = [
     "aggregate_loss",
     "approx_kl",
     "build_model",
+    "cispo_policy_loss",
     "compute_gae",
     "create_train_group",
     "discounted_returns",

@@ -17,14 +17,15 @@ from typing import Any
 from tandem.megatron.choices import (
     ADVANTAGE_ESTIMATORS,
     DEVICES,
-    GROUP_ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
     LOSS_TYPES,
     LR_DECAY_STYLES,
     OFFLOAD_BACKENDS,
     PARAMS_DTYPES,
+    TIS_MODES,
 )
+from tandem.megatron.choices import estimator as estimator_of
 
 
 def check_positive_ints(config: Any) -> None:
@@ -39,6 +40,8 @@ def check_positive_ints(config: Any) -> None:
         "pipeline_model_parallel_size",
         "update_weights_chunk_bytes",
         "make_vocab_size_divisible_by",
+        "critic_updates_per_step",
+        "kl_horizon",
     ):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -48,6 +51,8 @@ def check_positive_ints(config: Any) -> None:
         "critic_pipeline_model_parallel_size",
         "max_tokens_per_gpu",
         "log_probs_max_tokens_per_gpu",
+        "cpu_threads",
+        "loss_norm_tokens",
     ):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -82,6 +87,7 @@ def check_choices(config: Any) -> None:
         "offload_backend": OFFLOAD_BACKENDS,
         "advantage_estimator": ADVANTAGE_ESTIMATORS,
         "loss_type": LOSS_TYPES,
+        "tis_mode": TIS_MODES,
     }
     for name, allowed in choices.items():
         value = getattr(config, name)
@@ -176,22 +182,54 @@ def check_ppo(config: Any) -> None:
             f"tis_cap: got {config.tis_cap}; it must be a finite number >= 1 (a cap below 1 would "
             "down-weight even on-policy tokens, whose weight is 1)"
         )
+    if not (math.isfinite(config.tis_cap_low) and 0 <= config.tis_cap_low <= 1):
+        raise ValueError(
+            f"tis_cap_low: got {config.tis_cap_low}; it must lie in [0, 1] (0: no lower bound; above 1 "
+            "it would up-weight even on-policy tokens, whose weight is 1)"
+        )
+    if not config.use_tis and (config.tis_cap_low != 0 or config.tis_mode != "token"):
+        field = "tis_cap_low" if config.tis_cap_low != 0 else "tis_mode"
+        raise ValueError(
+            f"{field}: set, but truncated importance sampling is off; turn on `use_tis`, or unset {field}"
+        )
     for name in ("gamma", "lambd", "adam_beta1", "adam_beta2"):
         value = getattr(config, name)
         if not 0 <= value <= 1:
             raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
+    _check_optional_positive(config)
+
+
+def _check_optional_positive(config: Any) -> None:
+    """The optional numbers of the algorithms: unset, or finite and in range."""
+    if config.critic_lambd is not None and not 0 <= config.critic_lambd <= 1:
+        raise ValueError(
+            f"critic_lambd: got {config.critic_lambd}; it must lie in [0, 1], or be unset (`lambd`)"
+        )
+    alpha = config.length_adaptive_gae_alpha
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(
+            f"length_adaptive_gae_alpha: got {alpha}; it must be a finite number > 0 (VAPO's 0.05: λ = 1 − "
+            "1/(α · length)), or unset for one `lambd` for every response"
+        )
+    for name, example in (("reward_clip", "10"), ("kl_target", "0.1")):
+        value = getattr(config, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{name}: got {value}; it must be a finite number > 0 (e.g. {example}), or unset"
+            )
 
 
 def check_estimator(config: Any) -> None:
     """The advantage estimator's needs: groups of samples, rewards without KL where it has none, GSPO's mean."""
     estimator = config.advantage_estimator
-    if estimator in GROUP_ESTIMATORS and config.n_samples_per_prompt < 2:
+    kind = estimator_of(estimator)
+    if kind.groups and config.n_samples_per_prompt < 2:
         raise ValueError(
             f"advantage_estimator: {estimator} compares each sample with the other samples of its prompt, "
             f"but `n_samples_per_prompt` is {config.n_samples_per_prompt}; set `n_samples_per_prompt` to 2 "
             "or more (e.g. 8)"
         )
-    if estimator in ("grpo", "rloo") and config.kl_coef != 0:
+    if kind.per_sample and config.kl_coef != 0:
         raise ValueError(
             f"kl_coef: {config.kl_coef} folds a per-token KL into the rewards, but `advantage_estimator` "
             f"{estimator} takes one reward per sample; set `kl_coef` to 0 and use `use_kl_loss` with "
@@ -201,6 +239,58 @@ def check_estimator(config: Any) -> None:
         raise ValueError(
             f"loss_aggregation: {config.loss_aggregation} with `loss_type` gspo; GSPO's objective is a mean "
             "over sequences, so set `loss_aggregation` to sample_mean"
+        )
+    if config.loss_type == "cispo" and config.eps_clip_c is not None:
+        raise ValueError(
+            f"eps_clip_c: {config.eps_clip_c} is PPO's dual clip, a bound on the clipped surrogate's loss of "
+            "negative advantages; `loss_type` cispo has no such loss to bound (its clipped weight never "
+            "drops a gradient), so unset `eps_clip_c`, or use `loss_type` ppo"
+        )
+    if config.loss_aggregation == "seq_mean_token_sum_norm" and config.loss_norm_tokens is None:
+        raise ValueError(
+            "loss_norm_tokens: not set, but `loss_aggregation` seq_mean_token_sum_norm divides each sample's "
+            "token sum by it; give the constant (e.g. the longest response allowed)"
+        )
+    if estimator == "reinforce_plus_plus_baseline" and config.gamma != 1:
+        raise ValueError(
+            f"gamma: {config.gamma} with `advantage_estimator` reinforce_plus_plus_baseline; its group-centred "
+            "reward is an outcome reward taken whole by every token (OpenRLHF sets gamma to 1 for it, verl "
+            "has no gamma there), so set `gamma` to 1, or use reinforce_plus_plus to discount"
+        )
+    _check_critic_only_fields(config)
+    _check_kl_control(config)
+
+
+def _check_critic_only_fields(config: Any) -> None:
+    """The critic's own algorithm fields need a critic (`advantage_estimator` gae)."""
+    if config.advantage_estimator == "gae":
+        return
+    for name, default in (
+        ("critic_lambd", None),
+        ("length_adaptive_gae_alpha", None),
+        ("critic_updates_per_step", 1),
+    ):
+        if getattr(config, name) != default:
+            raise ValueError(
+                f"{name}: set, but `advantage_estimator` {config.advantage_estimator} trains no critic and "
+                f"computes no GAE; unset {name}, or use `advantage_estimator` gae"
+            )
+
+
+def _check_kl_control(config: Any) -> None:
+    """The adaptive KL controller starts from a reward-level KL and keeps its factor above 0."""
+    if config.kl_target is None:
+        return
+    if config.kl_coef == 0:
+        raise ValueError(
+            "kl_target: the adaptive KL controller scales the reward-level KL coefficient, but `kl_coef` is 0 "
+            "(no KL in the reward); give `kl_coef` its starting value (e.g. 0.01)"
+        )
+    if not config.kl_horizon > 0.2 * config.samples_per_rollout:
+        raise ValueError(
+            f"kl_horizon: {config.kl_horizon} samples; one step's factor 1 ± 0.2 · {config.samples_per_rollout} "
+            f"/ kl_horizon could reach 0 or below, so raise `kl_horizon` above {config.samples_per_rollout // 5}"
+            " (e.g. 10000)"
         )
 
 
@@ -361,7 +451,7 @@ def check_model_layout(config: Any, role: str) -> None:
     heads), layers by the PP size; the vocabulary never needs to (it is padded).
     Raises a ValueError naming the size field (`critic_...` for the critic) and the fix.
     """
-    from tandem.megatron.models.hf_config import ModelSpec
+    from tandem.megatron.models.hf_config import ModelSpec  # torch: `--help` and the seam's import load none
 
     field = "critic_hf_checkpoint" if role == "critic" and config.critic_hf_checkpoint else "hf_checkpoint"
     try:

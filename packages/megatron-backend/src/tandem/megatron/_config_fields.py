@@ -7,8 +7,10 @@ driver's `PPOConfig`, which adds the run's fields and builds one validated
 `WorkerConfig` per role. The class is frozen and never checks anything itself,
 so a YAML file and flags can be merged into a `PPOConfig` before `validate()`.
 
-Only derived sizes that mean the same on every class built on it live here;
-anything that reads a role's folders or learning rate is `WorkerConfig`'s.
+Only derived sizes and decisions that mean the same on every class built on it live
+here (the estimator, the reference weights, the KL-first plan: decided once, read by
+the driver's plan and by the worker); anything that reads a role's folders or
+learning rate is `WorkerConfig`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from tandem.megatron.choices import (
     AdvantageEstimator,
     Device,
+    Estimator,
     KlKind,
     LossAggregation,
     LossType,
@@ -25,7 +28,11 @@ from tandem.megatron.choices import (
     OffloadBackend,
     ParamsDtype,
     Role,
+    TisMode,
     check_role,
+)
+from tandem.megatron.choices import (
+    estimator as estimator_of,
 )
 
 __all__ = ["WorkerFields"]
@@ -212,7 +219,27 @@ class WorkerFields:
     """GAE discount."""
 
     lambd: float = 1.0
-    """GAE lambda."""
+    """GAE lambda of the actor's advantages, and of the critic's targets unless `critic_lambd` is set."""
+
+    critic_lambd: float | None = None
+    """GAE lambda of the critic's targets (its λ-returns) apart from the actor's `lambd`: VAPO's
+    decoupled GAE (Yue et al. 2025, arXiv:2504.05118) trains the value on unbiased λ = 1 returns
+    while the actor's advantages use a lower λ (0.95 there), which speeds it up. None: `lambd`
+    (one λ for both, as verl and OpenRLHF have). Only with a critic (`advantage_estimator` gae)."""
+
+    length_adaptive_gae_alpha: float | None = None
+    """VAPO's length-adaptive GAE (arXiv:2504.05118; α = 0.05 there): each response's
+    advantages use `λ = 1 − 1/(α · l)` with `l` its trainable tokens (clamped to [0, 1]: responses
+    under 1/α tokens get λ = 0), so that a long response's reward is not discounted away by λ^l
+    before it reaches its first tokens. `lambd` then serves only as the critic's default
+    (`critic_lambd`). None: off, every response uses `lambd`. Only with `advantage_estimator` gae."""
+
+    critic_updates_per_step: int = 1
+    """Full passes of the critic's update over each rollout for one of the actor's (SAO's faster value
+    update, K = 2 in arXiv:2607.07508): the critic takes `ppo_epochs * critic_updates_per_step` passes
+    of `samples_per_rollout / global_batch_size` optimizer steps each, all against the same old values
+    and targets, within its one wake (the step's schedule is unchanged). The actor still gets the old
+    values (the baseline the critic trained against). 1: the critic and the actor take the same passes."""
 
     kl_coef: float = 0.0
     """Weight of reward-level KL (finite, >= 0): each trainable token's reward pays
@@ -223,8 +250,20 @@ class WorkerFields:
     `log_probs` (`ActorLogProbs`). The actor then keeps the reference weights on the host."""
 
     kl_penalty_type: KlKind = "k1"
-    """KL estimator of the reward-level KL (`kl_coef`): k1 (the plain log-ratio, as in
-    InstructGPT / OpenRLHF), k2, k3 or low_var_kl."""
+    """KL estimator of the reward-level KL (`kl_coef`): k1 (the plain log-ratio, as InstructGPT and
+    verl fold it; OpenRLHF's k1 is the same clamped to ±10), k2, k3 (not clamped), low_var_kl (k3
+    clamped to ±10: verl's k3), abs; a `+` kind gives its base kind's value here (`kl.py`)."""
+
+    kl_target: float | None = None
+    """Adaptive KL controller (Ziegler et al. 2019, arXiv:1909.08593, §2.2; verl's `kl_ctrl.type:
+    adaptive`, OpenRLHF's `--algo.kl.target`): the reward-level KL coefficient starts at `kl_coef` and
+    after each step is multiplied by `1 + clip(KL / kl_target − 1, ±0.2) · samples_per_rollout /
+    kl_horizon`, with KL the step's mean per-token KL of the reward (`reward_kl`); the driver passes
+    each step's coefficient to both roles and logs it as `kl_coef`. None: `kl_coef` stays fixed."""
+
+    kl_horizon: int = 10000
+    """With `kl_target`: the controller's horizon in samples (verl's and OpenRLHF's default 10000); it
+    must exceed a fifth of the samples of a rollout so that one step's factor stays above 0."""
 
     use_kl_loss: bool = False
     """Add a KL penalty against the reference weights to the policy loss (computes
@@ -234,7 +273,8 @@ class WorkerFields:
     """Weight of the KL penalty in the policy loss (with `use_kl_loss`; 0.001 as verl's `kl_loss_coef`)."""
 
     kl_loss_type: KlKind = "low_var_kl"
-    """KL estimator of the KL loss."""
+    """KL estimator of the KL loss: k1, k2, k3 (not clamped), low_var_kl (k3 clamped to ±10, verl's
+    k3), abs, or k3+ / low_var_kl+ (that value, k2's gradient: an unbiased gradient of the KL)."""
 
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
@@ -261,11 +301,26 @@ class WorkerFields:
     loss_type: LossType = "ppo"
     """The actor's policy loss: `ppo`, the clipped ratio per token; `gspo`, GSPO's clipped
     sequence ratio (the geometric mean of a response's token ratios; `gspo.py`), whose clip
-    ranges are usually far smaller (e.g. `eps_clip` 3e-4, `eps_clip_high` 4e-4)."""
+    ranges are usually far smaller (e.g. `eps_clip` 3e-4, `eps_clip_high` 4e-4); `cispo`, MiniMax-M1's
+    clipped importance weight on a REINFORCE loss, `−sg[clip(r, 1 − eps_clip, 1 + eps_clip_high)] ·
+    A · log π`, which keeps every token's gradient (`cispo.py`; not with `eps_clip_c`)."""
 
     loss_aggregation: LossAggregation = "sample_mean"
-    """`sample_mean`: token mean per sample, then mean over samples; `token_mean`: token
-    mean over the whole global batch."""
+    """How both roles' per-token losses become one scalar (`aggregation.py`): `sample_mean`, token
+    mean per sample, then mean over samples; `token_mean`, token mean over the whole global batch;
+    `seq_mean_token_sum`, token sum per sample, then mean over samples; `seq_mean_token_sum_norm`,
+    that divided by the constant `loss_norm_tokens` (Dr.GRPO's loss, with
+    `--no-grpo-std-normalization` its advantage)."""
+
+    loss_norm_tokens: int | None = None
+    """`seq_mean_token_sum_norm`'s constant divisor of each sample's token sum (Dr.GRPO's generation
+    budget; verl's `loss_scale_factor`). None: `ppo-driver` takes `rollout_max_response_len`."""
+
+    reward_clip: float | None = None
+    """Clip each sample's scalar reward to [−reward_clip, reward_clip] before anything else uses it
+    (the group baselines, the KL, GAE; both roles alike); the `reward/` metrics stay unclipped.
+    OpenRLHF's `--reward.clip_range` (default ±10) clips after its group baseline; for `gae` and
+    `reinforce_plus_plus` the two are the same. None: off (verl has no such option)."""
 
     use_tis: bool = False
     """Truncated importance sampling for off-policy rollouts (engine log-probs differ from the
@@ -276,6 +331,15 @@ class WorkerFields:
     tis_cap: float = 2.0
     """Upper bound of the truncated importance weight (with `use_tis`); finite, >= 1 so that an
     on-policy token (weight 1) is never down-weighted."""
+
+    tis_cap_low: float = 0.0
+    """Lower bound of the truncated importance weight (with `use_tis`; slime's `--tis-clip-low`, OpenRLHF's
+    0.5 of `--algo.advantage.is_correction_threshold`), in [0, 1]; 0: none, as verl's token-level IS."""
+
+    tis_mode: TisMode = "token"
+    """With `use_tis`: `token`, each token weighed by its truncated ratio; `seq_mask`, the same, and every
+    token of a response whose geometric-mean ratio lies outside [`tis_cap_low`, `tis_cap`] left out
+    (OpenRLHF's `seq-mask-tis`; `importance.py`)."""
 
     reuse_old_log_probs: bool | None = None
     """Take the actor's old log-probs from its update's own forward pass (detached) instead of
@@ -343,6 +407,15 @@ class WorkerFields:
     # --- device, memory, system -------------------------------------------------
     device: Device = "auto"
     """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
+
+    cpu_threads: int | None = None
+    """Threads of torch's CPU kernels (`torch.set_num_threads`) in each train worker and embedded
+    engine that runs on the CPU; GPU workers ignore it. None: the PPO driver picks the machine's
+    cores where the models take turns on it (the sync loop) and the model's hidden size is at least
+    512 (`tandem.ppo.config.CPU_THREADS_MIN_HIDDEN_SIZE`), else one thread (what Ray gives a worker
+    of a fractional CPU). On two cores a SmolLM2-135M forward and backward took 4.1 s on two
+    threads against 7.7 s on one; the demo's hidden size of 64 ran slower on two. A worker started
+    without the driver keeps the process's setting where this is None."""
 
     fused_rope: bool | None = None
     """Apply RoPE with our `torch.compile`d kernels (`rope.py`) through Megatron's
@@ -426,3 +499,26 @@ class WorkerFields:
         """`role`'s data-parallel size on `world_size` ranks (after `WorkerConfig.check_world`)."""
         tp, pp = self.topology(role)
         return world_size // (tp * pp)
+
+    # --- what the fields decide, once for the driver and the worker ---------------
+    @property
+    def estimator(self) -> Estimator:
+        """The advantage estimator's definition (`choices.ESTIMATORS`): its baseline and advantages' shape."""
+        return estimator_of(self.advantage_estimator)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic's values (only `gae` does)."""
+        return self.estimator.needs_critic
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the actor computes reference log-probs (for the KL loss or reward-level KL): from
+        reference weights kept on the host, or with LoRA from its base with the adapters off."""
+        return self.use_kl_loss or self.kl_coef != 0
+
+    @property
+    def kl_first(self) -> bool:
+        """The KL-first plan: with reward-level KL and a critic, the actor's old and reference log-probs
+        come before the critic trains, so that both fold the very same per-token KL into their rewards."""
+        return self.kl_coef != 0 and self.uses_critic

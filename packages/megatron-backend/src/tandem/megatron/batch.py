@@ -180,7 +180,7 @@ def resolve_batch(data: Any, *, dp_rank: int, dp_size: int) -> RolloutBatch:
     `data` is a `RolloutBatch`, an ObjectRef or `Box` of one, or a list with one
     of those per data-parallel rank (this rank, `dp_rank` of `dp_size`, takes its own).
     """
-    from tandem.value_transfer import Box
+    from tandem.value_transfer import Box  # Ray: the shared data imports none itself
 
     if isinstance(data, list | tuple):
         if len(data) != dp_size:

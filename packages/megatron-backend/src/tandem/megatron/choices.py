@@ -2,18 +2,21 @@
 
 Every module that needs a role, a KL estimator or an aggregation mode imports
 it from here, so a choice is spelled once and the validation messages list
-exactly what the type admits.
+exactly what the type admits. An advantage estimator is one `Estimator` here
+(`ESTIMATORS`): what it needs and what it gives, which the config's checks, the
+driver's plan and the worker all read; `algorithms.estimators` computes it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 Role = Literal["actor", "critic"]
 """Which network a train worker trains: the policy or the value model."""
 
-KlKind = Literal["k1", "k2", "k3", "low_var_kl"]
-"""KL estimators (`kl.approx_kl`)."""
+KlKind = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+"]
+"""KL estimators (`kl.approx_kl`); a `+` keeps the value and takes k2's gradient (straight-through)."""
 
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 """Shapes of Megatron's learning-rate decay."""
@@ -27,14 +30,18 @@ OffloadBackend = Literal["torch_memory_saver", "pinned_host", "none"]
 ParamsDtype = Literal["float32", "bfloat16"]
 """Dtype of every model weight."""
 
-LossAggregation = Literal["sample_mean", "token_mean"]
-"""How per-token losses become one scalar (`losses.aggregate_loss`)."""
+LossAggregation = Literal["sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+"""How per-token losses become one scalar (`aggregation.aggregate_loss`)."""
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 """How the actor's advantages are estimated (`estimators`); every one but `gae` needs no critic."""
 
-LossType = Literal["ppo", "gspo"]
-"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`) or GSPO's sequence ratio (`gspo`)."""
+LossType = Literal["ppo", "gspo", "cispo"]
+"""The actor's policy loss: PPO's per-token ratio (`losses.policy_loss`), GSPO's sequence ratio (`gspo`)
+or CISPO's clipped weight (`cispo`)."""
+
+TisMode = Literal["token", "seq_mask"]
+"""Truncated importance sampling per token, or with whole sequences masked out (`importance`)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 KL_KINDS: tuple[str, ...] = get_args(KlKind)
@@ -45,10 +52,68 @@ PARAMS_DTYPES: tuple[str, ...] = get_args(ParamsDtype)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
-CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(e for e in ADVANTAGE_ESTIMATORS if e != "gae")
+
+Baseline = Literal["critic", "group_std", "leave_one_out", "group_mean", "none"]
+"""What an estimator subtracts from the reward (`Estimator.baseline`)."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: its baseline and the shape of its advantages.
+
+    Attributes:
+        name: the `--advantage-estimator` value.
+        baseline: `critic`, the critic's values (GAE); `group_std`, the mean of the
+            prompt's samples, divided by their std (GRPO; Dr.GRPO without the division);
+            `leave_one_out`, the mean of the prompt's other samples (RLOO); `group_mean`,
+            the mean of the prompt's samples (REINFORCE++-baseline); `none`.
+        per_sample: one advantage for every token of a sample, from its scalar reward:
+            no token rewards (so no reward-level KL), no returns, and never whitened (the
+            group's normalisation is its own); otherwise a return over the tokens.
+    """
+
+    name: AdvantageEstimator
+    baseline: Baseline
+    per_sample: bool
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether a critic trains for it (its baseline is the critic's values)."""
+        return self.baseline == "critic"
+
+    @property
+    def groups(self) -> bool:
+        """Whether a sample's baseline comes from the other samples of its prompt (`n_samples_per_prompt >= 2`)."""
+        return self.baseline in ("group_std", "leave_one_out", "group_mean")
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    e.name: e
+    for e in (
+        Estimator("gae", baseline="critic", per_sample=False),
+        Estimator("grpo", baseline="group_std", per_sample=True),
+        Estimator("rloo", baseline="leave_one_out", per_sample=True),
+        Estimator("reinforce_plus_plus", baseline="none", per_sample=False),
+        Estimator("reinforce_plus_plus_baseline", baseline="group_mean", per_sample=False),
+    )
+}
+"""Every advantage estimator, by name (the order of `AdvantageEstimator`)."""
+
+TIS_MODES: tuple[str, ...] = get_args(TisMode)
+CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if not e.needs_critic)
 """The estimators whose baseline is not a learned value: a run with one of them trains no critic."""
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if e.groups)
 """The estimators whose baseline comes from the other samples of the same prompt (`n_samples_per_prompt >= 2`)."""
+
+
+def estimator(name: str) -> Estimator:
+    """The estimator called `name`; ValueError naming `advantage_estimator` and the choices otherwise."""
+    found = ESTIMATORS.get(name)
+    if found is None:
+        raise ValueError(
+            f"advantage_estimator: got {name!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
+    return found
 
 
 def check_role(role: str, where: str = "role") -> None:

@@ -31,7 +31,7 @@ from tandem.megatron._config_checks import (
     check_ppo,
 )
 from tandem.megatron._config_fields import WorkerFields
-from tandem.megatron.choices import CRITIC_FREE_ESTIMATORS, ROLES, Role, check_role
+from tandem.megatron.choices import ROLES, Role, check_role
 from tandem.megatron.models.lora_spec import LoraSettings, resolve_targets
 
 __all__ = ["ROLES", "Role", "WorkerConfig", "WorkerFields"]
@@ -82,9 +82,14 @@ class WorkerConfig(WorkerFields):
         return _reuses(self.reuse_old_log_probs, self.old_log_probs_redundant)
 
     def old_values_redundant(self) -> str | None:
-        """None when the critic's old values are its update's own (one epoch, one step); else why
-        not, naming the field."""
+        """None when the critic's old values are its update's own (one epoch, one step, one update
+        a step); else why not, naming the field."""
         why = self._one_epoch_one_step("values")
+        if why is None and self.critic_updates_per_step != 1:
+            why = (
+                f"critic_updates_per_step is {self.critic_updates_per_step} (later passes train against the "
+                "first's values)"
+            )
         if why is None and self.critic_lora_rank is not None and self.critic_lora_dropout > 0:
             why = "critic_lora_dropout drops adapter inputs in the update's forward pass"
         return why
@@ -95,21 +100,20 @@ class WorkerConfig(WorkerFields):
         return _reuses(self.reuse_old_values, self.old_values_redundant)
 
     @property
-    def uses_critic(self) -> bool:
-        """Whether the advantage estimator needs a critic's values (only `gae` does)."""
-        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
-
-    @property
     def varies_micro_batch_shapes(self) -> bool:
         """Whether micro-batches are packed rows or cut by tokens, so that their shapes vary
         (`use_sequence_packing`, `use_dynamic_batch_size`); the default RoPE path follows it."""
         return self.use_sequence_packing or self.use_dynamic_batch_size
 
     @property
-    def needs_reference(self) -> bool:
-        """Whether the actor computes reference log-probs (for the KL loss or reward-level KL): from
-        reference weights kept on the host, or with LoRA from its base with the adapters off."""
-        return self.use_kl_loss or self.kl_coef != 0
+    def critic_lambda(self) -> float:
+        """GAE λ of the critic's targets: `critic_lambd`, else `lambd` (VAPO's decoupled GAE)."""
+        return self.lambd if self.critic_lambd is None else self.critic_lambd
+
+    @property
+    def critic_passes(self) -> int:
+        """The critic's passes over each rollout: `ppo_epochs * critic_updates_per_step`."""
+        return self.ppo_epochs * self.critic_updates_per_step
 
     def lora_of(self, role: Role) -> LoraSettings | None:
         """`role`'s LoRA settings (rank, alpha, dropout, target layers); None: it trains in full."""

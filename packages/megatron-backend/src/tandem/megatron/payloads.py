@@ -25,18 +25,28 @@ Torch-free: the driver side (`group`) imports it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from tandem.value_transfer import Box, SampleGather
 
 __all__ = [
     "ActorLogProbs",
     "CriticValues",
+    "PerSampleTensors",
     "TrainResult",
     "critic_payloads",
     "per_rank_sample_indices",
     "route_payloads",
 ]
+
+type PerSampleTensors = Box | SampleGather
+"""One float tensor per sample, of shape `(response_length,)` each, in the record's sample order: a
+`Box` (`value_transfer.pack_values`, one object in Ray's store), or once routed by sample a
+`SampleGather` of parts of several Boxes (`value_transfer.route_by_sample`); `unpack_values` gives
+the tensors back on a device."""
 
 
 @dataclass(frozen=True)
@@ -44,12 +54,11 @@ class CriticValues:
     """The critic's old values of one rank's samples, for the actor's advantages.
 
     Attributes:
-        values: a `Box` of `pack_values` (one tensor per sample, its response
-            length), or a `SampleGather` once routed by sample.
+        values: the old values, one tensor per sample, shape `(response_length,)`.
         sample_indices: the samples of `values`, in their order.
     """
 
-    values: Any
+    values: PerSampleTensors
     sample_indices: tuple[int, ...]
 
     BOXES: ClassVar[tuple[str, ...]] = ("values",)
@@ -61,13 +70,13 @@ class ActorLogProbs:
     """The actor's old and reference log-probs of one rank's samples (the KL-first plan).
 
     Attributes:
-        log_probs: a `Box` of `pack_values` (one tensor per sample), or a `SampleGather`.
+        log_probs: the old log-probs, one tensor per sample, shape `(response_length,)`.
         ref_log_probs: the same under the reference weights; None when the actor keeps none.
         sample_indices: the samples of both, in their order.
     """
 
-    log_probs: Any
-    ref_log_probs: Any
+    log_probs: PerSampleTensors
+    ref_log_probs: PerSampleTensors | None
     sample_indices: tuple[int, ...]
 
     BOXES: ClassVar[tuple[str, ...]] = ("log_probs", "ref_log_probs")
@@ -94,7 +103,9 @@ class TrainResult:
 type Payload = CriticValues | ActorLogProbs
 
 
-def critic_payloads(critic: Any) -> Any:
+def critic_payloads(
+    critic: Sequence[TrainResult | CriticValues | None] | TrainResult | CriticValues | None,
+) -> list[CriticValues | None] | CriticValues | None:
     """The critic's values as `CriticValues` per rank, from its `TrainResult`s (or the records themselves)."""
     if critic is None or isinstance(critic, CriticValues):
         return critic
@@ -158,7 +169,11 @@ def route_payloads[P: Payload](
     return the same samples counting once. Nothing is lost or duplicated; a
     sample that no record holds, or that no rank owns, is a ValueError naming it.
     """
-    from tandem.value_transfer import IndexedValues, route_by_sample, route_per_rank
+    from tandem.value_transfer import (  # Ray and torch: the seam imports neither
+        IndexedValues,
+        route_by_sample,
+        route_per_rank,
+    )
 
     routed: list[P | None] = route_per_rank(records, world_size)
     if sample_indices is None or records is None:
@@ -175,9 +190,9 @@ def route_payloads[P: Payload](
     if template is None:
         return routed
     distinct = list(dict.fromkeys(own))  # one entry per data-parallel rank, in order
-    fields: dict[str, list[Any]] = {}
+    fields: dict[str, Sequence[SampleGather | None]] = {}
     for key in template.BOXES:
-        sources: dict[tuple[int, ...], Any] = {}
+        sources: dict[tuple[int, ...], IndexedValues] = {}
         for p in routed:
             if p is None or getattr(p, key) is None:
                 continue
@@ -190,8 +205,10 @@ def route_payloads[P: Payload](
                 list(sources.values()), distinct, actor_dp_ranks=[distinct.index(i) for i in own]
             )
         else:
-            fields[key] = [None] * world_size
+            fields[key] = [None for _ in range(world_size)]
+    # Each routed record: the template with the receiving rank's samples and its part of each field.
+    replace: Callable[..., P] = dataclasses.replace
     return [
-        dataclasses.replace(template, sample_indices=own[r], **{k: v[r] for k, v in fields.items()})
+        replace(template, sample_indices=own[r], **{k: v[r] for k, v in fields.items()})
         for r in range(world_size)
     ]

@@ -5,9 +5,12 @@
 - `build_base_model`, `write_task`: the demo's tiny local model and task (no downloads).
 - `main`: the `ppo-driver` console script.
 
-Rollout engines live in `tandem.ppo.engines`, rewards in `tandem.ppo.rewards`,
-prompt data in `tandem.ppo.data`, metrics and plots in `tandem.ppo.metrics` /
-`tandem.ppo.plot`.
+The package is cut in layers, lowest first, each importing only those below it
+(tests/test_import_graph.py): `engines` (rollout engines), `rollout` (prompt data,
+rewards, a reward model, a round of sampling), `config` (the run's fields, checks,
+file and flags), `run` (the run folder, checkpoints, events, metrics, logs), `loop`
+(the driver, the step's schedule and turns, the roles on the GPUs) and `app` (the
+command; the demos' tasks `_demo`, `_sums`, `_tiny` beside it, here at the top).
 """
 
 from __future__ import annotations
@@ -26,21 +29,21 @@ except PackageNotFoundError:  # source tree on PYTHONPATH (an offline GPU host),
 _EXPORTS = {
     "build_base_model": "_demo",
     "write_task": "_demo",
-    "main": "cli",
-    "PPOConfig": "config",
-    "parse_config": "config_file",
-    "PPODriver": "driver",
-    "RunSummary": "run_log",
-    "train": "driver",
+    "main": "app.cli",
+    "PPOConfig": "config.ppo_config",
+    "parse_config": "config.file",
+    "PPODriver": "loop.driver",
+    "RunSummary": "run.log",
+    "train": "loop.driver",
 }
 
 if TYPE_CHECKING:
     from ._demo import build_base_model, write_task
-    from .cli import main
-    from .config import PPOConfig
-    from .config_file import parse_config
-    from .driver import PPODriver, train
-    from .run_log import RunSummary
+    from .app.cli import main
+    from .config.file import parse_config
+    from .config.ppo_config import PPOConfig
+    from .loop.driver import PPODriver, train
+    from .run.log import RunSummary
 
 
 def __getattr__(name: str) -> Any:

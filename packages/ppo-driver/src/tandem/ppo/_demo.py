@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tandem.ppo._tiny import build_tiny_tokenizer
+
 DEMO_DEFAULTS: dict[str, Any] = {
     "run_dir": "runs/demo",
     "num_rollout": 80,
@@ -64,8 +66,6 @@ def build_base_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from tandem.ppo._tiny import build_tiny_tokenizer
 
     out = Path(out_dir)
     if (out / "config.json").is_file():

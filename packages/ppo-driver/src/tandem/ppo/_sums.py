@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tandem.ppo.app.pretrained import fetch_model
+
 QUESTION = "What is {a} plus {b}? Answer with a single number, nothing else."
 """The user's message for the pair (a, b)."""
 
@@ -75,7 +77,6 @@ def write_sums_task(out_dir: str | Path) -> tuple[Path, Path]:
 
 def prepare_sums_demo(values: dict[str, Any]) -> dict[str, Any]:
     """Fill in SmolLM2 (fetched into the cache once) and the sums task under RUN_DIR, unless the flags name others."""
-    from tandem.ppo.pretrained import fetch_model
 
     run_dir = Path(values.get("run_dir", SUMS_DEFAULTS["run_dir"]))
     filled = dict(values)

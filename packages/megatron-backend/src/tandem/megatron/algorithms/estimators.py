@@ -23,8 +23,13 @@ padded `(batch, response_len)` and 0 at masked positions; only trainable tokens
   `A_t = Σ_{s≥t} γ^{s−t} r_s`, then whitened over the whole batch
   (`advantages.whiten_advantages`, with `normalize_advantages`).
 - `reinforce_plus_plus_baseline`: the same with the scalar reward replaced by
-  `r_i − mean_g r` (the paper's REINFORCE++-baseline, as its authors'
-  OpenRLHF computes it: the KL term still runs to the end of the response).
+  `r_i − mean_g r` (the paper's REINFORCE++-baseline, as its authors' OpenRLHF
+  computes it at 3c3be62, `experience_maker.py` `compute_advantages_and_returns`:
+  the KL term still runs to the end of the response), with γ = 1: OpenRLHF sets γ
+  to 1 for it and verl's `compute_reinforce_plus_plus_baseline_outcome_advantage`
+  (b178a3c) has no γ, so `WorkerConfig` refuses another. verl gives every token the
+  centred sum of the response's token rewards (its KL included) instead of a
+  return-to-go: the same as ours without reward-level KL.
 
 Ties: a group whose rewards are all equal gives exactly 0 to each of its
 samples, never NaN (`tied_groups`; in floating point the mean of equal numbers
@@ -37,8 +42,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.megatron.algorithms.gae import compute_gae, lambda_returns
-from tandem.megatron.choices import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from tandem.megatron.algorithms.gae import Lambda, compute_gae, lambda_returns
+from tandem.megatron.choices import ADVANTAGE_ESTIMATORS, AdvantageEstimator, Estimator
+from tandem.megatron.choices import estimator as estimator_of
 
 __all__ = [
     "GRPO_EPS",
@@ -145,16 +151,17 @@ def sample_signal(
 ) -> torch.Tensor:
     """The per-sample scalar the estimator works on: the rollout's rewards with their baseline taken out.
 
-    `grpo`: `grpo_advantages`; `rloo`: `rloo_advantages`; `reinforce_plus_plus_baseline`:
-    `group_centered_rewards`; `gae` and `reinforce_plus_plus`: the rewards themselves.
-    Shapes: `rewards` `(N,)` (the whole rollout, in order); returns `(N,)`.
+    By the estimator's baseline (`choices.Estimator`): `group_std`, `grpo_advantages`;
+    `leave_one_out`, `rloo_advantages`; `group_mean`, `group_centered_rewards`; `critic`
+    and `none`, the rewards themselves. Shapes: `rewards` `(N,)` (the whole rollout, in
+    order); returns `(N,)`.
     """
-    _check_estimator("sample_signal", estimator)
-    if estimator == "grpo":
+    baseline = _estimator("sample_signal", estimator).baseline
+    if baseline == "group_std":
         return grpo_advantages(rewards, group_size, std_normalization=std_normalization)
-    if estimator == "rloo":
+    if baseline == "leave_one_out":
         return rloo_advantages(rewards, group_size)
-    if estimator == "reinforce_plus_plus_baseline":
+    if baseline == "group_mean":
         return group_centered_rewards(rewards, group_size)
     return rewards.detach().clone()
 
@@ -203,11 +210,11 @@ def whitens(estimator: AdvantageEstimator, normalize_advantages: bool) -> bool:
     """Whether the estimator's advantages are whitened over the batch (`whiten_advantages`).
 
     GAE and the REINFORCE++ family, with `normalize_advantages`: REINFORCE++'s
-    global normalisation is that whitening. GRPO and RLOO never: their
-    normalisation is the group's (`grpo_std_normalization`), as in verl and OpenRLHF.
+    global normalisation is that whitening. Never an estimator of one advantage per
+    sample (GRPO, RLOO): its normalisation is the group's (`grpo_std_normalization`),
+    as in verl and OpenRLHF.
     """
-    _check_estimator("whitens", estimator)
-    return normalize_advantages and estimator not in ("grpo", "rloo")
+    return normalize_advantages and not _estimator("whitens", estimator).per_sample
 
 
 @torch.no_grad()
@@ -218,7 +225,7 @@ def token_advantages(
     loss_mask: torch.Tensor,
     *,
     gamma: float = 1.0,
-    lambd: float = 1.0,
+    lambd: Lambda = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages (before any whitening) and returns, for the actor's loss.
 
@@ -231,18 +238,19 @@ def token_advantages(
             `sample_signal` gave, `(batch,)`.
         values: `gae` only: the critic's old values, `(batch, response_len)`; ignored otherwise.
         loss_mask: 1 for trainable tokens, `(batch, response_len)`.
-        gamma, lambd: GAE's γ and λ; the REINFORCE++ family discounts with `gamma`.
+        gamma, lambd: GAE's γ and λ (one per response, `(batch,)`, for length-adaptive GAE);
+            the REINFORCE++ family discounts with `gamma`.
 
     Returns:
         `(advantages, returns)`, each `(batch, response_len)`, 0 at masked positions;
-        `returns` is GAE's (`A + V`) or the discounted return, None for `grpo` / `rloo`.
+        `returns` is GAE's (`A + V`) or the discounted return, None for one advantage per sample.
     """
-    _check_estimator("token_advantages", estimator)
-    if estimator == "gae":
+    kind = _estimator("token_advantages", estimator)
+    if kind.needs_critic:
         if values is None:
-            raise ValueError("token_advantages: `gae` needs the critic's `values`")
+            raise ValueError(f"token_advantages: `{estimator}` needs the critic's `values`")
         return compute_gae(rewards, values, loss_mask, gamma, lambd)
-    if estimator in ("grpo", "rloo"):
+    if kind.per_sample:
         if rewards.dim() != 1:
             raise ValueError(
                 f"token_advantages: {estimator} takes one advantage per sample, shape (batch,), got "
@@ -253,8 +261,10 @@ def token_advantages(
     return returns, returns
 
 
-def _check_estimator(fn: str, estimator: str) -> None:
-    if estimator not in ADVANTAGE_ESTIMATORS:
+def _estimator(fn: str, name: str) -> Estimator:
+    try:
+        return estimator_of(name)
+    except ValueError:
         raise ValueError(
-            f"{fn}: unknown estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
+            f"{fn}: unknown estimator {name!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        ) from None

@@ -17,6 +17,15 @@ advantages each token keeps its own. The objective is a mean over sequences:
 aggregate with `sample_mean` (`WorkerConfig` refuses `token_mean` with GSPO).
 The paper's clip ranges are far smaller than PPO's (ε_low = 3e-4, ε_high = 4e-4),
 since a sequence's ratio averages its tokens' log-ratios.
+
+The log of `s_{i,t}` is clamped to ±`LOG_RATIO_LIMIT` = ±20 before `exp`, as PPO's
+ratio is. The peers differ there: verl (b178a3c, `verl/trainer/ppo/core_algos.py`
+`compute_policy_loss_gspo`) clamps the same quantity from above only, at 10, and
+OpenRLHF (3c3be62, `openrlhf/models/loss.py` `PolicyLoss`) not at all. All three agree
+while a sequence's mean log-ratio lies in [−10, 10] (ratios from 4.5e-5 to 2.2e4); above
+10 a positive advantage is clipped at `1 + ε_high` either way, and only a negative
+advantage's loss (without dual clip: `−A · s`) and its gradient are e^10 in verl and
+`min(s, e^20)` here, a sequence far outside any trust region.
 """
 
 from __future__ import annotations

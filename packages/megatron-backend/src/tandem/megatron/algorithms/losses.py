@@ -1,4 +1,4 @@
-"""PPO's clipped policy and value losses per token, and their aggregation to one scalar.
+"""PPO's clipped policy and value losses per token (their aggregation to one scalar: `aggregation`).
 
 Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7 for the
 clipped surrogate, eq. 9 for the value term); dual clip from Ye et al. 2020,
@@ -7,8 +7,8 @@ clipped surrogate, eq. 9 for the value term); dual clip from Ye et al. 2020,
 Conventions in docs/design.md ("PPO math conventions").
 
 Every function here works on padded `(batch, response_len)` tensors and returns
-per-token tensors; `aggregate_loss` reduces a per-token tensor (a loss or a
-metric) with the loss mask. Per-token metrics are 0/1 indicators or values,
+per-token tensors; `aggregate_loss` (`aggregation`, re-exported here) reduces a
+per-token tensor (a loss or a metric) with the loss mask. Per-token metrics are 0/1 indicators or values,
 detached, so that they aggregate with the same mask, mode and denominators as
 the loss they describe (a clip fraction of the whole step is then exact under
 micro-batching and data parallelism).
@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 
 from tandem.megatron.algorithms.advantages import masked_mean_var
-from tandem.megatron.choices import LOSS_AGGREGATIONS, LossAggregation
+from tandem.megatron.algorithms.aggregation import (
+    LOSS_AGGREGATIONS,
+    LossAggregation,
+    aggregate_loss,
+    loss_sum_and_count,
+)
 
 __all__ = [
     "LOG_RATIO_LIMIT",
@@ -32,7 +37,6 @@ __all__ = [
     "explained_variance",
     "loss_sum_and_count",
     "policy_loss",
-    "tis_weights",
     "value_loss",
     "value_loss_and_metrics",
 ]
@@ -161,37 +165,6 @@ def clipped_surrogate(
     return loss, {"clip_frac": clip_frac, "dual_clip_frac": dual_clip_frac}
 
 
-@torch.no_grad()
-def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weights per token, `min(exp(old_log_probs − rollout_log_probs), cap)`, detached.
-
-    The rollout engine sampled the tokens from its own policy (another kernel
-    stack, a stale step in the async loop), not from π_old; the clipped surrogate
-    assumes π_old. Multiplying each token's policy loss by `π_old / π_rollout`
-    corrects the off-policy gap; truncating it at `cap` bounds the variance
-    (Ionides 2008, "Truncated Importance Sampling"; Yao et al. 2025, "Your
-    Efficient RL Framework Secretly Brings You Off-Policy RL Training"). The
-    log-ratio is clamped to ±`LOG_RATIO_LIMIT` before `exp`, as in `policy_loss`.
-
-    Args:
-        old_log_probs: log π_old(token), the trainer's. Shape `(batch, response_len)`.
-        rollout_log_probs: log π_rollout(token), the engine's. Same shape.
-        cap: the truncation, > 0 (WorkerConfig asks for >= 1).
-
-    Returns:
-        The weights, same shape, in `old_log_probs`' dtype (not masked: aggregate with the loss mask).
-    """
-    if not cap > 0:
-        raise ValueError(f"tis_weights: `cap` must be > 0 (e.g. 2.0), got {cap}")
-    _check_same_shape(
-        "tis_weights",
-        "old_log_probs",
-        {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs},
-    )
-    log_ratio = torch.clamp(old_log_probs - rollout_log_probs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    return torch.exp(log_ratio).clamp(max=cap).detach()
-
-
 def value_loss_and_metrics(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -251,89 +224,6 @@ def value_loss(
 ) -> torch.Tensor:
     """The clipped value loss per token, for the critic: `value_loss_and_metrics` without the metrics."""
     return value_loss_and_metrics(values, old_values, returns, value_clip)[0]
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in LOSS_AGGREGATIONS:
-        raise ValueError(
-            f"loss aggregation `mode` {mode!r} is unknown; choose one of {', '.join(LOSS_AGGREGATIONS)}"
-        )
-
-
-def loss_sum_and_count(
-    per_token_loss: torch.Tensor,
-    loss_mask: torch.Tensor,
-    mode: LossAggregation = "sample_mean",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A per-token loss (or metric) as a numerator and a count whose ratio is its aggregate.
-
-    The form Megatron's `calculate_per_token_loss` takes from a loss function:
-    the schedule and the gradient finalisation add the numerators and the counts
-    of every micro-batch of an optimizer step and of every data-parallel rank,
-    and divide the gradients by the total count once. The ratio of the totals
-    is then the exact mean of the whole step, for both modes:
-
-    - "token_mean": numerator = Σ loss over trainable tokens; count = number of
-      trainable tokens.
-    - "sample_mean": numerator = Σ over samples of that sample's mean over its
-      trainable tokens; count = number of samples with at least one trainable
-      token. Megatron calls the count "tokens", but only divides by it, so a
-      count of samples gives the mean over samples just as exactly.
-
-    Args:
-        per_token_loss: shape `(batch, response_len)`; masked positions may hold anything finite.
-        loss_mask: 1 (or True) for trainable tokens. Same shape.
-        mode: one of `LOSS_AGGREGATIONS`.
-
-    Returns:
-        `(numerator, count)`: a differentiable scalar in `per_token_loss`'s dtype,
-        and an int64 scalar on its device.
-    """
-    _check_mode(mode)
-    if loss_mask.shape != per_token_loss.shape or per_token_loss.dim() != 2:
-        raise ValueError(
-            f"aggregate_loss: `per_token_loss` {tuple(per_token_loss.shape)} and `loss_mask` "
-            f"{tuple(loss_mask.shape)} must both have shape (batch, response_len)"
-        )
-    mask = loss_mask.detach().to(per_token_loss.device) != 0
-    # `where`, not multiplication: a non-finite value at a masked position must not leak.
-    masked = torch.where(mask, per_token_loss, 0.0)
-    if mode == "token_mean":
-        return masked.sum(), mask.sum()
-    tokens_per_sample = mask.sum(dim=-1).clamp(min=1).to(per_token_loss.dtype)
-    return (masked.sum(dim=-1) / tokens_per_sample).sum(), mask.any(dim=-1).sum()
-
-
-def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    loss_mask: torch.Tensor,
-    mode: LossAggregation = "sample_mean",
-) -> torch.Tensor:
-    """Reduce a per-token loss (or metric) to one scalar over the trainable tokens of one batch.
-
-    Modes:
-    - "sample_mean" (default): each sample's mean over its trainable tokens,
-      then the mean over samples. Every sample weighs the same, however long.
-      Samples without a trainable token are left out of both sums.
-    - "token_mean": the mean over all trainable tokens of the batch. Every token
-      weighs the same, so long samples weigh more.
-
-    This is `numerator / count` of `loss_sum_and_count`. Under micro-batching
-    and data parallelism the mean of the whole step is the ratio of the summed
-    numerators and counts, not a mean of these per-batch figures: the train
-    step hands the pairs to Megatron (`calculate_per_token_loss`).
-
-    Args:
-        per_token_loss: shape `(batch, response_len)`; masked positions may hold anything finite.
-        loss_mask: 1 (or True) for trainable tokens. Same shape.
-        mode: one of `LOSS_AGGREGATIONS`.
-
-    Returns:
-        A scalar tensor with `per_token_loss`'s dtype, differentiable; 0 (still
-        connected to the graph) when nothing is trainable.
-    """
-    total, count = loss_sum_and_count(per_token_loss, loss_mask, mode)
-    return total / count.clamp(min=1).to(total.dtype)
 
 
 @torch.no_grad()

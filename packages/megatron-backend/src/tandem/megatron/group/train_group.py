@@ -1,22 +1,24 @@
 """The train worker, driver side: start one role's workers on placement-group bundles, and call them.
 
 Nothing here imports Megatron (30 s on a small CPU machine): the Ray actors
-are `_WorkerHost`s, which import `worker.TrainWorker` in their own process and
-pass every call through. Actor and critic are separate torch.distributed
-worlds; `create_train_group` starts one role's workers on the bundles of a
-placement group (fractional GPUs, so both roles share the same bundles) and
-agrees on the rendezvous address through rank 0.
+are `TrainWorkerHost`s (`actors.ActorHost`), which build `worker.TrainWorker` in
+their own process and run any of its public methods by name (`TrainGroup.call`).
+Actor and critic are separate torch.distributed worlds; `create_train_group`
+starts one role's workers on the bundles of a placement group (fractional GPUs,
+so both roles share the same bundles) and agrees on the rendezvous address
+through rank 0.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
+from tandem.megatron.group.actors import ActorHost
 from tandem.megatron.payloads import (
     ActorLogProbs,
     CriticValues,
@@ -26,23 +28,42 @@ from tandem.megatron.payloads import (
     route_payloads,
 )
 
-__all__ = ["ShareLedger", "TrainGroup", "create_train_group"]
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+    from tandem.megatron.batch import RolloutBatch
+
+__all__ = ["TRAIN_WORKER", "ShareLedger", "TrainGroup", "TrainWorkerHost", "create_train_group"]
+
+TRAIN_WORKER = "tandem.megatron.worker.train_worker:TrainWorker"
+"""The class each rank's host builds in its own process."""
+
+type DataRefs = Sequence[ObjectRef[RolloutBatch]]
+"""One rollout's batches in Ray's object store, one per rank or per data-parallel rank."""
+
+
+class Bundles(Protocol):
+    """The bundles a group runs on: a placement group (`pg`) and its bundle indices (a `tandem.placement.Slot`)."""
+
+    @property
+    def pg(self) -> PlacementGroup | None: ...
+
+    @property
+    def bundle_indices(self) -> Sequence[int]: ...
 
 
 class ShareLedger(Protocol):
-    """What `create_train_group` needs of tandem-placement's `GpuShares`: claim and release a bundle share.
-
-    `slot` is anything with the placement group as `pg` and the bundle indices
-    as `bundle_indices` (a `tandem.placement.Slot`, or the group's own view).
-    """
+    """What `create_train_group` needs of tandem-placement's `GpuShares`: claim and release a bundle share."""
 
     def claim(
-        self, slot: Any, index: int, *, role: str, num_gpus: float, num_cpus: float | None = None
+        self, slot: Bundles, index: int, *, role: str, num_gpus: float, num_cpus: float | None = None
     ) -> None:
         """Record `role`'s share of bundle `index`; ValueError when the bundle's shares pass one GPU."""
         ...
 
-    def release(self, slot: Any, index: int, role: str) -> None:
+    def release(self, slot: Bundles, index: int, role: str) -> None:
         """Give `role`'s share of bundle `index` back."""
         ...
 
@@ -50,84 +71,16 @@ class ShareLedger(Protocol):
 class _Bundles(NamedTuple):
     """A group's bundles in the form `ShareLedger` takes (the fields of tandem-placement's `Slot`)."""
 
-    pg: Any
+    pg: PlacementGroup | None
     bundle_indices: tuple[int, ...]
 
 
-class _WorkerHost:
-    """The Ray actor of one rank: builds a `worker.TrainWorker` in its own process and passes calls through.
+class TrainWorkerHost(ActorHost):
+    """The Ray actor of one train-worker rank: an `ActorHost` of `TRAIN_WORKER`.
 
-    Its methods are `TrainWorker`'s public methods, one to one (a test checks it).
+    A class of its own so that Ray's process title (`ray::TrainWorkerHost.call`) names a
+    train worker in an error that comes from one.
     """
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        from tandem.megatron.worker.train_worker import TrainWorker
-
-        self._worker = TrainWorker(rank, world_size)
-
-    def master_address(self) -> tuple[str, int]:
-        return self._worker.master_address()
-
-    def init(self, config: WorkerConfig, role: Role, master_addr: str, master_port: int) -> int:
-        return self._worker.init(config, role, master_addr, master_port)
-
-    def train(
-        self,
-        rollout_id: int,
-        data_ref: Any,
-        *,
-        critic: CriticValues | None = None,
-        log_probs: ActorLogProbs | None = None,
-    ) -> TrainResult:
-        return self._worker.train(rollout_id, data_ref, critic=critic, log_probs=log_probs)
-
-    def compute_log_probs(self, rollout_id: int, data_ref: Any) -> ActorLogProbs | None:
-        return self._worker.compute_log_probs(rollout_id, data_ref)
-
-    def last_targets(self) -> dict[str, Any]:
-        return self._worker.last_targets()
-
-    def sleep(self) -> dict[str, float]:
-        return self._worker.sleep()
-
-    def wake_up(self) -> dict[str, float]:
-        return self._worker.wake_up()
-
-    def asleep(self) -> bool:
-        return self._worker.asleep()
-
-    def save_model(self, rollout_id: int) -> None:
-        self._worker.save_model(rollout_id)
-
-    def load_model(self) -> int | None:
-        return self._worker.load_model()
-
-    def update_weights(self, engine: Any, pack: Any = None, adapters: bool = False) -> int:
-        return self._worker.update_weights(engine, pack, adapters=adapters)
-
-    def state_snapshot(self) -> dict[str, Any]:
-        return self._worker.state_snapshot()
-
-    def state_nbytes(self) -> dict[str, int]:
-        return self._worker.state_nbytes()
-
-    def gpu_memory(self) -> dict[str, int | None]:
-        return self._worker.gpu_memory()
-
-    def host_buffer_bytes(self) -> int | None:
-        return self._worker.host_buffer_bytes()
-
-    def bytes_copied_to_host(self) -> dict[str, int]:
-        return self._worker.bytes_copied_to_host()
-
-    def lifecycle_timings(self) -> dict[str, float]:
-        return self._worker.lifecycle_timings()
-
-    def process_groups(self) -> dict[str, int]:
-        return self._worker.process_groups()
-
-    def shutdown(self) -> None:
-        self._worker.shutdown()
 
 
 @dataclass
@@ -136,8 +89,8 @@ class TrainGroup:
 
     Attributes:
         role: "actor" or "critic".
-        workers: the worker actor handles, rank `i` at index `i`; each has
-            `TrainWorker`'s methods (`w.train.remote(...)`).
+        workers: the worker actor handles (`TrainWorkerHost`s), rank `i` at index `i`; each
+            runs `TrainWorker`'s methods by name (`w.call.remote("train", ...)`, `call` here).
         start_rollout_id: the rollout to start from (after a loaded checkpoint, else 0).
         shares: the ledger that holds this group's GPU shares (released by `kill`), if any.
         bundles: the placement group and bundle indices the workers run on.
@@ -146,10 +99,10 @@ class TrainGroup:
     """
 
     role: Role
-    workers: list[Any]
+    workers: list[ActorHandle]
     start_rollout_id: int
     shares: ShareLedger | None = None
-    bundles: Any = field(default=None, repr=False)
+    bundles: Bundles | None = field(default=None, repr=False)
     layout: tuple[int, int] | None = None
 
     @property
@@ -159,9 +112,9 @@ class TrainGroup:
             return None
         return len(self.workers) // (self.layout[0] * self.layout[1])
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` on every worker; the ObjectRefs, in rank order."""
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[ObjectRef[Any]]:
+        """Call `TrainWorker`'s `method` on every worker; the ObjectRefs, in rank order."""
+        return [w.call.remote(method, *args, **kwargs) for w in self.workers]
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every worker and wait; the results, in rank order."""
@@ -191,7 +144,11 @@ class TrainGroup:
         return self.run("load_model")
 
     def update_weights(
-        self, engines: Sequence[Any], pack: Any = None, *, adapters: bool = False
+        self,
+        engines: Sequence[ActorHandle],
+        pack: Callable[[Any], Any] | None = None,
+        *,
+        adapters: bool = False,
     ) -> list[int]:
         """Send the actor's weights to `engines` (every rank takes part); each rank's chunk count.
 
@@ -209,12 +166,13 @@ class TrainGroup:
     def train(
         self,
         rollout_id: int,
-        data_refs: Any,
+        data_refs: DataRefs,
         *,
         critic: Sequence[TrainResult | CriticValues | None] | CriticValues | None = None,
         log_probs: Sequence[ActorLogProbs | None] | ActorLogProbs | None = None,
         sample_indices: Sequence[Sequence[int]] | None = None,
-    ) -> list[Any]:
+        kl_coef: float | None = None,
+    ) -> list[ObjectRef[TrainResult]]:
         """Start `train` on every rank with its records; the refs (of `TrainResult`s), in rank order.
 
         `critic` (the actor's): the critic's per-rank results of its `train`, or
@@ -225,7 +183,9 @@ class TrainGroup:
         rank (or per data-parallel rank), each in its batch's order. Without it,
         record `r` goes to rank `r` (`route_per_rank`); with it, the records are
         routed by sample when they do not line up rank by rank (actor and critic
-        with different layouts), see `payloads.route_payloads`.
+        with different layouts), see `payloads.route_payloads`. `kl_coef`: this step's
+        reward-level KL coefficient, the same for both roles (the driver's adaptive KL
+        controller, `kl_target`); None: the config's `kl_coef`.
         """
         if critic is not None and self.role != "actor":
             raise ValueError(
@@ -245,11 +205,20 @@ class TrainGroup:
         own = self.role == "actor"
         routed = (route_payloads if own else route)("log_probs", log_probs, world)
         return [
-            w.train.remote(rollout_id, data_refs, critic=None if values is None else values[r], log_probs=lp)
+            w.call.remote(
+                "train",
+                rollout_id,
+                data_refs,
+                critic=None if values is None else values[r],
+                log_probs=lp,
+                kl_coef=kl_coef,
+            )
             for r, (w, lp) in enumerate(zip(self.workers, routed, strict=True))
         ]
 
-    def compute_log_probs(self, rollout_id: int, data_refs: Any) -> list[Any]:
+    def compute_log_probs(
+        self, rollout_id: int, data_refs: DataRefs
+    ) -> list[ObjectRef[ActorLogProbs | None]]:
         """Start the actor's `compute_log_probs` on every rank (the KL-first plan); the refs, in rank order.
 
         The model must be awake (the driver wakes it). Each last-stage rank's result
@@ -277,7 +246,7 @@ class TrainGroup:
 def create_train_group(
     config: WorkerConfig,
     role: Role,
-    placement_group: Any,
+    placement_group: PlacementGroup | None,
     bundle_indices: Sequence[int],
     *,
     num_gpus_per_worker: float,
@@ -300,6 +269,8 @@ def create_train_group(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if placement_group is None:
+        raise ValueError("create_train_group: placement_group is None; give the slot's placement group")
     config.check_role(role)
     config.check_world(len(bundle_indices), role=role)
     bundles = _Bundles(placement_group, tuple(bundle_indices))
@@ -317,25 +288,31 @@ def create_train_group(
             raise
     env = dict(env_vars or {})
     if config.offload_backend == "torch_memory_saver":
-        from tandem.lifecycle import torch_memory_saver_env
+        from tandem.lifecycle import torch_memory_saver_env  # torch: the driver side imports none
 
         env = {**torch_memory_saver_env(), **env}
-    remote_cls = ray.remote(_WorkerHost)
-    workers: list[Any] = [
-        remote_cls.options(
-            num_cpus=num_cpus_per_worker,
-            num_gpus=num_gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=index
-            ),
-            runtime_env={"env_vars": env} if env else None,
-        ).remote(rank, len(bundle_indices))
+    remote_cls = ray.remote(TrainWorkerHost)
+    # Ray types an actor's start as handle | class: it is the handle.
+    workers = [
+        cast(
+            "ActorHandle",
+            remote_cls.options(
+                num_cpus=num_cpus_per_worker,
+                num_gpus=num_gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=index
+                ),
+                runtime_env={"env_vars": env} if env else None,
+            ).remote(TRAIN_WORKER, rank, len(bundle_indices)),
+        )
         for rank, index in enumerate(bundle_indices)
     ]
     group = TrainGroup(role, workers, 0, shares, bundles, config.topology(role))
     try:
-        master_addr, master_port = ray.get(workers[0].master_address.remote())
-        starts = ray.get([w.init.remote(config, role, master_addr, master_port) for w in workers])
+        master_addr: str
+        master_port: int
+        master_addr, master_port = ray.get(workers[0].call.remote("master_address"))
+        starts = group.run("init", config, role, master_addr, master_port)
         if len(set(starts)) != 1:
             raise RuntimeError(f"{role} ranks resumed from different rollouts: {starts}")
     except BaseException:

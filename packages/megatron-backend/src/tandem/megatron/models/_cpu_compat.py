@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tandem.megatron.models._megatron_core import import_megatron_core
+
 _lock = threading.Lock()
 _patched = False
 _thread_state = threading.local()
@@ -108,6 +110,7 @@ def enable_cpu_compat() -> bool:
     the package's entry points (`init_distributed`, `build_model`, the forward
     and weight functions) already do.
     """
+    import_megatron_core()  # first, on every host: the fusions compile on first call
     if not cpu_compat_active():
         return False
     global _patched

@@ -4,15 +4,15 @@
 weights to the engines) and its process's start-up (`startup`), the role's
 stages (`roles`, `train_step`, `forward` and its log-prob kernel `log_probs`,
 `received`), the trainee it builds (`_trainee`, `optimizer`), checkpoints
-(`checkpoint`, `checkpoint_folder`), torch.distributed (`parallel`), GPU memory
-figures (`gpu_memory`) and the fault-injection points (`fault_points`). This
-layer may import everything below it: the shared modules (`choices`, `batch`,
-`config`, `payloads`), the algorithms and the models, megatron-core,
-tandem-lifecycle and tandem-value-transfer; never the driver side (`group`)
-(tests/test_import_graph.py).
+(`checkpoint`, Megatron's shards inside `runtime.checkpoint_folder`'s protocol) and
+torch.distributed (`parallel`). This layer may import everything below it: the
+mechanisms the driver shares (`runtime`: fault points, GPU memory figures, the
+checkpoint folder), the shared modules (`choices`, `batch`, `config`, `payloads`),
+the algorithms and the models, megatron-core, tandem-lifecycle and
+tandem-value-transfer; never the driver side (`group`) (tests/test_import_graph.py).
 
 Names are imported on first use: `from tandem.megatron.worker import TrainWorker`
-loads megatron-core only then, and `checkpoint_folder` never does.
+loads megatron-core only then.
 """
 
 from __future__ import annotations

@@ -236,6 +236,7 @@ class Trainee:
 
 def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, on_gpu: bool) -> Trainee:
     """Build, load and wrap `role`'s model on this rank; weights and optimizer in their memory regions."""
+    # Megatron-core: its modules load once the worker's process has its CPU path (`enable_cpu_compat`).
     from tandem.megatron.models.hf_weights import load_hf_checkpoint as load_hf
     from tandem.megatron.models.lora import apply_lora
     from tandem.megatron.models.networks import build_model

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.worker.checkpoint_folder import (
+from tandem.megatron.runtime.checkpoint_folder import (
     MARKER,
     begin_save,
     commit_save,

@@ -162,6 +162,7 @@ def run_micro_batches(
     if not batches:
         return []
     enable_cpu_compat()
+    # Megatron-core: its modules load once the CPU path is on (`enable_cpu_compat`, just above).
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from tandem.megatron.models.networks import unwrap_model
 

@@ -61,7 +61,7 @@ class _FusedLogProbs(torch.autograd.Function):
         start: int,
         group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from tandem.megatron.worker._log_prob_kernels import row_stats
+        from tandem.megatron.worker._log_prob_kernels import row_stats  # Triton: CUDA hosts only
 
         m, s, a, picked = row_stats(
             logits,
@@ -98,7 +98,7 @@ class _FusedLogProbs(torch.autograd.Function):
     def backward(
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        from tandem.megatron.worker._log_prob_kernels import row_grads
+        from tandem.megatron.worker._log_prob_kernels import row_grads  # Triton: CUDA hosts only
 
         logits, targets, shift, log_z, expected = ctx.saved_tensors
         nothing = (None,) * 6

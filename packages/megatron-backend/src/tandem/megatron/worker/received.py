@@ -15,6 +15,7 @@ import torch
 
 from tandem.megatron.batch import RolloutBatch, pad_responses
 from tandem.megatron.payloads import ActorLogProbs, CriticValues
+from tandem.value_transfer import unpack_values
 
 __all__ = ["any_rank", "critic_values", "log_probs_for", "raise_if"]
 
@@ -37,7 +38,6 @@ def raise_if(failed: bool, error: Exception | None) -> None:
 
 def unpack(payload: Any, batch: RolloutBatch, device: torch.device, what: str) -> torch.Tensor:
     """A Box or `SampleGather` of per-sample tensors for this rank's samples, padded `(n, max_response_len)`."""
-    from tandem.value_transfer import unpack_values
 
     tensors = unpack_values(payload, device, sample_indices=batch.sample_indices)
     lengths = [int(t.numel()) for t in tensors]

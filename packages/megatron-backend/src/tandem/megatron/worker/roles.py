@@ -37,7 +37,6 @@ import torch
 from tandem.megatron.algorithms.gae import scalar_at_last_token
 from tandem.megatron.algorithms.rollout_rewards import estimator_rewards
 from tandem.megatron.batch import RolloutBatch, to_device, unpad_responses
-from tandem.megatron.choices import GROUP_ESTIMATORS
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.worker._trainee import Trainee
 from tandem.megatron.worker.forward import forward_only
@@ -52,8 +51,9 @@ from tandem.megatron.worker.role_losses import (
     actor_loss,
     critic_loss,
 )
-from tandem.megatron.worker.targets import actor_targets, critic_targets, reward_signal
+from tandem.megatron.worker.targets import actor_targets, clipped_rewards, critic_targets, reward_signal
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
+from tandem.value_transfer import pack_values
 
 # --- the two roles, stage by stage ------------------------------------------------------------------
 TargetsHook = Callable[[RolloutBatch], None]
@@ -83,7 +83,6 @@ def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> ActorLogProbs | 
     `pack_values` of one tensor per sample (its response length); its
     `ref_log_probs` only when the actor has a reference (host copies, or a LoRA base). None on other stages.
     """
-    from tandem.value_transfer import pack_values
 
     old_log_probs = _actor_log_probs(trainee, batch)
     ref_log_probs = None
@@ -110,29 +109,31 @@ def train_critic(
     rank: int,
     rollout_id: int,
     on_targets: TargetsHook | None = None,
+    kl_coef: float | None = None,
 ) -> TrainResult:
     """Step 3 on one critic rank: its metrics, and its old values (`CriticValues`) on last-stage ranks.
 
-    `log_probs`: with `kl_coef != 0`, the actor's `compute_log_probs` record for
-    this rank (routed by `TrainGroup.train`); ignored otherwise.
+    `log_probs`: in the KL-first plan (`kl_first`), the actor's `compute_log_probs` record for
+    this rank (routed by `TrainGroup.train`); ignored otherwise. `kl_coef`: this step's
+    reward-level KL coefficient (the adaptive controller's); None: the config's.
     """
     from megatron.core import parallel_state as mpu
-    from tandem.value_transfer import pack_values
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()
     dp_group = mpu.get_data_parallel_group()
-    # The actor's log-probs, checked on every rank before any collective, so that all fail alike.
+    # The actor's log-probs (the KL-first plan), checked on every rank before any collective, so
+    # that all fail alike.
     old_log_probs = ref_log_probs = None
     error: Exception | None = None
-    if config.kl_coef != 0 and last:
+    if config.kl_first and last:
         try:
             old_log_probs = log_probs_for(log_probs, batch, rank=rank)
             ref_log_probs = log_probs_for(log_probs, batch, rank=rank, reference=True)
         except (ValueError, TypeError) as exc:
             error = exc
     missing = last and (old_log_probs is None or ref_log_probs is None)
-    if config.kl_coef != 0:
+    if config.kl_first:
         failed, missing = any_rank([error is not None, missing], group)
         raise_if(failed, error)
         if missing:
@@ -158,7 +159,13 @@ def train_critic(
     rewards: torch.Tensor | None = None
     if last:
         rewards, figures = reward_signal(
-            batch, old_log_probs, ref_log_probs, config, device=trainee.device, dp_group=dp_group
+            batch,
+            old_log_probs,
+            ref_log_probs,
+            config,
+            device=trainee.device,
+            dp_group=dp_group,
+            kl_coef=kl_coef,
         )
     if old_values is not None:
         batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
@@ -178,7 +185,7 @@ def train_critic(
             seen.append((mb.sample_indices, outputs["values"].detach()))
         return critic_loss(config, mb, outputs)
 
-    sums = train_step(trainee, batch, loss, rollout_id=rollout_id)
+    sums = train_step(trainee, batch, loss, rollout_id=rollout_id, passes=config.critic_passes)
     if from_update and last:
         old_values = _update_values(batch, seen)
         batch, target_figures = critic_targets(batch, old_values, config, rewards=rewards, dp_group=dp_group)
@@ -226,17 +233,19 @@ def train_actor(
     rank: int,
     rollout_id: int,
     on_targets: TargetsHook | None = None,
+    kl_coef: float | None = None,
 ) -> TrainResult:
     """Step 4 on one actor rank: its metrics.
 
     `critic`: the critic's values for this rank, None without a critic (values 0);
-    `log_probs`: in the KL-first plan this rank's own `compute_log_probs` record, reused.
+    `log_probs`: in the KL-first plan this rank's own `compute_log_probs` record, reused;
+    `kl_coef`: this step's reward-level KL coefficient (the adaptive controller's); None: the config's.
     """
     from megatron.core import parallel_state as mpu
 
     config = trainee.config
     last = mpu.is_pipeline_last_stage()
-    needs_ref = config.use_kl_loss or config.kl_coef != 0
+    needs_ref = config.needs_reference
     # 1. old log-probs, and reference log-probs with the reference weights swapped in. Given ones
     # (compute_log_probs ran on these very weights, which have not changed since) are reused: on
     # the CPU they are bit-equal to a recomputation, on the GPU equal up to kernel nondeterminism,
@@ -276,7 +285,7 @@ def train_actor(
         # Critic-free group estimators: each sample's reward less its prompt's baseline, pooled over DP.
         scalar_rewards, group_figures = estimator_rewards(
             config.advantage_estimator,
-            batch.rewards,
+            clipped_rewards(batch.rewards, config),
             batch.sample_indices,
             n_samples_per_prompt=config.n_samples_per_prompt,
             std_normalization=config.grpo_std_normalization,
@@ -290,6 +299,7 @@ def train_actor(
             device=device,
             dp_group=dp_group,
             scalar_rewards=scalar_rewards,
+            kl_coef=kl_coef,
         )
         figures |= group_figures
         batch, target_figures = actor_targets(
@@ -318,10 +328,12 @@ def train_actor(
         ({"kl_loss"} if not config.use_kl_loss else set())
         | ({"entropy"} if config.entropy_coef <= 0 else set())
         | ({"tis_weight"} if not config.use_tis else set())
+        | ({"tis_masked_frac"} if not (config.use_tis and config.tis_mode == "seq_mask") else set())
+        | ({"sampler_log_prob_gap"} if batch.rollout_log_probs is None else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
-        | ({"values_mean"} if not config.uses_critic else set())
-        | ({"returns_mean"} if config.advantage_estimator in ("grpo", "rloo") else set())
-        | ({"tied_groups"} if config.advantage_estimator not in GROUP_ESTIMATORS else set())
+        | ({"values_mean"} if not config.estimator.needs_critic else set())
+        | ({"returns_mean"} if config.estimator.per_sample else set())
+        | ({"tied_groups"} if not config.estimator.groups else set())
         | ({"log_prob"} if from_update else set())
     )
     metrics = reduce_metrics(

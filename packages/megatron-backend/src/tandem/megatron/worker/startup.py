@@ -26,7 +26,7 @@ from tandem.lifecycle import (
 )
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
-from tandem.megatron.worker.gpu_memory import device_used_bytes, process_gpu_bytes
+from tandem.megatron.runtime.gpu_memory import device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker.parallel import init_distributed
 
 __all__ = [

@@ -17,13 +17,26 @@ import torch
 
 from tandem.megatron.algorithms.advantages import masked_mean_var, whiten_advantages
 from tandem.megatron.algorithms.estimators import token_advantages, whitens
-from tandem.megatron.algorithms.gae import lambda_returns
+from tandem.megatron.algorithms.gae import Lambda, lambda_returns, length_adaptive_lambdas
 from tandem.megatron.algorithms.kl import approx_kl, kl_penalized_rewards
 from tandem.megatron.algorithms.losses import explained_variance
 from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.config import WorkerConfig
 
-__all__ = ["actor_targets", "critic_targets", "reward_signal"]
+__all__ = ["actor_lambda", "actor_targets", "clipped_rewards", "critic_targets", "reward_signal"]
+
+
+def clipped_rewards(rewards: torch.Tensor, config: WorkerConfig) -> torch.Tensor:
+    """The scalar rewards clipped to ±`reward_clip` (as they are without it), before anything else reads them."""
+    if config.reward_clip is None:
+        return rewards
+    return rewards.clamp(-config.reward_clip, config.reward_clip)
+
+
+def actor_lambda(config: WorkerConfig, loss_mask: torch.Tensor) -> Lambda:
+    """The λ of the actor's GAE: `lambd`, or VAPO's per-response `length_adaptive_lambdas`."""
+    alpha = config.length_adaptive_gae_alpha
+    return config.lambd if alpha is None else length_adaptive_lambdas(loss_mask, alpha)
 
 
 def reward_signal(
@@ -35,24 +48,28 @@ def reward_signal(
     device: torch.device,
     dp_group: Any = None,
     scalar_rewards: torch.Tensor | None = None,
+    kl_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The rewards the estimator runs on, and their figures: scalar rewards, or the KL-folded token rewards.
 
     `scalar_rewards`: the per-sample rewards to use, shape `(n,)` (the estimator's,
-    `rollout_rewards.estimator_rewards`); None: `batch.rewards`. With `kl_coef == 0`:
-    those, exactly as without the KL-first plan (the log-probs are not read). Otherwise
-    `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
+    `rollout_rewards.estimator_rewards`); None: `batch.rewards` (`clipped_rewards`). With
+    `kl_coef == 0`: those, exactly as without the KL-first plan (the log-probs are not read).
+    Otherwise `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
     `(n, max_response_len)`; critic and actor call this with the same log-probs
     (the actor's, from `compute_log_probs`), hence the same rewards bit for bit.
+    `kl_coef`: this step's coefficient (the adaptive KL controller's, from the driver);
+    None: `config.kl_coef`. Whether the KL is folded at all is `config.kl_coef`'s to say.
     """
-    scalar = batch.rewards if scalar_rewards is None else scalar_rewards
+    scalar = clipped_rewards(batch.rewards, config) if scalar_rewards is None else scalar_rewards
     if config.kl_coef == 0:
         return scalar, {}
     assert log_probs is not None and ref_log_probs is not None, "checked by the caller"
     mask = batch.padded_loss_mask(device)
     log_probs, ref_log_probs = log_probs.to(device), ref_log_probs.to(device)
+    coef = config.kl_coef if kl_coef is None else kl_coef
     rewards = kl_penalized_rewards(
-        scalar.to(device), log_probs, ref_log_probs, mask, config.kl_coef, config.kl_penalty_type
+        scalar.to(device), log_probs, ref_log_probs, mask, coef, config.kl_penalty_type
     )
     kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
     return rewards, {"reward_kl": masked_mean_var(kl, mask, group=dp_group)[0]}
@@ -68,11 +85,12 @@ def critic_targets(
 ) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
     """The critic's targets: returns from its old values; (batch with `old_values`, `returns`; rollout figures).
 
-    `rewards`: what `reward_signal` gives; None: `batch.rewards`.
+    `rewards`: what `reward_signal` gives; None: `batch.rewards` (`clipped_rewards`). The
+    returns' λ is `critic_lambd` when set (VAPO's decoupled GAE), else `lambd`.
     """
     mask = batch.padded_loss_mask(old_values.device)
-    rewards = batch.rewards if rewards is None else rewards
-    returns = lambda_returns(rewards, old_values, mask, config.gamma, config.lambd)
+    rewards = clipped_rewards(batch.rewards, config) if rewards is None else rewards
+    returns = lambda_returns(rewards, old_values, mask, config.gamma, config.critic_lambda)
     figures = {
         "values_mean": masked_mean_var(old_values, mask, group=dp_group)[0],
         "returns_mean": masked_mean_var(returns, mask, group=dp_group)[0],
@@ -106,10 +124,10 @@ def actor_targets(
         device = old_log_probs.device
     mask = batch.padded_loss_mask(device)
     values = None if values is None else values.to(device)
-    rewards = batch.rewards if rewards is None else rewards
+    rewards = clipped_rewards(batch.rewards, config) if rewards is None else rewards
     estimator = config.advantage_estimator
     advantages, returns = token_advantages(
-        estimator, rewards, values, mask, gamma=config.gamma, lambd=config.lambd
+        estimator, rewards, values, mask, gamma=config.gamma, lambd=actor_lambda(config, mask)
     )
     figures = {"advantages_mean": masked_mean_var(advantages, mask, group=dp_group)[0]}
     if old_log_probs is not None:

@@ -3,9 +3,10 @@
 `train_step(trainee, batch, loss_fn, ...)` takes one rank's share of a
 rollout whose per-token targets are already in the batch (`roles`), and:
 
-1. orders the samples for each of `ppo_epochs` passes: rollout order, or a
-   permutation seeded by `seed`, the rollout id, the pass and the
-   data-parallel rank (`shuffle_minibatches`);
+1. orders the samples for each of its passes (`ppo_epochs`; the critic's
+   `ppo_epochs * critic_updates_per_step`): rollout order, or a permutation
+   seeded by `seed`, the rollout id, the pass and the data-parallel rank
+   (`shuffle_minibatches`);
 2. cuts each pass into minibatches of `global_batch_size / dp` samples, one
    optimizer step each (`minibatch_size`);
 3. runs each minibatch's micro-batches (padded, or packed with
@@ -13,7 +14,7 @@ rollout whose per-token targets are already in the batch (`roles`), and:
    in the per-token form, `(loss_sum, count, metrics)`: Megatron sums the
    gradients over micro-batches and data-parallel ranks and divides them
    once by the step's total count, so the gradient is that of the exact
-   mean of the step (`losses.loss_sum_and_count`, both aggregation modes);
+   mean of the step (`aggregation.loss_sum_and_count`, every aggregation mode);
 4. takes the optimizer step (clipping, learning-rate schedule);
 5. keeps each step's metric numerators and count, which `reduce_metrics`
    turns into the same exact per-step means on every rank, averaged over the
@@ -96,8 +97,12 @@ def train_step(
     *,
     rollout_id: int,
     with_entropy: bool = False,
+    passes: int | None = None,
 ) -> StepSums:
-    """The optimizer steps of one rollout on this rank (stages 1-5 of the module docstring)."""
+    """The optimizer steps of one rollout on this rank (stages 1-5 of the module docstring).
+
+    `passes`: full passes over the rollout; None: `ppo_epochs` (the critic's are `WorkerConfig.critic_passes`).
+    """
     from megatron.core import parallel_state as mpu
 
     config = trainee.config
@@ -111,7 +116,7 @@ def train_step(
         return loss_sum, count, {**metrics, COUNT: count.detach()}
 
     sums = StepSums(lr=trainee.optim.lr)
-    for epoch in range(config.ppo_epochs):
+    for epoch in range(config.ppo_epochs if passes is None else passes):
         # 1. the order of this pass
         order = pass_order(
             len(batch),
@@ -183,7 +188,8 @@ def reduce_metrics(
     `step_metrics`: each is the exact mean of its step (numerators and counts
     summed over the data-parallel ranks of the last stage; tensor-parallel
     ranks hold copies), averaged over the steps. `rollout`: figures every
-    last-stage rank already holds. Grad norm and learning rate: every rank holds them.
+    last-stage rank already holds. Grad norm, learning rate and the number of optimizer steps
+    (`optimizer_steps`: the critic takes `critic_updates_per_step` times the actor's): every rank holds them.
     """
     from megatron.core import parallel_state as mpu
 
@@ -209,6 +215,7 @@ def reduce_metrics(
     tail = vector[table.numel() :].tolist()
     out |= dict(zip(rollout, tail[: len(rollout)], strict=True))
     out["lr"] = tail[-1]
+    out["optimizer_steps"] = float(steps)
     if not math.isnan(tail[-2]):
         # NaN only when no norm was computed (clip_grad = 0): absent then, never a NaN metric.
         out["grad_norm"] = tail[-2]

@@ -20,19 +20,19 @@ from typing import Any, Protocol, runtime_checkable
 import ray
 import torch
 
-from megatron.core import parallel_state as mpu
 from tandem.lifecycle import forget_all, make_backend, reloadable_process_groups
 from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models._megatron_core import import_megatron_core
 from tandem.megatron.models.hf_weights import export_hf_weights, export_lora_adapters, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
+from tandem.megatron.runtime.fault_points import set_context as set_fault_context
+from tandem.megatron.runtime.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker import roles
 from tandem.megatron.worker._trainee import BASE, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
-from tandem.megatron.worker.fault_points import set_context as set_fault_context
-from tandem.megatron.worker.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker.parallel import destroy_distributed, free_port
 from tandem.megatron.worker.startup import (
     build_lifecycle,
@@ -44,6 +44,8 @@ from tandem.megatron.worker.startup import (
 )
 
 __all__ = ["TrainWorker", "WeightReceiver"]
+
+mpu = import_megatron_core().parallel_state
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class TrainWorker:
         self._group = join_world(config, role, self.rank, self.world_size, master_addr, master_port)
         if on_gpu:
             self._gpu_start = gpu_start(device_before_context)
+        elif config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu)
         keep_tensor_pickles_portable()
         self._lifecycle = build_lifecycle(backend, self._trainee.register(backend), config)
@@ -117,6 +121,7 @@ class TrainWorker:
         *,
         critic: CriticValues | None = None,
         log_probs: ActorLogProbs | None = None,
+        kl_coef: float | None = None,
     ) -> TrainResult:
         """Train on this rank's share of a rollout; wakes the model first if asleep, never sleeps after.
 
@@ -129,6 +134,8 @@ class TrainWorker:
             log_probs: the actor's: in the KL-first plan this rank's own
                 `compute_log_probs` record, which is then reused. The critic's: with
                 `kl_coef != 0`, the actor's record for this rank (required); ignored otherwise.
+            kl_coef: this step's reward-level KL coefficient, the same for both roles (the adaptive
+                KL controller's, `kl_target`); None: the config's `kl_coef`.
 
         Returns:
             A `TrainResult`: the metrics, the same on every rank; the allocator calls this
@@ -157,6 +164,7 @@ class TrainWorker:
             rank=self.rank,
             rollout_id=rollout_id,
             on_targets=self._keep_targets,
+            kl_coef=kl_coef,
         )
         with AllocatorCalls() as calls:
             out = train()
@@ -252,7 +260,7 @@ class TrainWorker:
         if self._lifecycle.asleep:
             raise RuntimeError(
                 "save_model: the model is asleep and saving never wakes it; the driver wakes it first "
-                "(OffloadPlan.wake_up_before_save)"
+                "(its save turn's wake)"
             )
         save_checkpoint(folder, rollout_id, trainee.train_state(), barrier=self._barrier)
 

@@ -7,6 +7,10 @@ input order; `release_memory` / `resume_memory` by tag (`weights`, `kv_cache`);
 weights reach each engine through its actor handle's `update_weights_from_tensors`
 (HF-named CPU tensors, or an `ipc_payload(...)` of CUDA tensors when the actor rank
 shares the engine's GPU). See docs/design.md, "Real components and how they start".
+
+The lowest layer of tandem.ppo: it may import torch, transformers, Triton, Ray,
+tandem-lifecycle and tandem.megatron's torch-free layers (`group.actors`,
+`runtime`), never another part of tandem.ppo (tests/test_import_graph.py).
 """
 
 from ._embedded import EmbeddedEngine, EngineMemoryReleasedError

@@ -12,6 +12,11 @@ to `merge_lora(base, A, B, scaling)`, from the base every time: a weight that
 holds an older merge gets its base bytes back from the host copy first
 (`refresh`), so no sync ever adds to the rounding of the one before.
 
+With `EngineOptions.count_weight_changes` a sync's merges are counted against
+what the engine sampled with before it (`ChangeCounter.copy_in` over the older
+merge, made again from the base when a release took it away); merging back
+after a release changes nothing the engine samples with, and is not counted.
+
 The last adapters received are kept (on the host, a few MB); after a release
 and a resume the weights are the base again, and the adapters are merged back
 before the next generation (or fingerprint), so the engine's weights are as they
@@ -20,6 +25,7 @@ were, as `resume_memory` promises.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +64,7 @@ class AdapterUpdates(WeightUpdates):
 
     def update_adapter_from_tensors(self, named_tensors: Any, scaling: float) -> None:
         """Merge LoRA adapters (A and B of each adapted weight, in one call) into the base weights."""
+        start = time.perf_counter()
         with self._lock:
             if self._base_copy is None:
                 raise ValueError(
@@ -75,14 +82,16 @@ class AdapterUpdates(WeightUpdates):
                 # Before the first merge: the weights are the base, and their host copy is made now.
                 self._base_copy.retain(WEIGHTS_TAG)
                 for weight, (a, b) in pairs.items():
+                    previous = self._adapters.get(weight)
                     self._adapters[weight] = (a.to("cpu", copy=True), b.to("cpu", copy=True), float(scaling))
-                    self._merge(weight)
+                    self._merge(weight, counted=True, previous=previous)
             finally:
                 named.clear()
                 opened.clear()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
                 torch.cuda.ipc_collect()
+            self._update_seconds += time.perf_counter() - start
 
     def _adapter_pairs(
         self, named: list[tuple[str, torch.Tensor]]
@@ -113,15 +122,37 @@ class AdapterUpdates(WeightUpdates):
             pairs[weight] = (ab["A"], ab["B"])
         return pairs
 
-    def _merge(self, weight: str) -> None:
-        """Set `weight` to its base with its kept adapter merged in (its base bytes back first if merged)."""
+    def _merge(
+        self,
+        weight: str,
+        *,
+        counted: bool = False,
+        previous: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> None:
+        """Set `weight` to its base with its kept adapter merged in (its base bytes back first if merged).
+
+        `counted`: a sync's merge, counted by the change counter against what the engine sampled
+        with, the merge of `previous` (the adapters before) when a release left only the base.
+        """
         assert self._base_copy is not None
         target = self._params_by_name[weight]
-        if weight in self._merged:
-            self._base_copy.refresh(WEIGHTS_TAG, [target])
-        a, b, scaling = self._adapters[weight]
+        counter = self._changes if counted else None
         with torch.no_grad():
-            target.copy_(merge_lora(target, a, b, scaling))
+            sampled_with = None
+            if weight in self._merged:
+                if counter is not None:
+                    sampled_with = target.clone()
+                self._base_copy.refresh(WEIGHTS_TAG, [target])
+            elif counter is not None and previous is not None:
+                sampled_with = merge_lora(target, *previous)
+            a, b, scaling = self._adapters[weight]
+            merged = merge_lora(target, a, b, scaling)
+            if counter is None:
+                target.copy_(merged)
+            else:
+                if sampled_with is not None:
+                    target.copy_(sampled_with)
+                counter.copy_in(target, merged)
         self._merged.add(weight)
 
     def _merge_kept_adapters(self) -> None:

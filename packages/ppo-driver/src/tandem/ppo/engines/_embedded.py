@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from tandem.megatron.worker.fault_points import fault_point
+from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
+from tandem.megatron.runtime.fault_points import fault_point
 
 from ._adapter_updates import AdapterUpdates
 from ._errors import EngineMemoryReleasedError
@@ -40,10 +41,14 @@ from ._kv_cache import StaticKVCache, register_attention
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
 from ._sampling import Draws
+from ._weight_changes import ChangeCounter, weight_magnitudes
 
 logger = logging.getLogger(__name__)
 
 _MIN_BUCKET = 8
+
+COUNTER_TAG = "weight_changes"
+"""The memory backend's tag of the change counter's bitmask when the weights' tag is frozen (`adapter_sync`)."""
 
 
 class EmbeddedEngine(AdapterUpdates, ForwardPasses):
@@ -69,10 +74,10 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
-
         self.options = options = options or EngineOptions()
         self.device = _pick_device(options.device)
+        if self.device.type == "cpu" and options.cpu_threads is not None:
+            torch.set_num_threads(options.cpu_threads)
         self.dtype = _pick_dtype(options.dtype, self.device)
         model: Any = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=self.dtype)
         model.set_attn_implementation(register_attention())
@@ -105,16 +110,29 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         self._fused = build_fused_decoder(
             self.model, options=options, max_context_len=self._max_context_len, ops=decode_ops
         )
+        self._changes = (
+            ChangeCounter(self._params_by_name, self.device) if options.count_weight_changes else None
+        )
+        self._weights_magnitudes = (
+            weight_magnitudes(self._params_by_name, self.dtype) if options.count_weight_changes else {}
+        )
+        self._update_seconds = 0.0
 
         if memory_backend is None:
             if options.offload_backend == "none":
                 memory_backend = NoopBackend()
             else:
                 memory_backend = PinnedHostBackend(self.device)
-        # With adapter_sync the weights are the base, copied to the host once (`_adapter_updates`).
+        # With adapter_sync the weights are the base, copied to the host once (`_adapter_updates`); the
+        # change counter's bitmask, which every sync writes, is then a tag of its own that moves each time.
+        self._weight_tags = (
+            ["weights", COUNTER_TAG] if options.adapter_sync and self._changes is not None else ["weights"]
+        )
         frozen = {"frozen": True} if options.adapter_sync else {}
         if hasattr(memory_backend, "register"):
             memory_backend.register("weights", self._weight_tensors, **frozen)
+            if COUNTER_TAG in self._weight_tags:
+                memory_backend.register(COUNTER_TAG, self._counter_tensors)
         self._base_copy: Any = None
         if options.adapter_sync:
             self._base_copy = memory_backend if isinstance(memory_backend, PinnedHostBackend) else None
@@ -123,7 +141,7 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
                 self._base_copy.register("weights", self._weight_tensors, frozen=True)
         self._adapters: dict[str, Any] = {}
         self._merged: set[str] = set()
-        self._lifecycle = Lifecycle(memory_backend, tags=["weights"])
+        self._lifecycle = Lifecycle(memory_backend, tags=self._weight_tags)
         self._kv_released = False
         self._lock = threading.RLock()
         self._generate_calls = 0  # this process's, for `fault_points` (a test kills the n-th)
@@ -184,7 +202,7 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
                 self._drop_graphs()  # they point at the weights' storages, which move
                 if self._fused is not None:
                     self._fused.release()
-                self._lifecycle.sleep(["weights"])
+                self._lifecycle.sleep(self._weight_tags)
                 self._adapters_released()
             self._empty_device_cache()
 
@@ -193,7 +211,7 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         chosen = _check_tags(tags)
         with self._lock:
             if "weights" in chosen and self._lifecycle.asleep:
-                self._lifecycle.wake_up(["weights"])
+                self._lifecycle.wake_up(self._weight_tags)
             if "kv_cache" in chosen and self._kv_released:
                 self._kv_released = False
                 if self._last_cache_shape is not None:
@@ -371,7 +389,13 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
             torch.cuda.empty_cache()
 
     def _weight_tensors(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), *self.model.buffers()]
+        # The change counter's bitmask goes to the host and back with the weights it describes (in a tag
+        # of its own beside a frozen base).
+        counter = self._counter_tensors() if COUNTER_TAG not in self._weight_tags else []
+        return [*self.model.parameters(), *self.model.buffers(), *counter]
+
+    def _counter_tensors(self) -> list[torch.Tensor]:
+        return self._changes.tensors() if self._changes is not None else []
 
 
 def _own_storages(model: torch.nn.Module) -> None:

@@ -137,7 +137,7 @@ class FusedDecoder:
         self.dtype = model.lm_head.weight.dtype
         self.ops: DecodeOps
         if ops == "triton":
-            from ._decode_kernels import TritonOps
+            from ._decode_kernels import TritonOps  # Triton: CUDA hosts only, loaded where it runs
 
             self.ops = TritonOps(self.device)
         else:

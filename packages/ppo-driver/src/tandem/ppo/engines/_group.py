@@ -13,10 +13,19 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from tandem.megatron.group.actors import ActorGroup, split_contiguous
+
+from ._embedded import EmbeddedEngine
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, Generation, MemoryTag, SamplingParams
+from ._sglang import SGLangEngine, require_sglang
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.exceptions import RayActorError
 
 EngineKind = Literal["embedded", "sglang"]
 
@@ -45,18 +54,7 @@ def derive_seed(seed: int, rank: int) -> int:
     return (seed * _SEED_STRIDE + rank + 1) % _SEED_MOD
 
 
-def split_contiguous(n: int, parts: int) -> list[tuple[int, int]]:
-    """`parts` contiguous `(lo, hi)` slices of `range(n)`, sizes differing by at most one, larger first."""
-    base, extra = divmod(n, parts)
-    slices, lo = [], 0
-    for r in range(parts):
-        hi = lo + base + (1 if r < extra else 0)
-        slices.append((lo, hi))
-        lo = hi
-    return slices
-
-
-class EngineGroup:
+class EngineGroup(ActorGroup):
     """The rollout engines of a run, in rank order; what the driver generates with.
 
     Every call waits at most `timeout_s` for each engine and raises an `EngineError` naming
@@ -73,33 +71,38 @@ class EngineGroup:
         startup_timeout_s: seconds to wait for a restarted engine to load its model.
     """
 
+    TIMEOUT_OPTION = "EngineOptions.request_timeout_s"
+    KIND: ClassVar[str] = "engine"
+
     def __init__(
         self,
-        handles: Sequence[Any],
+        handles: Sequence[ActorHandle],
         *,
         max_context_len: int,
         timeout_s: float,
-        spawn: Callable[[int], Any] | None = None,
+        spawn: Callable[[int], ActorHandle] | None = None,
         max_restarts: int = 0,
         startup_timeout_s: float = 900.0,
     ) -> None:
-        if not handles:
-            raise ValueError("EngineGroup needs at least one engine handle")
-        self.handles: list[Any] = list(handles)
+        super().__init__(handles, timeout_s=timeout_s)
         self.max_context_len = max_context_len
-        self.timeout_s = timeout_s
         self.spawn = spawn
         self.max_restarts = max_restarts
         self.startup_timeout_s = startup_timeout_s
         self.restarts = [0] * len(self.handles)
         """Restarts so far, per rank."""
-        self.on_restart: Callable[[int, Any], None] | None = None
+        self.on_restart: Callable[[int, ActorHandle], None] | None = None
         """Called with (rank, new handle) once a restarted engine is up, before it gets work again
         (the driver sends it the current weights there)."""
         self._released: list[MemoryTag] = []
 
-    def __len__(self) -> int:
-        return len(self.handles)
+    def error(self, rank: int, message: str) -> EngineError:
+        """An `EngineError` naming rank `rank`."""
+        return EngineError(rank, message)
+
+    def died(self, rank: int, what: str, err: RayActorError) -> EngineDied:
+        """An `EngineDied`: a restart can bring rank `rank` back."""
+        return EngineDied(rank, f"{what} failed: the engine's actor died ({_one_line(err)})")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """One `Generation` per prompt, in input order; engine r gets the r-th contiguous chunk.
@@ -126,7 +129,7 @@ class EngineGroup:
         while pending:
             # An engine that died is restarted and given its chunk again, with the same seed.
             calls = [(r, self.handles[r].generate.remote(*pending[r])) for r in pending]
-            done, died = self._gather(calls, "generate")
+            done, died = self.gather(calls, "generate")
             for rank, chunk_results in done.items():
                 by_rank[rank] = chunk_results
                 del pending[rank]
@@ -136,12 +139,12 @@ class EngineGroup:
 
     def release_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
         """Every engine frees the memory of `tags`; returns once all of it is free."""
-        self._all("release_memory", list(tags))
+        self.all("release_memory", list(tags))
         self._released = [t for t in MEMORY_TAGS if t in self._released or t in tags]
 
     def resume_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
         """Every engine brings the memory of `tags` back."""
-        self._all("resume_memory", list(tags))
+        self.all("resume_memory", list(tags))
         self._released = [t for t in self._released if t not in tags]
 
     def update_weights_from_tensors(self, named_tensors: Any) -> None:
@@ -149,7 +152,7 @@ class EngineGroup:
         import ray
 
         ref = ray.put(named_tensors)
-        self._wait(
+        self.wait(
             [(r, h.update_weights_from_tensors.remote(ref)) for r, h in enumerate(self.handles)], "update"
         )
 
@@ -157,19 +160,34 @@ class EngineGroup:
         """Per rank, the engine's `weights_digest()`; None when the engines have none (e.g. SGLang's)."""
         if not all(hasattr(h, "weights_digest") for h in self.handles):
             return None
-        return self._wait(
+        return self.wait(
             [(r, h.weights_digest.remote()) for r, h in enumerate(self.handles)], "weights_digest"
         )
 
+    def weight_changes(self) -> dict[str, float] | None:
+        """Engine rank 0's `weight_changes()` (every engine receives the same weights); None when the
+        engines do not count (SGLang's)."""
+        if not hasattr(self.handles[0], "weight_changes"):
+            return None
+        return self.wait([(0, self.handles[0].weight_changes.remote())], "weight_changes")[0]
+
+    def weight_magnitudes(self) -> dict[str, Any] | None:
+        """Engine rank 0's `weight_magnitudes()` (how large the loaded weights are, for their dtype's
+        spacing); None when the engines do not say (SGLang's) or do not count changes."""
+        if not hasattr(self.handles[0], "weight_magnitudes"):
+            return None
+        magnitudes = self.wait([(0, self.handles[0].weight_magnitudes.remote())], "weight_magnitudes")[0]
+        return magnitudes or None
+
     def flush_cache(self) -> None:
         """Every engine drops its cached prefixes."""
-        self._all("flush_cache")
+        self.all("flush_cache")
 
     def health(self) -> list[bool]:
         """Per rank: True when the engine answered its health check in time, False when dead or stuck."""
         import ray
 
-        refs = [h.health.remote() for h in self.handles]
+        refs: list[ObjectRef[bool]] = [h.health.remote() for h in self.handles]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         ready_ids = set(ready)
         healthy = []
@@ -183,26 +201,8 @@ class EngineGroup:
                 healthy.append(False)
         return healthy
 
-    def shutdown(self) -> None:
-        """Stop every engine (shutdown hook first, when it answers in time), then kill its actor."""
-        import ray
-
-        refs = []
-        for h in self.handles:
-            try:
-                refs.append(h.shutdown.remote())
-            except Exception:  # the handle's class has no shutdown, or the actor is gone
-                continue
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 30.0))
-        for h in self.handles:
-            try:
-                ray.kill(h)
-            except Exception:  # already dead
-                continue
-
     # --- restarts ---------------------------------------------------------------------------------
-    def restart(self, rank: int, error: EngineError) -> None:
+    def restart(self, rank: int, error: Exception) -> None:
         """Start engine `rank` again on its bundle after `error` (its death), as the group's state says.
 
         Raises `error` itself when the group cannot start engines, and an `EngineError` naming
@@ -237,66 +237,20 @@ class EngineGroup:
         if self.on_restart is not None:
             self.on_restart(rank, handle)
         if self._released:
-            self._wait([(rank, handle.release_memory.remote(list(self._released)))], "release_memory")
+            self.wait([(rank, handle.release_memory.remote(list(self._released)))], "release_memory")
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def all(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every engine, an engine that died restarted and asked again; the answers in rank order."""
         results: dict[int, Any] = {}
         ranks = list(range(len(self.handles)))
         while ranks:
             calls = [(r, getattr(self.handles[r], method).remote(*args)) for r in ranks]
-            done, died = self._gather(calls, method)
+            done, died = self.gather(calls, method)
             results.update(done)
             for rank, error in died.items():
                 self.restart(rank, error)
             ranks = sorted(died)
         return [results[r] for r in range(len(self.handles))]
-
-    def _wait(self, calls: list[tuple[int, Any]], what: str) -> list[Any]:
-        """The results of `calls` ((rank, ref) pairs) in order; an `EngineError` naming the first failed rank."""
-        done, died = self._gather(calls, what)
-        if died:
-            raise next(iter(died.values()))
-        return [done[rank] for rank, _ in calls]
-
-    def _gather(
-        self, calls: list[tuple[int, Any]], what: str
-    ) -> tuple[dict[int, Any], dict[int, EngineDied]]:
-        """The results of `calls` ((rank, ref) pairs) by rank, and the ranks whose engine died.
-
-        Any other failure (an error inside the engine, no answer in time) raises an
-        `EngineError` naming the first such rank.
-        """
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-        refs = [ref for _, ref in calls]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        ready_ids = set(ready)
-        # An error from a finished engine says more than a timeout of another: report those first.
-        done: dict[int, Any] = {}
-        died: dict[int, EngineDied] = {}
-        late: list[int] = []
-        for rank, ref in calls:
-            if ref not in ready_ids:
-                late.append(rank)
-                continue
-            try:
-                done[rank] = ray.get(ref, timeout=self.timeout_s)
-            except RayActorError as err:
-                died[rank] = EngineDied(rank, f"{what} failed: the engine's actor died ({_one_line(err)})")
-                died[rank].__cause__ = err
-            except RayTaskError as err:
-                cause = err.cause if err.cause is not None else err
-                raise EngineError(rank, f"{what} failed: {cause!r}") from err
-            except GetTimeoutError as err:
-                raise EngineError(rank, f"{what} did not answer within {self.timeout_s:g} s") from err
-        if late:
-            raise EngineError(
-                late[0],
-                f"{what} did not answer within {self.timeout_s:g} s (EngineOptions.request_timeout_s); "
-                f"ranks not answering: {late}",
-            )
-        return done, died
 
 
 def _one_line(err: BaseException) -> str:
@@ -306,7 +260,7 @@ def _one_line(err: BaseException) -> str:
     return reason.split(" Some common causes include:", 1)[0]
 
 
-def _cause(error: EngineError) -> str:
+def _cause(error: Exception) -> str:
     return str(error).split(": ", 1)[-1]
 
 
@@ -335,12 +289,8 @@ def create_engine_group(
     if not bundle_indices:
         raise ValueError("create_engine_group: bundle_indices is empty; give one bundle per engine")
     if engine == "embedded":
-        from ._embedded import EmbeddedEngine
-
         engine_cls: Any = EmbeddedEngine
     elif engine == "sglang":
-        from ._sglang import SGLangEngine, require_sglang
-
         if not options.sglang_urls:
             require_sglang()
         elif len(options.sglang_urls) != len(bundle_indices):
@@ -377,7 +327,7 @@ def create_engine_group(
         startup_timeout_s=options.startup_timeout_s,
     )
     try:
-        lengths = group._all("max_context_len")
+        lengths = group.all("max_context_len")
     except BaseException:
         group.shutdown()
         raise

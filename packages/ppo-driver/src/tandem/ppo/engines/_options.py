@@ -55,6 +55,16 @@ class EngineOptions:
     """Decode steps between the host's checks for finished sequences (the only host syncs of the loop):
     when all are done, generation ends; when few are left, they are packed into a smaller batch."""
 
+    cpu_threads: int | None = None
+    """Threads of torch's CPU kernels of an engine on the CPU (`torch.set_num_threads`); None: the
+    process's setting. The driver passes its `cpu_threads`."""
+
+    count_weight_changes: bool = True
+    """Count, at each weight update, the elements of the weights that change (and those that ever
+    changed since the engine loaded them), compared on the device as the update copies
+    (`_weight_changes.py`; read by `weight_changes`). Costs one bit of device memory per weight element
+    (moved with the weights when they are released) and a read of the old weights during the copy."""
+
     offload_backend: EngineOffload = "pinned_host"
     """Where released weights go: "pinned_host" (tandem.lifecycle's retained host buffers, back at
     link speed) or "none" (weights stay resident; only the KV cache is freed)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
+from ._weights import as_named_tensors
 
 INSTALL_HINT = "pip install 'tandem-ppo-driver[sglang]'"
 
@@ -245,7 +246,6 @@ class SGLangEngine:
 
     def update_weights_from_tensors(self, named_tensors: Any) -> None:
         """Send HF-named tensors through `/update_weights_from_tensor` (as CUDA IPC handles on a GPU)."""
-        from ._weights import as_named_tensors
 
         named, _opened = as_named_tensors(named_tensors, _local_device())
         named = _to_local_device(named)

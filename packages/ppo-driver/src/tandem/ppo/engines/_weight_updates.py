@@ -1,19 +1,23 @@
-"""Weights into the embedded engine: `update_weights_from_tensors` and `weights_digest`.
+"""Weights into the embedded engine: `update_weights_from_tensors`, `weights_digest`, `weight_changes`.
 
 `WeightUpdates` is a mixin of `EmbeddedEngine` (which sets the attributes it
 declares). HF-named tensors, as CPU tensors or as an opened `IpcPayload`
 (`_weights.as_named_tensors`), are copied in place into the model's parameters
-and buffers, so the CUDA graphs captured over them stay valid.
+and buffers, so the CUDA graphs captured over them stay valid. With
+`EngineOptions.count_weight_changes` the copy counts the elements it changes
+(`_weight_changes.ChangeCounter`), read once a sync by `weight_changes`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._errors import EngineMemoryReleasedError
+from ._weight_changes import ChangeCounter
 from ._weights import as_named_tensors
 
 if TYPE_CHECKING:
@@ -30,9 +34,13 @@ class WeightUpdates:
     _lock: threading.RLock
     _lifecycle: Lifecycle
     _params_by_name: dict[str, torch.Tensor]
+    _changes: ChangeCounter | None
+    _weights_magnitudes: dict[str, Any]
+    _update_seconds: float
 
     def update_weights_from_tensors(self, named_tensors: Any) -> None:
         """Copy HF-named full tensors (list of (name, tensor), a dict, or an `IpcPayload`) into the model."""
+        start = time.perf_counter()
         with self._lock:
             if self._lifecycle.asleep:
                 raise EngineMemoryReleasedError(
@@ -48,6 +56,29 @@ class WeightUpdates:
                 opened.clear()
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()
+            self._update_seconds += time.perf_counter() - start
+
+    def weight_changes(self) -> dict[str, float]:
+        """What the weight updates since the last call did: `update_s`, the seconds spent in them, and
+        with `EngineOptions.count_weight_changes` the elements `changed` in them, `changed_since_start`
+        (ever, since the engine loaded its weights) and the weights' `elements` (`WeightChanges`)."""
+        with self._lock:
+            figures: dict[str, float] = {"update_s": self._update_seconds}
+            self._update_seconds = 0.0
+            if self._changes is not None:
+                if self._lifecycle.asleep:
+                    raise EngineMemoryReleasedError("weight_changes: the engine's weights are released")
+                changes = self._changes.take()
+                figures |= {
+                    "changed": changes.changed,
+                    "changed_since_start": changes.changed_since_start,
+                    "elements": changes.elements,
+                }
+            return figures
+
+    def weight_magnitudes(self) -> dict[str, Any]:
+        """How large the loaded weights are, for their dtype's spacing (`_weight_changes.weight_magnitudes`)."""
+        return self._weights_magnitudes
 
     def weights_digest(self) -> list[float]:
         """Two fingerprints of the weights now (sum and sum of squares, in float64).
@@ -80,6 +111,9 @@ class WeightUpdates:
                         f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
                         f"the model's is {tuple(target.shape)}"
                     )
-                target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+                if self._changes is not None:
+                    self._changes.copy_in(target, tensor)
+                else:
+                    target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

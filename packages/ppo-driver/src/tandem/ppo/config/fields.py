@@ -1,0 +1,444 @@
+"""The run's fields: every flag of `ppo-driver train`, read from YAML plus command-line overrides, unchecked.
+
+`RunFields` holds the train workers' fields (`WorkerFields`, tandem-megatron-backend,
+each declared and documented there once) and what the driver owns: data, rollout,
+rewards, placement, the offload plan, checkpoint cadence and logging. The flags stay
+flat, with slime/miles names where they exist (`--use-critic`, `--colocate`,
+`--offload-train`, `--rollout-batch-size`, ...). It is not a `WorkerConfig`: it
+builds one per role, validated, with the role's checkpoint folders resolved
+(`actor_config()`, `critic_config()`), and those are what the train groups get.
+
+Nothing here checks anything (so that a YAML file and flags can be merged first):
+`PPOConfig` (`ppo_config`) is these fields with `validate()`, which runs the
+checks (`checks`) before Ray starts. Derived sizes are properties, computed in
+one place; a field's flag is `flag(name)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from tandem.megatron.config import WorkerConfig, WorkerFields
+from tandem.placement import PlacementSpec
+
+__all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "RunFields", "flag"]
+
+BUILTIN_REWARDS = ("exact_match", "math")
+
+FLAG_NAMES = {"async_mode": "async"}
+"""Fields whose flag is not their name (`async` is a Python keyword)."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of config field `name` (`global_batch_size` -> `--global-batch-size`)."""
+    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
+
+
+CPU_THREADS_MIN_HIDDEN_SIZE = 512
+"""The hidden size from which a CPU run's workers get the machine's cores (`cpu_threads` None): on two
+cores SmolLM2-135M (hidden 576) trained a forward and backward in 4.1 s on two threads against
+7.7 s on one, while the demo's model (hidden 64) stepped slower on two (1.35 against 1.2 s)."""
+
+
+def _hidden_size(folder: str) -> int | None:
+    """The `hidden_size` of a local Hugging Face folder's config.json; None where there is none."""
+    path = Path(folder) / "config.json"
+    try:
+        value = json.loads(path.read_text()).get("hidden_size")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFields(WorkerFields):
+    """Everything one PPO run needs, unchecked: the train workers' fields plus the driver's.
+
+    The three fields below are the workers' too; a worker needs them given, while a run
+    has defaults for them (a YAML file may give them; `validate` names a missing
+    `--hf-checkpoint`) and help text that speaks of the whole run.
+    """
+
+    hf_checkpoint: str = ""
+    """Hugging Face folder (config.json, safetensors, tokenizer): the model's architecture, the
+    actor's, critic's and reference's initial weights, the rollout engine's start and the tokenizer."""
+
+    rollout_batch_size: int = 32
+    """Prompts per rollout (each sampled `n_samples_per_prompt` times)."""
+
+    global_batch_size: int = 32
+    """Samples per optimizer step (over all data-parallel ranks); must divide a rollout's samples."""
+
+    # --- run ------------------------------------------------------------------------------
+    run_dir: str = "runs/ppo"
+    """Folder of the run: config.yaml, metrics.jsonl, TensorBoard events, plots, checkpoints
+    (`actor/`, `critic/` unless `--save` / `--critic-save` say otherwise) and `hf/` at the end."""
+
+    num_rollout: int = 10
+    """PPO steps (rollouts) of the whole run, counted from rollout 0 (a resumed run continues)."""
+
+    num_critic_only_steps: int = 0
+    """First steps in which only the critic trains (warm-up): no actor update, no weight sync."""
+
+    # --- data -------------------------------------------------------------------------------
+    prompt_data: str | None = None
+    """JSONL of training prompts: each line a `prompt` string or chat `messages`, a `label`, and
+    any other fields (passed to the reward as metadata)."""
+
+    input_key: str = "prompt"
+    """Key of the prompt string in each JSONL line (`messages` is always read as a chat)."""
+
+    label_key: str = "label"
+    """Key of the label in each JSONL line."""
+
+    apply_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template (from the HF folder) when it has one."""
+
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens are dropped (and counted in the metrics)."""
+
+    # --- rollout ------------------------------------------------------------------------------
+    rollout_max_response_len: int = 128
+    """Most tokens per sampled response."""
+
+    rollout_top_p: float = 1.0
+    """Nucleus sampling of the rollout; 1: off."""
+
+    rollout_top_k: int = -1
+    """Top-k sampling of the rollout; -1: off."""
+
+    rollout_stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+
+    rollout_ignore_eos: bool = False
+    """Sample exactly `rollout_max_response_len` tokens, EOS as an ordinary token (benchmarks)."""
+
+    rollout_engine: Literal["embedded", "sglang"] = "embedded"
+    """`embedded`: Tandem's engine on Hugging Face transformers (CPU and GPU); `sglang`: SGLang
+    servers (extra `tandem-ppo-driver[sglang]`)."""
+
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the rollout engine's weights; auto: bfloat16 on a GPU, float32 on the CPU."""
+
+    rollout_fused_decode: bool = True
+    """Embedded engine: the fused decode step (Triton kernels, one CUDA graph per batch bucket) for
+    Llama, Qwen2 and Mistral models on CUDA; off: transformers' own decode step. The same
+    distribution either way, but not the same random numbers (`EngineOptions.fused_decode`)."""
+
+    rollout_kv_cache_memory_fraction: float | None = None
+    """Embedded engine: at most this fraction of the GPU's memory holds the KV cache (a larger batch is
+    generated in waves); None: the engine's default. Lower it when the models stay resident."""
+
+    weight_sync: Literal["auto", "ipc", "cpu"] = "auto"
+    """How the actor's weights reach the engines: `ipc`, CUDA IPC handles from actor rank r to the
+    engine on its GPU (no copy through the host; colocated, one engine per actor rank); `cpu`, CPU
+    copies from rank 0 to every engine through Ray; `auto`, `ipc` where it applies, else `cpu`."""
+
+    lora_sync: Literal["auto", "adapters", "merged"] = "auto"
+    """How a LoRA actor (`--lora-rank`) reaches the engines: `adapters`, its adapters alone, which each
+    embedded engine merges into its own copy of the base, exactly, from that copy (the base itself is
+    copied to the host once); `merged`, its whole weights with the adapters merged in, as a full
+    fine-tune sends them; `auto`, `adapters` with the embedded engine, `merged` with SGLang (which is
+    sent whole weights)."""
+
+    sglang_urls: tuple[str, ...] = ()
+    """Attach to these running SGLang servers (one per rollout GPU) instead of launching them."""
+
+    dynamic_sampling: bool = False
+    """Drop prompts whose samples all got the same reward (no signal) and draw more prompts until
+    the rollout is full, within `dynamic_sampling_max_rounds` rounds."""
+
+    dynamic_sampling_max_rounds: int = 4
+    """Most rounds of drawing `rollout_batch_size` prompts per step with `dynamic_sampling`; a batch
+    still short after them is filled with dropped prompts (counted in `dynamic/filled_prompts`)."""
+
+    overlong_buffer_len: int | None = None
+    """DAPO's soft overlong punishment: over the last this many tokens before
+    `--rollout-max-response-len`, a response's reward loses up to `--overlong-penalty-factor`, in
+    proportion to how far into them it ran (DAPO eq. 13, `tandem.megatron.algorithms.reward_shaping`;
+    `reward/overlong_penalty`); None: off."""
+
+    overlong_penalty_factor: float = 1.0
+    """With `--overlong-buffer-len`: the penalty of a response that reaches `--rollout-max-response-len`."""
+
+    filter_truncated: bool = False
+    """Leave responses cut at `--rollout-max-response-len` (finish reason `length`) out of both
+    models' losses (loss mask 0; DAPO's overlong filtering); they still count in their prompt's
+    group baseline, and in the `reward/` metrics."""
+
+    # --- rewards ----------------------------------------------------------------------------
+    rm_type: str = "exact_match"
+    """Built-in reward: `exact_match` (response equals the label), `math` (final answer
+    compared symbolically with math-verify), or `model` (the score of `--reward-model`)."""
+
+    custom_rm_path: str | None = None
+    """A reward of your own, `package.module:function` or `/path/to/file.py:function`: batched,
+    sync or async, given prompt, response, label and metadata per sample; overrides `rm_type`."""
+
+    reward_model: str | None = None
+    """With `--rm-type model`: a Hugging Face sequence-classification folder (num_labels=1, e.g. a
+    LlamaForSequenceClassification) whose score of prompt + response is the reward. It runs
+    forward only on the rollout GPUs, one worker per engine, and sleeps while the others work."""
+
+    reward_weights: str | None = None
+    """The reward as a weighted sum of terms, e.g. `model=1.0,exact_match=0.5`; terms: `model`,
+    `exact_match`, `math`, `custom` (`--custom-rm-path`). None: the one reward of `--rm-type`
+    (or `--custom-rm-path`), weight 1. Each term's mean is a metric, `reward/<term>`."""
+
+    reward_model_input: Literal["tokens", "chat"] = "tokens"
+    """What the reward model reads: `tokens`, the policy's ids (prompt with its chat template, then
+    the response; needs the policy's vocabulary); `chat`, the reward model's own tokenizer and chat
+    template over the prompt's messages and the decoded response."""
+
+    reward_model_max_tokens_per_gpu: int = 16384
+    """Token budget of one reward-model forward pass: samples are batched, longest first, so that
+    rows x the longest sample stays within it."""
+
+    reward_model_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the reward model; auto: bfloat16 on a GPU, float32 on the CPU."""
+
+    reward_model_gpu_share: float = 0.5
+    """Fraction of the engine's Ray GPU share on each rollout bundle that its reward-model worker
+    takes (scheduling, not memory: in a shared step the two never hold memory at once)."""
+
+    accuracy_threshold: float = 1.0
+    """A sample counts as correct for `reward/accuracy` when its reward is at least this."""
+
+    # --- eval ---------------------------------------------------------------------------------
+    eval_prompt_data: str | None = None
+    """JSONL of eval prompts (same format as `prompt_data`)."""
+
+    eval_interval: int | None = None
+    """Evaluate every this many steps (and after the last); None: never."""
+
+    eval_before_train: bool = True
+    """With `eval_interval`: also evaluate the starting weights before the first step (verl's
+    `val_before_train`), logged as step -1, so that one run holds the base model's eval figures and
+    the trained one's. A resumed run does not repeat it."""
+
+    n_samples_per_eval_prompt: int = 1
+    """Responses per eval prompt."""
+
+    eval_temperature: float = 0.0
+    """Sampling temperature of the eval; 0: greedy."""
+
+    async_mode: Annotated[bool, tyro.conf.arg(name="async")] = False
+    """Generate rollout k+1 while the models train on rollout k (rollout GPUs of their own, so
+    not with `--colocate`); each rollout is then one step off-policy (`async/staleness`), which
+    `--use-tis` can correct. Actor and critic still train one after the other."""
+
+    # --- placement and the offload plan ----------------------------------------------------------
+    use_critic: bool = True
+    """Train a critic (GAE's baseline); it shares the actor's GPUs and never adds any. Left unset, a
+    critic-free `--advantage-estimator` implies `--no-use-critic` (no critic starts, sleeps or
+    trains); asked for with one, or turned off with `gae`, it is refused."""
+
+    colocate: bool = True
+    """The rollout engine sits on the training GPUs (released during training)."""
+
+    offload_train: bool = True
+    """Actor and critic sleep after training and wake before it (they time-share the GPUs);
+    `--no-offload-train` keeps both resident, for comparison."""
+
+    actor_num_nodes: int = 1
+    """Nodes of the actor (and critic)."""
+
+    actor_num_gpus_per_node: int = 1
+    """GPUs per node of the actor (and critic)."""
+
+    rollout_num_gpus: int | None = None
+    """GPUs of the rollout engines, one engine per GPU; None: the actor's GPUs when colocated."""
+
+    train_backend: Literal["megatron"] = "megatron"
+    """Training backend; the critic and the sleep/wake mechanism need Megatron."""
+
+    actor_gpu_share: float = 0.4
+    """Fraction of each shared GPU that Ray gives each actor rank (scheduling, not memory)."""
+
+    critic_gpu_share: float = 0.4
+    """Fraction of each shared GPU that Ray gives each critic rank."""
+
+    engine_gpu_share: float = 0.2
+    """Fraction of each shared GPU that Ray gives each rollout engine."""
+
+    max_engine_restarts: int = 3
+    """Times each rollout engine that dies (out of memory, killed) is started again on its bundle, with
+    the current weights and the prompts it lost; one more death ends the run naming its rank. 0: never."""
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    save_interval: int | None = None
+    """Save a checkpoint every this many steps (and always at the end); None: only at the end."""
+
+    save_on_interrupt: bool = True
+    """On Ctrl-C, finish the step under way and save before exiting (130); a second Ctrl-C
+    exits at once, leaving the last complete checkpoint."""
+
+    export_hf: bool = True
+    """Write the actor as a Hugging Face folder to `RUN_DIR/hf` at the end of the run."""
+
+    # --- cluster and logging ----------------------------------------------------------------
+    ray_address: str | None = None
+    """Ray cluster to join; None: `RAY_ADDRESS`, else a local cluster."""
+
+    local_gpus: int | None = None
+    """Logical GPUs of a local Ray cluster on a machine without GPUs (CPU runs); None: what Ray
+    detects."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN_DIR/tensorboard."""
+
+    gpu_memory_metrics: bool = True
+    """On GPUs, record each phase's device memory in use (`memory/<phase>_gib`, from nvidia-smi)."""
+
+    progress: bool = True
+    """Show a progress bar with the key figures."""
+
+    policy_change_count: bool = True
+    """At each weight sync, count the elements of the engine's weights that changed in it and since the
+    start, on the engine's device as the sync copies (`policy/changed_fraction`,
+    `policy/changed_fraction_since_start`; the embedded engine; one bit of GPU memory a weight). Off:
+    neither is measured (the sync's time without the count)."""
+
+    hints: bool = True
+    """Say once, on the terminal and in RUN_DIR/logs/driver.log, why a run that is not learning may not
+    be: sampling weights that barely change, rewards without signal, a critic that explains nothing,
+    responses cut short, each with what was measured and the flag to change (docs/troubleshooting.md).
+    Off: not said (events.jsonl still records them)."""
+
+    # --- experiment trackers (extras tandem-ppo-driver[wandb] and [mlflow]) --------------------
+    use_wandb: bool = False
+    """Log every step's metrics (as metrics.jsonl has them) and the resolved config to Weights & Biases."""
+
+    wandb_project: str = "tandem"
+    """The wandb project of the run."""
+
+    wandb_team: str | None = None
+    """The wandb entity (team or user) of the run; None: your default entity."""
+
+    wandb_group: str | None = None
+    """The wandb group of the run (runs to compare side by side, e.g. shared vs resident)."""
+
+    wandb_run_name: str | None = None
+    """The wandb run's name; None: the name of RUN_DIR."""
+
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """`offline`: write the run locally (`wandb sync` uploads it later); `disabled`: log nothing."""
+
+    wandb_dir: str | None = None
+    """Folder of wandb's own files; None: RUN_DIR (they go to RUN_DIR/wandb)."""
+
+    use_mlflow: bool = False
+    """Log every step's metrics (as metrics.jsonl has them) and the resolved config (as run
+    parameters) to MLflow."""
+
+    mlflow_tracking_uri: str | None = None
+    """The MLflow tracking server or store; None: a local `file:` store at RUN_DIR/mlruns."""
+
+    mlflow_experiment_name: str = "tandem"
+    """The MLflow experiment the run is logged under (created when missing)."""
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def actor_num_gpus(self) -> int:
+        """GPUs (ranks) of the actor, and of the critic that shares them."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_engines(self) -> int:
+        """Rollout engines, one per rollout GPU."""
+        if self.rollout_num_gpus is not None:
+            return self.rollout_num_gpus
+        return self.actor_num_gpus
+
+    @property
+    def actor_data_parallel_size(self) -> int:
+        """Data-parallel size of the actor."""
+        return self.data_parallel_size(self.actor_num_gpus, "actor")
+
+    @property
+    def syncs_adapters(self) -> bool:
+        """Whether the weight sync sends the LoRA actor's adapters rather than its merged weights (`lora_sync`)."""
+        if self.lora_rank is None or self.lora_sync == "merged":
+            return False
+        return self.lora_sync == "adapters" or self.rollout_engine == "embedded"
+
+    @property
+    def reward_spec(self) -> str:
+        """What `load_reward` is given: the custom reward if set, else the built-in."""
+        return self.custom_rm_path or self.rm_type
+
+    @property
+    def actor_save(self) -> str:
+        """The actor's checkpoint folder: `--save`, else RUN_DIR/actor."""
+        return self.save or str(Path(self.run_dir) / "actor")
+
+    @property
+    def critic_save_dir(self) -> str:
+        """The critic's checkpoint folder: `--critic-save`, else RUN_DIR/critic."""
+        return self.critic_save or str(Path(self.run_dir) / "critic")
+
+    def actor_config(self) -> WorkerConfig:
+        """The actor group's config: this run's worker fields, checked, its checkpoints resumable.
+
+        The actor saves to `actor_save` and resumes from `--load`, or else from that folder (a
+        run started again in the same RUN_DIR continues where it stopped). The critic's folders
+        are left out: the actor never reads them. ValueError naming the field where the fields
+        break a rule of `WorkerConfig`.
+        """
+        return self._worker_config(critic_save=None, critic_load=None)
+
+    def critic_config(self) -> WorkerConfig | None:
+        """The critic group's config, as `actor_config` for the critic; None when the run trains no critic.
+
+        The critic saves to `critic_save_dir` and resumes from `--critic-load`, or else from that
+        folder. It holds the actor's folders too (the critic never reads them; `WorkerConfig`
+        checks against them that the critic's are its own). No critic: `--no-use-critic`, which
+        a critic-free `--advantage-estimator` implies.
+        """
+        if not self.use_critic:
+            return None
+        return self._worker_config(
+            critic_save=self.critic_save_dir, critic_load=self.critic_load or self.critic_save_dir
+        )
+
+    def _worker_config(self, **critic_folders: str | None) -> WorkerConfig:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerFields)}
+        values |= {"save": self.actor_save, "load": self.load or self.actor_save, **critic_folders}
+        if self.async_mode and self.reuse_old_log_probs is None:
+            # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
+            values["reuse_old_log_probs"] = False
+        values["cpu_threads"] = self.resolved_cpu_threads()
+        if self.loss_norm_tokens is None:
+            # Dr.GRPO's constant: the generation budget, the longest response the engines may give.
+            values["loss_norm_tokens"] = self.rollout_max_response_len
+        return WorkerConfig(**values)
+
+    def resolved_cpu_threads(self) -> int | None:
+        """`cpu_threads`, or where None the driver's choice: this machine's cores where the models
+        take turns (the sync loop) on a CPU run of a model whose hidden size is at least
+        `CPU_THREADS_MIN_HIDDEN_SIZE`, else None (the workers keep Ray's one thread). Workers and
+        engines on a GPU never read it, so `device: auto` needs no look at the GPUs here."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        if self.async_mode or self.device == "cuda":
+            return None
+        hidden = [_hidden_size(p) for p in (self.hf_checkpoint, self.critic_hf_checkpoint) if p]
+        if not hidden or min(h or 0 for h in hidden) < CPU_THREADS_MIN_HIDDEN_SIZE:
+            return None
+        return len(os.sched_getaffinity(0))
+
+    def placement_spec(self) -> PlacementSpec:
+        """The tandem.placement spec of this run."""
+        return PlacementSpec(
+            actor_num_nodes=self.actor_num_nodes,
+            actor_num_gpus_per_node=self.actor_num_gpus_per_node,
+            rollout_num_gpus=self.num_engines,
+            colocate=self.colocate,
+            use_critic=self.use_critic,
+        )

@@ -1,0 +1,194 @@
+"""Where a run's processes come from: Ray, the placement groups, the train groups and the engines.
+
+The driver owns the plan; this module only starts things. Actor and critic
+train groups go on the same bundles with fractional GPU shares, the engines on
+the rollout slot, all three at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from tandem.megatron.choices import Role
+from tandem.megatron.group import create_train_group
+from tandem.placement import create_placement_groups
+from tandem.ppo.config.ppo_config import PPOConfig
+from tandem.ppo.engines import EngineOptions, create_engine_group, ipc_payload
+from tandem.ppo.loop.node_checks import check_nodes_see_folders, folders_to_check
+from tandem.ppo.rollout.reward_model import rollout_bundle_shares
+from tandem.ppo.run.errors import RayStartError
+
+if TYPE_CHECKING:
+    from tandem.megatron.config import WorkerConfig
+    from tandem.megatron.group import TrainGroup
+    from tandem.placement import Placements
+    from tandem.ppo.engines import EngineGroup
+
+__all__ = ["StartedGroups", "check_ray_address", "start_groups", "start_ray", "weight_pack"]
+
+
+class StartedGroups(NamedTuple):
+    """What `start_groups` started: the placement groups and the three groups on them."""
+
+    placements: Placements
+    actor: TrainGroup
+    critic: TrainGroup | None
+    """None with a critic-free advantage estimator."""
+    engines: EngineGroup
+
+
+def start_ray(
+    address: str | None = None, local_gpus: int | None = None, runtime_env: dict[str, Any] | None = None
+) -> bool:
+    """Join `address` (or `RAY_ADDRESS`), else start a local cluster with `local_gpus` logical GPUs
+    (None: what Ray detects); whether this call started Ray (False when it was running already).
+
+    `runtime_env`: the job's (the worker-log hook of `worker_logs.ray_runtime_env`)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    # Ray's own INFO and WARNING lines (the cluster started, token authentication is on) stay off
+    # the terminal: a run's terminal holds Tandem's lines and the progress bar.
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "logging_level": logging.ERROR,
+    }
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
+    if address:
+        check_ray_address(address)
+        ray.init(address=address, **kwargs)
+    else:
+        if local_gpus is not None:
+            kwargs["num_gpus"] = local_gpus
+        # "local": a cluster of our own, even where `ray start` left one running on this machine.
+        try:
+            ray.init(address="local", **kwargs)
+        except Exception as exc:
+            if "timed out during startup" not in str(exc):
+                raise
+
+            raise RayStartError(
+                f"the local Ray cluster did not start in time ({' '.join(str(exc).split())[:200]}); the machine "
+                "may be too busy: try again, or start Ray yourself (`ray start --head`) and pass --ray-address"
+            ) from None
+    return True
+
+
+RAY_ADDRESS_TIMEOUT_S = 10.0
+"""Seconds to wait for a TCP connection to `--ray-address` before `ray.init`, which would retry for
+minutes against an address where nothing listens."""
+
+
+def check_ray_address(address: str) -> None:
+    """Something answers at `address` (host:port, or a `ray://` / `http://` URL); ValueError naming the flag."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parsed = urlsplit(address if "://" in address else f"ray://{address}")
+    if parsed.scheme in ("", "auto", "local") or parsed.hostname is None or parsed.port is None:
+        return  # "auto", a bare host: Ray's own resolution
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=RAY_ADDRESS_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ValueError(
+            f"--ray-address: nothing answers at {address} ({reason}); start the cluster's head there "
+            f"(`ray start --head --port {parsed.port}`), or fix --ray-address (or RAY_ADDRESS)"
+        ) from None
+
+
+def start_groups(
+    config: PPOConfig,
+    actor_config: WorkerConfig,
+    critic_config: WorkerConfig | None,
+    *,
+    lock_file: Path | None = None,
+) -> StartedGroups:
+    """The placements, the actor group, the critic group (or None) and the engine group, started concurrently.
+
+    `actor_config` / `critic_config`: each train group's config (`RunFolder.actor_config()` /
+    `critic_config()`); no critic group starts where `critic_config` is None.
+    `lock_file`: the run folder's lock; with it, every node of the placement groups must see
+    the model folders and the run folder before any worker starts (`node_checks`).
+    """
+
+    placements = create_placement_groups(config.placement_spec())
+    actor_slot, rollout_slot = placements.actor, placements.rollout
+    if lock_file is not None:
+        try:
+            check_nodes_see_folders([actor_slot, rollout_slot], folders_to_check(config, lock_file))
+        except BaseException:
+            placements.remove()
+            raise
+    engine_options = engine_options_of(config)
+
+    def start(role: Role, worker_config: WorkerConfig) -> TrainGroup:
+        share = config.actor_gpu_share if role == "actor" else config.critic_gpu_share
+        return create_train_group(
+            worker_config,
+            role,
+            actor_slot.pg,
+            actor_slot.bundle_indices,
+            num_gpus_per_worker=share,
+            num_cpus_per_worker=share,
+        )
+
+    def start_engines() -> EngineGroup:
+        share, _ = rollout_bundle_shares(config)  # a reward model takes part of the engine's share
+        return create_engine_group(
+            config.hf_checkpoint,
+            rollout_slot.pg,
+            rollout_slot.bundle_indices,
+            num_gpus_per_engine=share,
+            num_cpus_per_engine=share,
+            engine=config.rollout_engine,
+            options=engine_options,
+            max_restarts=config.max_engine_restarts,
+        )
+
+    # The three groups do not depend on each other: they start at once.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        actor = pool.submit(start, "actor", actor_config)
+        critic = pool.submit(start, "critic", critic_config) if critic_config is not None else None
+        engines = pool.submit(start_engines)
+        return StartedGroups(
+            placements, actor.result(), critic.result() if critic is not None else None, engines.result()
+        )
+
+
+def weight_pack(config: PPOConfig) -> Any:
+    """`ipc_payload` when actor rank r and engine r share a GPU (CUDA IPC), else None (CPU copies)."""
+    import torch
+
+    if config.weight_sync == "cpu":
+        return None
+    shared_gpus = config.colocate and config.num_engines == config.actor_num_gpus
+    if config.weight_sync == "ipc" or (shared_gpus and config.device != "cpu" and torch.cuda.is_available()):
+        return ipc_payload
+    return None
+
+
+def engine_options_of(config: PPOConfig) -> Any:
+    """The rollout engines' `EngineOptions` from the run's `rollout_*` and SGLang fields."""
+
+    engine_kwargs: dict[str, Any] = {
+        "dtype": config.rollout_dtype,
+        "fused_decode": config.rollout_fused_decode,
+        "cpu_threads": config.resolved_cpu_threads(),
+        "count_weight_changes": config.policy_change_count,
+    }
+    if config.rollout_kv_cache_memory_fraction is not None:
+        engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
+    if config.sglang_urls:
+        engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
+    if config.syncs_adapters:
+        engine_kwargs["adapter_sync"] = True
+    return EngineOptions(**engine_kwargs)

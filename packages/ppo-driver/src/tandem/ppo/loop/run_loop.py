@@ -1,0 +1,141 @@
+"""The run's loop: one step per rollout, from the resumed one to `num_rollout`; eval, checkpoints, the HF export.
+
+With `--async`, rollout k+1 is generated (on the engines' own GPUs, with the
+weights of before step k) while the models train on rollout k; the weights reach
+the engines once that generation is done, so every rollout but the first is one
+step off-policy. Ctrl-C finishes the step under way and saves (`--save-on-interrupt`);
+a second Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tandem.ppo.run.log import Interrupted, RunSummary
+
+if TYPE_CHECKING:
+    from tandem.ppo.config.ppo_config import PPOConfig
+    from tandem.ppo.rollout.samples import Sampled
+    from tandem.ppo.run.metrics import MetricsLogger
+
+__all__ = ["Steps", "due", "run_loop"]
+
+# The name its lines show on the terminal, kept from before the layers.
+logger = logging.getLogger("tandem.ppo.loop")
+
+
+class Steps(Protocol):
+    """What the loop needs of the driver (`PPODriver`): its steps, eval, checkpoints and export."""
+
+    config: PPOConfig
+    run_dir: Path
+    start_rollout_id: int
+    eval_dataset: Any
+    logger: MetricsLogger
+    metrics_so_far: list[dict[str, Any]]
+    eval_before: dict[str, float] | None
+    generating: Future[Sampled] | None
+    last_sampled: Sampled | None
+
+    def step(
+        self,
+        rollout_id: int,
+        sampled: Sampled | None = None,
+        *,
+        start_next: Callable[[], Future[Sampled]] | None = None,
+    ) -> dict[str, Any]:
+        """One PPO step; its metrics."""
+        ...
+
+    def draw(self, rollout_id: int, background: bool = False) -> Sampled:
+        """Step 1 alone: rollout `rollout_id`, sampled, scored and split."""
+        ...
+
+    def evaluate(self) -> dict[str, float]:
+        """The eval metrics."""
+        ...
+
+    def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:
+        """The run's checkpoint of `rollout_id`."""
+        ...
+
+    def export_hf(self) -> Path:
+        """The actor as a Hugging Face folder."""
+        ...
+
+
+def due(interval: int | None, rollout_id: int) -> bool:
+    """Whether something done every `interval` steps is due after `rollout_id` (None: never)."""
+    return interval is not None and (rollout_id + 1) % interval == 0
+
+
+def run_loop(steps: Steps) -> RunSummary:
+    """Run from the resumed rollout to `num_rollout`; checkpoints, eval, the HF export at the end."""
+    config = steps.config
+    stop = _StopOnSigint()
+    previous = signal.signal(signal.SIGINT, stop)
+    last = steps.start_rollout_id - 1
+    saved = last
+    pending: Future[Sampled] | None = None
+    try:
+        if (
+            steps.eval_dataset is not None
+            and config.eval_interval is not None
+            and config.eval_before_train
+            and steps.start_rollout_id == 0
+        ):
+            # The starting weights' eval, "after step -1" as every eval is after its step. A resumed
+            # run has logged its step start - 1 already: no second record of that step.
+            steps.eval_before = steps.evaluate()
+            steps.logger.log(-1, steps.eval_before)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") as generation:
+            for rollout_id in range(steps.start_rollout_id, config.num_rollout):
+                # Sync loop: step() draws its own rollout (inside its clock). Async: the
+                # rollout was generated in the background; step() starts the next one as
+                # soon as this one is in hand.
+                sampled = pending.result() if pending is not None else None
+                pending = None
+                ahead = None
+                if config.async_mode and rollout_id + 1 < config.num_rollout:
+                    ahead = functools.partial(generation.submit, steps.draw, rollout_id + 1, True)
+                metrics = steps.step(rollout_id, sampled, start_next=ahead)
+                pending, drawn = steps.generating, steps.last_sampled
+                assert drawn is not None
+                last = rollout_id
+                final = rollout_id == config.num_rollout - 1
+                if steps.eval_dataset is not None and (final or due(config.eval_interval, rollout_id)):
+                    metrics.update(steps.evaluate())
+                steps.metrics_so_far.append(metrics)
+                steps.logger.log(rollout_id, metrics)
+                if (
+                    final
+                    or due(config.save_interval, rollout_id)
+                    or (stop.requested and config.save_on_interrupt)
+                ):
+                    steps.save(rollout_id, drawn.data_state)
+                    saved = rollout_id
+                if stop.requested:
+                    raise Interrupted(f"interrupted after rollout {rollout_id} (saved: {saved})")
+        hf_dir = steps.export_hf() if config.export_hf and last >= 0 else None
+        return RunSummary(steps.run_dir, last, steps.metrics_so_far, hf_dir, eval_before=steps.eval_before)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _StopOnSigint:
+    """The loop's SIGINT handler: the first Ctrl-C asks to stop after the step, a second stops now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now; the last complete checkpoint stays
+        self.requested = True
+        logger.warning("Ctrl-C: finishing the step under way, then stopping (Ctrl-C again: stop now)")

@@ -1,0 +1,185 @@
+"""A run's inputs read and checked before Ray starts: model folders, tokenizer, reward function, prompts.
+
+Each check raises a ValueError naming the flag, the file and the fix, so that a
+bad input costs a second instead of minutes of Ray and worker start-up followed
+by a remote traceback. `check_model_folder` looks at a local folder only: a hub
+id is resolved to its local folder first, by whoever resolves it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.reward_mix import RewardMix, build_reward, reward_terms
+from tandem.ppo.rollout.rewards import RewardFunction, load_reward
+
+__all__ = [
+    "LABEL_REWARDS",
+    "check_model_folder",
+    "check_prompt_labels",
+    "check_reward_signature",
+    "load_tokenizer",
+    "read_inputs",
+]
+
+# The name its lines show on the terminal, kept from before the layers.
+logger = logging.getLogger("tandem.ppo.preflight")
+
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
+"""What a Hugging Face folder's weights are called (any one of them)."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+"""What a Hugging Face folder's tokenizer is made of (any one of them)."""
+
+LABEL_REWARDS = frozenset({"exact_match", "math"})
+"""Built-in rewards that compare each response with its prompt's label."""
+
+
+def check_model_folder(folder: str | Path, flag: str, *, tokenizer: bool = True) -> None:
+    """`folder` (local) holds a config, weights and, when asked, a tokenizer; ValueError naming `flag` otherwise."""
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{flag}: {str(folder)!r} is not a Hugging Face model folder (no config.json); point it at a "
+            "folder written by save_pretrained"
+        )
+    if not any(next(path.glob(pattern), None) is not None for pattern in WEIGHT_FILES):
+        raise ValueError(
+            f"{flag}: {str(folder)!r} has a config.json but no weights (no *.safetensors or "
+            "pytorch_model*.bin); save the model there with save_pretrained, or point the flag at a folder "
+            "that has its weights"
+        )
+    if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{flag}: {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
+            "tokenizer there too (tokenizer.save_pretrained), or copy its files from the model's source"
+        )
+
+
+def load_tokenizer(folder: str | Path, flag: str) -> Any:
+    """The folder's tokenizer (transformers' AutoTokenizer); ValueError naming `flag` when it does not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        problem = " ".join(str(exc).split())
+        raise ValueError(
+            f"{flag}: the tokenizer in {str(folder)!r} does not load ({type(exc).__name__}: {problem[:300]}); "
+            "save a tokenizer that transformers can read there (tokenizer.save_pretrained)"
+        ) from None
+
+
+def check_reward_signature(fn: Any, flag: str, spec: str) -> None:
+    """`fn` can be called with one argument, the list of samples; ValueError naming `flag` otherwise."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a callable without a signature to read (a builtin): its first call will tell
+    try:
+        signature.bind([])
+    except TypeError:
+        raise ValueError(
+            f"{flag} {spec!r}: the function's signature is {getattr(fn, '__name__', 'reward')}{signature}, but a "
+            "reward takes one argument, the list of samples; write it as "
+            "def reward(samples: list[RewardInput]) -> list[float] (async def works too)"
+        ) from None
+
+
+def check_prompt_labels(
+    records: Sequence[Any],
+    path: str,
+    *,
+    reward: str,
+    custom: bool,
+    label_key: str,
+    flag: str = "--prompt-data",
+) -> None:
+    """Refuse prompts without a label under a built-in reward that compares with labels; warn once
+    with the count under a custom reward (it may not need them)."""
+    missing = [r for r in records if r.label is None]
+    if not missing:
+        return
+    first = missing[0].index + 1
+    counted = f"{len(missing)} of its {len(records)} prompts have no {label_key!r} field (the first: prompt {first})"
+    if not custom and reward in LABEL_REWARDS:
+        raise ValueError(
+            f"{flag}: {path}: {counted}, but --rm-type {reward} compares each response with its label, so they "
+            f"would train to reward 0; add the labels, point --label-key at the field that holds them, or give "
+            "--custom-rm-path with a reward that needs none"
+        )
+    logger.warning("%s: %s: %s; the reward function gets label None for them", flag, path, counted)
+
+
+@dataclass
+class RunInputs:
+    """What a run reads before Ray starts, each part checked."""
+
+    tokenizer: Any
+    """The policy's tokenizer (transformers')."""
+    reward_fn: RewardFunction | RewardMix
+    dataset: PromptDataset
+    """The training prompts."""
+    eval_dataset: PromptDataset | None
+
+
+def read_inputs(config: Any) -> RunInputs:
+    """Check the model folders, load the tokenizer and the reward, read and check the prompt files.
+
+    A reward-model term (`--rm-type model`, `--reward-weights`) is the reward model's score,
+    which the step's `score` turn computes; the reward here combines it with the rules.
+    """
+
+    check_model_folder(config.hf_checkpoint, "--hf-checkpoint")
+    for name, folder in (
+        ("--critic-hf-checkpoint", config.critic_hf_checkpoint),
+        ("--ref-load", config.ref_load),
+    ):
+        if folder is not None:
+            check_model_folder(folder, name, tokenizer=False)
+    tokenizer = load_tokenizer(config.hf_checkpoint, "--hf-checkpoint")
+    if config.custom_rm_path is not None:
+        check_reward_signature(load_reward(config.custom_rm_path), "--custom-rm-path", config.custom_rm_path)
+    reward_fn = build_reward(config)
+    terms = reward_terms(config)
+    label_reward = next((t for t in terms if t in LABEL_REWARDS), config.rm_type)
+
+    def prompts(path: str, flag: str) -> PromptDataset:
+        try:
+            records = read_prompts(path, prompt_key=config.input_key, label_key=config.label_key)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        check_prompt_labels(
+            records,
+            path,
+            reward=label_reward,
+            custom=config.custom_rm_path is not None and label_reward not in LABEL_REWARDS,
+            label_key=config.label_key,
+            flag=flag,
+        )
+        return PromptDataset(
+            records,
+            tokenizer,
+            max_prompt_len=config.max_prompt_len,
+            seed=config.seed,
+            apply_chat_template=config.apply_chat_template,
+        )
+
+    dataset = prompts(str(config.prompt_data), "--prompt-data")
+    eval_dataset = None
+    if config.eval_prompt_data is not None:
+        eval_dataset = prompts(config.eval_prompt_data, "--eval-prompt-data")
+    return RunInputs(tokenizer, reward_fn, dataset, eval_dataset)

@@ -1,0 +1,47 @@
+"""bench/ppo_gpu_bench.py's A/B of the weight sync's count of changed weights, without a run: the
+shared_no_count mode's config, the report's cost by hand, the flags (the quick run in
+test_ppo_gpu_bench.py checks the figures exist; the real A/B is on an H200)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import ppo_gpu_bench  # noqa: E402
+import ppo_modes  # noqa: E402
+import ppo_report  # noqa: E402
+
+
+def test_the_no_count_mode_is_the_shared_mode_with_the_count_off(tmp_path: Path) -> None:
+    args = ppo_gpu_bench.parse_args(["--quick", "--out", str(tmp_path), "--ab-policy-change-count"])
+    args.stop_token_ids = ()  # main's, from the shape and the lengths
+    paths = (tmp_path / "hf", tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "run")
+    shared = ppo_modes.ppo_values(args, "shared", *paths)
+    off = ppo_modes.ppo_values(args, ppo_modes.NO_COUNT_MODE, *paths)
+    assert off == {**shared, "policy_change_count": False}
+    assert "policy_change_count" not in shared  # the run's default: on
+
+
+def test_no_count_everywhere_and_the_ab_exclude_each_other(tmp_path: Path) -> None:
+    args = ppo_gpu_bench.parse_args(["--quick", "--out", str(tmp_path), "--no-policy-change-count"])
+    assert args.overrides == {"policy_change_count": False}
+    with pytest.raises(SystemExit):
+        ppo_gpu_bench.parse_args(
+            ["--out", str(tmp_path), "--no-policy-change-count", "--ab-policy-change-count"]
+        )
+
+
+def test_the_counts_cost_is_the_syncs_seconds_with_against_without() -> None:
+    counted = {"phase_s_mean": {"weight_sync": 0.105}, "engine_weight_update_s": 0.012}
+    uncounted = {"phase_s_mean": {"weight_sync": 0.100}, "engine_weight_update_s": 0.008}
+    cost = ppo_report.count_cost(counted, uncounted)
+    assert cost is not None
+    # 0.105 / 0.100 - 1 = 5 % of the sync; the engine's own part: (0.012 - 0.008) / 0.100 = 4 %.
+    assert cost["count_share_of_sync"] == pytest.approx(0.05)
+    assert cost["engine_count_share_of_sync"] == pytest.approx(0.04)
+    assert ppo_report.count_cost(counted, {}) is None

@@ -156,7 +156,7 @@ class TrainGroup:
         `adapters`: a LoRA actor's adapters alone, to the engines' `update_adapter_from_tensors`
         (`TrainWorker.update_weights`); else its whole weights, adapters merged in.
         """
-        return self.run("update_weights", list(engines), pack, adapters)
+        return self.run("update_weights", list(engines), pack, adapters=adapters)
 
     def shutdown(self) -> None:
         """Every rank leaves its process groups (before `kill`)."""

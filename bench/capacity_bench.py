@@ -59,8 +59,7 @@ def why_it_failed(report: dict[str, Any] | None, log: str) -> str:
 def lora_flags(args: argparse.Namespace, sync: str) -> list[str]:
     """ppo_gpu_bench.py's `--set`s of a LoRA row: both roles' adapters, the base's sleep, the sync."""
     values = [f"lora_rank={args.lora_rank}", f"critic_lora_rank={args.lora_rank}", f"lora_sync={sync}"]
-    if args.lora_base_offload:
-        values.append("lora_base_offload=true")
+    values.append(f"lora_base_offload={str(args.lora_base_offload).lower()}")
     return [flag for value in values for flag in ("--set", value)]
 
 
@@ -180,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=16, help="the LoRA rows' rank (actor and critic)")
     parser.add_argument(
         "--lora-base-offload",
-        action="store_true",
-        help="the LoRA rows' bases sleep on the host (copied once)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the LoRA rows' bases sleep on the host, copied there once (the driver's default); "
+        "--no-lora-base-offload: they stay on the GPU",
     )
     parser.add_argument(
         "--lora-sync",

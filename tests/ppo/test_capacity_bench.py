@@ -164,7 +164,12 @@ def test_each_run_gets_its_row_and_a_failure_its_reason(
     for (finetune, sync, mode), row in rows.items():
         bench = json.loads(Path(row["bench_json"]).read_text())["modes"][mode]
         if finetune == "lora":
-            assert bench["sets"] == ["lora_rank=8", "critic_lora_rank=8", f"lora_sync={sync}"]
+            assert bench["sets"] == [
+                "lora_rank=8",
+                "critic_lora_rank=8",
+                f"lora_sync={sync}",
+                "lora_base_offload=true",
+            ]
             assert row["weight_sync_s"] == (0.5 if sync == "adapters" else 2.5)
         assert bench.get("micro_batch_size", "4") == "4"
     # The arithmetic of every (shape, fine-tuning, mode), run or not; the table has them all.
@@ -177,4 +182,4 @@ def test_each_run_gets_its_row_and_a_failure_its_reason(
     table = capsys.readouterr().out
     assert "| qwen2.5-1.5b | 1.54 B | lora (merged sync) | shared | yes | 3.00 | 2.500 |" in table
     assert "| qwen2.5-1.5b | 1.54 B | full | resident | no |" in table and "CUDA out of memory" in table
-    assert "| qwen2.5-32b | 32.76 B | lora | shared | no (est.) |" in table and "disk: " in table
+    assert "| qwen2.5-32b | 32.76 B | lora | shared | no (est.) |" in table and "host: " in table

@@ -386,6 +386,11 @@ def test_a_bad_data_path_never_reaches_a_finished_runs_config(
             "v_proj, o_proj, gate_proj, up_proj, down_proj",
         ),
         (["--critic-lora-alpha", "4"], "--critic-lora-alpha: set, but --critic-lora-rank is unset"),
+        (["--lora-rank", "8", "--lora-dropout", "1.0"], "--lora-dropout: got 1.0; it must lie in [0, 1)"),
+        (
+            ["--lora-rank", "8", "--lora-dropout", "0.1", "--reuse-old-log-probs", "True"],
+            "--reuse-old-log-probs: the old log-probs are not the update's own here: lora_dropout",
+        ),
         (["--lora-sync", "adapters"], "--lora-sync: adapters, but --lora-rank is unset"),
         (
             [
@@ -413,4 +418,19 @@ def test_lora_flags_that_cannot_work_are_refused_before_ray_naming_the_flag(
     status, _, err = train(capsys, model, prompts, tmp_path / "run", *flags)
     assert status == 2
     assert one_line(err).startswith(expected), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_actor_takes_no_other_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    """Its reference is its base with the adapters off: another --ref-load is refused before Ray."""
+    other = shutil.copytree(model, tmp_path / "other")
+    status, _, err = train(
+        capsys, model, prompts, tmp_path / "run", "--lora-rank", "8", "--ref-load", str(other)
+    )
+    assert status == 2
+    assert one_line(err).startswith(
+        f"--ref-load: {str(other)!r} with --lora-rank; a LoRA actor's reference"
+    ), err
     assert not (tmp_path / "run").exists()

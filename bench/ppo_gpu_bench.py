@@ -41,6 +41,13 @@ of response words starting with a..m), so the curves move.
    it stays on the GPU. Its phases (`reward_model_wake` / `_score` / `_sleep`, and
    `reward_model`, the whole term) join the table, the wake and sleep counted in
    what sharing adds; the peaks and step times are those of the three models.
+   **With a distillation teacher** (`--teacher SHAPE`, e.g. qwen2.5-1.5b beside the 0.5B
+   policy): a random causal LM of that shape on the policy's tokenizer joins both modes
+   (`--teacher-hf-checkpoint`, `--opd-coef 1`: its reverse KL in the rewards beside the rule's,
+   so the critic's step takes the KL-first plan). Shared, it wakes after the engine's
+   release, gives every response token's log-prob and sleeps before the actor's log-probs;
+   resident, it stays on the GPU. Its phases (`teacher_wake` / `_log_probs` / `_sleep`,
+   `teacher`, the whole turn) and `kl_first` join the table.
 4. **Training-speed probe**: one actor `TrainWorker` trains on synthetic
    rollouts of the 1.2 B Llama-like probe shape (hidden 2048, 24 layers, seq
    2048, bf16); tokens/s of `train()` and MFU = 6 * params * tokens/s / 989e12
@@ -60,6 +67,7 @@ mode's steps early, after at least 2, so that the whole bench fits in about that
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --out "$OUT"
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --reward-model --skip-probe --out "$OUT"
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --teacher qwen2.5-1.5b --skip-probe --steps 3 --time-budget-s 200 --out "$OUT/ppo_gpu_bench_teacher.json"
 
 The weight sync's count of changed weights (`policy/changed_fraction`, `..._since_start`, in every
 mode's steps and summary): `--ab-policy-change-count` runs the shared mode again with it off
@@ -72,6 +80,7 @@ CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a rewar
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
     ./uvw run python bench/ppo_gpu_bench.py --quick --reward-model --skip-probe --out /tmp/ppo-bench-rm
+    ./uvw run python bench/ppo_gpu_bench.py --quick --teacher qwen2.5-1.5b --skip-probe --out /tmp/ppo-bench-teacher
 """
 
 from __future__ import annotations
@@ -176,6 +185,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="add a random reward model of the policy's shape (one-label Qwen2 sequence classifier) to "
         "both modes: its score + the dense rule is the reward",
+    )
+    parser.add_argument(
+        "--teacher",
+        choices=sorted(SHAPES),
+        default=None,
+        help="on-policy distillation in both modes from a random teacher of this shape on the policy's "
+        "tokenizer (e.g. qwen2.5-1.5b for the 0.5B policy; --quick: the quick model, twice as deep), "
+        "--opd-coef 1 beside the rule reward",
     )
     parser.add_argument("--prompts", type=int, default=None, help="prompts a step (default 256)")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (default 128)")
@@ -329,6 +346,24 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
             )
             report["reward_model"] = {"kind": "sequence classification, num_labels 1", "params": rm_params}
+        if args.teacher:
+            paths["teacher"] = work / f"teacher-{'quick' if args.quick else args.teacher}"
+            teacher_shape = (
+                {**shape, "num_hidden_layers": 2 * shape["num_hidden_layers"]}
+                if args.quick
+                else SHAPES[args.teacher]
+            )
+            teacher_params = build_policy(
+                paths["teacher"],
+                teacher_shape,
+                dtype="float32" if args.quick else "bfloat16",
+                seed=args.seed + 1,
+            )
+            report["teacher"] = {
+                "shape": "the quick model, twice as deep" if args.quick else args.teacher,
+                **teacher_shape,
+                "params": teacher_params,
+            }
         report["build_s"] = time.time() - t0
         write_report(report, json_path)
 

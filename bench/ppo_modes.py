@@ -41,8 +41,10 @@ def ppo_values(
     reward: Path,
     run_dir: Path,
     reward_model: Path | None = None,
+    teacher: Path | None = None,
 ) -> dict:
-    """The PPOConfig fields of one mode (with `reward_model`: its score joins the reward)."""
+    """The PPOConfig fields of one mode (with `reward_model`: its score joins the reward; with `teacher`:
+    on-policy distillation from it beside the reward, `--opd-coef 1`, its reverse KL in the rewards)."""
     values: dict[str, Any] = {
         "hf_checkpoint": str(hf_dir),
         "prompt_data": str(data),
@@ -85,6 +87,8 @@ def ppo_values(
     if reward_model is not None:
         # The model's term first: the rollout's timeline is generate, reward model, rule.
         values.update(rm_type="model", reward_model=str(reward_model), reward_weights="model=1.0,custom=1.0")
+    if teacher is not None:
+        values.update(teacher_hf_checkpoint=str(teacher), opd_coef=1.0)
     values.update(args.overrides)
     return values
 
@@ -107,6 +111,8 @@ SHARING_PHASES = (
     "engine_resume",
     "reward_model_wake",
     "reward_model_sleep",
+    "teacher_wake",
+    "teacher_sleep",
 )
 """Phases that sharing adds (weight sync included, though it runs in both modes)."""
 
@@ -117,6 +123,9 @@ PHASES = (
     "reward",
     "reward_model",
     "reward_model_score",
+    "teacher",
+    "teacher_log_probs",
+    "kl_first",
     *SHARING_PHASES,
     "critic_train",
     "actor_train",
@@ -247,7 +256,16 @@ def run_mode(
 
     run_dir = paths["work"] / f"run-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    values = ppo_values(args, mode, paths["hf"], paths["data"], paths["reward"], run_dir, paths.get("rm"))
+    values = ppo_values(
+        args,
+        mode,
+        paths["hf"],
+        paths["data"],
+        paths["reward"],
+        run_dir,
+        paths.get("rm"),
+        paths.get("teacher"),
+    )
     result: dict[str, Any] = {
         "mode": mode,
         "run_dir": str(run_dir),

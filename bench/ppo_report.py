@@ -256,6 +256,11 @@ def new_report(args: argparse.Namespace, argv: list[str], started: float) -> dic
             + (f", PYTORCH_CUDA_ALLOC_CONF={args.alloc_conf}" if args.alloc_conf else "")
             + "".join(f", {k}={v}" for k, v in args.overrides.items())
             + (", + a reward model of the same shape" if args.reward_model else "")
+            + (
+                f", + a {args.teacher} teacher (on-policy distillation)"
+                if getattr(args, "teacher", None)
+                else ""
+            )
         ),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "verl_anchor_s": VERL_ANCHOR_S,

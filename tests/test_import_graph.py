@@ -128,7 +128,7 @@ MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("shared data", ("choices", "batch")),
     ("algorithms", ("algorithms.",)),
     ("models", ("models.",)),
-    ("the seam", ("config", "_config_fields", "_config_checks", "payloads")),
+    ("the seam", ("config", "_config_fields", "_config_checks", "_field_error", "payloads")),
     ("worker", ("worker.",)),
     ("group", ("group.",)),
 )

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.config import WorkerConfig
+from tandem.megatron.config import FieldError, WorkerConfig
 from tandem.megatron.worker.train_step import minibatch_size
 
 
@@ -107,6 +107,9 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"use_tis": True, "tis_cap_low": 1.5}, "tis_cap_low"),
         ({"tis_mode": "sequence"}, "tis_mode"),
         ({"kl_loss_type": "k2+"}, "kl_loss_type"),
+        ({"opd_coef": -1.0}, "opd_coef"),
+        ({"opd_coef": float("nan")}, "opd_coef"),
+        ({"opd_coef": 1.0, "opd_mode": "advantage"}, "opd_mode"),
     ],
 )
 def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:
@@ -171,8 +174,15 @@ def test_the_critic_may_have_its_own_layout_on_the_same_ranks(hf_dir: str) -> No
     # Each layout must cover the same ranks: TP * PP divides the world for each role.
     odd = make(hf_dir, critic_pipeline_model_parallel_size=3)
     odd.check_world(2, role="actor")
-    with pytest.raises(ValueError, match=r"critic_tensor_model_parallel_size \* critic_pipeline"):
+    with pytest.raises(
+        FieldError,
+        match=r"critic_tensor_model_parallel_size: 1 times `critic_pipeline_model_parallel_size` \(3\)",
+    ) as raised:
         odd.check_world(2, role="critic")
+    assert (raised.value.field, raised.value.mentions) == (
+        "critic_tensor_model_parallel_size",
+        ("critic_pipeline_model_parallel_size",),
+    )
     with pytest.raises(ValueError, match="critic_pipeline"):
         odd.check_world(2)
     # The critic's own data-parallel size must divide the batch, too.
@@ -291,6 +301,9 @@ def test_choice_errors_list_what_the_literal_admits(hf_dir: str) -> None:
         ({"kl_target": 0.1, "kl_coef": 0.01, "kl_horizon": 1}, "kl_horizon", "kl_horizon"),
         ({"tis_mode": "seq_mask"}, "tis_mode", "use_tis"),
         ({"tis_cap_low": 0.5}, "tis_cap_low", "use_tis"),
+        ({"advantage_estimator": "grpo", "opd_coef": 1.0}, "opd_mode", "advantage_estimator"),
+        ({"advantage_estimator": "rloo", "opd_coef": 1.0}, "opd_mode", "set `opd_mode` to loss"),
+        ({"opd_mode": "loss"}, "opd_mode", "opd_coef"),
     ],
 )
 def test_estimator_combinations_are_refused_naming_both_fields(
@@ -362,8 +375,63 @@ def test_several_critic_updates_take_the_old_values_from_a_forward_of_their_own(
         make(hf_dir, critic_updates_per_step=2, reuse_old_values=True, **one_step)
 
 
+def test_distillation_in_the_rewards_plans_the_kl_first_step_and_keeps_the_old_log_probs(hf_dir: str) -> None:
+    one_step = {"global_batch_size": 8}
+    reward = make(hf_dir, opd_coef=1.0, **one_step)
+    # The critic's returns need the student's log-probs before it trains; no reference weights for it.
+    assert reward.kl_first and reward.opd_in_rewards and not reward.needs_reference
+    assert not reward.reuses_old_log_probs
+    assert "opd_coef" in (reward.old_log_probs_redundant() or "")
+    with pytest.raises(ValueError, match=r"^reuse_old_log_probs: .*opd_coef"):
+        make(hf_dir, opd_coef=1.0, reuse_old_log_probs=True, **one_step)
+    # As a loss term it changes no plan, and every estimator takes it.
+    loss = make(hf_dir, opd_coef=1.0, opd_mode="loss", **one_step)
+    assert not loss.kl_first and loss.reuses_old_log_probs
+    make(hf_dir, advantage_estimator="grpo", opd_coef=1.0, opd_mode="loss")
+    # Without a critic the actor folds it in its own step: no KL-first plan.
+    assert not make(hf_dir, advantage_estimator="reinforce_plus_plus", opd_coef=1.0).kl_first
+
+
 def test_no_critic_worker_for_a_critic_free_estimator(hf_dir: str) -> None:
     config = make(hf_dir, advantage_estimator="grpo")
     config.check_role("actor")
     with pytest.raises(ValueError, match=r"^advantage_estimator: grpo needs no critic"):
         config.check_role("critic")
+
+
+@given(
+    field=st.from_regex(r"[a-z][a-z_]{0,20}", fullmatch=True),
+    words=st.lists(
+        st.sampled_from(["got 3", "set", "`lambd`", "`kl_coef`", "or unset", "{x}", "%s"]), max_size=6
+    ),
+)
+def test_a_field_error_renders_its_parts_and_survives_pickling(field: str, words: list[str]) -> None:
+    import pickle
+
+    message = " ".join(words)
+    mentions = tuple(dict.fromkeys(w.strip("`") for w in words if w.startswith("`")))
+    error = FieldError(field, message, *mentions)
+    assert str(error) == f"{field}: {message}"
+    # Rendering the field bare and each mention in backticks gives the plain text back; the
+    # renderer is asked for the field, then each mention, and nothing else.
+    seen: list[str] = []
+
+    def name(of: str) -> str:
+        seen.append(of)
+        return of if len(seen) == 1 else f"`{of}`"
+
+    assert error.render(name) == str(error)
+    assert seen == [field, *mentions]
+    assert error.render(str.upper).startswith(f"{field.upper()}: ")
+    rebuilt = pickle.loads(pickle.dumps(error))
+    assert (rebuilt.field, rebuilt.message, rebuilt.mentions, str(rebuilt)) == (
+        field,
+        message,
+        mentions,
+        str(error),
+    )
+
+
+def test_a_field_error_refuses_a_mention_its_message_does_not_name() -> None:
+    with pytest.raises(TypeError, match="gamma"):
+        FieldError("kl_coef", "set gamma to 1", "gamma")

@@ -172,6 +172,11 @@ def test_most_groups_tied_shows_the_share_and_two_responses() -> None:
     assert message.startswith("75% of prompts over the last 5 steps had all 8 samples scored the same")
     assert "(e.g. 'The answer is 15.' -> 0, '7' -> 0)" in message
     assert "--custom-rm-path" in message and "--n-samples-per-prompt" in message
+    # A run without a reward (`--rm-type none`, distillation alone): every group ties, and says nothing.
+    _, said = run_steps(
+        FIRST_HINT_STEP, dataclasses.replace(FACTS, rewarded=False), reward_mean=0.0, tied_groups=1.0
+    )
+    assert said == [[]] * FIRST_HINT_STEP
 
 
 def test_a_critic_below_zero_after_its_window_names_warm_up_and_critic_lr() -> None:

@@ -42,10 +42,11 @@ SHARED_PHASES = (
 RESIDENT_PHASES = ("rollout", "generate", "reward", "critic_train", "actor_train", "weight_sync", "step")
 
 
-def test_quick_run_writes_both_modes_the_probe_and_the_reward_model(tmp_path: Path) -> None:
+def test_quick_run_writes_both_modes_the_probe_the_reward_model_and_the_teacher(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-    cmd = [sys.executable, str(BENCH), "--quick", "--reward-model", "--out", str(out)]
+    cmd = [sys.executable, str(BENCH), "--quick", "--reward-model", "--teacher", "qwen2.5-1.5b"]
+    cmd += ["--out", str(out)]
     cmd += ["--workdir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     path = out / "ppo_gpu_bench.json"
@@ -101,6 +102,7 @@ def test_quick_run_writes_both_modes_the_probe_and_the_reward_model(tmp_path: Pa
                 assert span["t0"] <= i["t0"] <= i["t1"] <= span["t1"], (mode, i, span)
 
     _check_the_reward_model(report, out)
+    _check_the_teacher(report, out)
 
     probe = report["probe"]
     assert probe["error"] is None, probe["error"]
@@ -169,3 +171,31 @@ def test_a_failing_scaling_cell_is_kept_and_the_sweep_goes_on(tmp_path: Path) ->
     assert [(s["cell"], s["cell_step"]) for s in result["steps"]] == [("4x8", 0), ("8x8", 0), ("8x8", 1)]
     assert set(result["step_s_by_cell"]) == {"8x8"}
     assert "| 4x8 | failed |" in proc.stdout
+
+
+def _check_the_teacher(report: dict[str, Any], out: Path) -> None:
+    assert report["teacher"]["params"] > 0 and "teacher" in report["shape"]
+    for mode in ("shared", "resident"):
+        result = report["modes"][mode]
+        assert result["config"]["teacher_hf_checkpoint"] and result["config"]["opd_coef"] == 1.0
+        for step in result["steps"]:
+            assert step["time/teacher"] > 0 and step["time/kl_first"] > 0
+            assert "actor/opd_reverse_kl" in step
+        events = [
+            json.loads(line)
+            for line in (out / "ppo_gpu_bench_runs" / mode / "events.jsonl").read_text().splitlines()
+        ]
+        teacher = [e["event"] for e in events if e.get("role") == "teacher"]
+        assert teacher.count("log_probs_begin") == len(result["steps"])
+        if mode == "shared":
+            # Woken each step, put to sleep each step and once at the start (it loads awake).
+            assert teacher.count("wake") == teacher.count("sleep") - 1 == len(result["steps"])
+            for step in result["steps"]:
+                for phase in ("teacher_wake", "teacher_log_probs", "teacher_sleep"):
+                    assert f"time/{phase}" in step, phase
+        else:
+            assert "wake" not in teacher and "sleep" not in teacher
+    # Same seed, data and teacher: the first step's rollouts are the same, and so is their reverse KL.
+    assert report["modes"]["shared"]["steps"][0]["actor/opd_reverse_kl"] == pytest.approx(
+        report["modes"]["resident"]["steps"][0]["actor/opd_reverse_kl"], rel=1e-4
+    )

@@ -1,7 +1,7 @@
 """The step's schedule: every schedule the facts can build keeps the GPUs exclusive, and a real run follows it.
 
 The property test draws every combination of the facts that decide a step
-(shared or resident GPUs, critic, reward model, KL-first, warm-up, async) and
+(shared or resident GPUs, critic, reward model, teacher, KL-first, warm-up, async) and
 checks the built schedule against `check_exclusive` and its expected shape, and
 so for a checkpoint save's; the checker refuses hand-made bad schedules; a
 demo-sized CPU run records its events in the order of each step's schedule and
@@ -30,7 +30,16 @@ from tandem.ppo.loop.schedule import (
 
 from .conftest import KlFirstRun
 
-FACTS = ("colocate", "offload_train", "critic", "reward_model", "kl_first", "warm_up", "generate_ahead")
+FACTS = (
+    "colocate",
+    "offload_train",
+    "critic",
+    "reward_model",
+    "teacher",
+    "kl_first",
+    "warm_up",
+    "generate_ahead",
+)
 
 
 def accepted(facts: StepFacts) -> bool:
@@ -65,7 +74,8 @@ def test_every_schedule_keeps_the_gpus_exclusive_and_has_its_shape(facts: StepFa
         assert not any(t.wake_before or t.sleep_after for t in turns)
     elif not facts.colocate:  # the engines keep their own GPUs; the models time-share theirs
         assert all(t.wake_before and t.sleep_after for t in turns if t.role in ("actor", "critic"))
-        assert not any(t.wake_before or t.sleep_after for t in turns if t.role in ("engine", "reward_model"))
+        rollout_gpus = ("engine", "reward_model", "teacher")
+        assert not any(t.wake_before or t.sleep_after for t in turns if t.role in rollout_gpus)
     if facts.warm_up:
         assert schedule.turn("actor", "train") is None
         assert schedule.turn("engine", "weights") is None
@@ -83,6 +93,17 @@ def test_every_schedule_keeps_the_gpus_exclusive_and_has_its_shape(facts: StepFa
         assert turn.wake_before == turn.sleep_after == facts.engines_release
     else:
         assert "reward_model" not in roles
+    if facts.teacher:
+        # After the rollout and its scores, before anything trains on its log-probs (the KL-first
+        # log-probs included) and before the next rollout starts generating.
+        teacher = index(schedule, "teacher", "log_probs")
+        assert teacher == 1 + facts.reward_model
+        later = [i for i, t in enumerate(turns) if t.role in ("actor", "critic") or t.work == "start_next"]
+        assert all(teacher < i for i in later)
+        turn = turns[teacher]
+        assert turn.wake_before == turn.sleep_after == facts.engines_release
+    else:
+        assert "teacher" not in roles
     assert (schedule.turn("engine", "start_next") is not None) == facts.generate_ahead
     if facts.generate_ahead:
         assert index(schedule, "engine", "start_next") < index(schedule, "engine", "await_next")
@@ -134,9 +155,12 @@ def test_a_save_beside_engines_that_keep_their_memory_is_refused() -> None:
 
 
 def test_every_accepted_combination_is_checked() -> None:
-    # All 2^7 combinations (hypothesis draws them; this walks them all once).
-    combinations = [StepFacts(*values) for values in itertools.product((False, True), repeat=len(FACTS))]
-    assert len(combinations) == 128
+    # All 2^8 combinations (hypothesis draws them; this walks them all once).
+    combinations = [
+        StepFacts(**dict(zip(FACTS, values, strict=True)))
+        for values in itertools.product((False, True), repeat=len(FACTS))
+    ]
+    assert len(combinations) == 256
     for facts in combinations:
         if accepted(facts):
             check_exclusive(step_schedule(facts))
@@ -151,6 +175,17 @@ def test_the_shared_schedule_reads_as_the_design_says() -> None:
     assert step_schedule(facts).describe() == (
         "engine: generate, release → reward_model: wake, score, sleep → critic: wake, train, sleep"
         " → actor: wake, train, sleep → engine: resume, weights"
+    )
+    # A teacher whose reverse KL is in the rewards: the critic's returns need the student's log-probs.
+    distilled = step_schedule(facts.replace(teacher=True, kl_first=True))
+    assert distilled.describe() == (
+        "engine: generate, release → reward_model: wake, score, sleep → teacher: wake, log_probs, sleep"
+        " → actor: wake, log_probs, sleep → critic: wake, train, sleep → actor: wake, train, sleep"
+        " → engine: resume, weights"
+    )
+    resident = step_schedule(StepFacts(colocate=True, offload_train=False, critic=True, teacher=True))
+    assert resident.describe() == (
+        "engine: generate → teacher: log_probs → critic: train → actor: train → engine: weights"
     )
     warm_up = step_schedule(facts.replace(warm_up=True, reward_model=False))
     assert warm_up.describe() == "engine: generate, release → critic: wake, train, sleep → engine: resume"

@@ -19,6 +19,7 @@ loads only torch, while `TrainWorker` or `build_model` load megatron-core (about
 - PPO math (torch only): `compute_gae`, `lambda_returns`, `policy_loss`, `value_loss`,
   `aggregate_loss`, `loss_sum_and_count`, `approx_kl`, `whiten_advantages`,
   `entropy_from_logits`, `explained_variance`.
+- On-policy distillation (torch only): `reverse_kl`, `distillation_rewards`, `distillation_loss`.
 - Critic-free estimators, GSPO and CISPO (torch only): `grpo_advantages`, `rloo_advantages`,
   `group_centered_rewards`, `discounted_returns`, `token_advantages`, `gspo_policy_loss`,
   `cispo_policy_loss`.
@@ -52,6 +53,9 @@ _EXPORTS = {
     "aggregate_loss": "algorithms.losses",
     "explained_variance": "algorithms.losses",
     "approx_kl": "algorithms.kl",
+    "reverse_kl": "algorithms.distillation",
+    "distillation_rewards": "algorithms.distillation",
+    "distillation_loss": "algorithms.distillation",
     "whiten_advantages": "algorithms.advantages",
     "grpo_advantages": "algorithms.estimators",
     "rloo_advantages": "algorithms.estimators",
@@ -86,6 +90,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from .algorithms.advantages import whiten_advantages
     from .algorithms.cispo import cispo_policy_loss
+    from .algorithms.distillation import distillation_loss, distillation_rewards, reverse_kl
     from .algorithms.entropy import entropy_from_logits
     from .algorithms.estimators import (
         discounted_returns,
@@ -147,6 +152,8 @@ __all__ = [
     "compute_gae",
     "create_train_group",
     "discounted_returns",
+    "distillation_loss",
+    "distillation_rewards",
     "entropy_from_logits",
     "explained_variance",
     "export_hf_weights",
@@ -160,6 +167,7 @@ __all__ = [
     "pad_responses",
     "param_map",
     "policy_loss",
+    "reverse_kl",
     "rloo_advantages",
     "run_micro_batches",
     "to_hf",

@@ -1,4 +1,4 @@
-"""The checks that `WorkerConfig` runs at construction; each raises a ValueError naming the field and the fix.
+"""The checks that `WorkerConfig` runs at construction; each raises a `FieldError`: the field, and the fix.
 
 Each function takes the `WorkerConfig` being built (typed `Any`: config.py imports
 this module, not the other way round). The checks that need the number of ranks or
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tandem.megatron._field_error import FieldError
 from tandem.megatron.choices import (
     ADVANTAGE_ESTIMATORS,
     DEVICES,
@@ -22,6 +23,7 @@ from tandem.megatron.choices import (
     LOSS_TYPES,
     LR_DECAY_STYLES,
     OFFLOAD_BACKENDS,
+    OPD_MODES,
     PARAMS_DTYPES,
     TIS_MODES,
 )
@@ -45,7 +47,7 @@ def check_positive_ints(config: Any) -> None:
     ):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: got {value!r}; it must be a positive integer")
+            raise FieldError(name, f"got {value!r}; it must be a positive integer")
     for name in (
         "critic_tensor_model_parallel_size",
         "critic_pipeline_model_parallel_size",
@@ -56,22 +58,26 @@ def check_positive_ints(config: Any) -> None:
     ):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: got {value!r}; it must be a positive integer or None")
+            raise FieldError(name, f"got {value!r}; it must be a positive integer or None")
     value = config.log_probs_chunk_tokens
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"log_probs_chunk_tokens: got {value!r}; it must be an integer >= 0 "
-            "(rows of logits at a time, e.g. 4096; 0: the whole micro-batch through plain autograd)"
+        raise FieldError(
+            "log_probs_chunk_tokens",
+            f"got {value!r}; it must be an integer >= 0 "
+            "(rows of logits at a time, e.g. 4096; 0: the whole micro-batch through plain autograd)",
         )
     value = config.load_rollout_id
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"load_rollout_id: got {value!r}; it must be a rollout id (an integer >= 0) or None")
+        raise FieldError(
+            "load_rollout_id", f"got {value!r}; it must be a rollout id (an integer >= 0) or None"
+        )
     if config.lr_warmup_steps < 0:
-        raise ValueError(f"lr_warmup_steps: got {config.lr_warmup_steps}; it must be >= 0")
+        raise FieldError("lr_warmup_steps", f"got {config.lr_warmup_steps}; it must be >= 0")
     if config.lr_decay_steps is not None and config.lr_decay_steps <= config.lr_warmup_steps:
-        raise ValueError(
-            f"lr_decay_steps: got {config.lr_decay_steps}, which must exceed lr_warmup_steps "
-            f"({config.lr_warmup_steps}); raise it or set it to None for no decay"
+        raise FieldError(
+            "lr_decay_steps",
+            f"got {config.lr_decay_steps}, which must exceed lr_warmup_steps "
+            f"({config.lr_warmup_steps}); raise it or set it to None for no decay",
         )
 
 
@@ -88,11 +94,12 @@ def check_choices(config: Any) -> None:
         "advantage_estimator": ADVANTAGE_ESTIMATORS,
         "loss_type": LOSS_TYPES,
         "tis_mode": TIS_MODES,
+        "opd_mode": OPD_MODES,
     }
     for name, allowed in choices.items():
         value = getattr(config, name)
         if value not in allowed:
-            raise ValueError(f"{name}: got {value!r}; choose one of {', '.join(allowed)}")
+            raise FieldError(name, f"got {value!r}; choose one of {', '.join(allowed)}")
     for name in (
         "shuffle_minibatches",
         "use_sequence_packing",
@@ -104,24 +111,27 @@ def check_choices(config: Any) -> None:
         "lora_base_offload",
     ):
         if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name}: got {getattr(config, name)!r}; it must be True or False")
+            raise FieldError(name, f"got {getattr(config, name)!r}; it must be True or False")
     for name in ("fused_rope", "fused_log_probs"):
         value = getattr(config, name)
         if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name}: got {value!r}; it must be True, False or None (auto)")
+            raise FieldError(name, f"got {value!r}; it must be True, False or None (auto)")
     if config.device == "cpu" and config.fused_log_probs is True:
-        raise ValueError(
-            "fused_log_probs: True needs CUDA (Triton kernels) but device is 'cpu'; leave it unset (auto) or False"
+        raise FieldError(
+            "fused_log_probs",
+            "True needs CUDA (Triton kernels) but device is 'cpu'; leave it unset (auto) or False",
         )
     if config.device == "cpu" and config.offload_backend == "torch_memory_saver":
-        raise ValueError(
-            "offload_backend: torch_memory_saver needs CUDA but device is 'cpu'; "
-            "use offload_backend='pinned_host' or 'none' on the CPU"
+        raise FieldError(
+            "offload_backend",
+            "torch_memory_saver needs CUDA but device is 'cpu'; use pinned_host or none on the CPU",
         )
     if config.device == "cpu" and config.params_dtype != "float32":
-        raise ValueError(
-            "params_dtype: the CPU path trains in float32 (Megatron's mixed-precision optimizer "
-            "is GPU-only); set params_dtype='float32' with device='cpu'"
+        raise FieldError(
+            "params_dtype",
+            "the CPU path trains in float32 (Megatron's mixed-precision optimizer "
+            "is GPU-only); set it to float32 with `device` cpu",
+            "device",
         )
 
 
@@ -129,11 +139,11 @@ def _check_reuse(config: Any, field: str, what: str, redundant: Callable[[], str
     """A `reuse_old_*` field: True, False or None; True only where the old `what` are the update's own."""
     value = getattr(config, field)
     if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{field}: got {value!r}; it must be True, False or None (auto)")
+        raise FieldError(field, f"got {value!r}; it must be True, False or None (auto)")
     why = redundant() if value is True else None
     if why is not None:
-        raise ValueError(
-            f"{field}: the old {what} are not the update's own here: {why}; leave {field} unset (auto) or False"
+        raise FieldError(
+            field, f"the old {what} are not the update's own here: {why}; leave it unset (auto) or False"
         )
 
 
@@ -148,75 +158,81 @@ def check_ppo(config: Any) -> None:
         "clip_grad": config.clip_grad,
         "kl_loss_coef": config.kl_loss_coef,
         "entropy_coef": config.entropy_coef,
+        "opd_coef": config.opd_coef,
     }
     for name, value in non_negative.items():
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}: got {value}; it must be a finite number >= 0")
+            raise FieldError(name, f"got {value}; it must be a finite number >= 0")
     if config.min_lr > min(config.lr, config.critic_lr):
-        raise ValueError(
-            f"min_lr: {config.min_lr} exceeds a peak learning rate (lr={config.lr}, critic_lr="
-            f"{config.critic_lr}); lower min_lr"
+        raise FieldError(
+            "min_lr",
+            f"{config.min_lr} exceeds a peak learning rate (lr={config.lr}, critic_lr="
+            f"{config.critic_lr}); lower it",
         )
     for name in ("eps_clip", "temperature", "adam_eps"):
         value = getattr(config, name)
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name}: got {value}; it must be a finite number > 0")
+            raise FieldError(name, f"got {value}; it must be a finite number > 0")
     if config.value_clip is not None and not (math.isfinite(config.value_clip) and config.value_clip > 0):
-        raise ValueError(f"value_clip: got {config.value_clip}; it must be > 0, or None for no clipping")
+        raise FieldError("value_clip", f"got {config.value_clip}; it must be > 0, or None for no clipping")
     if not config.eps_clip < 1:
-        raise ValueError(
-            f"eps_clip: got {config.eps_clip}; the ratio's lower bound 1 - eps_clip must stay > 0"
+        raise FieldError(
+            "eps_clip", f"got {config.eps_clip}; the ratio's lower bound 1 - {config.eps_clip} must stay > 0"
         )
     if config.eps_clip_high is not None and not config.eps_clip_high > 0:
-        raise ValueError(f"eps_clip_high: got {config.eps_clip_high}; it must be > 0 or None")
+        raise FieldError("eps_clip_high", f"got {config.eps_clip_high}; it must be > 0 or None")
     if config.eps_clip_c is not None and not config.eps_clip_c > 1:
-        raise ValueError(f"eps_clip_c: got {config.eps_clip_c}; the dual-clip constant must be > 1 or None")
+        raise FieldError("eps_clip_c", f"got {config.eps_clip_c}; the dual-clip constant must be > 1 or None")
     _check_reuse(config, "reuse_old_log_probs", "log-probs", config.old_log_probs_redundant)
     _check_reuse(config, "reuse_old_values", "values", config.old_values_redundant)
     if not isinstance(config.use_tis, bool):
-        raise ValueError(f"use_tis: got {config.use_tis!r}; it must be True or False")
+        raise FieldError("use_tis", f"got {config.use_tis!r}; it must be True or False")
     if isinstance(config.tis_cap, bool) or not isinstance(config.tis_cap, int | float):
-        raise ValueError(f"tis_cap: got {config.tis_cap!r}; it must be a number >= 1 (e.g. 2.0)")
+        raise FieldError("tis_cap", f"got {config.tis_cap!r}; it must be a number >= 1 (e.g. 2.0)")
     if not (math.isfinite(config.tis_cap) and config.tis_cap >= 1):
-        raise ValueError(
-            f"tis_cap: got {config.tis_cap}; it must be a finite number >= 1 (a cap below 1 would "
-            "down-weight even on-policy tokens, whose weight is 1)"
+        raise FieldError(
+            "tis_cap",
+            f"got {config.tis_cap}; it must be a finite number >= 1 (a cap below 1 would "
+            "down-weight even on-policy tokens, whose weight is 1)",
         )
     if not (math.isfinite(config.tis_cap_low) and 0 <= config.tis_cap_low <= 1):
-        raise ValueError(
-            f"tis_cap_low: got {config.tis_cap_low}; it must lie in [0, 1] (0: no lower bound; above 1 "
-            "it would up-weight even on-policy tokens, whose weight is 1)"
+        raise FieldError(
+            "tis_cap_low",
+            f"got {config.tis_cap_low}; it must lie in [0, 1] (0: no lower bound; above 1 "
+            "it would up-weight even on-policy tokens, whose weight is 1)",
         )
     if not config.use_tis and (config.tis_cap_low != 0 or config.tis_mode != "token"):
         field = "tis_cap_low" if config.tis_cap_low != 0 else "tis_mode"
-        raise ValueError(
-            f"{field}: set, but truncated importance sampling is off; turn on `use_tis`, or unset {field}"
+        raise FieldError(
+            field, "set, but truncated importance sampling is off; turn on `use_tis`, or unset it", "use_tis"
         )
     for name in ("gamma", "lambd", "adam_beta1", "adam_beta2"):
         value = getattr(config, name)
         if not 0 <= value <= 1:
-            raise ValueError(f"{name}: got {value}; it must lie in [0, 1]")
+            raise FieldError(name, f"got {value}; it must lie in [0, 1]")
     _check_optional_positive(config)
 
 
 def _check_optional_positive(config: Any) -> None:
     """The optional numbers of the algorithms: unset, or finite and in range."""
     if config.critic_lambd is not None and not 0 <= config.critic_lambd <= 1:
-        raise ValueError(
-            f"critic_lambd: got {config.critic_lambd}; it must lie in [0, 1], or be unset (`lambd`)"
+        raise FieldError(
+            "critic_lambd",
+            f"got {config.critic_lambd}; it must lie in [0, 1], or be unset (`lambd`)",
+            "lambd",
         )
     alpha = config.length_adaptive_gae_alpha
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-        raise ValueError(
-            f"length_adaptive_gae_alpha: got {alpha}; it must be a finite number > 0 (VAPO's 0.05: λ = 1 − "
-            "1/(α · length)), or unset for one `lambd` for every response"
+        raise FieldError(
+            "length_adaptive_gae_alpha",
+            f"got {alpha}; it must be a finite number > 0 (VAPO's 0.05: λ = 1 − "
+            "1/(α · length)), or unset for one `lambd` for every response",
+            "lambd",
         )
     for name, example in (("reward_clip", "10"), ("kl_target", "0.1")):
         value = getattr(config, name)
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(
-                f"{name}: got {value}; it must be a finite number > 0 (e.g. {example}), or unset"
-            )
+            raise FieldError(name, f"got {value}; it must be a finite number > 0 (e.g. {example}), or unset")
 
 
 def check_estimator(config: Any) -> None:
@@ -224,41 +240,60 @@ def check_estimator(config: Any) -> None:
     estimator = config.advantage_estimator
     kind = estimator_of(estimator)
     if kind.groups and config.n_samples_per_prompt < 2:
-        raise ValueError(
-            f"advantage_estimator: {estimator} compares each sample with the other samples of its prompt, "
+        raise FieldError(
+            "advantage_estimator",
+            f"{estimator} compares each sample with the other samples of its prompt, "
             f"but `n_samples_per_prompt` is {config.n_samples_per_prompt}; set `n_samples_per_prompt` to 2 "
-            "or more (e.g. 8)"
+            "or more (e.g. 8)",
+            "n_samples_per_prompt",
         )
     if kind.per_sample and config.kl_coef != 0:
-        raise ValueError(
-            f"kl_coef: {config.kl_coef} folds a per-token KL into the rewards, but `advantage_estimator` "
+        raise FieldError(
+            "kl_coef",
+            f"{config.kl_coef} folds a per-token KL into the rewards, but `advantage_estimator` "
             f"{estimator} takes one reward per sample; set `kl_coef` to 0 and use `use_kl_loss` with "
-            "`kl_loss_coef` (GRPO's KL term), or choose reinforce_plus_plus(_baseline) for KL in the reward"
+            "`kl_loss_coef` (GRPO's KL term), or choose reinforce_plus_plus(_baseline) for KL in the reward",
+            "advantage_estimator",
+            "kl_coef",
+            "use_kl_loss",
+            "kl_loss_coef",
         )
     if config.loss_type == "gspo" and config.loss_aggregation != "sample_mean":
-        raise ValueError(
-            f"loss_aggregation: {config.loss_aggregation} with `loss_type` gspo; GSPO's objective is a mean "
-            "over sequences, so set `loss_aggregation` to sample_mean"
+        raise FieldError(
+            "loss_aggregation",
+            f"{config.loss_aggregation} with `loss_type` gspo; GSPO's objective is a mean "
+            "over sequences, so set `loss_aggregation` to sample_mean",
+            "loss_type",
+            "loss_aggregation",
         )
     if config.loss_type == "cispo" and config.eps_clip_c is not None:
-        raise ValueError(
-            f"eps_clip_c: {config.eps_clip_c} is PPO's dual clip, a bound on the clipped surrogate's loss of "
+        raise FieldError(
+            "eps_clip_c",
+            f"{config.eps_clip_c} is PPO's dual clip, a bound on the clipped surrogate's loss of "
             "negative advantages; `loss_type` cispo has no such loss to bound (its clipped weight never "
-            "drops a gradient), so unset `eps_clip_c`, or use `loss_type` ppo"
+            "drops a gradient), so unset `eps_clip_c`, or use `loss_type` ppo",
+            "loss_type",
+            "eps_clip_c",
         )
     if config.loss_aggregation == "seq_mean_token_sum_norm" and config.loss_norm_tokens is None:
-        raise ValueError(
-            "loss_norm_tokens: not set, but `loss_aggregation` seq_mean_token_sum_norm divides each sample's "
-            "token sum by it; give the constant (e.g. the longest response allowed)"
+        raise FieldError(
+            "loss_norm_tokens",
+            "not set, but `loss_aggregation` seq_mean_token_sum_norm divides each sample's "
+            "token sum by it; give the constant (e.g. the longest response allowed)",
+            "loss_aggregation",
         )
     if estimator == "reinforce_plus_plus_baseline" and config.gamma != 1:
-        raise ValueError(
-            f"gamma: {config.gamma} with `advantage_estimator` reinforce_plus_plus_baseline; its group-centred "
+        raise FieldError(
+            "gamma",
+            f"{config.gamma} with `advantage_estimator` reinforce_plus_plus_baseline; its group-centred "
             "reward is an outcome reward taken whole by every token (OpenRLHF sets gamma to 1 for it, verl "
-            "has no gamma there), so set `gamma` to 1, or use reinforce_plus_plus to discount"
+            "has no gamma there), so set `gamma` to 1, or use reinforce_plus_plus to discount",
+            "advantage_estimator",
+            "gamma",
         )
     _check_critic_only_fields(config)
     _check_kl_control(config)
+    _check_distillation(config)
 
 
 def _check_critic_only_fields(config: Any) -> None:
@@ -271,9 +306,11 @@ def _check_critic_only_fields(config: Any) -> None:
         ("critic_updates_per_step", 1),
     ):
         if getattr(config, name) != default:
-            raise ValueError(
-                f"{name}: set, but `advantage_estimator` {config.advantage_estimator} trains no critic and "
-                f"computes no GAE; unset {name}, or use `advantage_estimator` gae"
+            raise FieldError(
+                name,
+                f"set, but `advantage_estimator` {config.advantage_estimator} trains no critic and "
+                "computes no GAE; unset it, or use `advantage_estimator` gae",
+                "advantage_estimator",
             )
 
 
@@ -282,15 +319,41 @@ def _check_kl_control(config: Any) -> None:
     if config.kl_target is None:
         return
     if config.kl_coef == 0:
-        raise ValueError(
-            "kl_target: the adaptive KL controller scales the reward-level KL coefficient, but `kl_coef` is 0 "
-            "(no KL in the reward); give `kl_coef` its starting value (e.g. 0.01)"
+        raise FieldError(
+            "kl_target",
+            "the adaptive KL controller scales the reward-level KL coefficient, but `kl_coef` is 0 "
+            "(no KL in the reward); give `kl_coef` its starting value (e.g. 0.01)",
+            "kl_coef",
         )
     if not config.kl_horizon > 0.2 * config.samples_per_rollout:
-        raise ValueError(
-            f"kl_horizon: {config.kl_horizon} samples; one step's factor 1 ± 0.2 · {config.samples_per_rollout} "
-            f"/ kl_horizon could reach 0 or below, so raise `kl_horizon` above {config.samples_per_rollout // 5}"
-            " (e.g. 10000)"
+        raise FieldError(
+            "kl_horizon",
+            f"{config.kl_horizon} samples; one step's factor 1 ± 0.2 · {config.samples_per_rollout} "
+            f"/ {config.kl_horizon} could reach 0 or below, so raise it above {config.samples_per_rollout // 5}"
+            " (e.g. 10000)",
+        )
+
+
+def _check_distillation(config: Any) -> None:
+    """On-policy distillation's mode fits the estimator, and is set only with a coefficient."""
+    if config.opd_coef == 0 and config.opd_mode != "reward":
+        raise FieldError(
+            "opd_mode",
+            f"{config.opd_mode}, but `opd_coef` is 0 (no distillation); give `opd_coef` (e.g. 1.0), "
+            "or leave `opd_mode` unset",
+            "opd_coef",
+            "opd_mode",
+        )
+    kind = estimator_of(config.advantage_estimator)
+    if kind.per_sample and config.opd_in_rewards:
+        raise FieldError(
+            "opd_mode",
+            "reward folds each token's reverse KL to the teacher into the rewards, but "
+            f"`advantage_estimator` {config.advantage_estimator} takes one reward per sample; set `opd_mode` "
+            "to loss (a term of the policy loss, which every estimator takes), or choose gae or "
+            "reinforce_plus_plus(_baseline)",
+            "advantage_estimator",
+            "opd_mode",
         )
 
 
@@ -306,9 +369,10 @@ def check_lora(config: Any) -> None:
             getattr(config, f"{prefix}lora_target_modules"),
         )
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(
-                f"{prefix}lora_rank: got {rank!r}; it must be a positive integer (the adapters' rank, e.g. 8), "
-                "or unset for full fine-tuning"
+            raise FieldError(
+                f"{prefix}lora_rank",
+                f"got {rank!r}; it must be a positive integer (the adapters' rank, e.g. 8), or unset for full "
+                "fine-tuning",
             )
         if alpha is not None and (
             isinstance(alpha, bool)
@@ -316,14 +380,18 @@ def check_lora(config: Any) -> None:
             or not math.isfinite(alpha)
             or alpha <= 0
         ):
-            raise ValueError(
-                f"{prefix}lora_alpha: got {alpha!r}; it must be a finite number > 0 (adapters are scaled by "
-                f"alpha / rank), or unset for alpha = rank"
+            raise FieldError(
+                f"{prefix}lora_alpha",
+                f"got {alpha!r}; it must be a finite number > 0 (adapters are scaled by alpha / rank), or unset "
+                "for alpha = rank",
             )
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-            raise ValueError(f"{prefix}lora_dropout: got {dropout!r}; it must lie in [0, 1)")
+            raise FieldError(f"{prefix}lora_dropout", f"got {dropout!r}; it must lie in [0, 1)")
         if targets is not None:
-            resolve_targets(targets, field=f"{prefix}lora_target_modules")
+            try:
+                resolve_targets(targets)
+            except ValueError as exc:
+                raise FieldError(f"{prefix}lora_target_modules", str(exc)) from None
         if rank is None:
             given = [
                 name
@@ -335,50 +403,70 @@ def check_lora(config: Any) -> None:
                 if value is not None
             ]
             if given:
-                raise ValueError(
-                    f"{prefix}{given[0]}: set, but `{prefix}lora_rank` is unset (full fine-tuning); set "
-                    f"`{prefix}lora_rank` to train adapters, or leave {prefix}{given[0]} unset"
+                field, rank_field = f"{prefix}{given[0]}", f"{prefix}lora_rank"
+                raise FieldError(
+                    field,
+                    f"set, but `{rank_field}` is unset (full fine-tuning); set `{rank_field}` to train adapters, "
+                    f"or leave `{field}` unset",
+                    rank_field,
+                    field,
                 )
     if (
         config.lora_rank is not None
         and config.ref_load is not None
         and not same_path(config.ref_load, config.hf_checkpoint)
     ):
-        raise ValueError(
-            f"ref_load: {config.ref_load!r} with `lora_rank`; a LoRA actor's reference is its own base model "
-            "(`hf_checkpoint`) with the adapters switched off, so no other reference is loaded; leave ref_load unset"
+        raise FieldError(
+            "ref_load",
+            f"{config.ref_load!r} with `lora_rank`; a LoRA actor's reference is its own base model "
+            "(`hf_checkpoint`) with the adapters switched off, so no other reference is loaded; leave "
+            "`ref_load` unset",
+            "lora_rank",
+            "hf_checkpoint",
+            "ref_load",
         )
     uses_lora = config.lora_rank is not None or config.critic_lora_rank is not None
     if uses_lora and config.offload_backend == "torch_memory_saver" and config.lora_base_offload:
-        raise ValueError(
-            "offload_backend: torch_memory_saver copies the frozen LoRA base to the host at every sleep; use "
-            "offload_backend pinned_host (which keeps one host copy of the base and copies it back only), or "
-            "keep the base on the GPU with `lora_base_offload` False"
+        raise FieldError(
+            "offload_backend",
+            "torch_memory_saver copies the frozen LoRA base to the host at every sleep; use pinned_host "
+            "(which keeps one host copy of the base and copies it back only), or keep the base on the GPU with "
+            "`lora_base_offload` False",
+            "lora_base_offload",
         )
 
 
 def check_batches(config: Any) -> None:
     """A rollout is a whole number of global batches, each at least one micro-batch."""
     if config.samples_per_rollout % config.global_batch_size:
-        raise ValueError(
-            f"global_batch_size: {config.global_batch_size} does not divide the "
-            f"{config.samples_per_rollout} samples of a rollout (rollout_batch_size * "
-            "n_samples_per_prompt); pick a divisor so each rollout is a whole number of steps"
+        raise FieldError(
+            "global_batch_size",
+            f"{config.global_batch_size} does not divide the "
+            f"{config.samples_per_rollout} samples of a rollout (`rollout_batch_size` * "
+            "`n_samples_per_prompt`); pick a divisor so each rollout is a whole number of steps",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
         )
     if config.use_dynamic_batch_size and config.max_tokens_per_gpu is None:
-        raise ValueError(
-            "max_tokens_per_gpu: not set, but use_dynamic_batch_size cuts micro-batches by tokens; give "
-            "the tokens one micro-batch may hold on one GPU (e.g. the longest prompt + response)"
+        raise FieldError(
+            "max_tokens_per_gpu",
+            "not set, but `use_dynamic_batch_size` cuts micro-batches by tokens; give "
+            "the tokens one micro-batch may hold on one GPU (e.g. the longest prompt + response)",
+            "use_dynamic_batch_size",
         )
     if not config.use_dynamic_batch_size and config.max_tokens_per_gpu is not None:
-        raise ValueError(
-            "max_tokens_per_gpu: set, but micro-batches are cut by micro_batch_size; turn on "
-            "use_dynamic_batch_size to cut them by tokens, or leave max_tokens_per_gpu unset"
+        raise FieldError(
+            "max_tokens_per_gpu",
+            "set, but micro-batches are cut by `micro_batch_size`; turn on "
+            "`use_dynamic_batch_size` to cut them by tokens, or leave it unset",
+            "micro_batch_size",
+            "use_dynamic_batch_size",
         )
     if config.micro_batch_size > config.global_batch_size:
-        raise ValueError(
-            f"micro_batch_size: {config.micro_batch_size} exceeds global_batch_size "
-            f"({config.global_batch_size}); lower it"
+        raise FieldError(
+            "micro_batch_size",
+            f"{config.micro_batch_size} exceeds `global_batch_size` ({config.global_batch_size}); lower it",
+            "global_batch_size",
         )
 
 
@@ -390,9 +478,10 @@ def check_folders(config: Any) -> None:
         if path is None:
             continue
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(
-                f"{name}: {path!r} is not a Hugging Face checkpoint folder (no config.json); "
-                "point it at a folder written by save_pretrained"
+            raise FieldError(
+                name,
+                f"{path!r} is not a Hugging Face checkpoint folder (no config.json); "
+                "point it at a folder written by save_pretrained",
             )
     check_critic_start(config.critic_hf_checkpoint)
     pairs = (("load", "save"), ("critic_load", "critic_save"))
@@ -401,18 +490,21 @@ def check_folders(config: Any) -> None:
         if load is None:
             continue
         if os.path.exists(load) and not os.path.isdir(load):
-            raise ValueError(f"{load_name}: {load!r} is a file; it must be a checkpoint folder")
+            raise FieldError(load_name, f"{load!r} is a file; it must be a checkpoint folder")
         if not os.path.exists(load) and not same_path(load, save):
-            raise ValueError(
-                f"{load_name}: folder {load!r} does not exist; fix the path, or set it equal to "
-                f"{save_name} for the first run of a resumable job"
+            raise FieldError(
+                load_name,
+                f"folder {load!r} does not exist; fix the path, or set it equal to "
+                f"`{save_name}` for the first run of a resumable job",
+                save_name,
             )
     for actor_name, critic_name in (("load", "critic_load"), ("save", "critic_save")):
         actor_path, critic_path = getattr(config, actor_name), getattr(config, critic_name)
         if actor_path is not None and critic_path is not None and same_path(actor_path, critic_path):
-            raise ValueError(
-                f"{critic_name}: {critic_path!r} is the actor's `{actor_name}` folder; give the critic "
-                "a folder of its own"
+            raise FieldError(
+                critic_name,
+                f"{critic_path!r} is the actor's `{actor_name}` folder; give the critic a folder of its own",
+                actor_name,
             )
 
 
@@ -430,10 +522,11 @@ def check_critic_start(path: str | None) -> None:
     # transformers' reading: num_labels, else the size of id2label, else 2.
     labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
     if labels != 1:
-        raise ValueError(
-            f"critic_hf_checkpoint: {path!r} is a classifier with {labels} labels; the critic's value head is "
+        raise FieldError(
+            "critic_hf_checkpoint",
+            f"{path!r} is a classifier with {labels} labels; the critic's value head is "
             "one number, so start it from a reward model with num_labels=1 (its score head becomes the value "
-            "head) or from a causal LM"
+            "head) or from a causal LM",
         )
 
 
@@ -449,7 +542,7 @@ def check_model_layout(config: Any, role: str) -> None:
 
     Heads and key/value heads must divide by the TP size (each rank holds whole
     heads), layers by the PP size; the vocabulary never needs to (it is padded).
-    Raises a ValueError naming the size field (`critic_...` for the critic) and the fix.
+    Raises a FieldError naming the size field (`critic_...` for the critic) and the fix.
     """
     from tandem.megatron.models.hf_config import ModelSpec  # torch: `--help` and the seam's import load none
 
@@ -457,7 +550,7 @@ def check_model_layout(config: Any, role: str) -> None:
     try:
         spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))
     except ValueError as exc:
-        raise ValueError(f"{field}: {exc}") from None
+        raise FieldError(field, str(exc)) from None
     tp, pp = config.topology(role)
     prefix = "critic_" if role == "critic" else ""
     for what, count in (
@@ -470,15 +563,16 @@ def check_model_layout(config: Any, role: str) -> None:
                 for d in range(1, count + 1)
                 if spec.num_attention_heads % d == 0 and spec.num_kv_heads % d == 0
             ]
-            raise ValueError(
-                f"{prefix}tensor_model_parallel_size: {tp} does not divide the {role}'s {count} {what} "
+            raise FieldError(
+                f"{prefix}tensor_model_parallel_size",
+                f"{tp} does not divide the {role}'s {count} {what} "
                 f"({config.hf_checkpoint_of(role)}: num_attention_heads={spec.num_attention_heads}, "
                 f"num_key_value_heads={spec.num_kv_heads}); each tensor-parallel rank holds whole heads, so "
-                f"use one of {', '.join(map(str, fits))}"
+                f"use one of {', '.join(map(str, fits))}",
             )
     if spec.num_layers % pp:
         fits = [d for d in range(1, spec.num_layers + 1) if spec.num_layers % d == 0]
-        raise ValueError(
-            f"{prefix}pipeline_model_parallel_size: {pp} does not divide the {role}'s {spec.num_layers} layers; "
-            f"use one of {', '.join(map(str, fits))}"
+        raise FieldError(
+            f"{prefix}pipeline_model_parallel_size",
+            f"{pp} does not divide the {role}'s {spec.num_layers} layers; use one of {', '.join(map(str, fits))}",
         )

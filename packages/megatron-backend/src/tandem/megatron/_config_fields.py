@@ -26,6 +26,7 @@ from tandem.megatron.choices import (
     LossType,
     LrDecayStyle,
     OffloadBackend,
+    OpdMode,
     ParamsDtype,
     Role,
     TisMode,
@@ -276,6 +277,24 @@ class WorkerFields:
     """KL estimator of the KL loss: k1, k2, k3 (not clamped), low_var_kl (k3 clamped to ±10, verl's
     k3), abs, or k3+ / low_var_kl+ (that value, k2's gradient: an unbiased gradient of the KL)."""
 
+    opd_coef: float = 0.0
+    """Weight of on-policy distillation (finite, >= 0; 0: off). A teacher (`ppo-driver`'s
+    `--teacher-hf-checkpoint`) scores the student's own samples, and each trainable token's reverse KL
+    to it, `log π(y_t) − log π_teacher(y_t)` on the sampled token (both under `temperature`), trains
+    the student towards the teacher as `opd_mode` says. With a reward of its own the two signals add;
+    with none (`--rm-type none`) the student learns from the teacher alone."""
+
+    opd_mode: OpdMode = "reward"
+    """How the reverse KL to the teacher trains the student (with `opd_coef`). `reward`: each trainable
+    token's reward pays `opd_coef * KL_t`, folded into the returns and advantages (GAE, REINFORCE++),
+    so that a token is credited with the reverse KL of the tokens after it: the policy gradient of the
+    whole response's reverse KL (slime's and Thinking Machines' on-policy distillation; verl's with
+    `use_policy_gradient`); with a critic the driver runs the KL-first plan (the critic's returns need
+    the student's log-probs). `loss`: the policy loss gains `opd_coef * ½ (log π − log π_teacher)²` per
+    token, whose gradient on the student's own samples is each token's own reverse KL's (no credit to
+    the tokens before it; verl's distillation loss): every estimator takes it (GRPO and RLOO too),
+    the critic never sees it, and no actor wakes for it."""
+
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the policy loss; 0: entropy is not computed."""
 
@@ -518,7 +537,13 @@ class WorkerFields:
         return self.use_kl_loss or self.kl_coef != 0
 
     @property
+    def opd_in_rewards(self) -> bool:
+        """Whether the reverse KL to the teacher is folded into the token rewards (`opd_mode` reward)."""
+        return self.opd_coef != 0 and self.opd_mode == "reward"
+
+    @property
     def kl_first(self) -> bool:
-        """The KL-first plan: with reward-level KL and a critic, the actor's old and reference log-probs
-        come before the critic trains, so that both fold the very same per-token KL into their rewards."""
-        return self.kl_coef != 0 and self.uses_critic
+        """The KL-first plan: with a KL in the rewards (to the reference, `kl_coef`, or to the teacher,
+        `opd_mode` reward) and a critic, the actor's old (and reference) log-probs come before the critic
+        trains, so that both fold the very same per-token KL into their rewards."""
+        return (self.kl_coef != 0 or self.opd_in_rewards) and self.uses_critic

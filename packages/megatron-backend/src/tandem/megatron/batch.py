@@ -59,6 +59,9 @@ class RolloutBatch:
         rollout_log_probs: log-probs the rollout engine reported per response token, when it did
             (one tensor per sample, its response length); truncated importance sampling
             (`WorkerConfig.use_tis`) weighs the policy loss with them.
+        teacher_log_probs: on-policy distillation (`WorkerConfig.opd_coef`): the teacher's log-probs of
+            each response token under the sampling temperature (one tensor per sample, its response
+            length), the other half of the reverse KL.
         old_log_probs: actor: log-probs under the weights the rollout's training started
             from. Shape `(n, max_response_len)`, 0 past each response; None until computed.
         ref_log_probs: actor with a KL loss: log-probs under the reference weights. Same shape.
@@ -76,6 +79,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
     rollout_log_probs: list[torch.Tensor] | None = None
+    teacher_log_probs: list[torch.Tensor] | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -93,6 +97,8 @@ class RolloutBatch:
             "rewards": int(self.rewards.numel()),
             "sample_indices": len(self.sample_indices),
         }
+        if self.teacher_log_probs is not None:
+            sizes["teacher_log_probs"] = len(self.teacher_log_probs)
         bad = {k: v for k, v in sizes.items() if v != n}
         if bad:
             raise ValueError(
@@ -109,6 +115,11 @@ class RolloutBatch:
             if mask.numel() != rlen:
                 raise ValueError(
                     f"RolloutBatch: sample {i} has loss_mask of {mask.numel()} entries, expected {rlen}"
+                )
+            if self.teacher_log_probs is not None and self.teacher_log_probs[i].numel() != rlen:
+                raise ValueError(
+                    f"RolloutBatch: sample {i} has {self.teacher_log_probs[i].numel()} teacher log-probs for "
+                    f"{rlen} response tokens; the teacher gives one per response token"
                 )
         shape = (n, self.max_response_length)
         for name in TARGETS:
@@ -130,6 +141,17 @@ class RolloutBatch:
     def padded_loss_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The loss masks as `(n, max_response_len)`, 0 past each response."""
         return to_device(pad_responses(self.loss_masks), device)
+
+    def padded_teacher_log_probs(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The teacher's log-probs as `(n, max_response_len)`, 0 past each response; ValueError naming
+        `opd_coef` when the batch has none."""
+        if self.teacher_log_probs is None:
+            raise ValueError(
+                "opd_coef: on-policy distillation needs the teacher's log-probs of every response token "
+                "(RolloutBatch.teacher_log_probs), but the batch has none; start the run with a teacher "
+                "(--teacher-hf-checkpoint), or set opd_coef to 0"
+            )
+        return to_device(pad_responses(self.teacher_log_probs), device)
 
     def with_targets(self, **targets: torch.Tensor | None) -> RolloutBatch:
         """A copy of this batch with the given `TARGETS` fields set (checked like the constructor's)."""
@@ -160,6 +182,9 @@ class RolloutBatch:
             rollout_log_probs=None
             if self.rollout_log_probs is None
             else [self.rollout_log_probs[i] for i in rows],
+            teacher_log_probs=None
+            if self.teacher_log_probs is None
+            else [self.teacher_log_probs[i] for i in rows],
             **targets,
         )
 

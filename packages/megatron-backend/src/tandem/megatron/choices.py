@@ -43,6 +43,10 @@ or CISPO's clipped weight (`cispo`)."""
 TisMode = Literal["token", "seq_mask"]
 """Truncated importance sampling per token, or with whole sequences masked out (`importance`)."""
 
+OpdMode = Literal["reward", "loss"]
+"""How on-policy distillation's per-token reverse KL to the teacher trains the student (`distillation`):
+folded into the token rewards, or a term of the policy loss."""
+
 ROLES: tuple[Role, ...] = get_args(Role)
 KL_KINDS: tuple[str, ...] = get_args(KlKind)
 LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
@@ -100,6 +104,7 @@ ESTIMATORS: dict[str, Estimator] = {
 """Every advantage estimator, by name (the order of `AdvantageEstimator`)."""
 
 TIS_MODES: tuple[str, ...] = get_args(TisMode)
+OPD_MODES: tuple[str, ...] = get_args(OpdMode)
 CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if not e.needs_critic)
 """The estimators whose baseline is not a learned value: a run with one of them trains no critic."""
 GROUP_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if e.groups)

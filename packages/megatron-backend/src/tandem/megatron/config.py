@@ -12,7 +12,8 @@ The checks run here and nowhere else: those that need only the config at
 construction (`__post_init__`, from `_config_checks`); those that need the number
 of ranks or the role in `check_world` / `check_role` / `check_model`, which the
 group helper calls on the driver before any worker starts, so a bad config fails
-fast. Every check raises a `ValueError` naming the field and the fix.
+fast. Every check raises a `FieldError` (a ValueError): the field, and a message naming the fix
+and, in backticks, each other field it mentions.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from tandem.megatron._config_checks import (
     check_ppo,
 )
 from tandem.megatron._config_fields import WorkerFields
+from tandem.megatron._field_error import FieldError
 from tandem.megatron.choices import ROLES, Role, check_role
 from tandem.megatron.models.lora_spec import LoraSettings, resolve_targets
 
-__all__ = ["ROLES", "Role", "WorkerConfig", "WorkerFields"]
+__all__ = ["ROLES", "FieldError", "Role", "WorkerConfig", "WorkerFields"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,13 @@ class WorkerConfig(WorkerFields):
         return None
 
     def old_log_probs_redundant(self) -> str | None:
-        """None when the old log-probs are the update's own (one epoch, one step, no KL in the
-        rewards, no TIS); else why not, naming the field."""
+        """None when the old log-probs are the update's own (one epoch, one step, no KL to the
+        reference or the teacher in the rewards, no TIS); else why not, naming the field."""
         why = self._one_epoch_one_step("log-probs")
         if why is None and self.kl_coef != 0:
             why = "kl_coef folds the KL into the rewards before the update"
+        if why is None and self.opd_in_rewards:
+            why = "opd_coef folds the reverse KL to the teacher into the rewards before the update"
         if why is None and self.use_tis:
             why = "use_tis weighs each token by the old against the sampler's log-probs"
         if why is None and self.lora_rank is not None and self.lora_dropout > 0:
@@ -181,17 +185,21 @@ class WorkerConfig(WorkerFields):
         tp, pp = self.topology(role)
         prefix = "critic_" if role == "critic" else ""
         if world_size % (tp * pp):
-            raise ValueError(
-                f"{prefix}tensor_model_parallel_size * {prefix}pipeline_model_parallel_size = {tp * pp} "
+            raise FieldError(
+                f"{prefix}tensor_model_parallel_size",
+                f"{tp} times `{prefix}pipeline_model_parallel_size` ({pp}) = {tp * pp} "
                 f"({role}) does not divide the {world_size} ranks of the train group; pick sizes whose "
-                "product divides it"
+                "product divides it",
+                f"{prefix}pipeline_model_parallel_size",
             )
         dp = world_size // (tp * pp)
         if self.global_batch_size % (self.micro_batch_size * dp):
-            raise ValueError(
-                f"global_batch_size: {self.global_batch_size} is not divisible by micro_batch_size "
+            raise FieldError(
+                "global_batch_size",
+                f"{self.global_batch_size} is not divisible by `micro_batch_size` "
                 f"({self.micro_batch_size}) * the {role}'s data-parallel size ({dp}); make it a multiple "
-                f"of {self.micro_batch_size * dp}"
+                f"of {self.micro_batch_size * dp}",
+                "micro_batch_size",
             )
 
     def check_model(self, role: Role) -> None:
@@ -209,20 +217,27 @@ class WorkerConfig(WorkerFields):
         if role != "critic":
             return
         if not self.uses_critic:
-            raise ValueError(
-                f"advantage_estimator: {self.advantage_estimator} needs no critic, so no critic worker "
-                "starts; train a critic only with `advantage_estimator` gae"
+            raise FieldError(
+                "advantage_estimator",
+                f"{self.advantage_estimator} needs no critic, so no critic worker "
+                "starts; train a critic only with `advantage_estimator` gae",
+                "advantage_estimator",
             )
         if self.save is not None and self.critic_save is None:
-            raise ValueError(
-                "critic_save: `save` is set but the critic has no save folder; set critic_save to a folder "
-                "of its own (the critic never writes into the actor's folder)"
+            raise FieldError(
+                "critic_save",
+                "`save` is set but the critic has no save folder; set it to a folder "
+                "of its own (the critic never writes into the actor's folder)",
+                "save",
             )
         if self.load is not None and self.critic_load is None:
-            raise ValueError(
-                "critic_load: `load` is set but the critic has no load folder; set critic_load to the "
-                "critic's own folder (usually the same as critic_save) so a resumed critic never loads "
-                "the actor's weights"
+            raise FieldError(
+                "critic_load",
+                "`load` is set but the critic has no load folder; set it to the "
+                "critic's own folder (usually the same as `critic_save`) so a resumed critic never loads "
+                "the actor's weights",
+                "load",
+                "critic_save",
             )
 
 

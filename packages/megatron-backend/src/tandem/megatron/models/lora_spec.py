@@ -95,13 +95,11 @@ class LoraSettings:
         return self.alpha / self.rank
 
 
-def resolve_targets(
-    names: Sequence[str] | None, available: Sequence[str] = HF_LINEARS, *, field: str = "lora_target_modules"
-) -> tuple[str, ...]:
+def resolve_targets(names: Sequence[str] | None, available: Sequence[str] = HF_LINEARS) -> tuple[str, ...]:
     """The Hugging Face names of the layers `names` ask for, in `HF_LINEARS` order; None: every one.
 
     Accepts Hugging Face names, Megatron's fused names and `all-linear`. A name the
-    model does not have is a ValueError naming `field` and listing the names it has.
+    model does not have is a ValueError listing the names it has (`check_lora` names the field).
     """
     if names is None:
         return tuple(n for n in HF_LINEARS if n in available)
@@ -118,11 +116,11 @@ def resolve_targets(
         else:
             fused = [f for f, parts in FUSED_TARGETS.items() if all(p in available for p in parts)]
             raise ValueError(
-                f"{field}: {name!r} is not a linear layer of this model; it has {', '.join(available)} "
+                f"{name!r} is not a linear layer of this model; it has {', '.join(available)} "
                 f"(Megatron's fused names {', '.join(fused)} stand for their parts; {ALL_LINEAR} for all)"
             )
     if not chosen:
-        raise ValueError(f"{field}: no layer named; give at least one of {', '.join(available)}")
+        raise ValueError(f"no layer named; give at least one of {', '.join(available)}")
     return tuple(n for n in HF_LINEARS if n in chosen)
 
 

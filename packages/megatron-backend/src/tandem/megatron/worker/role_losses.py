@@ -13,6 +13,7 @@ import torch
 
 from tandem.megatron.algorithms.aggregation import loss_sum_and_count, metric_aggregation
 from tandem.megatron.algorithms.cispo import cispo_policy_loss
+from tandem.megatron.algorithms.distillation import distillation_loss, reverse_kl
 from tandem.megatron.algorithms.gae import lambda_returns
 from tandem.megatron.algorithms.gspo import gspo_policy_loss
 from tandem.megatron.algorithms.importance import tis_sequence_mask, tis_weights
@@ -33,13 +34,16 @@ ACTOR_STEP_METRICS = (
     "entropy",
     "tis_weight",
     "tis_masked_frac",
+    "opd_reverse_kl",
+    "opd_loss",
     "sampler_log_prob_gap",
 )
 """Exact means over each optimizer step of the actor (`kl_loss`, `entropy`, `tis_weight` only when configured;
-`tis_masked_frac`, the tokens whose sequence `tis_mode` seq_mask left out, only with it;
+`tis_masked_frac`, the tokens whose sequence `tis_mode` seq_mask left out, only with it; `opd_reverse_kl`, the
+student's per-token reverse KL to the teacher as it trains, with `opd_coef`; `opd_loss` with `opd_mode` loss;
 `sampler_log_prob_gap`, `|old_log_probs - rollout_log_probs|` per token, where the rollout has the engine's
-log-probs: how far the sampler's policy is from the trainer's). `pg_loss` and `kl_loss` are the loss's
-terms, aggregated as the loss (`loss_aggregation`); the others are per-token figures, token means per
+log-probs: how far the sampler's policy is from the trainer's). `pg_loss`, `kl_loss` and `opd_loss` are the
+loss's terms, aggregated as the loss (`loss_aggregation`); the others are per-token figures, token means per
 sample where the loss sums over tokens (`aggregation.metric_aggregation`)."""
 CRITIC_ROLLOUT_METRICS = ("values_mean", "returns_mean", "explained_variance", "reward_kl")
 """Figures of the rollout's targets, over the data-parallel group (`reward_kl` only with `kl_coef != 0`)."""
@@ -81,7 +85,7 @@ def critic_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs
 
 
 def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs) -> LossResult:
-    """Policy loss + KL loss − entropy bonus of a micro-batch as (sum, count, metric numerators).
+    """Policy loss + KL loss + distillation loss − entropy bonus of a micro-batch as (sum, count, metric numerators).
 
     All terms share the loss mask and aggregation mode, hence one count.
     """
@@ -123,6 +127,16 @@ def actor_loss(config: WorkerConfig, mb: RolloutBatch, outputs: ResponseOutputs)
         kl_sum, _ = loss_sum_and_count(kl, mask, mode, norm_tokens=norm)
         loss_sum = loss_sum + config.kl_loss_coef * kl_sum
         metrics["kl_loss"] = kl_sum.detach()
+    if config.opd_coef != 0:
+        teacher = mb.padded_teacher_log_probs(log_probs.device).to(log_probs.dtype)
+        kl_sum, _ = loss_sum_and_count(reverse_kl(log_probs.detach(), teacher), mask, per_token_mode)
+        metrics["opd_reverse_kl"] = kl_sum
+        if config.opd_mode == "loss":
+            opd_sum, _ = loss_sum_and_count(
+                distillation_loss(log_probs, teacher), mask, mode, norm_tokens=norm
+            )
+            loss_sum = loss_sum + config.opd_coef * opd_sum
+            metrics["opd_loss"] = opd_sum.detach()
     if config.entropy_coef > 0:
         entropy_sum, _ = loss_sum_and_count(outputs["entropy"], mask, mode, norm_tokens=norm)
         loss_sum = loss_sum - config.entropy_coef * entropy_sum

@@ -13,7 +13,8 @@ Both roles follow the same numbered stages, in this order (`train_critic`, `trai
    stored in the batch as padded per-token fields so that every micro-batch
    carries its own. The rewards are the scalar rewards, or with `kl_coef != 0`
    the KL-folded token rewards (`reward_signal`), the same on both roles since
-   both get the actor's old and reference log-probs. Critic: old values →
+   both get the actor's old and reference log-probs (the reverse KL to the teacher too, with
+   `opd_mode` reward: the teacher's log-probs come in the batch). Critic: old values →
    λ-returns (`gae.lambda_returns`, no advantages); actor: the advantage
    estimator's (`estimators`): GAE on the critic's values (0 without a critic),
    or, critic-free, a group baseline of the rollout's rewards
@@ -126,21 +127,27 @@ def train_critic(
     # that all fail alike.
     old_log_probs = ref_log_probs = None
     error: Exception | None = None
+    needs_ref = config.kl_coef != 0
     if config.kl_first and last:
         try:
             old_log_probs = log_probs_for(log_probs, batch, rank=rank)
-            ref_log_probs = log_probs_for(log_probs, batch, rank=rank, reference=True)
+            if needs_ref:
+                ref_log_probs = log_probs_for(log_probs, batch, rank=rank, reference=True)
         except (ValueError, TypeError) as exc:
             error = exc
-    missing = last and (old_log_probs is None or ref_log_probs is None)
+    missing = last and (old_log_probs is None or (needs_ref and ref_log_probs is None))
     if config.kl_first:
         failed, missing = any_rank([error is not None, missing], group)
         raise_if(failed, error)
         if missing:
+            field, what = (
+                (f"kl_coef: {config.kl_coef} folds the KL", "log-probs and reference log-probs")
+                if needs_ref
+                else (f"opd_coef: {config.opd_coef} folds the reverse KL to the teacher", "log-probs")
+            )
             raise ValueError(
-                f"kl_coef: {config.kl_coef} folds the KL into the rewards, but critic ranks got no actor "
-                "log-probs and reference log-probs; run the actor's compute_log_probs first and pass its "
-                "results as the critic's log_probs (the KL-first plan)"
+                f"{field} into the rewards, but critic ranks got no actor {what}; run the actor's "
+                "compute_log_probs first and pass its results as the critic's log_probs (the KL-first plan)"
             )
     # 1. old values: a forward pass of their own, or (reuse_old_values) the update's own forward's
     from_update = config.reuses_old_values
@@ -331,6 +338,8 @@ def train_actor(
         | ({"tis_masked_frac"} if not (config.use_tis and config.tis_mode == "seq_mask") else set())
         | ({"sampler_log_prob_gap"} if batch.rollout_log_probs is None else set())
         | ({"reward_kl"} if config.kl_coef == 0 else set())
+        | ({"opd_reverse_kl"} if config.opd_coef == 0 else set())
+        | ({"opd_loss"} if config.opd_coef == 0 or config.opd_mode != "loss" else set())
         | ({"values_mean"} if not config.estimator.needs_critic else set())
         | ({"returns_mean"} if config.estimator.per_sample else set())
         | ({"tied_groups"} if not config.estimator.groups else set())

@@ -2,9 +2,10 @@
 
 docs/design.md, "The train step inside steps 3 and 4".
 
-The rewards are the scalar rewards, or with `kl_coef != 0` the KL-folded token
-rewards (`reward_signal`), the same on both roles since both get the actor's old
-and reference log-probs. Critic: old values → λ-returns (`critic_targets`);
+The rewards are the scalar rewards, or with `kl_coef != 0` (or the teacher's reverse
+KL in the rewards, `opd_mode` reward) the KL-folded token rewards (`reward_signal`),
+the same on both roles since both get the actor's old and reference log-probs (and
+the same teacher log-probs in their batches). Critic: old values → λ-returns (`critic_targets`);
 actor: the advantage estimator's advantages, whitened when asked (`actor_targets`).
 Each returns the batch with its padded per-token targets set and the rollout's figures.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from tandem.megatron.algorithms.advantages import masked_mean_var, whiten_advantages
+from tandem.megatron.algorithms.distillation import distillation_rewards
 from tandem.megatron.algorithms.estimators import token_advantages, whitens
 from tandem.megatron.algorithms.gae import Lambda, lambda_returns, length_adaptive_lambdas
 from tandem.megatron.algorithms.kl import approx_kl, kl_penalized_rewards
@@ -50,29 +52,37 @@ def reward_signal(
     scalar_rewards: torch.Tensor | None = None,
     kl_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The rewards the estimator runs on, and their figures: scalar rewards, or the KL-folded token rewards.
+    """The rewards the estimator runs on, and their figures: scalar rewards, or token rewards with KLs folded in.
 
     `scalar_rewards`: the per-sample rewards to use, shape `(n,)` (the estimator's,
-    `rollout_rewards.estimator_rewards`); None: `batch.rewards` (`clipped_rewards`). With
-    `kl_coef == 0`: those, exactly as without the KL-first plan (the log-probs are not read).
-    Otherwise `kl.kl_penalized_rewards` of the actor's old and reference log-probs, shape
-    `(n, max_response_len)`; critic and actor call this with the same log-probs
-    (the actor's, from `compute_log_probs`), hence the same rewards bit for bit.
-    `kl_coef`: this step's coefficient (the adaptive KL controller's, from the driver);
-    None: `config.kl_coef`. Whether the KL is folded at all is `config.kl_coef`'s to say.
+    `rollout_rewards.estimator_rewards`); None: `batch.rewards` (`clipped_rewards`). With no
+    KL in the rewards: those, exactly as without the KL-first plan (the log-probs are not read).
+    Otherwise token rewards, shape `(n, max_response_len)`: `kl.kl_penalized_rewards` of the
+    actor's old and reference log-probs (`kl_coef`), and `distillation.distillation_rewards` of
+    the old log-probs and the batch's teacher log-probs (`opd_mode` reward); critic and actor
+    call this with the same log-probs (the actor's, from `compute_log_probs`) and the same
+    batch, hence the same rewards bit for bit. `kl_coef`: this step's coefficient (the adaptive
+    KL controller's, from the driver); None: `config.kl_coef`. Whether the KL is folded at all
+    is `config.kl_coef`'s to say.
     """
     scalar = clipped_rewards(batch.rewards, config) if scalar_rewards is None else scalar_rewards
-    if config.kl_coef == 0:
+    if config.kl_coef == 0 and not config.opd_in_rewards:
         return scalar, {}
-    assert log_probs is not None and ref_log_probs is not None, "checked by the caller"
+    assert log_probs is not None, "checked by the caller"
     mask = batch.padded_loss_mask(device)
-    log_probs, ref_log_probs = log_probs.to(device), ref_log_probs.to(device)
-    coef = config.kl_coef if kl_coef is None else kl_coef
-    rewards = kl_penalized_rewards(
-        scalar.to(device), log_probs, ref_log_probs, mask, coef, config.kl_penalty_type
-    )
-    kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
-    return rewards, {"reward_kl": masked_mean_var(kl, mask, group=dp_group)[0]}
+    log_probs = log_probs.to(device)
+    rewards, figures = scalar.to(device), {}
+    if config.kl_coef != 0:
+        assert ref_log_probs is not None, "checked by the caller"
+        ref_log_probs = ref_log_probs.to(device)
+        coef = config.kl_coef if kl_coef is None else kl_coef
+        rewards = kl_penalized_rewards(rewards, log_probs, ref_log_probs, mask, coef, config.kl_penalty_type)
+        kl = approx_kl(log_probs, ref_log_probs, config.kl_penalty_type)
+        figures["reward_kl"] = masked_mean_var(kl, mask, group=dp_group)[0]
+    if config.opd_in_rewards:
+        teacher = batch.padded_teacher_log_probs(device)
+        rewards = distillation_rewards(rewards, log_probs, teacher, mask, config.opd_coef)
+    return rewards, figures
 
 
 def critic_targets(

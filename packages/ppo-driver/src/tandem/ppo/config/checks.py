@@ -1,26 +1,29 @@
 """`PPOConfig.validate`: every rule of a run's config, each refusal a ValueError naming the flag and the fix.
 
 The driver's own rules are here (numbers, the placement plan, files, the trackers'
-extras, how a rollout splits); the estimator's (`estimator_plan`) and the reward
-model's (`rollout.reward_model.check_reward_config`) live beside the code they
-serve. The train workers' rules are `WorkerConfig`'s and run in that one place:
+extras, how a rollout splits); the estimator's (`estimator_plan`), the reward
+model's (`rollout.reward_model.check_reward_config`) and the teacher's
+(`rollout.teacher.check_teacher_config`) live beside the code they serve. The train
+workers' rules are `WorkerConfig`'s and run in that one place:
 `check_workers` builds the run's `actor_config()` and `critic_config()` (which
-checks their fields), asks each for its world, role and model checks, and turns
-the field the message starts with (and any field it names in backticks) into its
-flag (`fields.flag`). The rules read the unchecked fields (`RunFields`).
+checks their fields), asks each for its world, role and model checks, and renders
+each refusal (a `FieldError`: the field, the message and the fields it mentions)
+with flags for field names (`fields.flag`). The rules read the unchecked fields
+(`RunFields`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.megatron.config import FieldError
 from tandem.ppo.config.estimator_plan import check_estimator_plan
 from tandem.ppo.config.fields import RunFields, flag
 from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
+from tandem.ppo.rollout.teacher import check_teacher_config
 
 if TYPE_CHECKING:
     from tandem.megatron.choices import Role
@@ -38,6 +41,7 @@ def check_config(config: RunFields) -> None:
     _check_files(config)
     check_trackers(config)
     check_reward_config(config)
+    check_teacher_config(config)
     check_workers(config)
     _check_split(config)
 
@@ -55,8 +59,9 @@ def check_workers(config: RunFields) -> None:
         for role, worker in roles:
             worker.check_role(role)
             worker.check_model(role)
-    except ValueError as exc:
-        raise ValueError(_flagged(str(exc), config)) from None
+    except FieldError as exc:
+        fields = {f.name for f in dataclasses.fields(config)}
+        raise ValueError(exc.render(lambda name: flag(name) if name in fields else f"`{name}`")) from None
 
 
 def check_trackers(config: RunFields) -> None:
@@ -235,16 +240,3 @@ def _check_split(config: RunFields) -> None:
                 f"n_samples_per_prompt) do not split evenly over the {role}'s {dp} data-parallel "
                 f"ranks; make it a multiple of {dp}"
             )
-
-
-def _flagged(message: str, config: RunFields) -> str:
-    """A WorkerConfig message (`field_name: ...`) with its leading field, and each field it names in
-    backticks, turned into the flag."""
-    fields = {f.name for f in dataclasses.fields(config)}
-    message = re.sub(
-        r"`([a-z_]+)`", lambda m: flag(m.group(1)) if m.group(1) in fields else m.group(0), message
-    )
-    match = re.match(r"^([a-z_]+)([ :/])", message)
-    if match is None:
-        return message
-    return flag(match.group(1)) + message[len(match.group(1)) :]

@@ -175,7 +175,8 @@ class RunFields(WorkerFields):
     # --- rewards ----------------------------------------------------------------------------
     rm_type: str = "exact_match"
     """Built-in reward: `exact_match` (response equals the label), `math` (final answer
-    compared symbolically with math-verify), or `model` (the score of `--reward-model`)."""
+    compared symbolically with math-verify), `model` (the score of `--reward-model`), or `none`
+    (every reward 0: the student learns from its teacher alone, `--teacher-hf-checkpoint`)."""
 
     custom_rm_path: str | None = None
     """A reward of your own, `package.module:function` or `/path/to/file.py:function`: batched,
@@ -206,6 +207,24 @@ class RunFields(WorkerFields):
     reward_model_gpu_share: float = 0.5
     """Fraction of the engine's Ray GPU share on each rollout bundle that its reward-model worker
     takes (scheduling, not memory: in a shared step the two never hold memory at once)."""
+
+    # --- on-policy distillation ----------------------------------------------------------------
+    teacher_hf_checkpoint: str | None = None
+    """The teacher of on-policy distillation (with `--opd-coef`): a Hugging Face causal-LM folder on the
+    student's tokenizer (checked before the run starts), of any size (a 1.5B teacher for a 0.5B student).
+    It runs forward only on the rollout GPUs, one worker per engine, gives the log-prob of every token of
+    the student's samples, and sleeps while the others work."""
+
+    teacher_max_tokens_per_gpu: int = 16384
+    """Token budget of one teacher forward pass: samples are batched, longest first, so that rows x the
+    longest sample stays within it."""
+
+    teacher_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the teacher; auto: bfloat16 on a GPU, float32 on the CPU."""
+
+    teacher_gpu_share: float = 0.25
+    """Fraction of the engine's Ray GPU share on each rollout bundle that its teacher worker takes
+    (scheduling, not memory: in a shared step the two never hold memory at once)."""
 
     accuracy_threshold: float = 1.0
     """A sample counts as correct for `reward/accuracy` when its reward is at least this."""

@@ -33,6 +33,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("critic", "the value model that shares the actor's GPUs"),
     ("LoRA", "low-rank adapters for the actor and the critic, over a frozen base"),
     ("data and rewards", "prompts, rewards and the eval set"),
+    ("on-policy distillation", "a teacher that scores the student's own samples on the rollout GPUs"),
     ("schedule and checkpoints", "how long the run is, where it goes, when it saves and evaluates"),
     ("placement and resources", "GPUs, nodes, who shares a GPU, and sleeping"),
     ("logging", "metrics, TensorBoard, experiment trackers, the terminal"),
@@ -72,6 +73,9 @@ _GROUP_MEMBERS: dict[str, str] = {
     "data and rewards": (
         "prompt_data input_key label_key apply_chat_template max_prompt_len rm_type custom_rm_path "
         "accuracy_threshold eval_prompt_data n_samples_per_eval_prompt eval_temperature"
+    ),
+    "on-policy distillation": (
+        "teacher_hf_checkpoint opd_coef opd_mode teacher_dtype teacher_max_tokens_per_gpu teacher_gpu_share"
     ),
     "schedule and checkpoints": (
         "run_dir num_rollout load save save_interval save_on_interrupt eval_interval export_hf"

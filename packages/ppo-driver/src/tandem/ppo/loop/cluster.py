@@ -19,7 +19,7 @@ from tandem.placement import create_placement_groups
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.engines import EngineOptions, create_engine_group, ipc_payload
 from tandem.ppo.loop.node_checks import check_nodes_see_folders, folders_to_check
-from tandem.ppo.rollout.reward_model import rollout_bundle_shares
+from tandem.ppo.rollout.forward import rollout_bundle_shares
 from tandem.ppo.run.errors import RayStartError
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def start_groups(
         )
 
     def start_engines() -> EngineGroup:
-        share, _ = rollout_bundle_shares(config)  # a reward model takes part of the engine's share
+        share = rollout_bundle_shares(config).engine  # a reward model and a teacher take part of it
         return create_engine_group(
             config.hf_checkpoint,
             rollout_slot.pg,

@@ -6,7 +6,8 @@ sleep → actor: wake, train, sleep → engine: resume, weights. `PPODriver.step
 takes the turns in order (`turns.StepTurns`) on the roles on the GPUs
 (`shared_gpus.SharedGpus`, the one owner of who is awake): the rollout (each round
 of sampling takes the engines' `generate` turn and a reward model's `score` turn,
-then the rule rewards; the rollout is split per data-parallel rank), the KL-first
+then the rule rewards; the drawn rollout takes a teacher's `log_probs` turn; the
+rollout is split per data-parallel rank), the KL-first
 log-probs, the critic, the actor (not in the critic-only warm-up), the weights to
 the engines. Checkpoints when due: the driver's state, then the save's turns
 (`schedule.save_schedule`: on shared GPUs the engines release, each model wakes,
@@ -18,6 +19,7 @@ with both models resident.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -49,6 +51,7 @@ from tandem.ppo.rollout.samples import (
     shard_per_role,
     training_rewards,
 )
+from tandem.ppo.rollout.teacher import uses_teacher
 from tandem.ppo.run.checkpoint import save_run_checkpoint
 from tandem.ppo.run.errors import dead_worker
 from tandem.ppo.run.export import export_actor
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
     from tandem.ppo.rollout.reward_mix import RewardMix
     from tandem.ppo.rollout.reward_model import RewardModelRole
     from tandem.ppo.rollout.rewards import RewardFunction
+    from tandem.ppo.rollout.teacher import TeacherRole
     from tandem.ppo.run.folder import RunFolder
     from tandem.ppo.run.metrics import MetricsLogger
 
@@ -100,6 +104,7 @@ class PPODriver:
             offload_train=config.offload_train,
             critic=config.use_critic,
             reward_model=uses_reward_model(config),
+            teacher=uses_teacher(config),
             kl_first=config.kl_first,
         )
         """What decides each step's schedule (`schedule_of`)."""
@@ -145,13 +150,16 @@ class PPODriver:
         closing.enter_context(driver_log(self.run_dir))
         self.started_logs = True
         # 4. The roles on the GPUs, the models asleep where the schedule keeps them asleep between
-        #    steps (the engine needs the GPU first); then the reward model, likewise.
+        #    steps (the engine needs the GPU first); then the reward model and the teacher, likewise.
         self.placements, self.gpus = startup.start_roles(
             config, self.folder, events=self.events, clock=self.clock, closing=closing
         )
         self.gpus.start_asleep(self.between_steps())
         if self.facts.reward_model:
             startup.start_reward(config, self.placements, self.gpus, events=self.events)
+            self.gpus.start_asleep(self.between_steps())
+        if self.facts.teacher:
+            startup.start_teacher(config, self.placements, self.gpus, events=self.events)
             self.gpus.start_asleep(self.between_steps())
         # 5. The resumed rollout: data cursor, RNG, metrics; the engines get the resumed actor's weights.
         self.start_rollout_id, self.metrics_so_far = startup.resume(self.folder, self.gpus, self.dataset)
@@ -200,6 +208,10 @@ class PPODriver:
     def reward_model(self) -> RewardModelRole | None:
         return self.gpus.reward_model
 
+    @property
+    def teacher(self) -> TeacherRole | None:
+        return self.gpus.teacher
+
     # --- the plan ----------------------------------------------------------------------------
     def schedule_of(self, rollout_id: int, *, generate_ahead: bool = False) -> StepSchedule:
         """Step `rollout_id`'s turns (`schedule`), checked by `check_exclusive`; `generate_ahead`:
@@ -221,7 +233,8 @@ class PPODriver:
         return run_loop(self)
 
     def draw(self, rollout_id: int, background: bool = False) -> Sampled:
-        """Step 1, the rollout: sample, score and split rollout `rollout_id` per data-parallel rank.
+        """Step 1, the rollout: sample, score, the teacher's log-probs, and split rollout `rollout_id` per
+        data-parallel rank.
 
         `background`: drawn on the async loop's generation thread, outside any step's clock.
         """
@@ -241,6 +254,7 @@ class PPODriver:
             )
         else:
             rollout = self.sample(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
+        rollout = self.teach(rollout)
         data_state = self.dataset.state_dict()
         rewards, shaping = training_rewards(rollout, config)
         counts.update(shaping)
@@ -285,6 +299,33 @@ class PPODriver:
         rollout.seconds["reward_model"] = time.perf_counter() - start
         return score_rollout(rollout, self.reward_fn, scores)
 
+    def teach(self, rollout: Rollout) -> Rollout:
+        """The teacher's `log_probs` turn: `rollout` with the teacher's log-probs of its samples (as it is
+        without a teacher).
+
+        Taken once a rollout is drawn (dynamic sampling's rounds done), before it is split into
+        the per-rank batches that carry the log-probs. On shared GPUs the teacher wakes once the
+        engines have released their memory (the generate turn's release, brought forward).
+        """
+        schedule = self.between_steps()
+        turn = schedule.turn("teacher", "log_probs")
+        if turn is None:
+            return rollout
+        teacher = self.gpus.teacher
+        assert teacher is not None
+        start = time.perf_counter()
+        if turn.wake_before:
+            generate = schedule.turn("engine", "generate")
+            assert generate is not None
+            self.gpus.after(generate)  # the engines make room for the teacher
+        with self.gpus.turn(turn), self.gpus.phase("teacher_log_probs"):
+            log_probs = teacher.log_probs(score_requests(rollout))
+        return dataclasses.replace(
+            rollout,
+            teacher_log_probs=log_probs,
+            seconds={**rollout.seconds, "teacher": time.perf_counter() - start},
+        )
+
     def step(
         self,
         rollout_id: int,
@@ -305,8 +346,9 @@ class PPODriver:
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
-        # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout,
-        # 2. engines release, 2b. KL-first log-probs, 3. critic, 4. actor, 5. weights
+        # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout (its
+        # scores and the teacher's log-probs), 2. engines release, 2b. KL-first log-probs, 3. critic,
+        # 4. actor, 5. weights
         turns = StepTurns(
             self.gpus,
             rollout_id,

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from tandem.ppo.rollout.reward_mix import reward_terms
+from tandem.ppo.rollout.rewards import NO_REWARD
 from tandem.ppo.run.health import RunFacts, RunHealth, StepFigures, WeightMagnitudes, tied_examples
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ def run_facts(config: PPOConfig, weights: dict[str, Any] | None) -> RunFacts:
         * config.samples_per_rollout
         // config.global_batch_size,
         weights=WeightMagnitudes.of(weights),
+        rewarded=bool(set(reward_terms(config)) - {NO_REWARD}),
     )
 
 

@@ -50,8 +50,10 @@ def folders_to_check(config: Any, lock_file: Path) -> list[tuple[str, str, str |
     for flag, folder in (
         ("--critic-hf-checkpoint", config.critic_hf_checkpoint),
         ("--ref-load", config.ref_load),
+        ("--reward-model", config.reward_model),
+        ("--teacher-hf-checkpoint", config.teacher_hf_checkpoint),
     ):
-        if folder is not None:
+        if folder:
             checks.append((flag, os.path.join(folder, "config.json"), None))
     checks.append(("--run-dir", os.path.abspath(lock_file), lock_file.read_text()))
     return checks

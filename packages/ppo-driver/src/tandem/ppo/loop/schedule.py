@@ -3,10 +3,11 @@
 The driver owns the plan (docs/design.md, "The step's schedule"); this module is
 that plan as data. `step_schedule(facts)` builds the ordered turns of one step
 from the facts of the run that decide it (`StepFacts`), e.g. on shared GPUs with
-a reward model:
+a reward model and a distillation teacher:
 
-    engine: generate, release → reward_model: wake, score, sleep → critic: wake, train, sleep
-    → actor: wake, train, sleep → engine: resume, weights
+    engine: generate, release → reward_model: wake, score, sleep → teacher: wake, log_probs, sleep
+    → actor: wake, log_probs, sleep → critic: wake, train, sleep → actor: wake, train, sleep
+    → engine: resume, weights
 
 `PPODriver.step` executes the turns in order, dispatching on each turn's work;
 `save_schedule(facts)` is a checkpoint save's turns between two steps, which
@@ -38,7 +39,7 @@ __all__ = [
     "step_schedule",
 ]
 
-Role = Literal["engine", "reward_model", "actor", "critic"]
+Role = Literal["engine", "reward_model", "teacher", "actor", "critic"]
 Work = Literal["generate", "score", "log_probs", "train", "start_next", "await_next", "weights", "save"]
 """What a turn does:
 
@@ -47,7 +48,9 @@ Work = Literal["generate", "score", "log_probs", "train", "start_next", "await_n
 - `score`: the reward model scores every sample; taken by each round of the rollout's
   sampling, after the engines' generation and before the rule rewards (dynamic sampling
   decides on each round's rewards);
-- `log_probs`: the actor's old and reference log-probs (the KL-first plan);
+- `log_probs`: the teacher's log-probs of every sample (on-policy distillation; taken once the rollout is
+  drawn, after its rounds of sampling and before the split into per-rank batches, which carry them), or
+  the actor's old and reference log-probs (the KL-first plan);
 - `train`: the role's train step on the rollout;
 - `start_next` / `await_next`: the async loop's next rollout starts generating on the
   engines' own GPUs / is waited for;
@@ -101,8 +104,8 @@ class StepSchedule:
         return next((t for t in self.turns if t.role == role and t.work == work), None)
 
     def gpus(self, role: Role) -> str:
-        """The GPUs `role` runs on: the actor and critic on the train GPUs, engines and reward model on
-        the rollout GPUs, and all of them on the same ones when colocated."""
+        """The GPUs `role` runs on: the actor and critic on the train GPUs, engines, reward model and
+        teacher on the rollout GPUs, and all of them on the same ones when colocated."""
         if self.colocated:
             return "shared"
         return "train" if role in TRAIN_ROLES else "rollout"
@@ -115,9 +118,11 @@ class StepFacts:
     Attributes:
         colocate: the engines run on the train GPUs (`--colocate`).
         offload_train: the actor and critic sleep between their turns (`--offload-train`); with
-            `colocate` the engines release their memory for them and a reward model sleeps too.
+            `colocate` the engines release their memory for them and a reward model and a teacher
+            sleep too.
         critic: the run has a critic (GAE; a critic-free `--advantage-estimator` has none).
         reward_model: a reward model scores the rollout (`--rm-type model`).
+        teacher: a distillation teacher gives the rollout's log-probs (`--teacher-hf-checkpoint`).
         kl_first: the actor's log-probs come before the critic trains (`kl_coef != 0` with a critic).
         warm_up: a critic-only warm-up step (`--num-critic-only-steps`): no actor turn, no weights.
         generate_ahead: the async loop generates the next rollout during this step (`--async`).
@@ -127,6 +132,7 @@ class StepFacts:
     offload_train: bool
     critic: bool
     reward_model: bool = False
+    teacher: bool = False
     kl_first: bool = False
     warm_up: bool = False
     generate_ahead: bool = False
@@ -145,7 +151,8 @@ def step_schedule(facts: StepFacts) -> StepSchedule:
     """The turns of one step, in order, as docs/design.md's "One PPO step" and "The step's schedule" say.
 
     The reward model scores after the engines released their memory and before any model
-    trains; the critic trains before the actor so that the actor's advantages use the
+    trains, and the teacher's log-probs follow (the rollout's rewards first, then what the
+    models train on beside them); the critic trains before the actor so that the actor's advantages use the
     baseline the critic trained against; the weights reach the engines last, once the
     async loop's next rollout is generated.
     """
@@ -154,6 +161,8 @@ def step_schedule(facts: StepFacts) -> StepSchedule:
     turns = [Turn("engine", "generate", sleep_after=release)]
     if facts.reward_model:
         turns.append(Turn("reward_model", "score", wake_before=release, sleep_after=release))
+    if facts.teacher:
+        turns.append(Turn("teacher", "log_probs", wake_before=release, sleep_after=release))
     if facts.generate_ahead:
         turns.append(Turn("engine", "start_next"))
     if facts.kl_first and facts.critic:

@@ -1,7 +1,7 @@
 """The roles on the run's GPUs and their lifecycle state: who is awake, the engines' memory, the first sleep.
 
-`SharedGpus` holds the run's roles (the rollout engines, a reward model, the critic's
-and the actor's train groups) and is the one place that wakes them and puts them to
+`SharedGpus` holds the run's roles (the rollout engines, a reward model, a
+distillation teacher, the critic's and the actor's train groups) and is the one place that wakes them and puts them to
 sleep. The step's turns, a checkpoint's save and the start-up act through its
 methods; what they ask for is the schedule's (`schedule.Turn`'s wake before and sleep
 after), never a role's own initiative. It knows who is awake, so a role is woken only
@@ -13,15 +13,15 @@ takes their memory back first (`ready`).
 Each lifecycle step is a phase of the step's clock (`time/<role>_wake`,
 `time/<role>_sleep`, `time/engine_release`, `time/engine_resume`) with the roles'
 own timings (`lifecycle/...`) and an event in events.jsonl (`wake` / `sleep` with the
-role, `engine_release`, `engine_resume`; the reward model records `rm_wake` /
-`rm_sleep` itself).
+role, `engine_release`, `engine_resume`; the forward-only roles record their own: the
+reward model `rm_wake` / `rm_sleep`, the teacher `wake` / `sleep` with its role).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tandem.ppo.loop.schedule import Role, StepSchedule, Turn, asleep_between_steps
 from tandem.ppo.loop.weight_sync import send_to_restarted, sync_weights
@@ -32,15 +32,31 @@ if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
     from tandem.ppo.engines import EngineGroup
     from tandem.ppo.rollout.reward_model import RewardModelRole
+    from tandem.ppo.rollout.teacher import TeacherRole
     from tandem.ppo.run.log import EventLog, PhaseClock
 
 __all__ = ["SharedGpus"]
 
 TrainRole = Literal["actor", "critic"]
 
-SLEEP_ORDER: tuple[Role, ...] = ("critic", "actor", "reward_model", "engine")
+FORWARD_ROLES: tuple[Role, ...] = ("reward_model", "teacher")
+"""The forward-only roles on the rollout GPUs (`rollout.forward`): each wakes, computes and sleeps as a whole."""
+
+
+class ForwardRole(Protocol):
+    """What `SharedGpus` asks of a forward-only role (`RewardModelRole`, `TeacherRole`): its lifecycle, each
+    step's timings per worker (the role records its own events)."""
+
+    def wake(self) -> list[dict[str, float]]: ...
+
+    def sleep(self) -> list[dict[str, float]]: ...
+
+    def shutdown(self) -> None: ...
+
+
+SLEEP_ORDER: tuple[Role, ...] = ("critic", "actor", "reward_model", "teacher", "engine")
 """The order in which the roles that sleep between steps go to sleep at the start (the models first,
-so that a reward model started after them loads onto a GPU they have left)."""
+so that a reward model or a teacher started after them loads onto a GPU they have left)."""
 
 
 class SharedGpus:
@@ -66,6 +82,7 @@ class SharedGpus:
         self.actor = actor
         self.critic = critic
         self.reward_model: RewardModelRole | None = None
+        self.teacher: TeacherRole | None = None
         self.events = events
         self.clock = clock
         self.weight_pack = weight_pack
@@ -87,6 +104,17 @@ class SharedGpus:
         self.reward_model = reward_model
         self._awake.add("reward_model")
 
+    def add_teacher(self, teacher: TeacherRole) -> None:
+        """The run's distillation teacher, started (awake) on the rollout bundles."""
+        self.teacher = teacher
+        self._awake.add("teacher")
+
+    def forward_role(self, role: Role) -> ForwardRole:
+        """The forward-only role `role` (`reward_model` or `teacher`), started."""
+        found: ForwardRole | None = {"reward_model": self.reward_model, "teacher": self.teacher}.get(role)
+        assert found is not None, f"no {role} started"
+        return found
+
     def models(self) -> list[TrainGroup]:
         """The train groups, the critic's first (the order they train and save in)."""
         return [g for g in (self.critic, self.actor) if g is not None]
@@ -102,6 +130,7 @@ class SharedGpus:
         present: list[Role] = ["engine", "actor"]
         present += ["critic"] if self.critic is not None else []
         present += ["reward_model"] if self.reward_model is not None else []
+        present += ["teacher"] if self.teacher is not None else []
         return present
 
     # --- the lifecycle ----------------------------------------------------------------------------
@@ -145,10 +174,9 @@ class SharedGpus:
             self.events.record("engine_resume")
             with self.clock.phase("engine_resume"):
                 self.engines.resume_memory()
-        elif role == "reward_model":
-            assert self.reward_model is not None
-            with self.clock.phase("reward_model_wake"):
-                self.clock.record_lifecycle("reward_model_wake", self.reward_model.wake())
+        elif role in FORWARD_ROLES:
+            with self.clock.phase(f"{role}_wake"):
+                self.clock.record_lifecycle(f"{role}_wake", self.forward_role(role).wake())
         else:
             group = self.group(role)
             with self.clock.phase(f"{role}_wake"):
@@ -164,10 +192,9 @@ class SharedGpus:
             with self.clock.phase("engine_release"):
                 self.engines.release_memory()
             self.events.record("engine_release")
-        elif role == "reward_model":
-            assert self.reward_model is not None
-            with self.clock.phase("reward_model_sleep"):
-                self.clock.record_lifecycle("reward_model_sleep", self.reward_model.sleep())
+        elif role in FORWARD_ROLES:
+            with self.clock.phase(f"{role}_sleep"):
+                self.clock.record_lifecycle(f"{role}_sleep", self.forward_role(role).sleep())
         else:
             group = self.group(role)
             with self.clock.phase(f"{role}_sleep"):
@@ -222,13 +249,14 @@ class SharedGpus:
 
     # --- shutdown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the engines, the reward model and the train groups, each on its own (one failure to stop
+        """Stop the engines, the forward-only roles and the train groups, each on its own (one failure to stop
         does not keep the others running)."""
         with contextlib.suppress(Exception):
             self.engines.shutdown()
-        if self.reward_model is not None:
-            with contextlib.suppress(Exception):
-                self.reward_model.shutdown()
+        for forward in (self.reward_model, self.teacher):
+            if forward is not None:
+                with contextlib.suppress(Exception):
+                    forward.shutdown()
         for group in self.models():
             with contextlib.suppress(Exception):
                 group.shutdown()

@@ -1,5 +1,5 @@
 """The run's processes coming up, part by part: the run folder, Ray, the roles on the GPUs, the reward model,
-the resumed state, the metrics.
+the teacher, the resumed state, the metrics.
 
 `PPODriver.setup` calls these in order. Each returns what it started and puts how to
 stop it on the driver's `closing` stack, which `PPODriver.close` unwinds in reverse
@@ -22,6 +22,7 @@ import ray
 from tandem.ppo.loop.cluster import start_groups, start_ray, weight_pack
 from tandem.ppo.loop.shared_gpus import SharedGpus
 from tandem.ppo.rollout.reward_model import start_reward_model
+from tandem.ppo.rollout.teacher import start_teacher as start_teacher_role
 from tandem.ppo.run.folder import RunFolder
 from tandem.ppo.run.metrics import MetricsLogger
 from tandem.ppo.run.state import load_state
@@ -34,7 +35,16 @@ if TYPE_CHECKING:
     from tandem.ppo.rollout.data import PromptDataset
     from tandem.ppo.run.log import EventLog, PhaseClock
 
-__all__ = ["open_folder", "open_metrics", "quietly", "resume", "start_cluster", "start_reward", "start_roles"]
+__all__ = [
+    "open_folder",
+    "open_metrics",
+    "quietly",
+    "resume",
+    "start_cluster",
+    "start_reward",
+    "start_roles",
+    "start_teacher",
+]
 
 # The name the run's lines show on the terminal, as before the split of the driver.
 logger = logging.getLogger("tandem.ppo.driver")
@@ -110,6 +120,12 @@ def start_reward(config: PPOConfig, placements: Placements, gpus: SharedGpus, *,
     """The reward model's workers (`--rm-type model`), one per rollout bundle, among the roles on the GPUs
     (stopped with them)."""
     gpus.add_reward_model(start_reward_model(config, placements, events=events))
+
+
+def start_teacher(config: PPOConfig, placements: Placements, gpus: SharedGpus, *, events: EventLog) -> None:
+    """The distillation teacher's workers (`--teacher-hf-checkpoint`), one per rollout bundle, among the roles on
+    the GPUs (stopped with them)."""
+    gpus.add_teacher(start_teacher_role(config, placements, events=events))
 
 
 def resume(folder: RunFolder, gpus: SharedGpus, dataset: PromptDataset) -> tuple[int, list[dict[str, Any]]]:

@@ -1,7 +1,7 @@
 """One step's turns taken: `PPODriver.step` hands each turn of its `StepSchedule` to `StepTurns.take`.
 
 Each turn's work goes to the roles on the GPUs (`SharedGpus`: the engines, the
-reward model, the actor and critic train groups), with the wake before it and the
+reward model, the teacher, the actor and critic train groups), with the wake before it and the
 sleep after it that the turn asks for: the schedule is the driver's plan, and the
 workers only carry it out. The step's results (its rollout, the critic's values, the
 actor's log-probs, the roles' metrics) are gathered here for the turns after.
@@ -31,7 +31,7 @@ class StepTurns:
 
     `sampled`: the step's rollout when drawn before the step (the async loop), else the
     `generate` turn draws it with `draw`, whose rounds take the `generate` and `score`
-    turns' work (`PPODriver.draw`). `start_next`: starts generating the next rollout
+    turns' work and whose drawn rollout the teacher's `log_probs` turn's (`PPODriver.draw`). `start_next`: starts generating the next rollout
     (`start_next`); the future is `generating`. `kl_coef`: the step's reward-level KL coefficient
     where the adaptive controller steers it (`step_metrics.kl_coef_of_step`), the same for both
     roles; None: the config's.
@@ -90,9 +90,15 @@ class StepTurns:
         assert self.sampled is not None, "the rollout's rounds take the score turn"
         assert not (turn.sleep_after and self.gpus.awake("reward_model")), "the score turn sleeps it"
 
+    # 1c. The teacher's turn: the draw takes it once the rollout is drawn, before the split into the
+    #     per-rank batches that carry its log-probs. Here, after the rollout: the turn left it as it asks.
     # 2b. KL-first plan: the actor's old and reference log-probs before the critic trains, so
     #     that both fold the same per-token KL into their rewards
     def _log_probs(self, turn: Turn) -> None:
+        if turn.role == "teacher":
+            assert self.rollout.rollout.teacher_log_probs is not None, "the draw takes the teacher's turn"
+            assert not (turn.sleep_after and self.gpus.awake("teacher")), "the teacher's turn sleeps it"
+            return
         gpus, rollout_id = self.gpus, self.rollout_id
         with gpus.phase("kl_first"):
             gpus.before(turn)

@@ -147,6 +147,7 @@ def read_inputs(config: Any) -> RunInputs:
     for name, folder in (
         ("--critic-hf-checkpoint", config.critic_hf_checkpoint),
         ("--ref-load", config.ref_load),
+        ("--teacher-hf-checkpoint", config.teacher_hf_checkpoint),
     ):
         if folder is not None:
             check_model_folder(folder, name, tokenizer=False)

@@ -1,4 +1,4 @@
-"""Reward functions: the built-ins (`exact_match`, `math`), user functions by spec, and a checked call.
+"""Reward functions: the built-ins (`exact_match`, `math`, `none`), user functions by spec, and a checked call.
 
 Every reward function is batched: it takes `list[RewardInput]` and returns one
 float per input, in order; it may be a plain function or an `async def`.
@@ -26,7 +26,7 @@ from typing import Any
 RewardFunction = Callable[[list["RewardInput"]], "list[float] | Awaitable[list[float]]"]
 """A batched reward function: inputs in, one float per input out (sync or async)."""
 
-_SPEC_FORMS = "exact_match, math, package.module:function or /path/to/file.py:function"
+_SPEC_FORMS = "exact_match, math, none, package.module:function or /path/to/file.py:function"
 
 MATH_TIMEOUT_SECONDS = 5
 """math-verify's limit per parse and per comparison, where it can enforce one (see `math`)."""
@@ -86,7 +86,15 @@ def math(inputs: list[RewardInput]) -> list[float]:
     return rewards
 
 
-BUILTIN_REWARDS: dict[str, RewardFunction] = {"exact_match": exact_match, "math": math}
+def no_reward(inputs: list[RewardInput]) -> list[float]:
+    """0.0 for every sample: a run whose only signal is a teacher's (`--rm-type none`, on-policy distillation alone)."""
+    return [0.0] * len(inputs)
+
+
+NO_REWARD = "none"
+"""The `--rm-type` of no reward at all (`no_reward`)."""
+
+BUILTIN_REWARDS: dict[str, RewardFunction] = {"exact_match": exact_match, "math": math, NO_REWARD: no_reward}
 """Reward functions that `--rm-type` names (no module needed)."""
 
 

@@ -90,6 +90,8 @@ class Rollout:
         seconds: `generate` and `reward` wall seconds (and `reward_model` with a reward model).
         reward_terms: with a weighted reward (`tandem.ppo.rollout.reward_mix`), each term's unweighted
             value per sample, by term name; empty for a plain reward function.
+        teacher_log_probs: with a distillation teacher, its log-prob of each response token, one
+            tensor per sample (`PPODriver.teach`); None without one.
     """
 
     prompts: list[PromptSample]
@@ -98,6 +100,7 @@ class Rollout:
     rewards: list[float]
     seconds: dict[str, float] = field(default_factory=dict)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
+    teacher_log_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.generations)
@@ -141,6 +144,9 @@ class Rollout:
             responses=[self.responses[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
             reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
+            teacher_log_probs=None
+            if self.teacher_log_probs is None
+            else [self.teacher_log_probs[i] for i in indices],
         )
 
     @staticmethod
@@ -338,6 +344,9 @@ def to_train_batches(
                 rewards=torch.tensor([rewards[i] for i in indices], dtype=torch.float32),
                 sample_indices=list(indices),
                 rollout_log_probs=log_probs,
+                teacher_log_probs=None
+                if rollout.teacher_log_probs is None
+                else [rollout.teacher_log_probs[i] for i in indices],
             )
         )
     return batches

@@ -156,6 +156,8 @@ class RunFacts:
     n_samples_per_prompt: int
     optimizer_steps_per_rollout: int
     weights: WeightMagnitudes | None = None
+    rewarded: bool = True
+    """The run has a reward (`--rm-type none` has none: its samples all tie, and say nothing of it)."""
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,7 @@ class RunHealth:
     def _tied_groups(self) -> str | None:
         facts = self.facts
         shares = [v for v in self._recent("tied_groups") if v is not None]
-        if facts.n_samples_per_prompt < 2 or len(shares) < WINDOW:
+        if not facts.rewarded or facts.n_samples_per_prompt < 2 or len(shares) < WINDOW:
             return None
         share = _mean(shares)
         if not share > TIED_GROUPS_SHARE:

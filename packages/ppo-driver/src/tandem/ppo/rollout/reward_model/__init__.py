@@ -16,13 +16,7 @@ from ._folder import RewardModelFolder, is_sequence_classification, read_reward_
 from ._group import RewardModelError, RewardModelGroup, create_reward_model_group
 from ._options import RewardModelOptions
 from ._role import ROLE, RewardModelInputs, RewardModelRole
-from ._setup import (
-    RM_TYPES,
-    check_reward_config,
-    rollout_bundle_shares,
-    start_reward_model,
-    uses_reward_model,
-)
+from ._setup import RM_TYPES, check_reward_config, start_reward_model, uses_reward_model
 
 __all__ = [
     "RM_TYPES",
@@ -39,7 +33,6 @@ __all__ = [
     "create_reward_model_group",
     "is_sequence_classification",
     "read_reward_model_folder",
-    "rollout_bundle_shares",
     "score_position",
     "start_reward_model",
     "token_budget_batches",

@@ -14,10 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.ppo.rollout.forward._folder import has_tokenizer, int_or_none, read_config, text_config
+
+__all__ = [
+    "RewardModelFolder",
+    "has_tokenizer",
+    "is_sequence_classification",
+    "num_labels",
+    "read_config",
+    "read_reward_model_folder",
+    "weight_names",
+]
+
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 """The suffix of a sequence-classification architecture's class name in config.json."""
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -33,23 +43,6 @@ class RewardModelFolder:
     pad_token_id: int | None
     """The id whose trailing run is skipped when the score's position is found (transformers' rule)."""
     has_tokenizer: bool
-
-
-def read_config(path: str | Path) -> dict[str, Any] | None:
-    """The folder's config.json as a dict; None when there is none (or it is not a JSON object)."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    """Whether a Hugging Face folder holds a tokenizer's files."""
-    return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def is_sequence_classification(config: dict[str, Any] | None) -> bool:
@@ -130,19 +123,14 @@ def read_reward_model_folder(path: str | Path, flag: str) -> RewardModelFolder:
             f"{flag}: {str(path)!r} has no `score.weight` in its weights, so its score head would be "
             "random; give a reward model saved with its score head"
         )
-    nested = config.get("text_config")
-    text: dict[str, Any] = nested if isinstance(nested, dict) else config
+    text = text_config(config)
     architecture = next(a for a in config["architectures"] if a.endswith(SEQUENCE_CLASSIFICATION))
     return RewardModelFolder(
         path=folder,
         architecture=architecture,
         model_type=str(config.get("model_type")),
-        vocab_size=_int_or_none(text.get("vocab_size")),
-        max_position_embeddings=_int_or_none(text.get("max_position_embeddings")),
-        pad_token_id=_int_or_none(text.get("pad_token_id", config.get("pad_token_id"))),
+        vocab_size=int_or_none(text.get("vocab_size")),
+        max_position_embeddings=int_or_none(text.get("max_position_embeddings")),
+        pad_token_id=int_or_none(text.get("pad_token_id", config.get("pad_token_id"))),
         has_tokenizer=has_tokenizer(folder),
     )
-
-
-def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None

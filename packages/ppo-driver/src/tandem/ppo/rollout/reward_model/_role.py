@@ -11,8 +11,9 @@ never computes while another role holds the GPU. The samples reach it as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
+from tandem.ppo.rollout.forward import EventRecorder
 from tandem.ppo.rollout.reward_mix import ScoreRequest
 
 from ._group import RewardModelGroup
@@ -55,12 +56,6 @@ class RewardModelInputs:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-
-
-class EventRecorder(Protocol):
-    """Where the role's steps are recorded: the run's `EventLog`."""
-
-    def record(self, event: str, **fields: Any) -> None: ...
 
 
 class RewardModelRole:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.ppo.rollout.forward import rollout_bundle_shares
+from tandem.ppo.rollout.forward._folder import vocabulary_difference
 from tandem.ppo.rollout.reward_mix import CUSTOM_TERM, MODEL_TERM, RULE_TERMS, reward_terms
+from tandem.ppo.rollout.rewards import NO_REWARD
 
 from ._folder import (
     RewardModelFolder,
@@ -25,27 +28,14 @@ from ._group import create_reward_model_group
 from ._options import RewardModelOptions
 from ._role import EventRecorder, RewardModelInputs, RewardModelRole
 
-RM_TYPES = (*RULE_TERMS, MODEL_TERM)
-"""What `--rm-type` accepts: a built-in rule, or `model` (the reward model of `--reward-model`)."""
+RM_TYPES = (*RULE_TERMS, MODEL_TERM, NO_REWARD)
+"""What `--rm-type` accepts: a built-in rule, `model` (the reward model of `--reward-model`), or `none` (no
+reward: a teacher's signal alone, `--teacher-hf-checkpoint`)."""
 
 
 def uses_reward_model(config: Any) -> bool:
     """Whether the run's reward has a `model` term (a reward model is started)."""
     return MODEL_TERM in reward_terms(config)
-
-
-def rollout_bundle_shares(config: Any) -> tuple[float, float | None]:
-    """(the engine's, the reward model's or None) Ray GPU share on each rollout bundle.
-
-    The engine's slot is `--engine-gpu-share` when colocated, else the whole GPU; with a
-    reward model, `--reward-model-gpu-share` of that slot goes to it and the rest to the
-    engine (scheduling only: in a shared step the two never hold memory at once).
-    """
-    slot = config.engine_gpu_share if config.colocate else 1.0
-    if not uses_reward_model(config):
-        return slot, None
-    share = config.reward_model_gpu_share
-    return slot * (1 - share), slot * share
 
 
 def check_reward_config(config: Any) -> None:
@@ -138,15 +128,16 @@ def _check_input(config: Any, folder: RewardModelFolder, policy: dict[str, Any] 
             f"model has only {folder.vocab_size}; use --reward-model-input chat (its own tokenizer) or a "
             "reward model on the policy's tokenizer"
         )
-    if folder.has_tokenizer and has_tokenizer(config.hf_checkpoint):
-        ours = AutoTokenizer.from_pretrained(config.hf_checkpoint).get_vocab()
-        theirs = AutoTokenizer.from_pretrained(config.reward_model).get_vocab()
-        if ours != theirs:
-            raise ValueError(
-                f"--reward-model-input: tokens feeds the policy's token ids, but the tokenizer of "
-                f"{config.reward_model!r} is another one; use --reward-model-input chat (the reward model's "
-                "own tokenizer and chat template) or a reward model on the policy's tokenizer"
-            )
+    if (
+        folder.has_tokenizer
+        and has_tokenizer(config.hf_checkpoint)
+        and vocabulary_difference(config.hf_checkpoint, config.reward_model) is not None
+    ):
+        raise ValueError(
+            f"--reward-model-input: tokens feeds the policy's token ids, but the tokenizer of "
+            f"{config.reward_model!r} is another one; use --reward-model-input chat (the reward model's "
+            "own tokenizer and chat template) or a reward model on the policy's tokenizer"
+        )
 
 
 def start_reward_model(config: Any, placements: Any, *, events: EventRecorder) -> RewardModelRole:
@@ -154,7 +145,7 @@ def start_reward_model(config: Any, placements: Any, *, events: EventRecorder) -
     from transformers import AutoTokenizer
 
     slot = placements.rollout
-    _, share = rollout_bundle_shares(config)
+    share = rollout_bundle_shares(config).reward_model
     assert share is not None
     options = RewardModelOptions(
         dtype=config.reward_model_dtype, max_tokens_per_batch=config.reward_model_max_tokens_per_gpu

@@ -134,7 +134,7 @@ COVERAGE = (
     Cover(
         r"source \.gpu-kit/setup\.sh && python3 bench/\w+\.py.*", "parse", "GPU only: its arguments parsed"
     ),
-    Cover(r"\./uvw run python bench/\w+\.py.*", "parse", "its arguments parsed"),
+    Cover(r"(nice -n \d+ )?\./uvw run python bench/\w+\.py.*", "parse", "its arguments parsed"),
     Cover(
         r"source \.gpu-kit/setup\.sh && python3 -m pytest( tests\S*)+ -m gpu( .*)?",
         "static",
@@ -315,7 +315,7 @@ print(json.dumps(results))
 
 
 def _bench_call(command: DocCommand, out: Path) -> tuple[str, list[str]]:
-    text = command.text.removeprefix(GPU_KIT).removeprefix("./uvw run ")
+    text = re.sub(r"^nice -n \d+ ", "", command.text).removeprefix(GPU_KIT).removeprefix("./uvw run ")
     words = shlex.split(os.path.expandvars(text.replace("$OUT", str(out)).replace('"$OUT', f'"{out}')))
     assert words[0] in ("python", "python3"), command
     return str(ROOT / words[1]), words[2:]
@@ -407,7 +407,11 @@ def _checks_after(part: str, here: Path) -> Callable[[subprocess.CompletedProces
             )
             assert float(printed["eval/mean"]) == pytest.approx(last["eval/mean"], abs=1e-4)
         elif words[1] == "export":
-            assert (here / words[2] / "hf" / "config.json").is_file()
+            # The folder it printed: RUN_DIR/hf, or beside it where the run exported already.
+            folder = here / done.stdout.strip().splitlines()[-1]
+            assert (
+                folder.resolve().parent == (here / words[2]).resolve() and (folder / "config.json").is_file()
+            )
         elif words[1] == "plot":
             assert list((here / words[2] / "plots").glob("*.png"))
         elif "--help" in words:

@@ -221,7 +221,7 @@ PPO_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.",)),
     ("run", ("run.",)),
     ("loop", ("loop.",)),
-    ("app", ("app.", "_demo", "_sums", "_tiny")),
+    ("app", ("app.", "_demo", "_sums", "_tiny", "_recall")),
 )
 """tandem.ppo's layers, lowest first: a module may import its own layer's and lower layers' modules (a
 subpackage imported as such counts as its layer). `_demo`, `_sums` and `_tiny` stay where run configs name

@@ -142,3 +142,54 @@ def test_megatron_backend_exports_resolve_lazily() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def _fake_uv(tmp_path: Path) -> dict[str, str]:
+    """An environment whose `uv` only records its arguments (one call a line) in tmp_path/calls."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "uv"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls"}\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "UV_PROJECT_ENVIRONMENT"}
+    return env | {"PATH": f"{bin_dir}:{env['PATH']}"}
+
+
+def test_uvw_compiles_bytecode_at_sync_and_before_the_first_run_only(tmp_path: Path) -> None:
+    """`./uvw sync` compiles the environment; `./uvw run` does not (uv's project-wide setting would
+    compile all of it again at every run, astral-sh/uv#12202), except the first, which syncs first."""
+    import shutil
+
+    env = _fake_uv(tmp_path)
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(ROOT / "uvw", project / "uvw")
+    calls = tmp_path / "calls"
+
+    def uvw(*args: str) -> list[str]:
+        calls.unlink(missing_ok=True)
+        subprocess.run([str(project / "uvw"), *args], cwd=project, env=env, check=True)
+        return [line for line in calls.read_text().splitlines() if line != "--version"]
+
+    assert uvw("sync", "--locked") == ["sync --compile-bytecode --locked"]
+    assert uvw("run", "pytest") == ["sync --compile-bytecode", "run pytest"]  # no .venv yet
+    (project / ".venv").mkdir()
+    assert uvw("run", "--locked", "pytest") == ["run --locked pytest"]
+    assert uvw("lock") == ["lock"]
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["uv"]
+    assert "compile-bytecode" not in settings
+
+
+def test_a_run_through_uvw_compiles_nothing() -> None:
+    """The real uv on this checkout's environment: a run prints no "Bytecode compiled" line."""
+    proc = subprocess.run(
+        [str(ROOT / "uvw"), "run", "--locked", "python", "-c", "pass"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Bytecode compiled" not in proc.stderr, proc.stderr[-2000:]

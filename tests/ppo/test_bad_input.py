@@ -158,6 +158,60 @@ def test_a_non_utf8_byte_names_the_file_and_line(
     )
 
 
+def test_an_empty_prompt_names_the_flag_file_and_line_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path
+) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in ("0+1", "", "2+1")))
+    status, _, err = train(capsys, model, data, tmp_path / "run", "--no-apply-chat-template")
+    assert status == 2
+    assert one_line(err).startswith(f"--prompt-data: {data}, line 2: the prompt is empty (no tokens)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_longer_than_the_models_context_names_the_flags_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path
+) -> None:
+    """The tiny model's context is 64 positions (max_position_embeddings); --max-prompt-len 100 keeps a
+    70-token prompt that no engine could take."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in ("0+1", "1" * 70)))
+    status, _, err = train(
+        capsys, model, data, tmp_path / "run", "--max-prompt-len", "100", "--no-apply-chat-template",
+        "--rollout-max-response-len", "2",
+    )  # fmt: skip
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(
+        f"--max-prompt-len: {data}, line 2: the prompt has 70 tokens, but the model's context is 64 "
+        f"(max_position_embeddings in {model / 'config.json'})"
+    )
+    assert "lower --max-prompt-len to at most 62" in line and "--rollout-max-response-len 2" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_dropped_prompts_are_said_once_with_the_count_and_the_flag(
+    tmp_path: Path, model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tandem.ppo.config import PPOConfig
+    from tandem.ppo.rollout.preflight import read_inputs
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in ("0+1", "9" * 20, "8" * 30, "1"))
+    )
+    config = PPOConfig(
+        hf_checkpoint=str(model), prompt_data=str(data), max_prompt_len=10, apply_chat_template=False
+    )
+    inputs = read_inputs(config)
+    assert inputs.dataset.num_dropped == 2
+    (record,) = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert record.getMessage() == (
+        f"--prompt-data: {data}: 2 of its 4 prompts are longer than --max-prompt-len 10 tokens and are "
+        f"dropped (the first: {data}, line 2, 20 tokens); raise --max-prompt-len to keep them"
+    )
+
+
 # --- model folders ----------------------------------------------------------------------------------
 
 
@@ -285,6 +339,52 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(
     assert line.startswith(f"--ray-address: nothing answers at 127.0.0.1:{port} (Connection refused)")
     assert f"ray start --head --port {port}" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_ray_address_where_another_server_answers_names_the_gcs_port(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An HTTP server (as Ray's dashboard at 8265) answers, but not as Ray's GCS: refused at once (`ray.init`
+    retried there for more than 10 minutes); a port that accepts and never answers is refused once the
+    check's timeout (shortened here) has passed."""
+    import http.server
+    import socket
+    import threading
+
+    from tandem.ppo.loop import cluster
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        status, _, err = train(capsys, model, prompts, tmp_path / "run", "--ray-address", f"127.0.0.1:{port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 2
+    line = one_line(err)
+    assert line.startswith(f"--ray-address: 127.0.0.1:{port} answers, but not as Ray's GCS (it speaks HTTP/1")
+    assert "port 6379 unless `ray start --head --port` chose another" in line
+    assert not (tmp_path / "run").exists()
+
+    monkeypatch.setattr(cluster, "RAY_ADDRESS_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        status, _, err = train(capsys, model, prompts, tmp_path / "run", "--ray-address", f"127.0.0.1:{port}")
+    assert status == 2
+    assert one_line(err).startswith(
+        f"--ray-address: 127.0.0.1:{port} accepts connections but does not answer as Ray's GCS within 0.5 s"
+    )
 
 
 @pytest.mark.parametrize("command", ["demo", "train"])

@@ -125,6 +125,126 @@ def test_read_prompts_missing_or_empty_file(tmp_path: Path) -> None:
         read_prompts(tmp_path / "empty.jsonl")
 
 
+# --- Parquet and datasets folders, and the files that are refused ---------------------------------
+
+VERL_ROWS = [
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {d} + {d}? Think step by step."}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * d)},
+        "extra_info": {"split": "train", "index": d},
+    }
+    for d in range(3)
+]
+"""Rows in verl's schema (its examples/data_preprocess/gsm8k.py): chat messages under `prompt`, the label
+in `reward_model.ground_truth`."""
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_parquet_in_verls_schema_is_read_by_the_documented_rule(tmp_path: Path) -> None:
+    """A `prompt` list of messages is a chat; with no `label` column, `reward_model.ground_truth` is the
+    label; every other column travels as metadata."""
+    path = write_parquet(tmp_path / "train.parquet", VERL_ROWS)
+    records = read_prompts(path)
+    assert [(r.prompt, r.messages, r.label) for r in records] == [
+        (None, row["prompt"], row["reward_model"]["ground_truth"]) for row in VERL_ROWS
+    ]
+    assert records[1].metadata == {
+        k: VERL_ROWS[1][k] for k in ("data_source", "ability", "reward_model", "extra_info")
+    }
+    assert records[2].origin == f"{path}, row 3"
+    (dotted,) = read_prompts(
+        write_parquet(tmp_path / "one.parquet", VERL_ROWS[:1]), label_key="extra_info.index"
+    )
+    assert dotted.label == 0
+
+
+def test_parquet_columns_are_chosen_by_input_and_label_key(tmp_path: Path) -> None:
+    rows = [{"question": "1+1?", "answer": "2", "id": 7}, {"question": "2+2?", "answer": "4", "id": 8}]
+    path = write_parquet(tmp_path / "qa.parquet", rows)
+    records = read_prompts(path, prompt_key="question", label_key="answer")
+    assert [(r.prompt, r.label, r.metadata) for r in records] == [
+        ("1+1?", "2", {"id": 7}),
+        ("2+2?", "4", {"id": 8}),
+    ]
+    with pytest.raises(ValueError, match=r"qa\.parquet, row 1: has neither of \"prompt\" and \"messages\""):
+        read_prompts(path)
+
+
+def test_folders_of_parquet_files_and_datasets_folders_are_read(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    shards = tmp_path / "hub" / "data"
+    shards.mkdir(parents=True)
+    write_parquet(shards / "train-00001-of-00002.parquet", VERL_ROWS[2:])
+    write_parquet(shards / "train-00000-of-00002.parquet", VERL_ROWS[:2])
+    assert [r.label for r in read_prompts(shards)] == ["0", "2", "4"]  # the shards in name order
+
+    # Dataset.save_to_disk's layout: Arrow IPC stream files named in state.json.
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    table = pa.Table.from_pylist([{"prompt": "1+1?", "label": "2"}, {"prompt": "2+2?", "label": "4"}])
+    with pa.ipc.new_stream(saved / "data-00000-of-00001.arrow", table.schema) as writer:
+        writer.write_table(table)
+    (saved / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
+    )
+    (saved / "dataset_info.json").write_text("{}")
+    records = read_prompts(saved)
+    assert [(r.prompt, r.label, r.origin) for r in records] == [
+        ("1+1?", "2", f"{saved / 'data-00000-of-00001.arrow'}, row 1"),
+        ("2+2?", "4", f"{saved / 'data-00000-of-00001.arrow'}, row 2"),
+    ]
+
+    splits = tmp_path / "dict"
+    (splits / "train").mkdir(parents=True)
+    (splits / "test").mkdir()
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(
+        ValueError, match="holds the splits test, train of a DatasetDict; point at one of them"
+    ):
+        read_prompts(splits)
+    with pytest.raises(ValueError, match="holds no Parquet files and is no datasets folder"):
+        read_prompts(tmp_path / "hub")  # the shards are one level down
+
+
+@pytest.mark.parametrize(
+    ("content", "kind"),
+    [
+        (b"\x1f\x8b\x08\x00" + bytes(40), "gzip-compressed"),
+        (b"PK\x03\x04" + bytes(40), "a zip archive"),
+        (b"\x89PNG\r\n\x1a\n" + bytes(40), "binary"),
+        (b'{"prompt": "a"}\n\x00\x00\x00', "binary"),
+    ],
+    ids=["gzip", "zip", "png", "nul"],
+)
+def test_other_binary_files_are_refused_naming_the_formats(tmp_path: Path, content: bytes, kind: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        read_prompts(path)
+    message = str(info.value)
+    assert message.startswith(f"{path} is not a text file of prompts ({kind}")
+    assert "JSONL (one JSON object per line), Parquet" in message and "datasets folder" in message
+
+
+def test_an_empty_prompt_is_refused_naming_file_and_line(tokenizer: Any, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1"}, {"prompt": "2+2"}, {"prompt": ""}])
+    records = read_prompts(path)
+    with pytest.raises(ValueError, match=rf"^{path}, line 3: the prompt is empty \(no tokens\)"):
+        PromptDataset(records, tokenizer, max_prompt_len=100, seed=0, apply_chat_template=False)
+    # Through the chat template the same line is a prompt of its own tokens: kept.
+    assert len(PromptDataset(records, tokenizer, max_prompt_len=100, seed=0)) == 3
+
+
 # --- PromptDataset: tokenization ------------------------------------------------------------------
 
 

@@ -72,3 +72,30 @@ def test_the_lora_demo_gets_a_model_its_adapters_can_answer_with(tmp_path: Path)
     assert torch.equal(heads[1], heads[0] * LORA_HEAD_SCALE)  # the same seed: the same model but its head
     given = prepare_demo({**DEMO_DEFAULTS, "run_dir": str(tmp_path), "lora_rank": 8, "entropy_coef": 0.0})
     assert given["entropy_coef"] == 0.0
+
+
+def test_demo_dry_run_writes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model and the task are built in a scratch folder to validate the config, which then names
+    where a run writes them; SmolLM2 is validated only from the cache, never fetched by a dry run."""
+    run_dir = tmp_path / "demo"
+    assert run(["demo", "--dry-run", "--run-dir", str(run_dir)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "\nhf_checkpoint: ./base\n" in out and "\nprompt_data: ./data/train.jsonl\n" in out  # RUN_DIR's
+    assert "# dry run: config valid" in out
+    assert not run_dir.exists()
+    # The multi-turn task the same way.
+    assert run(["demo", "--task", "recall", "--dry-run", "--run-dir", str(run_dir)]) == 0, (
+        capsys.readouterr().err
+    )
+    out = capsys.readouterr().out
+    assert "\nprompt_data: ./data/recall.jsonl\n" in out and "# dry run: config valid" in out
+    assert not run_dir.exists()
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    assert run(["demo", "--model", "smollm2", "--dry-run", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "--dry-run: SmolLM2-135M-Instruct is not in the cache yet" in err
+    assert "ppo-driver fetch-model smollm2" in err
+    assert not run_dir.exists() and not (tmp_path / "cache").exists()

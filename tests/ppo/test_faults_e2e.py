@@ -9,14 +9,25 @@
   resumes from the last rollout that every part completed, with that rollout's data
   cursor; the parts in between are set aside, and the dead critic is named by role,
   rank and pid in one line, exit 1.
+- SIGTERM (a scheduler's preemption) finishes the step and saves it, exit 143; checkpoints
+  that do not read (a shard truncated to 0 bytes, an emptied driver state) are set aside
+  and named, and the run resumes from the newest that reads; a full disk during a save
+  (ENOSPC from the fault point) stops the run in one line, keeping the last checkpoint.
+
+Each start is a `ppo-driver demo` process of its own: the signals, the kill -9 and the
+faults in the workers are the command's to handle; each test serves several checks with
+one run folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +36,29 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def demo(
-    run_dir: Path, *flags: str, fault: str | None = None, once: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    """`ppo-driver demo` in a subprocess (a short run, evals of the starting and the last weights only,
-    no TensorBoard), with a fault point."""
+def demo_command(
+    run_dir: Path, *flags: str, fault: str | None = None, once: Path | None = None, action: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """`ppo-driver demo` (a short run, evals of the starting and the last weights only, no TensorBoard),
+    with a fault point, and its environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_FAULT")}
     env |= {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     if fault is not None:
         env["TANDEM_FAULT_POINT"] = fault
     if once is not None:
         env["TANDEM_FAULT_ONCE"] = str(once)
+    if action is not None:
+        env["TANDEM_FAULT_ACTION"] = action
     command = [
         sys.executable, "-m", "tandem.ppo.app.cli", "demo", "--run-dir", str(run_dir), "--no-progress",
         "--eval-interval", "1000", "--no-tensorboard", "--no-export-hf", *flags,
     ]  # fmt: skip
+    return command, env
+
+
+def demo(run_dir: Path, *flags: str, **faults: Any) -> subprocess.CompletedProcess[str]:
+    """`demo_command` run to its end in a subprocess."""
+    command, env = demo_command(run_dir, *flags, **faults)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
 
 
@@ -126,3 +145,62 @@ def test_a_run_killed_during_saves_resumes_from_the_last_complete_rollout(tmp_pa
     again = demo(run_dir, *flags)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stdout.startswith(f"run complete: {run_dir} holds every rollout (0..1)")
+
+
+def test_sigterm_unreadable_checkpoints_and_a_full_disk_in_one_run_folder(tmp_path: Path) -> None:
+    from tandem.megatron.runtime.checkpoint_folder import read_latest
+
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+
+    # 1. SIGTERM once steps 0..2 are logged: the step under way finishes and is saved, exit 143.
+    command, env = demo_command(run_dir, "--num-rollout", "200", "--save-interval", "1")
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 4:  # the eval before, steps 0..2
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-4000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err[-4000:]
+    last = err.strip().splitlines()[-1]
+    match = re.fullmatch(
+        rf"ppo-driver demo: stopped by SIGTERM\. interrupted after rollout (\d+) \(saved: rollout \1, in "
+        rf"{re.escape(str(run_dir))}; the same command resumes it\)",
+        last,
+    )
+    assert match is not None, err[-4000:]
+    k = int(match.group(1))
+    assert k >= 2 and read_latest(run_dir / "actor") == k == read_latest(run_dir / "critic")
+    assert [m["step"] for m in read_jsonl(metrics)] == list(range(-1, k + 1))
+    assert "SIGTERM received" not in err  # Ray's handler, and its C++ stack dump, stayed out of it
+
+    # 2. The newest checkpoint's actor shard truncated to 0 bytes, the one before's driver state emptied:
+    #    the next start names both, resumes after k - 2, and its first save finds the disk full.
+    shard = run_dir / "actor" / f"iter_{k:07d}" / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(b"")
+    state = run_dir / "driver" / f"iter_{k - 1:07d}.json"
+    state.write_text("")
+    second = demo(
+        run_dir, "--num-rollout", str(k + 1), "--save-interval", "1",
+        fault=f"checkpoint.writing:role=critic,rollout_id={k - 1}", action="enospc",
+    )  # fmt: skip
+    assert second.returncode == 1, second.stderr[-4000:]
+    assert f"resuming after rollout {k - 2}; set aside in " in second.stderr
+    assert f"does not read: {shard} is 0 bytes; it had {size} when its save completed" in second.stderr
+    assert f"does not read: {state} does not read as the driver's state (not JSON" in second.stderr
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"ppo-driver demo: error: a Ray worker: no space left on device at {run_dir / 'critic'}: the save needs about "
+    ), second.stderr[-4000:]
+    assert f"the last complete checkpoint (rollout {k - 2}) is kept" in last
+    assert "Traceback" not in second.stderr
+    assert read_latest(run_dir / "critic") == k - 2 == read_latest(run_dir / "actor")
+    assert not list((run_dir / "critic").glob("*.partial"))
+
+    # Set aside, never deleted; the next start resumes from there (as after any failed save, above).
+    aside = {p.name for p in (run_dir / "set_aside").glob("*/*/*")}
+    assert {f"iter_{k:07d}", f"iter_{k - 1:07d}.json"} <= aside

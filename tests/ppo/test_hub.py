@@ -66,7 +66,9 @@ def test_unknown_hub_id_offline_is_refused_naming_the_flag(hub_cache: Path, tmp_
     proc = _offline(hub_cache, code)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr.strip().splitlines()[-1]
-    assert err.startswith("ppo-driver train: error: --hf-checkpoint: 'tandem-test/no-such-model'")
+    assert err.startswith(
+        "ppo-driver train: error: --hf-checkpoint: folder 'tandem-test/no-such-model' is missing"
+    )
     assert "HF_HUB_OFFLINE" in err and "Traceback" not in proc.stderr
 
 
@@ -75,7 +77,44 @@ def test_local_paths_are_never_looked_up(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert resolve_model_path("org/name") == "org/name"
-    assert resolve_model_path("./runs/x") == "./runs/x"  # a path, not an id: left to the folder checks
-    assert resolve_model_path("/abs/path") == "/abs/path"
+    # A missing path is no hub id: the folder checks say "folder missing", and the hub id to give instead.
+    from tandem.ppo.rollout.preflight import check_model_folder
+
+    for path in ("./runs/x", str(tmp_path / "abs" / "x"), "org/other"):  # org/ exists: a path
+        assert resolve_model_path(path) == path
+        with pytest.raises(ValueError) as info:
+            check_model_folder(path, "--hf-checkpoint")
+        assert str(info.value).startswith(
+            f"--hf-checkpoint: folder {path!r} is missing (no {(tmp_path / path).resolve()}); "
+        ), info.value
+        assert f"or give its hub id instead (--hf-checkpoint ORG/{Path(path).name}" in str(info.value)
     assert looks_like_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert not looks_like_hub_id("a/b/c") and not looks_like_hub_id("plain") and not looks_like_hub_id("/a/b")
+
+
+def test_a_missing_folder_that_looks_like_a_hub_id_says_both(hub_cache: Path, tmp_path: Path) -> None:
+    """The Qwen example's `models/Qwen2.5-0.5B-Instruct` without `models/`: no folder there, and no such
+    repository in the cache; the message says "folder missing" first, and what to do for either."""
+    code = (
+        "import os, sys\n"
+        f"os.chdir({str(tmp_path)!r})\n"
+        "from tandem.ppo.config.hub import resolve_model_path\n"
+        "resolve_model_path('models/Qwen2.5-0.5B-Instruct')\n"
+    )
+    proc = _offline(hub_cache, code)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith(
+        "ValueError: --hf-checkpoint: folder 'models/Qwen2.5-0.5B-Instruct' is missing (no "
+        f"{tmp_path / 'models' / 'Qwen2.5-0.5B-Instruct'}), and as a hub id the Hugging Face cache has no "
+        "snapshot of it (offline: HF_HUB_OFFLINE=1"
+    ), err
+    assert "if it is a folder, download the model there (`hf download ORG/Qwen2.5-0.5B-Instruct" in err
+
+
+def test_eval_resolves_hub_ids_as_train_does(hub_cache: Path) -> None:
+    code = "from tandem.ppo.app.evaluate import resolve_model_dir\nprint(resolve_model_dir('tandem-test/tiny-llama'))\n"
+    proc = _offline(hub_cache, code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = Path(proc.stdout.strip().splitlines()[-1])
+    assert resolved == hub_cache / "models--tandem-test--tiny-llama" / "snapshots" / COMMIT

@@ -119,6 +119,31 @@ def test_progress_bar_shows_the_key_figures(tmp_path: Path, capsys: pytest.Captu
     assert "time/step" not in err
 
 
+def test_progress_bar_says_what_the_step_is_doing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """While a phase runs (a first step's critic train on a CPU takes half a minute), the bar names it;
+    the phases reach it from the driver's clock (`PhaseClock.on_begin`)."""
+    from tandem.ppo.run.log import PhaseClock
+
+    clock = PhaseClock(track_gpu_memory=False)
+    with MetricsLogger(tmp_path, total_steps=6, tensorboard=False) as logger:
+        clock.on_begin = logger.status
+        with clock.phase("eval"):
+            assert capsys.readouterr().err.endswith(
+                "step 0: eval, generating and scoring:   0%|          | 0/6 [00:00<?, ?step/s]"
+            )
+        clock.announce("generate")
+        with clock.phase("critic_train"):
+            assert "step 0: critic training:   0%|" in capsys.readouterr().err
+        logger.log(0, {"reward/mean": 0.5})
+        with clock.phase("save"):  # the step just logged, and its wakes and sleeps are the save's
+            assert "step 0: saving the checkpoint:  17%|" in capsys.readouterr().err
+            with clock.phase("critic_wake"):
+                assert capsys.readouterr().err == ""
+        with clock.phase("actor_wake"):
+            assert "step 1: actor waking:  17%|" in capsys.readouterr().err
+    assert "time/critic_train" in clock.values
+
+
 def assert_png(path: Path) -> None:
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC

@@ -197,3 +197,21 @@ def test_numbers_of_any_kind_become_floats() -> None:
     assert result == [1.0, 1.0, 0.5]
     assert all(type(r) is float for r in result)
     assert compute_rewards(rewards.exact_match, []) == []
+
+
+def test_every_real_number_type_is_a_reward() -> None:
+    """NumPy's bool, integer and float scalars (np.bool_ is no `numbers.Real`), 0-d arrays and tensors,
+    and fractions are rewards; complex numbers and arrays of several values are not."""
+    from fractions import Fraction
+
+    import numpy as np
+    import torch
+
+    returned = [np.bool_(True), np.bool_(False), np.int8(3), np.uint16(2), np.float16(0.5), np.float64(0.25)]
+    returned += [np.array(0.75), torch.tensor(1.5), torch.tensor(True), Fraction(1, 4)]
+    result = compute_rewards(lambda batch: returned, inputs(*[("p", 1)] * len(returned)))
+    assert result == [1.0, 0.0, 3.0, 2.0, 0.5, 0.25, 0.75, 1.5, 1.0, 0.25]
+    assert all(type(r) is float for r in result)
+    for bad in (np.complex64(1), np.array([1.0, 2.0]), torch.tensor([1.0]), np.float32("nan")):
+        with pytest.raises(RewardError, match=r"for sample 0 .*each reward must be a finite real number"):
+            compute_rewards(lambda batch, bad=bad: [bad], inputs(("p", 1)))

@@ -120,3 +120,25 @@ def test_filter_truncated_masks_out_only_the_cut_responses() -> None:
     assert [m.tolist() for m in kept.loss_masks] == [[1.0] * 3, [1.0] * 4, [1.0] * 4, [1.0] * 2]
     assert [m.tolist() for m in filtered.loss_masks] == [[1.0] * 3, [0.0] * 4, [0.0] * 4, [1.0] * 2]
     assert filtered.rewards.tolist() == kept.rewards.tolist()  # still in their group's baseline
+
+
+def test_truncated_counts_only_responses_that_a_stop_token_could_have_ended() -> None:
+    """`truncated`: finish reason `length` where EOS was possible. A one-token limit (the demo's
+    one-digit answer) leaves no room for EOS after an answer; with `ignore_eos` or no stop token at all
+    every response runs to the limit by design."""
+    from tandem.ppo.engines import SamplingParams
+
+    rollout = fake_rollout([0, 1], 2, lambda p, j: 0.0)
+    rollout.generations[0] = Generation(token_ids=[3], log_probs=[-1.0], finish_reason="length")
+    rollout.generations[3] = Generation(token_ids=[4], log_probs=[-1.0], finish_reason="length")
+
+    def truncated(**params: Any) -> float:
+        rollout.params = SamplingParams(**params)
+        return rollout.metrics(accuracy_threshold=1.0, prefix="eval")["eval/truncated"]
+
+    assert truncated(max_new_tokens=8, stop_token_ids=(2,)) == 0.5
+    assert truncated(max_new_tokens=1, stop_token_ids=(2,)) == 0.0
+    assert truncated(max_new_tokens=8, stop_token_ids=(2,), ignore_eos=True) == 0.0
+    assert truncated(max_new_tokens=8, stop_token_ids=()) == 0.0
+    assert rollout.select([0, 1]).metrics(accuracy_threshold=1.0)["reward/truncated"] == 0.0  # params carried
+    assert Rollout.concat([rollout, rollout]).params == rollout.params

@@ -177,6 +177,187 @@ def test_a_rollout_left_only_as_its_old_folder_is_complete_and_renamed_back(tmp_
     assert read_latest(tmp_path / "critic") == 0
 
 
+# --- checkpoints that do not read ----------------------------------------------------------------
+
+
+def save_rollouts(run_dir: Path, rollouts: range) -> None:
+    """Rollouts saved as a run saves them (`save_run_checkpoint`, `save_folder`: each with its manifest)."""
+    from tandem.megatron.runtime.checkpoint_folder import save_folder
+    from tandem.ppo.run.checkpoint import save_run_checkpoint
+    from tandem.ppo.run.state import DriverState
+
+    def model_save(role: str, k: int) -> None:
+        def write(staging: Path) -> None:
+            (staging / "__0_0.distcp").write_text(f"{role} {k}\n" * 100)
+            (staging / "metadata.json").write_text("{}\n")
+
+        save_folder(run_dir / role, k, write)
+
+    for k in rollouts:
+        state = DriverState(k, {"epoch": 0, "cursor": k}, metrics=[{"step": i} for i in range(k + 1)])
+        save_run_checkpoint(run_dir, state, [(r, lambda r=r, k=k: model_save(r, k)) for r in ROLES])
+
+
+def test_a_checkpoint_that_does_not_read_is_set_aside_and_the_run_resumes_from_the_newest_that_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_rollouts(tmp_path, range(4))
+    shard = tmp_path / "critic" / "iter_0000003" / "__0_0.distcp"
+    shard.write_bytes(b"")  # truncated to 0 bytes
+    (tmp_path / "driver" / "iter_0000002.json").write_text("")  # emptied
+    point = find_resume_point(tmp_path, models(tmp_path))
+    assert point.rollout_id == 1
+    assert point.unreadable == {
+        shard.parent: f"{shard} is 0 bytes; it had 900 when its save completed",
+        tmp_path / "driver" / "iter_0000002.json": (
+            f"{tmp_path / 'driver' / 'iter_0000002.json'} does not read as the driver's state (not JSON: "
+            "Expecting value: line 1 column 1 (char 0))"
+        ),
+    }
+    set_aside(tmp_path, point, models(tmp_path))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("resuming after rollout 1; set aside in ")
+    assert f"does not read: {shard} is 0 bytes; it had 900 when its save completed" in line
+    assert "driver/iter_0000002.json" in line and "critic/iter_0000003" in line
+    for role in ROLES:
+        assert read_latest(tmp_path / role) == 1
+    assert (tmp_path / "set_aside").is_dir() and not (tmp_path / "critic" / "iter_0000003").exists()
+
+
+def test_a_requested_rollout_that_does_not_read_names_the_file_and_the_rollouts_that_do(
+    tmp_path: Path,
+) -> None:
+    save_rollouts(tmp_path, range(3))
+    shard = tmp_path / "actor" / "iter_0000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(ValueError) as info:
+        find_resume_point(tmp_path, models(tmp_path), requested=2)
+    assert str(info.value) == (
+        f"--load-rollout-id: rollout 2 does not read ({shard} is 10 bytes; it had 800 when its save completed); "
+        "--load-rollout-id 1 would work (the newest that reads), or leave it unset to resume from there"
+    )
+
+
+def test_where_no_checkpoint_reads_the_message_names_each_file(tmp_path: Path) -> None:
+    save_rollouts(tmp_path, range(2))
+    for k in (0, 1):
+        (tmp_path / "critic" / f"iter_{k:07d}" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ValueError) as info:
+        find_resume_point(tmp_path, models(tmp_path))
+    message = str(info.value)
+    assert message.startswith(
+        f"--run-dir: no checkpoint in {tmp_path} reads, so no --load-rollout-id would work: "
+    )
+    for k in (0, 1):
+        assert f"rollout {k}: {tmp_path / 'critic' / f'iter_{k:07d}' / '__0_0.distcp'} is 0 bytes" in message
+    assert message.endswith(
+        "restore those files, or move the checkpoints away (or give another --run-dir) to start from the "
+        "Hugging Face weights"
+    )
+
+
+def test_checksums_are_verified_when_asked(tmp_path: Path) -> None:
+    save_rollouts(tmp_path, range(2))
+    shard = tmp_path / "critic" / "iter_0000001" / "__0_0.distcp"
+    shard.write_text(shard.read_text().replace("critic", "CRITIC"))  # the same size
+    assert find_resume_point(tmp_path, models(tmp_path), checksums=False).rollout_id == 1
+    point = find_resume_point(tmp_path, models(tmp_path))
+    assert point.rollout_id == 0 and list(point.unreadable) == [shard.parent]
+
+
+def test_keep_checkpoints_removes_the_older_complete_rollouts_of_this_runs_own_folders(
+    tmp_path: Path,
+) -> None:
+    """`--keep-checkpoints 2`: once a save completes, the run's complete rollouts beyond its newest two go
+    (every part: both models and the driver's state), and a load folder of another run is never touched.
+    Without the option every checkpoint stays (a 0.5B actor and critic take about 14 GB a save)."""
+    from tandem.ppo.run.checkpoint import prune_checkpoints
+
+    save_rollouts(tmp_path, range(5))
+    write_checkpoint(tmp_path / "critic", 7, complete=False, suffix=".partial")  # a crashed save: left alone
+    other = tmp_path / "other"
+    write_checkpoint(other / "actor", 0)
+    folders = [ModelFolders("critic", tmp_path / "critic", tmp_path / "critic"),
+               ModelFolders("actor", other / "actor", tmp_path / "actor")]  # fmt: skip
+    prune_checkpoints(tmp_path, folders, keep=None)
+    assert len(list((tmp_path / "actor").glob("iter_*"))) == 5
+    removed = prune_checkpoints(tmp_path, folders, keep=2)
+    assert sorted(p.name for p in (tmp_path / "actor").glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in (tmp_path / "critic").glob("iter_*")) == [
+        "iter_0000003", "iter_0000004", "iter_0000007.partial"
+    ]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "driver").iterdir()) == [
+        "iter_0000003.json",
+        "iter_0000004.json",
+    ]
+    assert len(removed) == 9 and (other / "actor" / "iter_0000000").is_dir()
+    assert find_resume_point(tmp_path, models(tmp_path)).rollout_id == 4
+    for role in ROLES:
+        assert read_latest(tmp_path / role) == 4
+
+
+def test_a_save_is_refused_before_it_writes_where_the_last_checkpoints_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Known after the first save: the next needs about as much as the last took (both models and the
+    driver's state, on one device here); with less free, it is refused before anything is written."""
+    from tandem.megatron.runtime.checkpoint_folder import DiskFull
+    from tandem.megatron.runtime.checkpoint_manifest import checkpoint_bytes
+    from tandem.ppo.run import checkpoint as run_checkpoint
+    from tandem.ppo.run.checkpoint import check_free_space
+    from tandem.ppo.run.state import state_dir
+
+    folders = [tmp_path / "critic", tmp_path / "actor", state_dir(tmp_path)]
+    check_free_space(folders)  # nothing saved yet: nothing known
+    save_rollouts(tmp_path, range(2))
+    needed = sum(checkpoint_bytes(tmp_path / role / "iter_0000001") for role in ROLES)
+    needed += (tmp_path / "driver" / "iter_0000001.json").stat().st_size
+    real = shutil.disk_usage
+
+    def free(bytes_free: int):  # type: ignore[no-untyped-def]
+        return lambda path: real(path)._replace(free=bytes_free)
+
+    monkeypatch.setattr(run_checkpoint.shutil, "disk_usage", free(needed))
+    check_free_space(folders)
+    monkeypatch.setattr(run_checkpoint.shutil, "disk_usage", free(needed - 1))
+    with pytest.raises(DiskFull) as info:
+        check_free_space(folders)
+    assert str(info.value) == (
+        f"no space left on device at {tmp_path / 'critic'}: the save needs about {needed / 1e6:.1f} MB, "
+        f"{(needed - 1) / 1e6:.1f} MB free; the last complete checkpoint (rollout 1) is kept; free some space, "
+        "then the same command resumes the run"
+    )
+
+
+def test_a_driver_state_that_hits_enospc_is_a_full_disk_and_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.megatron.runtime.checkpoint_folder import DiskFull
+
+    save_rollouts(tmp_path, range(1))
+    monkeypatch.setenv("TANDEM_FAULT_POINT", "driver_state.written:rollout_id=1")
+    monkeypatch.setenv("TANDEM_FAULT_ACTION", "enospc")
+    with pytest.raises(
+        DiskFull, match=rf"^no space left on device at {tmp_path / 'driver'}: the save needs about "
+    ):
+        save_rollouts(tmp_path, range(1, 2))
+    assert sorted(p.name for p in (tmp_path / "driver").iterdir()) == ["iter_0000000.json"]
+    assert "the last complete checkpoint (rollout 0) is kept" in str(
+        DiskFull(tmp_path, 1, 1, 0, estimate=True)
+    )
+
+
+def test_a_full_disk_is_one_line_and_exit_1() -> None:
+    from tandem.megatron.runtime.checkpoint_folder import DiskFull
+    from tandem.ppo.run.errors import failure_line
+
+    full = DiskFull(Path("/run/critic"), 3_000_000_000, 1_000_000_000, 4, estimate=True)
+    assert failure_line(full) == (1, str(full))
+    assert str(full).startswith(
+        "no space left on device at /run/critic: the save needs about 3.0 GB, 1.0 GB free"
+    )
+
+
 # --- SIGKILL at each stage of a save ----------------------------------------------------------
 
 KILL_POINTS = [

@@ -154,6 +154,14 @@ def test_eval_takes_the_runs_reward_and_lengths(tmp_path: Path) -> None:
     assert (given.reward, given.max_response_len, given.temperature) == ("math", 64, 0.0)
 
 
+def test_eval_of_a_run_of_episodes_plays_them(tmp_path: Path) -> None:
+    config = _config(tmp_path, env_path="tandem.ppo._recall:RecallEnv", custom_rm_path=None, max_turns=2)
+    write_run_config(config)
+    settings = eval_settings(_eval_args(str(tmp_path)))
+    assert settings.episodes_of is not None and settings.episodes_of.max_turns == 2
+    assert settings.reward == "the environment of tandem.ppo._recall:RecallEnv"
+
+
 def test_eval_of_a_bare_model_folder_uses_the_defaults(tmp_path: Path) -> None:
     settings = eval_settings(_eval_args(str(_hf_folder(tmp_path / "hf"))))
     assert settings.reward == EVAL_DEFAULTS["rm_type"] and settings.source == "defaults"
@@ -272,3 +280,35 @@ def test_eval_args_fields_all_default_to_the_run() -> None:
     for name in (*EVAL_DEFAULTS, "custom_rm_path", "base"):
         assert defaults[name] is None, name
     assert SimpleNamespace(**defaults).seed == 1234
+
+
+def test_export_writes_beside_the_runs_own_hf_folder_and_says_what_it_replaces(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`ppo-driver export RUN_DIR` never overwrites RUN_DIR/hf (the run's own export): it writes
+    RUN_DIR/hf-rollout-K beside it; a folder it does replace (--out, or that same rollout's) is named."""
+    from tandem.ppo.app.evaluate import export_folder
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert export_folder(str(run_dir), None, 7) == run_dir / "hf"
+    assert not caplog.records
+    (run_dir / "hf").mkdir()
+    assert export_folder(str(run_dir), None, 7) == run_dir / "hf-rollout-7"
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"{run_dir / 'hf'} holds the run's own export: the actor of rollout 7 goes beside it, to "
+        f"{run_dir / 'hf-rollout-7'}"
+    )
+    caplog.clear()
+    (run_dir / "hf-rollout-7").mkdir()
+    assert export_folder(str(run_dir), None, 7) == run_dir / "hf-rollout-7"
+    assert [r.getMessage() for r in caplog.records][
+        -1
+    ] == f"replacing {run_dir / 'hf-rollout-7'} (a folder that exists)"
+    caplog.clear()
+    out = tmp_path / "exported"
+    assert export_folder(str(run_dir), str(out), 7) == out and not caplog.records
+    out.mkdir()
+    assert export_folder(str(run_dir), str(out), 7) == out
+    assert [r.getMessage() for r in caplog.records] == [f"replacing {out} (a folder that exists)"]

@@ -33,3 +33,29 @@ def test_the_benchmark_runs_quick_and_reports_every_figure(tmp_path: Path) -> No
     assert model["release_s"] >= 0 and model["resume_s"] >= 0
     assert model["sync_device_tensors_s"] > 0 and model["device_copy_s"] > 0
     assert isinstance(model["sync_goal_met"], bool)
+
+
+MULTI_TURN = BENCH.parent / "multi_turn_bench.py"
+
+
+@pytest.mark.slow
+def test_the_multi_turn_benchmark_runs_quick(tmp_path: Path) -> None:
+    out = tmp_path / "multi.json"
+    proc = subprocess.run(
+        [sys.executable, str(MULTI_TURN), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    # 4 episodes of 2 turns of 4 tokens: one engine call a turn, every episode in it.
+    assert report["multi_turn"]["batch_sizes"] == [4, 4]
+    assert report["multi_turn"]["model_tokens"] == report["single_turn"]["model_tokens"] == 4 * 2 * 4
+    assert report["multi_over_single"] > 0
+    assert report["kept_kv"]["model_tokens"] == report["multi_turn"]["model_tokens"]
+    assert report["kept_kv"]["speedup_over_reprefill"] > 0
+    reprefill = report["reprefill"]
+    assert (
+        0 < reprefill["already_cached_share"] < 1 and reprefill["upper_bound_saving_s"] < reprefill["seconds"]
+    )

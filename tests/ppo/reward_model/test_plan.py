@@ -101,6 +101,7 @@ def driver_with(calls: Calls, *, sleeps: bool) -> PPODriver:
     driver.gpus.start_asleep(driver.between_steps())  # as a run's start does
     calls.log.clear()
     driver.reward_fn = RewardMix({"model": 1.0, "exact_match": 1.0}, {"exact_match": exact_match})
+    driver.episodes = None  # single-turn samples
     return driver
 
 

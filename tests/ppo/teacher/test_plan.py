@@ -103,6 +103,7 @@ def driver_with(calls: Calls, *, sleeps: bool) -> PPODriver:
     driver.clock = PhaseClock(track_gpu_memory=False)
     driver.tokenizer = Tokenizer()
     driver.reward_fn = exact_match
+    driver.episodes = None  # single-turn samples
     driver.gpus = SharedGpus(
         engines=Engines(calls),  # type: ignore[arg-type]
         actor=Model(),  # type: ignore[arg-type]

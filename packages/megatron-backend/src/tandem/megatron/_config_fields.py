@@ -337,7 +337,8 @@ class WorkerFields:
 
     reward_clip: float | None = None
     """Clip each sample's scalar reward to [−reward_clip, reward_clip] before anything else uses it
-    (the group baselines, the KL, GAE; both roles alike); the `reward/` metrics stay unclipped.
+    (the group baselines, the KL, GAE; both roles alike; an episode's rewards per turn each, at their
+    tokens); the `reward/` metrics stay unclipped.
     OpenRLHF's `--reward.clip_range` (default ±10) clips after its group baseline; for `gae` and
     `reinforce_plus_plus` the two are the same. None: off (verl has no such option)."""
 

@@ -59,6 +59,11 @@ class RolloutBatch:
         rollout_log_probs: log-probs the rollout engine reported per response token, when it did
             (one tensor per sample, its response length); truncated importance sampling
             (`WorkerConfig.use_tis`) weighs the policy loss with them.
+        step_rewards: rewards at their tokens, when the rollout gave some (an episode of several turns:
+            each turn's reward at that turn's last model token), one tensor per sample of its response
+            length; `rewards` is then each sample's total. Estimators that take token rewards (GAE,
+            REINFORCE++) use them instead of the scalar at the last trainable token
+            (`targets.reward_signal`).
         teacher_log_probs: on-policy distillation (`WorkerConfig.opd_coef`): the teacher's log-probs of
             each response token under the sampling temperature (one tensor per sample, its response
             length), the other half of the reverse KL.
@@ -79,6 +84,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
     rollout_log_probs: list[torch.Tensor] | None = None
+    step_rewards: list[torch.Tensor] | None = None
     teacher_log_probs: list[torch.Tensor] | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
@@ -96,6 +102,7 @@ class RolloutBatch:
             "loss_masks": len(self.loss_masks),
             "rewards": int(self.rewards.numel()),
             "sample_indices": len(self.sample_indices),
+            **({"step_rewards": len(self.step_rewards)} if self.step_rewards is not None else {}),
         }
         if self.teacher_log_probs is not None:
             sizes["teacher_log_probs"] = len(self.teacher_log_probs)
@@ -115,6 +122,11 @@ class RolloutBatch:
             if mask.numel() != rlen:
                 raise ValueError(
                     f"RolloutBatch: sample {i} has loss_mask of {mask.numel()} entries, expected {rlen}"
+                )
+            if self.step_rewards is not None and self.step_rewards[i].numel() != rlen:
+                raise ValueError(
+                    f"RolloutBatch: sample {i} has step_rewards of {self.step_rewards[i].numel()} entries, "
+                    f"expected {rlen} (one per response token)"
                 )
             if self.teacher_log_probs is not None and self.teacher_log_probs[i].numel() != rlen:
                 raise ValueError(
@@ -141,6 +153,12 @@ class RolloutBatch:
     def padded_loss_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The loss masks as `(n, max_response_len)`, 0 past each response."""
         return to_device(pad_responses(self.loss_masks), device)
+
+    def padded_step_rewards(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """`step_rewards` as `(n, max_response_len)`, 0 past each response; None when there are none."""
+        if self.step_rewards is None:
+            return None
+        return to_device(pad_responses(self.step_rewards), device)
 
     def padded_teacher_log_probs(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The teacher's log-probs as `(n, max_response_len)`, 0 past each response; ValueError naming
@@ -182,6 +200,7 @@ class RolloutBatch:
             rollout_log_probs=None
             if self.rollout_log_probs is None
             else [self.rollout_log_probs[i] for i in rows],
+            step_rewards=None if self.step_rewards is None else [self.step_rewards[i] for i in rows],
             teacher_log_probs=None
             if self.teacher_log_probs is None
             else [self.teacher_log_probs[i] for i in rows],

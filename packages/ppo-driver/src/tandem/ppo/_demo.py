@@ -113,12 +113,17 @@ def digit_reward(samples: list[Any]) -> list[float]:
     return scores
 
 
+def task_files(out_dir: str | Path) -> tuple[Path, Path]:
+    """Where `write_task` writes the train and the eval JSONL."""
+    return Path(out_dir) / "train.jsonl", Path(out_dir) / "eval.jsonl"
+
+
 def write_task(out_dir: str | Path) -> tuple[Path, Path]:
     """The demo's train and eval JSONL: `"d+1"` -> `"d+1"`'s digit, for d in 0..8."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"prompt": f"{d}+1", "label": str(d + 1)} for d in range(9)]
-    train, evaluation = out / "train.jsonl", out / "eval.jsonl"
+    train, evaluation = task_files(out)
     for path in (train, evaluation):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return train, evaluation
@@ -130,9 +135,15 @@ larger entropy bonus, since a LoRA policy on a random model otherwise settles on
 within 20 steps (the reward flat at 0.21) before it has found the right ones."""
 
 
-def prepare_demo(values: dict[str, Any]) -> dict[str, Any]:
-    """Fill in the model and data the demo builds under RUN_DIR, unless the flags name others."""
-    run_dir = Path(values.get("run_dir", DEMO_DEFAULTS["run_dir"]))
+def prepare_demo(
+    values: dict[str, Any], *, write: bool = True, root: str | Path | None = None
+) -> dict[str, Any]:
+    """Fill in the model and data the demo builds under RUN_DIR, unless the flags name others.
+
+    `write`: build them (False: only name where they go, as `--dry-run` shows them); `root`: build them
+    there instead of RUN_DIR (the dry run's scratch folder).
+    """
+    base = Path(root if root is not None else values.get("run_dir", DEMO_DEFAULTS["run_dir"]))
     filled = dict(values)
     lora = filled.get("lora_rank") is not None
     if lora:
@@ -140,15 +151,13 @@ def prepare_demo(values: dict[str, Any]) -> dict[str, Any]:
             if filled.get(name, DEMO_DEFAULTS[name]) == DEMO_DEFAULTS[name]:
                 filled[name] = value
     if not filled.get("hf_checkpoint"):
-        if lora:  # a folder of its own: a full fine-tune's demo in the same RUN_DIR built the other
-            base = build_base_model(run_dir / "base-lora", head_scale=LORA_HEAD_SCALE)
-        else:
-            base = build_base_model(run_dir / "base")
-        filled["hf_checkpoint"] = str(base)
+        # A folder of its own with LoRA: a full fine-tune's demo in the same RUN_DIR built the other.
+        model = base / ("base-lora" if lora else "base")
+        head_scale = LORA_HEAD_SCALE if lora else 1.0
+        filled["hf_checkpoint"] = str(build_base_model(model, head_scale=head_scale) if write else model)
     if not filled.get("prompt_data"):
-        train, evaluation = write_task(run_dir / "data")
+        train, evaluation = write_task(base / "data") if write else task_files(base / "data")
         filled["prompt_data"] = str(train)
-        filled.setdefault("eval_prompt_data", str(evaluation))
         if filled.get("eval_prompt_data") is None:
             filled["eval_prompt_data"] = str(evaluation)
     return filled

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tandem.ppo.app.pretrained import fetch_model
+from tandem.ppo.app.pretrained import cache_root, cached_model, fetch_model, model_info
 
 QUESTION = "What is {a} plus {b}? Answer with a single number, nothing else."
 """The user's message for the pair (a, b)."""
@@ -75,15 +75,31 @@ def write_sums_task(out_dir: str | Path) -> tuple[Path, Path]:
     return train, evaluation
 
 
-def prepare_sums_demo(values: dict[str, Any]) -> dict[str, Any]:
-    """Fill in SmolLM2 (fetched into the cache once) and the sums task under RUN_DIR, unless the flags name others."""
+def prepare_sums_demo(
+    values: dict[str, Any], *, write: bool = True, root: str | Path | None = None
+) -> dict[str, Any]:
+    """Fill in SmolLM2 (fetched into the cache once) and the sums task under RUN_DIR, unless the flags name others.
 
-    run_dir = Path(values.get("run_dir", SUMS_DEFAULTS["run_dir"]))
+    `write`, `root`: as `_demo.prepare_demo`'s. Without `write`, or with a `root` (the dry run's scratch
+    folder), SmolLM2 is never fetched: a model not in the cache yet is a ValueError naming the command
+    that fetches it.
+    """
+    base = Path(root if root is not None else values.get("run_dir", SUMS_DEFAULTS["run_dir"]))
     filled = dict(values)
     if not filled.get("hf_checkpoint"):
-        filled["hf_checkpoint"] = str(fetch_model("smollm2"))
+        cached = fetch_model("smollm2") if write and root is None else cached_model("smollm2")
+        if cached is None:
+            raise ValueError(
+                f"--dry-run: SmolLM2-135M-Instruct is not in the cache yet ({cache_root() / model_info('smollm2').folder}), "
+                "and a dry run fetches nothing; `ppo-driver fetch-model smollm2` fetches it (about half a minute "
+                "once), then the dry run checks the config against it"
+            )
+        filled["hf_checkpoint"] = str(cached)
     if not filled.get("prompt_data"):
-        train, evaluation = write_sums_task(run_dir / "data")
+        folder = base / "data"
+        train, evaluation = (
+            write_sums_task(folder) if write else (folder / "train.jsonl", folder / "eval.jsonl")
+        )
         filled["prompt_data"] = str(train)
         if filled.get("eval_prompt_data") is None:
             filled["eval_prompt_data"] = str(evaluation)

@@ -130,7 +130,8 @@ def kl_penalized_rewards(
     token-level rewards. Targets: computed under `no_grad`, in at least float32.
 
     Args:
-        rewards: one scalar reward per response. Shape `(batch,)`.
+        rewards: one scalar reward per response, shape `(batch,)`, added at its last trainable token;
+            or rewards at their tokens, shape `(batch, response_len)` (an episode's per-turn rewards).
         log_probs: the old log-probs (the policy the rollout's training starts from). Shape `(batch, response_len)`.
         ref_log_probs: the reference log-probs. Same shape.
         loss_mask: 1 (or True) for trainable tokens. Same shape.
@@ -148,13 +149,14 @@ def kl_penalized_rewards(
             f"kl_penalized_rewards: `loss_mask` has shape {tuple(loss_mask.shape)} but `log_probs` has "
             f"{tuple(log_probs.shape)}; pad both to (batch, response_len)"
         )
-    if rewards.shape != log_probs.shape[:1]:
+    if rewards.shape not in (log_probs.shape[:1], log_probs.shape):
         raise ValueError(
-            f"kl_penalized_rewards: `rewards` must have shape (batch,) = {tuple(log_probs.shape[:1])}, "
-            f"got {tuple(rewards.shape)}"
+            f"kl_penalized_rewards: `rewards` must have shape (batch,) = {tuple(log_probs.shape[:1])} or "
+            f"(batch, response_len) = {tuple(log_probs.shape)}, got {tuple(rewards.shape)}"
         )
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     mask = loss_mask.detach().to(log_probs.device) != 0
     kl = approx_kl(log_probs.detach().to(dtype), ref_log_probs.detach().to(dtype), kind)
-    token_rewards = scalar_at_last_token(rewards.to(device=log_probs.device, dtype=dtype), mask)
+    rewards = rewards.to(device=log_probs.device, dtype=dtype)
+    token_rewards = rewards if rewards.dim() == 2 else scalar_at_last_token(rewards, mask)
     return torch.where(mask, token_rewards - kl_coef * kl, 0.0)

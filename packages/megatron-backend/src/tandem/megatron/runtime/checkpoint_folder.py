@@ -23,12 +23,15 @@ Each stage of a save is a `fault_points` point (`checkpoint.staged`,
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from tandem.megatron.runtime.checkpoint_manifest import checkpoint_bytes, write_manifest
 from tandem.megatron.runtime.fault_points import fault_point
 
 logger = logging.getLogger(__name__)
@@ -201,7 +204,8 @@ def save_folder(
     """The save protocol around `write(staging)` (every rank calls it): stage, write, publish, mark.
 
     Rank 0 makes the staging folder, every rank's `write` fills it (the shards, then
-    `metadata.json` last), and rank 0 publishes it and moves the marker (`commit_save`).
+    `metadata.json` last), and rank 0 records each file's size and checksum
+    (`checkpoint_manifest.write_manifest`), publishes it and moves the marker (`commit_save`).
     `barrier` synchronises the ranks between those stages. Returns the published folder.
     """
     if rank == 0:
@@ -209,11 +213,89 @@ def save_folder(
         begin_save(root, rollout_id)
         fault_point("checkpoint.staged", rollout_id=rollout_id)
     barrier()
-    write(_staging_dir(root, rollout_id))
+    try:
+        fault_point("checkpoint.writing", rollout_id=rollout_id)
+        write(_staging_dir(root, rollout_id))
+    except Exception as exc:
+        full = disk_full(exc, root, rollout_id)
+        if full is None:
+            raise
+        raise full from exc
     barrier()
     if rank == 0:
         fault_point("checkpoint.written", rollout_id=rollout_id)
+        write_manifest(_staging_dir(root, rollout_id))  # every rank's files are in: their sizes and checksums
         commit_save(root, rollout_id)
         logger.info("saved checkpoint of rollout %d to %s", rollout_id, iteration_dir(root, rollout_id))
     barrier()
     return iteration_dir(root, rollout_id)
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+FULL_BELOW_BYTES = 16 << 20
+"""Free space under which a failed write is taken for a full disk, whatever its error says (torch's
+writer on a full disk raises `unexpected pos 704 vs 598`, with no errno)."""
+
+
+class DiskFull(RuntimeError):
+    """A save found no space left on its device; the message says where, what it needs and what is free."""
+
+    def __init__(self, path: Path, needed: int, free: int, kept: int | None, *, estimate: bool) -> None:
+        need = f"about {_size(needed)}" if estimate else f"more than the {_size(needed)} it had written"
+        kept_text = (
+            f"the last complete checkpoint (rollout {kept}) is kept"
+            if kept is not None
+            else "no checkpoint yet"
+        )
+        super().__init__(
+            f"no space left on device at {path}: the save needs {need}, {_size(free)} free; {kept_text}; free "
+            "some space, then the same command resumes the run"
+        )
+        self.path, self.needed, self.free, self.kept, self.estimate = path, needed, free, kept, estimate
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a worker, it reaches the driver pickled (Ray): rebuilt from its fields, not its message.
+        return _disk_full, (self.path, self.needed, self.free, self.kept, self.estimate)
+
+
+def _disk_full(path: Path, needed: int, free: int, kept: int | None, estimate: bool) -> DiskFull:
+    return DiskFull(path, needed, free, kept, estimate=estimate)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _full_disk_error(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def disk_full(exc: BaseException, root: str | os.PathLike[str], rollout_id: int) -> DiskFull | None:
+    """The `DiskFull` for a write of rollout `rollout_id`'s checkpoint under `root` that raised `exc`, when
+    the disk is full (ENOSPC or EDQUOT in its chain, or less than `FULL_BELOW_BYTES` free): its staging
+    folder is removed first, so that what it held is free again. None for any other failure."""
+    root = Path(root)
+    if not _full_disk_error(exc) and shutil.disk_usage(root).free >= FULL_BELOW_BYTES:
+        return None
+    staging = _staging_dir(root, rollout_id)
+    written = _bytes_under(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    kept = read_latest(root)
+    if kept is not None:
+        return DiskFull(
+            root,
+            checkpoint_bytes(iteration_dir(root, kept)),
+            shutil.disk_usage(root).free,
+            kept,
+            estimate=True,
+        )
+    return DiskFull(root, written, shutil.disk_usage(root).free, None, estimate=False)

@@ -12,6 +12,9 @@ as the worker's role). The matching call kills its own process with SIGKILL, as
 `TANDEM_FAULT_ONCE=/path/file` it fires only where it can create that file, so
 once across every process of a run (a restarted engine does not die again).
 
+With `TANDEM_FAULT_ACTION=enospc` the point raises the OSError of a full disk
+(ENOSPC) instead, as a write there would on a full filesystem.
+
 Ray's workers inherit the environment of the driver that starts a local cluster,
 so a point set for `ppo-driver train` reaches the train workers and the engines.
 Unset (always, outside tests) a point costs one dictionary lookup.
@@ -19,17 +22,21 @@ Unset (always, outside tests) a point costs one dictionary lookup.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from typing import Any
 
-__all__ = ["FAULT_ENV", "FAULT_ONCE_ENV", "fault_point", "set_context"]
+__all__ = ["FAULT_ACTION_ENV", "FAULT_ENV", "FAULT_ONCE_ENV", "fault_point", "set_context"]
 
 FAULT_ENV = "TANDEM_FAULT_POINT"
 """The environment variable naming the point (and context) to kill the process at."""
 
 FAULT_ONCE_ENV = "TANDEM_FAULT_ONCE"
 """A file path: the point fires only in the process that creates this file first."""
+
+FAULT_ACTION_ENV = "TANDEM_FAULT_ACTION"
+"""What the point does: `kill` (SIGKILL, the default) or `enospc` (raise a full disk's OSError)."""
 
 _context: dict[str, str] = {}
 
@@ -51,7 +58,8 @@ def _matches(spec: str, name: str, context: dict[str, str]) -> bool:
 
 
 def fault_point(name: str, **context: Any) -> None:
-    """Kill this process with SIGKILL if `TANDEM_FAULT_POINT` names this point and its context."""
+    """Kill this process with SIGKILL if `TANDEM_FAULT_POINT` names this point and its context (or raise
+    ENOSPC's OSError, with `TANDEM_FAULT_ACTION=enospc`)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -64,4 +72,6 @@ def fault_point(name: str, **context: Any) -> None:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
+    if os.environ.get(FAULT_ACTION_ENV) == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(fault point {name})")
     os.kill(os.getpid(), signal.SIGKILL)

@@ -36,6 +36,7 @@ from tandem.megatron.runtime.checkpoint_folder import (
     read_latest,
     save_folder,
 )
+from tandem.megatron.runtime.checkpoint_manifest import verify_checkpoint
 
 __all__ = [
     "MARKER",
@@ -231,12 +232,24 @@ def load_checkpoint(
                 f"no complete checkpoint of rollout {rollout_id} under {root} (complete: {sorted(complete)})"
             )
         folder = complete[rollout_id]
-    # A model saved before its first optimizer step (the actor during the critic-only warm-up) has no
-    # optimizer state to restore: its optimizer starts fresh, as it was. (Building the loading template
-    # would create Adam's moments without their step count.)
-    stepped = _holds_optimizer_state(folder)
-    template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id, with_optimizer=stepped)
-    loaded = dist_checkpointing.load(template, str(folder))
+    # A file of another size than its save recorded (a shard truncated to 0 bytes) is named here, not
+    # as the EOFError of the load; the driver checks sizes and checksums before a run starts.
+    problem = verify_checkpoint(folder, checksums=False)
+    if problem is not None:
+        raise RuntimeError(f"the checkpoint of rollout {rollout_id} in {folder} does not read: {problem}")
+    try:
+        # A model saved before its first optimizer step (the actor during the critic-only warm-up) has no
+        # optimizer state to restore: its optimizer starts fresh, as it was. (Building the loading
+        # template would create Adam's moments without their step count.)
+        stepped = _holds_optimizer_state(folder)
+        template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id, with_optimizer=stepped)
+        loaded = dist_checkpointing.load(template, str(folder))
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[-300:]
+        raise RuntimeError(
+            f"the checkpoint of rollout {rollout_id} in {folder} does not load ({type(exc).__name__}: {detail}); "
+            "a start of the run sets it aside and resumes from the one before"
+        ) from exc
     for i, chunk in enumerate(state.model):
         part = loaded["model" if len(state.model) == 1 else f"model{i}"]
         _load_model_part(chunk, part, trained_only=state.trained_only)

@@ -2,10 +2,11 @@
 
 docs/design.md, "The train step inside steps 3 and 4".
 
-The rewards are the scalar rewards, or with `kl_coef != 0` (or the teacher's reverse
-KL in the rewards, `opd_mode` reward) the KL-folded token rewards (`reward_signal`),
-the same on both roles since both get the actor's old and reference log-probs (and
-the same teacher log-probs in their batches). Critic: old values → λ-returns (`critic_targets`);
+The rewards are the scalar rewards (an episode's rewards at their tokens where the
+rollout gave them), or with `kl_coef != 0` (or the teacher's reverse KL in the rewards,
+`opd_mode` reward) the KL-folded token rewards (`reward_signal`), the same on both roles
+since both get the actor's old and reference log-probs (and the same teacher log-probs in
+their batches). Critic: old values → λ-returns (`critic_targets`);
 actor: the advantage estimator's advantages, whitened when asked (`actor_targets`).
 Each returns the batch with its padded per-token targets set and the rollout's figures.
 """
@@ -55,17 +56,24 @@ def reward_signal(
     """The rewards the estimator runs on, and their figures: scalar rewards, or token rewards with KLs folded in.
 
     `scalar_rewards`: the per-sample rewards to use, shape `(n,)` (the estimator's,
-    `rollout_rewards.estimator_rewards`); None: `batch.rewards` (`clipped_rewards`). With no
-    KL in the rewards: those, exactly as without the KL-first plan (the log-probs are not read).
-    Otherwise token rewards, shape `(n, max_response_len)`: `kl.kl_penalized_rewards` of the
-    actor's old and reference log-probs (`kl_coef`), and `distillation.distillation_rewards` of
-    the old log-probs and the batch's teacher log-probs (`opd_mode` reward); critic and actor
-    call this with the same log-probs (the actor's, from `compute_log_probs`) and the same
-    batch, hence the same rewards bit for bit. `kl_coef`: this step's coefficient (the adaptive
-    KL controller's, from the driver); None: `config.kl_coef`. Whether the KL is folded at all
-    is `config.kl_coef`'s to say.
+    `rollout_rewards.estimator_rewards`); None: `batch.rewards` (`clipped_rewards`). A batch
+    with `step_rewards` (episodes rewarded turn by turn) gives an estimator without a group
+    baseline (GAE, REINFORCE++) those token rewards, each clipped like a scalar, shape
+    `(n, max_response_len)`, 0 at masked tokens; a group estimator compares each sample's total
+    with its group's and keeps the scalar. With no KL in the rewards: that, exactly as without
+    the KL-first plan (the log-probs are not read). Otherwise token rewards, shape
+    `(n, max_response_len)`: `kl.kl_penalized_rewards` of the actor's old and reference
+    log-probs (`kl_coef`), and `distillation.distillation_rewards` of the old log-probs and the
+    batch's teacher log-probs (`opd_mode` reward); critic and actor call this with the same
+    log-probs (the actor's, from `compute_log_probs`) and the same batch, hence the same rewards
+    bit for bit. `kl_coef`: this step's coefficient (the adaptive KL controller's, from the
+    driver); None: `config.kl_coef`. Whether the KL is folded at all is `config.kl_coef`'s to say.
     """
     scalar = clipped_rewards(batch.rewards, config) if scalar_rewards is None else scalar_rewards
+    if batch.step_rewards is not None and not config.estimator.groups:
+        steps = batch.padded_step_rewards(device)
+        assert steps is not None
+        scalar = torch.where(batch.padded_loss_mask(device) != 0, clipped_rewards(steps, config), 0.0)
     if config.kl_coef == 0 and not config.opd_in_rewards:
         return scalar, {}
     assert log_probs is not None, "checked by the caller"

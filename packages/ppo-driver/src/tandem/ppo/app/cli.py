@@ -3,7 +3,7 @@
 Each subcommand's options come from a typed dataclass through tyro, so
 `--help` shows every field's docstring. A bad value ends the command with a
 one-line error that names the flag (exit 2); Ctrl-C during a run exits 130
-after the step under way (and its save, when configured).
+after the step under way (and its save, when configured), SIGTERM 143 the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import tyro
 
 from tandem.ppo import __version__
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
+from tandem.ppo._recall import RECALL_DEFAULTS, prepare_recall_demo
 from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
 from tandem.ppo.app.dry_run import dry_run_report, split_dry_run
 from tandem.ppo.app.machine import adapt_to_machine, announce
@@ -76,7 +78,8 @@ class ExportArgs:
     run_dir: Annotated[str, tyro.conf.Positional]
     """The run whose latest actor checkpoint is exported (its config.yaml is read)."""
     out: str | None = None
-    """Output folder; None: RUN_DIR/hf."""
+    """Output folder (replaced, and said so, if it exists); None: RUN_DIR/hf, or RUN_DIR/hf-rollout-K beside
+    it where the run has exported already (RUN_DIR/hf is never overwritten)."""
 
 
 @dataclass(frozen=True)
@@ -98,27 +101,48 @@ def _train(argv: Sequence[str]) -> int:
 DEMO_MODELS = ("tiny", "smollm2")
 """`ppo-driver demo --model`: the tiny local model (the default), or SmolLM2-135M-Instruct from PyPI."""
 
+DEMO_TASKS = ("digits", "recall")
+"""`ppo-driver demo --task`: the tiny model's single-turn digits (the default), or the multi-turn recall
+task (`tandem.ppo._recall`: episodes of two turns with an environment)."""
+
 
 def _demo(argv: Sequence[str]) -> int:
 
     dry_run, argv = split_dry_run(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default="tiny")
+    pre.add_argument("--task", default="digits")
     known, rest = pre.parse_known_args(list(argv))
     if known.model not in DEMO_MODELS:
         raise ValueError(f"--model: got {known.model!r}; choose one of {', '.join(DEMO_MODELS)}")
+    if known.task not in DEMO_TASKS:
+        raise ValueError(f"--task: got {known.task!r}; choose one of {', '.join(DEMO_TASKS)}")
+    if known.task == "recall" and known.model != "tiny":
+        raise ValueError("--task recall: runs on the tiny model; leave --model out")
     base, prepare = (
         (DEMO_DEFAULTS, prepare_demo) if known.model == "tiny" else (SUMS_DEFAULTS, prepare_sums_demo)
     )
+    if known.task == "recall":
+        base, prepare = RECALL_DEFAULTS, prepare_recall_demo
     parsed = parse_config(rest, prog=f"{PROG} demo", base=base, validate=False)
-    return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+    if not dry_run:
+        return _start(unvalidated(prepare(dataclasses.asdict(parsed))), dry_run)
+    # A dry run writes nothing under RUN_DIR: the demo's model and task are built in a scratch folder,
+    # where the config is validated, and the report names where a run builds them.
+    with tempfile.TemporaryDirectory(prefix="tandem-dry-run-") as scratch:
+        planned = unvalidated(prepare(dataclasses.asdict(parsed), write=False))
+        built = unvalidated(prepare(dataclasses.asdict(parsed), root=scratch))
+        return _start(planned, dry_run, checked_as=built)
 
 
-def _start(config: PPOConfig, dry_run: bool) -> int:
-    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it)."""
+def _start(config: PPOConfig, dry_run: bool, *, checked_as: PPOConfig | None = None) -> int:
+    """Adapt `config` to this machine, validate it, then train (or, with --dry-run, print it).
+
+    `checked_as`: validate this config in `config`'s place (the demo's dry run: its inputs built elsewhere).
+    """
 
     config, changes = adapt_to_machine(config)
-    config.validate()
+    adapt_to_machine(checked_as)[0].validate() if checked_as is not None else config.validate()
     announce(changes)  # after validating: a bad flag's error is the only line
     if dry_run:
         print(dry_run_report(config), end="")
@@ -175,7 +199,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "demo": (
         _demo,
         "PPO on a tiny local model that learns on the CPU in minutes (no downloads); "
-        "--model smollm2: on the pretrained SmolLM2-135M-Instruct",
+        "--model smollm2: on the pretrained SmolLM2-135M-Instruct; --task recall: episodes of two turns",
     ),
     "eval": (_eval, "run a saved actor on an eval JSONL and print the metrics"),
     "export": (_export, "write a run's latest actor checkpoint as a Hugging Face folder"),
@@ -215,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(argv: Sequence[str]) -> int:
-    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 interrupted; `errors`)."""
+    """Run one subcommand; its exit status (0 ok, 1 a failure, 2 bad input, 130 Ctrl-C, 143 SIGTERM; `errors`)."""
 
     parser = argparse.ArgumentParser(prog=PROG, description="Tandem's PPO trainer.")
     parser.add_argument("--version", action="version", version=_version())
@@ -234,8 +258,9 @@ def run(argv: Sequence[str]) -> int:
         with terminal_output():
             return COMMANDS[command][0](rest)
     except (Interrupted, KeyboardInterrupt) as exc:
-        print(f"{PROG} {command}: stopped by Ctrl-C. {exc}", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
+        # Interrupted and StoppedNow say which signal it was (Ctrl-C, SIGTERM) and what was saved.
+        print(f"{PROG} {command}: stopped by {getattr(exc, 'by', 'Ctrl-C')}. {exc}", file=sys.stderr)
+        return int(getattr(exc, "exit_code", INTERRUPTED_EXIT_CODE))
     except Exception as exc:
         failure = failure_line(exc)
         if failure is None:

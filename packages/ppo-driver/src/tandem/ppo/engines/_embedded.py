@@ -41,6 +41,7 @@ from ._kv_cache import StaticKVCache, register_attention
 from ._options import EngineOptions
 from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, SamplingParams
 from ._sampling import Draws
+from ._sessions import SessionKV
 from ._weight_changes import ChangeCounter, weight_magnitudes
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         self._generate_calls = 0  # this process's, for `fault_points` (a test kills the n-th)
 
         self._cache: StaticKVCache | None = None
+        self._sessions = SessionKV()
         self._last_cache_shape: tuple[int, int] | None = None
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._graph_pool: Any = None
@@ -183,7 +185,10 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
 
     def memory_stats(self) -> dict[str, float]:
         """GiB held on the device by this process's torch allocator, and the KV cache's size."""
-        stats = {"kv_cache_gib": (self._cache.nbytes() if self._cache is not None else 0) / 2**30}
+        stats = {
+            "kv_cache_gib": (self._cache.nbytes() if self._cache is not None else 0) / 2**30,
+            "sessions_gib": self._sessions.nbytes() / 2**30,
+        }
         if self.device.type == "cuda":
             stats["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
             stats["reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
@@ -196,6 +201,7 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         chosen = _check_tags(tags)
         with self._lock:
             if "kv_cache" in chosen and not self._kv_released:
+                self._sessions.end()
                 self._drop_cache()
                 self._kv_released = True
             if "weights" in chosen and not self._lifecycle.asleep:
@@ -219,11 +225,19 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
                     self._ensure_cache(rows, length)
 
     def flush_cache(self) -> None:
-        """Nothing cached across requests (no prefix cache): every generate starts from its prompts."""
+        """Forget every session's kept KV (after a weight update it belongs to the old weights)."""
+        with self._lock:
+            self._sessions.end()
+
+    def end_sessions(self, sessions: Sequence[str] | None = None) -> None:
+        """Forget the kept KV of `sessions` (None: all): their episodes are over."""
+        with self._lock:
+            self._sessions.end(sessions)
 
     def shutdown(self) -> None:
         """Free the KV cache and CUDA graphs before the actor goes away."""
         with self._lock:
+            self._sessions.end()
             self._drop_cache()
             if self._fused is not None:
                 self._fused.release()
@@ -231,8 +245,17 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
 
     # -- generation ---------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """One response per prompt, in input order; see `SamplingParams` and `Generation`."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        sessions: Sequence[str | None] | None = None,
+    ) -> list[Generation]:
+        """One response per prompt, in input order; see `SamplingParams` and `Generation`.
+
+        `sessions`: a session id per prompt (None: none), whose KV the engine keeps for the session's
+        next call, which then prefills only its new tokens (`_sessions`).
+        """
         self._generate_calls += 1
         fault_point("engine.generate", call=self._generate_calls)
         with self._lock:
@@ -243,6 +266,10 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
                 )
             token_lists = self._check_prompts(prompts)
             _check_params(params)
+            if sessions is not None and len(sessions) != len(token_lists):
+                raise ValueError(
+                    f"generate: {len(sessions)} sessions for {len(token_lists)} prompts; give one each"
+                )
             self._merge_kept_adapters()
             if not token_lists:
                 return []
@@ -254,7 +281,8 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
             results: list[Generation] = []
             with torch.no_grad():
                 for lo, hi in self._waves(token_lists, params):
-                    results.extend(self._generate_wave(token_lists[lo:hi], params, draws))
+                    wave_sessions = None if sessions is None else list(sessions[lo:hi])
+                    results.extend(self._generate_wave(token_lists[lo:hi], params, draws, wave_sessions))
             return results
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -298,7 +326,11 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         return -(-(prompt_len + max_new_tokens) // block) * block
 
     def _generate_wave(
-        self, prompts: list[list[int]], params: SamplingParams, draws: Draws
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        draws: Draws,
+        sessions: list[str | None] | None = None,
     ) -> list[Generation]:
         dev = self.device
         rows = len(prompts)
@@ -319,7 +351,18 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         start = (prompt_len - lens).to(dev)
         budget = budget_host.to(dev)
 
-        logits = self._prefill(ids, start, cache)
+        # A session's kept KV goes into its row; the prefill then covers the longest new part only.
+        reused = [
+            self._sessions.reusable(s, p) for s, p in zip(sessions or [None] * rows, prompts, strict=True)
+        ]
+        for i, n in enumerate(reused):
+            if n:
+                assert sessions is not None
+                self._sessions.load(
+                    sessions[i] or "", cache, row=i, at=prompt_len - len(prompts[i]), length=n
+                )
+        window = max(len(p) - n for p, n in zip(prompts, reused, strict=True))
+        logits = self._prefill(ids, start, cache, window=window if window < prompt_len else None)
         stop_ids = self._stop_ids(params)
 
         out_tokens = torch.zeros(rows, steps, dtype=torch.long, device=dev)
@@ -353,6 +396,10 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
                 bucket = _bucket(alive, active)
                 if bucket < active:
                     # Drop finished sequences: pack the unfinished ones (stable order) into the first rows.
+                    if sessions is not None:
+                        self._keep_sessions(
+                            sessions, prompts, cache, orig, done, out_tokens, out_len, prompt_len
+                        )
                     order = torch.argsort(done.to(torch.int8), stable=True)[:bucket]
                     cache.reorder_rows(order)
                     self._ids[:bucket].copy_(self._ids[:active].index_select(0, order))
@@ -360,6 +407,10 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
                     orig, done, budget = orig[order], done[order], budget[order]
                     active = bucket
 
+        if sessions is not None:
+            self._keep_sessions(
+                sessions, prompts, cache, orig, torch.ones_like(done), out_tokens, out_len, prompt_len
+            )
         tokens_host = out_tokens.cpu()
         logps_host = out_logps.cpu()
         len_host = out_len.cpu().tolist()
@@ -370,6 +421,30 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
             reason: FinishReason = "stop" if stopped_host[i] else "length"
             results.append(Generation(tokens_host[i, :n].tolist(), logps_host[i, :n].tolist(), reason))
         return results
+
+    def _keep_sessions(
+        self,
+        sessions: list[str | None],
+        prompts: list[list[int]],
+        cache: StaticKVCache,
+        orig: torch.Tensor,
+        done: torch.Tensor,
+        out_tokens: torch.Tensor,
+        out_len: torch.Tensor,
+        prompt_len: int,
+    ) -> None:
+        """Keep the KV of the sessions among the cache rows `done` marks (row c holds `orig[c]`): the prompt
+        and the response but its last token, as the steps so far wrote them."""
+        rows = torch.nonzero(done).flatten().tolist()
+        originals = orig[rows].tolist()
+        lengths = out_len[orig[rows]].tolist()
+        for row, i, n in zip(rows, originals, lengths, strict=True):
+            session = sessions[i]
+            if session is None:
+                continue
+            response = out_tokens[i, : max(int(n) - 1, 0)].tolist()
+            tokens = prompts[i] + response
+            self._sessions.save(session, tokens, cache, row=row, at=prompt_len - len(prompts[i]))
 
     def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
         ids = set(params.stop_token_ids)

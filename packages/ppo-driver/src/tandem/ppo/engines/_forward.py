@@ -104,18 +104,24 @@ class ForwardPasses:
 
     # -- forward passes ------------------------------------------------------------------------------
 
-    def _prefill(self, ids: torch.Tensor, start: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        """The prompts' forward pass, writing cache positions [0, prompt_len); the last position's logits."""
+    def _prefill(
+        self, ids: torch.Tensor, start: torch.Tensor, cache: StaticKVCache, window: int | None = None
+    ) -> torch.Tensor:
+        """The prompts' forward pass over their last `window` positions (None: all), writing those cache
+        positions; the last position's logits. Positions before the window are read from the cache
+        (a session's kept KV, `_sessions`)."""
         rows, prompt_len = ids.shape
-        pos = torch.arange(prompt_len, device=self.device)
+        first = 0 if window is None else prompt_len - window
+        pos = torch.arange(first, prompt_len, device=self.device)
+        keys = torch.arange(prompt_len, device=self.device)
         position_ids = (pos[None, :] - start[:, None]).clamp(min=0)
-        query, key = pos[:, None], pos[None, :]
+        query, key = pos[:, None], keys[None, :]
         # A pad query attends to itself only (finite values, never read by a real query).
         allowed = ((key >= start[:, None, None]) & (key <= query)) | (key == query)
         mask = self._additive(allowed[:, None])
         cache.bind(rows=rows, kv_len=prompt_len, write_pos=pos)
         out = self.model(
-            input_ids=ids,
+            input_ids=ids[:, first:],
             attention_mask=mask,
             position_ids=position_ids,
             **{cache_keyword(self.model): cache},

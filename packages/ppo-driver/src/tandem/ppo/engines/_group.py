@@ -95,6 +95,8 @@ class EngineGroup(ActorGroup):
         """Called with (rank, new handle) once a restarted engine is up, before it gets work again
         (the driver sends it the current weights there)."""
         self._released: list[MemoryTag] = []
+        self._sessions: dict[str, int] = {}
+        """The engine (rank) of each session (`generate(..., sessions=...)`)."""
 
     def error(self, rank: int, message: str) -> EngineError:
         """An `EngineError` naming rank `rank`."""
@@ -104,11 +106,18 @@ class EngineGroup(ActorGroup):
         """An `EngineDied`: a restart can bring rank `rank` back."""
         return EngineDied(rank, f"{what} failed: the engine's actor died ({_one_line(err)})")
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        sessions: Sequence[str | None] | None = None,
+    ) -> list[Generation]:
         """One `Generation` per prompt, in input order; engine r gets the r-th contiguous chunk.
 
         With `params.seed`, engine r samples with `derive_seed(seed, r)`, so the same
-        prompts, seed and number of engines reproduce the same samples.
+        prompts, seed and number of engines reproduce the same samples. `sessions`: a session id
+        per prompt (an episode's), whose KV its engine keeps for the next call; a session stays on
+        the engine it first went to (the prompts of one engine keep their order).
         """
         for i, prompt in enumerate(prompts):
             if len(prompt) > self.max_context_len:
@@ -116,15 +125,25 @@ class EngineGroup(ActorGroup):
                     f"prompt {i} has {len(prompt)} tokens, longer than the engines' context of "
                     f"{self.max_context_len} tokens (EngineOptions.max_context_len)"
                 )
-        chunks = split_contiguous(len(prompts), len(self.handles))
-        pending: dict[int, tuple[list[list[int]], SamplingParams]] = {}
-        for rank, (lo, hi) in enumerate(chunks):
-            if hi == lo:
+        if sessions is None:
+            chunks = split_contiguous(len(prompts), len(self.handles))
+            assigned = [list(range(lo, hi)) for lo, hi in chunks]
+        else:
+            assigned = [[] for _ in self.handles]
+            for i, session in enumerate(sessions):
+                rank = self._session_rank(session, i)
+                assigned[rank].append(i)
+        pending: dict[int, tuple[Any, ...]] = {}
+        for rank, indices in enumerate(assigned):
+            if not indices:
                 continue
             rank_params = params
             if params.seed is not None:
                 rank_params = dataclasses.replace(params, seed=derive_seed(params.seed, rank))
-            pending[rank] = ([list(p) for p in prompts[lo:hi]], rank_params)
+            call: tuple[Any, ...] = ([list(prompts[i]) for i in indices], rank_params)
+            if sessions is not None:
+                call = (*call, [sessions[i] for i in indices])
+            pending[rank] = call
         by_rank: dict[int, list[Generation]] = {}
         while pending:
             # An engine that died is restarted and given its chunk again, with the same seed.
@@ -135,7 +154,26 @@ class EngineGroup(ActorGroup):
                 del pending[rank]
             for rank, error in died.items():
                 self.restart(rank, error)
-        return [g for rank in sorted(by_rank) for g in by_rank[rank]]
+        results: list[Generation | None] = [None] * len(prompts)
+        for rank, generations in by_rank.items():
+            for i, generation in zip(assigned[rank], generations, strict=True):
+                results[i] = generation
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    def _session_rank(self, session: str | None, index: int) -> int:
+        """The engine of `session`: the one it first went to (round robin), or by index without one."""
+        if session is None:
+            return index % len(self.handles)
+        rank = self._sessions.get(session)
+        if rank is None:
+            rank = self._sessions[session] = len(self._sessions) % len(self.handles)
+        return rank
+
+    def end_sessions(self) -> None:
+        """Every engine forgets its sessions' kept KV (a rollout of episodes is over)."""
+        self._sessions.clear()
+        self.all("end_sessions")
 
     def release_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
         """Every engine frees the memory of `tags`; returns once all of it is free."""

@@ -69,8 +69,18 @@ class Generation:
 class RolloutEngine(Protocol):
     """What the driver needs of one engine (a Ray actor handle exposes the same methods via `.remote`)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """One response per prompt token-id list, in input order."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        sessions: Sequence[str | None] | None = None,
+    ) -> list[Generation]:
+        """One response per prompt token-id list, in input order; `sessions`: an episode's id per prompt,
+        whose KV the engine may keep for the session's next call (`end_sessions` forgets them)."""
+        ...
+
+    def end_sessions(self, sessions: Sequence[str] | None = None) -> None:
+        """Forget the kept KV of `sessions` (None: all)."""
         ...
 
     def release_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:

@@ -217,8 +217,14 @@ class SGLangEngine:
         """Longest prompt + response in tokens."""
         return self._context_len
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """One request for the whole batch; answers come back in input order."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        sessions: Sequence[str | None] | None = None,
+    ) -> list[Generation]:
+        """One request for the whole batch; answers come back in input order. `sessions` are not needed:
+        SGLang's radix cache reuses the prefixes that a session's turns share."""
         if not prompts:
             return []
         answer = self._post("/generate", generate_payload(prompts, params))
@@ -256,6 +262,9 @@ class SGLangEngine:
         answer = self._post("/update_weights_from_tensor", payload)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed: {answer.get('message')}")
+
+    def end_sessions(self, sessions: Sequence[str] | None = None) -> None:
+        """Nothing to forget: SGLang's radix cache evicts prefixes itself."""
 
     def flush_cache(self) -> None:
         """Drop SGLang's radix (prefix) cache."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -62,6 +64,20 @@ def start_ray(
     }
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
+    # ray.init installs a SIGTERM handler of its own in the driver (exit 15 and a C++ stack dump): the
+    # command keeps its own (`driver.train`, `loop`), which stop the run cleanly.
+    sigterm = (
+        signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    )
+    try:
+        _init(ray, address, local_gpus, kwargs)
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+    return True
+
+
+def _init(ray: Any, address: str | None, local_gpus: int | None, kwargs: dict[str, Any]) -> None:
     if address:
         check_ray_address(address)
         ray.init(address=address, **kwargs)
@@ -79,30 +95,81 @@ def start_ray(
                 f"the local Ray cluster did not start in time ({' '.join(str(exc).split())[:200]}); the machine "
                 "may be too busy: try again, or start Ray yourself (`ray start --head`) and pass --ray-address"
             ) from None
-    return True
 
 
 RAY_ADDRESS_TIMEOUT_S = 10.0
-"""Seconds to wait for a TCP connection to `--ray-address` before `ray.init`, which would retry for
-minutes against an address where nothing listens."""
+"""Seconds to wait for `--ray-address` to accept a connection, and again for its answer, before
+`ray.init`, which would retry for minutes against an address where nothing listens, or where a
+server other than Ray's GCS does (a dashboard)."""
+
+GCS_PORT = 6379
+"""The port of the GCS of a head that `ray start --head` started without `--port`."""
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, Ray
+Client) answers with a SETTINGS frame of its own."""
 
 
 def check_ray_address(address: str) -> None:
-    """Something answers at `address` (host:port, or a `ray://` / `http://` URL); ValueError naming the flag."""
+    """Ray's GCS (or Ray Client, for `ray://`) answers at `address`, within `RAY_ADDRESS_TIMEOUT_S`
+    each for the connection and the answer; ValueError naming the flag and the head's port otherwise.
+
+    The GCS is a gRPC server: it answers an HTTP/2 preface with a SETTINGS frame. A dashboard, or any
+    other web server, answers HTTP/1; a port that accepts and never answers times out.
+    """
     import socket
     from urllib.parse import urlsplit
 
     parsed = urlsplit(address if "://" in address else f"ray://{address}")
     if parsed.scheme in ("", "auto", "local") or parsed.hostname is None or parsed.port is None:
         return  # "auto", a bare host: Ray's own resolution
+    fix = (
+        f"give the cluster head's GCS address (port {GCS_PORT} unless `ray start --head --port` chose another; "
+        "`ray start --head` prints it), or ray://HOST:10001 for Ray Client; fix --ray-address (or RAY_ADDRESS)"
+    )
     try:
-        socket.create_connection((parsed.hostname, parsed.port), timeout=RAY_ADDRESS_TIMEOUT_S).close()
+        conn = socket.create_connection((parsed.hostname, parsed.port), timeout=RAY_ADDRESS_TIMEOUT_S)
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
         raise ValueError(
             f"--ray-address: nothing answers at {address} ({reason}); start the cluster's head there "
             f"(`ray start --head --port {parsed.port}`), or fix --ray-address (or RAY_ADDRESS)"
         ) from None
+    if parsed.scheme in ("http", "https"):
+        conn.close()
+        return  # a job server's address, for `ray job submit`: not ours to speak to
+    with conn:
+        answer = _first_answer(conn)
+    if answer is None:
+        raise ValueError(
+            f"--ray-address: {address} accepts connections but does not answer as Ray's GCS within "
+            f"{RAY_ADDRESS_TIMEOUT_S:g} s; {fix}"
+        )
+    if len(answer) < 9 or answer[3] != 4:  # a frame header: 3 bytes of length, then its type (4: SETTINGS)
+        if not answer:
+            spoken = "it closed the connection"
+        elif answer.isascii() and answer.decode().isprintable():
+            spoken = "it speaks HTTP/1, as a web server does: Ray's dashboard?"
+        else:
+            spoken = f"it answered {answer!r}"
+        raise ValueError(f"--ray-address: {address} answers, but not as Ray's GCS ({spoken}); {fix}")
+
+
+def _first_answer(conn: Any) -> bytes | None:
+    """The first 9 bytes the server sends after `_HTTP2_PREFACE` (fewer if it closes); None on a timeout."""
+    try:
+        conn.sendall(_HTTP2_PREFACE)
+        answer = b""
+        while len(answer) < 9:
+            chunk = conn.recv(9 - len(answer))
+            if not chunk:
+                break
+            answer += chunk
+    except TimeoutError:
+        return None
+    except OSError:  # reset by a server that does not speak HTTP/2
+        return b""
+    return answer
 
 
 def start_groups(

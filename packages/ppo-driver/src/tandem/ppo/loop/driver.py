@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -38,6 +40,7 @@ from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
 from tandem.ppo.loop.turns import StepTurns
+from tandem.ppo.rollout.episodes.generation import generate_episodes
 from tandem.ppo.rollout.preflight import read_inputs
 from tandem.ppo.rollout.reward_model import uses_reward_model
 from tandem.ppo.rollout.samples import (
@@ -52,11 +55,12 @@ from tandem.ppo.rollout.samples import (
     training_rewards,
 )
 from tandem.ppo.rollout.teacher import uses_teacher
-from tandem.ppo.run.checkpoint import save_run_checkpoint
+from tandem.ppo.run.checkpoint import check_free_space, prune_checkpoints, save_run_checkpoint
 from tandem.ppo.run.errors import dead_worker
 from tandem.ppo.run.export import export_actor
-from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary
-from tandem.ppo.run.state import DriverState, load_state
+from tandem.ppo.run.folder import model_folders
+from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary, StoppedNow
+from tandem.ppo.run.state import DriverState, load_state, metrics_before, state_dir
 from tandem.ppo.run.worker_logs import driver_log, from_a_worker, note_worker_logs, remove_empty_logs
 
 if TYPE_CHECKING:
@@ -66,6 +70,7 @@ if TYPE_CHECKING:
     from tandem.ppo.engines import EngineGroup
     from tandem.ppo.loop.shared_gpus import SharedGpus
     from tandem.ppo.rollout.data import PromptDataset, PromptSample
+    from tandem.ppo.rollout.episodes.generation import EpisodeSetup
     from tandem.ppo.rollout.reward_mix import RewardMix
     from tandem.ppo.rollout.reward_model import RewardModelRole
     from tandem.ppo.rollout.rewards import RewardFunction
@@ -90,6 +95,8 @@ class PPODriver:
     reward_fn: RewardFunction | RewardMix
     dataset: PromptDataset
     eval_dataset: PromptDataset | None
+    episodes: EpisodeSetup | None
+    """How episodes are played (`--env-path`, `--custom-generate-function-path`); None: single-turn."""
     start_rollout_id: int
     logger: MetricsLogger
     hints: RunHints
@@ -125,6 +132,9 @@ class PPODriver:
         self.folder: RunFolder | None = None
         self._closing = contextlib.ExitStack()
         """How to stop what `setup` started, in reverse order (`close`)."""
+        self.stopping_now = False
+        """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
+        to finish first."""
 
     # --- setup and shutdown ------------------------------------------------------------------
     def setup(self) -> None:
@@ -145,16 +155,28 @@ class PPODriver:
         inputs = read_inputs(config)
         self.tokenizer, self.reward_fn = inputs.tokenizer, inputs.reward_fn
         self.dataset, self.eval_dataset = inputs.dataset, inputs.eval_dataset
+        self.episodes = inputs.episodes
         # 3. Ray; from here on a failure is the run's own (the workers'): its lines go to RUN_DIR/logs.
         startup.start_cluster(config, self.run_dir, closing)
         closing.enter_context(driver_log(self.run_dir))
         self.started_logs = True
+        # Until the progress bar shows, the terminal would say nothing for the minute or so this takes on a CPU.
+        models = "the actor, the critic and the engine" if config.use_critic else "the actor and the engine"
+        logger.info("Ray is up; starting the workers: %s load %s", models, config.hf_checkpoint)
         # 4. The roles on the GPUs, the models asleep where the schedule keeps them asleep between
         #    steps (the engine needs the GPU first); then the reward model and the teacher, likewise.
         self.placements, self.gpus = startup.start_roles(
-            config, self.folder, events=self.events, clock=self.clock, closing=closing
+            config,
+            self.folder,
+            events=self.events,
+            clock=self.clock,
+            closing=closing,
+            stopping_now=lambda: self.stopping_now,
         )
         self.gpus.start_asleep(self.between_steps())
+        if self.episodes is not None:  # an episode's context is the engines'
+            limits = dataclasses.replace(self.episodes.limits, max_context=self.engines.max_context_len)
+            self.episodes = dataclasses.replace(self.episodes, limits=limits)
         if self.facts.reward_model:
             startup.start_reward(config, self.placements, self.gpus, events=self.events)
             self.gpus.start_asleep(self.between_steps())
@@ -170,6 +192,7 @@ class PPODriver:
         self.folder.commit()
         self.events.start()
         self.logger = startup.open_metrics(config, self.start_rollout_id, closing)
+        self.clock.on_begin = self.logger.status  # the bar names the phase under way
 
     def close(self) -> None:
         """Stop what `setup` started: the metrics, the workers and engines, the placement groups, Ray if this
@@ -186,7 +209,7 @@ class PPODriver:
         assert self.folder is not None and self.folder.resume.rollout_id is not None
         last = self.folder.resume.rollout_id
         hf_dir = self.run_dir / "hf"
-        metrics = load_state(self.run_dir, last).metrics
+        metrics = metrics_before(self.run_dir, last + 1, load_state(self.run_dir, last))
         return RunSummary(
             self.run_dir, last, metrics, hf_dir if hf_dir.is_dir() else None, already_complete=True
         )
@@ -241,19 +264,25 @@ class PPODriver:
         config = self.config
         start = time.perf_counter()
         version = self.gpus.weights_version
+        if not background:
+            self.clock.announce("generate")
         self.events.record("generate_begin", rollout_id=rollout_id, weights_version=version)
         seed = config.seed * 1_000_003 + rollout_id
         counts: dict[str, float] = {}
         if config.dynamic_sampling:
             rounds = iter(range(config.dynamic_sampling_max_rounds))
             rollout, counts = dynamic_sample(
-                lambda n: self.sample(self.dataset.next_batch(n), seed=seed + 7919 * next(rounds)),
+                lambda n: self.sample(
+                    self.dataset.next_batch(n), seed=seed + 7919 * next(rounds), label=f"rollout{rollout_id}"
+                ),
                 num_prompts=config.rollout_batch_size,
                 n_samples_per_prompt=config.n_samples_per_prompt,
                 max_rounds=config.dynamic_sampling_max_rounds,
             )
         else:
-            rollout = self.sample(self.dataset.next_batch(config.rollout_batch_size), seed=seed)
+            rollout = self.sample(
+                self.dataset.next_batch(config.rollout_batch_size), seed=seed, label=f"rollout{rollout_id}"
+            )
         rollout = self.teach(rollout)
         data_state = self.dataset.state_dict()
         rewards, shaping = training_rewards(rollout, config)
@@ -268,10 +297,13 @@ class PPODriver:
             rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds, background
         )
 
-    def sample(self, prompts: list[PromptSample], *, seed: int, eval_mode: bool = False) -> Rollout:
+    def sample(
+        self, prompts: list[PromptSample], *, seed: int, eval_mode: bool = False, label: str = "rollout"
+    ) -> Rollout:
         """One round of sampling: the engines' `generate` turn, the reward model's `score` turn, the rules.
 
-        On shared GPUs the reward model scores once the engines have released their memory (the
+        A run of episodes plays them in the generate turn, and their environments score them
+        (`label` names the rollout in failed episodes' logs). On shared GPUs the reward model scores once the engines have released their memory (the
         generate turn's release, brought forward), and engines that generate again take it back
         first (another round of dynamic sampling, an eval).
         """
@@ -284,6 +316,16 @@ class PPODriver:
             config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
         )
         n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
+        if self.episodes is not None:
+            return generate_episodes(
+                self.gpus.engines,
+                prompts,
+                n_samples_per_prompt=n,
+                params=params,
+                tokenizer=self.tokenizer,
+                setup=self.episodes,
+                label=label,
+            )
         rollout = generate_samples(
             self.gpus.engines, prompts, n_samples_per_prompt=n, params=params, tokenizer=self.tokenizer
         )
@@ -387,6 +429,8 @@ class PPODriver:
         gpus = self.gpus
         data = self.dataset.state_dict() if data_state is None else data_state
         turns = self.save_schedule().turns
+        # Room for it, as the last save took (known after the first): else stop before writing anything.
+        check_free_space([*(m.save for m in model_folders(self.config) if m.save), state_dir(self.run_dir)])
 
         def save_model(index: int) -> None:
             turn = turns[index]
@@ -406,6 +450,7 @@ class PPODriver:
                     gpus.after(turn)
             # The run's checkpoint of this rollout: the driver state, then each model (run_checkpoint).
             save_run_checkpoint(self.run_dir, state, saves)
+            prune_checkpoints(self.run_dir, model_folders(self.config), keep=self.config.keep_checkpoints)
             if any(t.work == "weights" for t in turns):
                 gpus.sync_weights()
 
@@ -414,7 +459,7 @@ class PPODriver:
         assert self.eval_dataset is not None
         with self.gpus.phase("eval"):
             prompts = self.eval_dataset.next_batch(len(self.eval_dataset))
-            rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True)
+            rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True, label="eval")
         return rollout.metrics(
             accuracy_threshold=self.config.accuracy_threshold,
             prefix="eval",
@@ -443,11 +488,16 @@ def train(config: PPOConfig) -> RunSummary:
     `errors.WorkerDied` naming the worker when a train worker's process dies. The driver's log
     lines also go to `RUN_DIR/logs/driver.log` once the run folder is locked and its inputs checked."""
     driver = PPODriver(config)
+    # SIGTERM before the loop (which finishes its step on one): stop at once, nothing trained yet.
+    previous = _on_sigterm(_stop_during_start_up)
     try:
         driver.setup()
         if driver.complete:
             return driver.complete_summary()
         return driver.run()
+    except KeyboardInterrupt:
+        driver.stopping_now = True  # the workers are not asked to finish what they are doing
+        raise
     except RayActorError as exc:
         # A train worker's process died: name its role, rank, pid and log (the last complete
         # checkpoint stays, and the next start resumes from it).
@@ -464,5 +514,17 @@ def train(config: PPOConfig) -> RunSummary:
         raise
     finally:
         driver.close()
+        _on_sigterm(previous)
         if driver.started_logs:
             remove_empty_logs(config.run_dir)
+
+
+def _stop_during_start_up(signum: int, frame: Any) -> None:
+    raise StoppedNow("during start-up: nothing trained by this start, the run folder as it was", by="SIGTERM")
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install `handler` for SIGTERM (in the main thread only, where Python runs handlers); the one before."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)

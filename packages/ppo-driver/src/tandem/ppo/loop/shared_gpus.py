@@ -248,17 +248,23 @@ class SharedGpus:
             yield
 
     # --- shutdown -----------------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def shutdown(self, *, graceful: bool = True) -> None:
         """Stop the engines, the forward-only roles and the train groups, each on its own (one failure to stop
-        does not keep the others running)."""
-        with contextlib.suppress(Exception):
-            self.engines.shutdown()
-        for forward in (self.reward_model, self.teacher):
-            if forward is not None:
-                with contextlib.suppress(Exception):
-                    forward.shutdown()
-        for group in self.models():
+        does not keep the others running).
+
+        `graceful` False (a signal stopped the run in the middle of a step): the train workers are killed
+        without a shutdown call, which each would answer only once it finished the call under way.
+        """
+        if graceful:
             with contextlib.suppress(Exception):
-                group.shutdown()
+                self.engines.shutdown()
+            for forward in (self.reward_model, self.teacher):
+                if forward is not None:
+                    with contextlib.suppress(Exception):
+                        forward.shutdown()
+        for group in self.models():
+            if graceful:
+                with contextlib.suppress(Exception):
+                    group.shutdown()
             with contextlib.suppress(Exception):
                 group.kill()

@@ -25,7 +25,7 @@ from tandem.ppo.rollout.reward_model import start_reward_model
 from tandem.ppo.rollout.teacher import start_teacher as start_teacher_role
 from tandem.ppo.run.folder import RunFolder
 from tandem.ppo.run.metrics import MetricsLogger
-from tandem.ppo.run.state import load_state
+from tandem.ppo.run.state import load_state, metrics_before
 from tandem.ppo.run.trackers import open_trackers
 from tandem.ppo.run.worker_logs import group_workers, logs_dir, name_worker_logs, ray_runtime_env
 
@@ -93,9 +93,13 @@ def start_roles(
     events: EventLog,
     clock: PhaseClock,
     closing: contextlib.ExitStack,
+    stopping_now: Callable[[], bool] = lambda: False,
 ) -> tuple[Placements, SharedGpus]:
     """The placement groups, the train groups and the engines (concurrently), as the roles on the GPUs (all
-    awake), each worker's log named after its role and rank."""
+    awake), each worker's log named after its role and rank.
+
+    On close they stop (`SharedGpus.shutdown`), killed without a shutdown call once `stopping_now` (a
+    signal stopped the run in the middle of a step)."""
     started = start_groups(config, folder.actor_config(), folder.critic_config(), lock_file=folder.lock.path)
     closing.callback(quietly(started.placements.remove))
     gpus = SharedGpus(
@@ -107,7 +111,7 @@ def start_roles(
         weight_pack=weight_pack(config),
         sync_adapters=config.syncs_adapters,
     )
-    closing.callback(gpus.shutdown)
+    closing.callback(lambda: gpus.shutdown(graceful=not stopping_now()))
     slots = {"actor": started.placements.actor, "rollout": started.placements.rollout}
     events.record("placement", **{f"{k}_nodes": list(v.node_ips) for k, v in slots.items()})
     roles = (("actor", gpus.actor), ("critic", gpus.critic), ("engine", gpus.engines))
@@ -144,7 +148,7 @@ def resume(folder: RunFolder, gpus: SharedGpus, dataset: PromptDataset) -> tuple
     # The engines start from the HF folder: they need the resumed actor's weights.
     gpus.sync_weights()
     logger.info("resumed after rollout %d", start - 1)
-    return start, list(state.metrics)  # steps 0 .. start - 1, saved with the state
+    return start, metrics_before(folder.path, start, state)  # steps 0 .. start - 1
 
 
 def open_metrics(config: PPOConfig, start: int, closing: contextlib.ExitStack) -> MetricsLogger:

@@ -1,10 +1,12 @@
 """Step 1 of a PPO step: prompts, the engines' samples, rewards (rules and a reward model), per-rank batches.
 
-`data` (prompt files and the data cursor), `rewards` (the rule rewards and user
+`data` (prompt files and the data cursor; `prompt_tables`: Parquet and `datasets` folders), `rewards` (the rule rewards and user
 functions), `reward_mix` (the reward as a weighted sum of terms), `reward_model/`
 (a reward model on the shared GPUs), `samples` (a round of sampling, its scores,
-dynamic sampling, the per-rank batches) and `preflight` (the run's inputs checked
-before Ray starts). It may import the engines, torch, transformers, Ray and
+dynamic sampling, the per-rank batches), `episodes/` (multi-turn rollouts with an
+environment, tools and a chat endpoint), `preflight` (the run's inputs checked
+before Ray starts) and `model_folder` (the "folder missing" error of every model
+flag). It may import the engines, torch, transformers, Ray and
 tandem.megatron's shared data and algorithms; never the config, the run folder,
 the loop or the command: what it needs of the config it names as a Protocol
 (tests/test_import_graph.py).

@@ -1,8 +1,10 @@
-"""Prompt data: JSONL records, tokenized once, drawn in a per-epoch shuffle that resumes exactly.
+"""Prompt data: records of a JSONL or Parquet file, tokenized once, drawn in a per-epoch shuffle that resumes exactly.
 
-A prompt file has one JSON object per line with either a `prompt` string or chat
-`messages` (a list of `{"role", "content"}`), an optional `label`, and any other
-fields, which travel with the prompt to the reward function as `metadata`.
+A prompt file has one JSON object per line (or one row per prompt: Parquet, a
+Hugging Face datasets folder) with either a `prompt` (a string, or chat messages
+as verl keeps them) or chat `messages` (a list of `{"role", "content"}`), an
+optional `label` (else verl's `reward_model.ground_truth`), and any other fields,
+which travel with the prompt to the reward function as `metadata` (`record_of`).
 
 The order in which prompts are drawn depends only on `(seed, epoch)` and the
 number of kept prompts, so `state_dict()` needs just the epoch and the cursor in
@@ -14,10 +16,12 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tandem.ppo.rollout.prompt_tables import ACCEPTED_FORMATS, file_kind, table_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,6 +44,8 @@ class PromptRecord:
     """The reference answer for the reward function (None when the line has none)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Every other field of the line, passed on to the reward function."""
+    origin: str = field(default="", compare=False)
+    """Where it came from, for messages: `FILE, line N` (JSONL) or `FILE, row N` (a table)."""
 
 
 @dataclass(frozen=True)
@@ -53,24 +59,23 @@ class PromptSample:
     """The prompt as the model sees it, chat template and generation prompt included."""
 
 
-def _line_error(path: Path, lineno: int, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{path}, line {lineno}: {problem}; {fix}")
+def _line_error(origin: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"{origin}: {problem}; {fix}")
 
 
-def _check_messages(path: Path, lineno: int, key: str, messages: Any) -> list[dict[str, str]]:
+def _check_messages(origin: str, key: str, messages: Any) -> list[dict[str, str]]:
     fix = f'give "{key}" as a list of {{"role": ..., "content": ...}} objects with string values'
     if not isinstance(messages, list) or not messages:
-        raise _line_error(path, lineno, f'"{key}" is {type(messages).__name__}, not a non-empty list', fix)
+        raise _line_error(origin, f'"{key}" is {type(messages).__name__}, not a non-empty list', fix)
     for i, message in enumerate(messages):
         if (
             not isinstance(message, dict)
             or not isinstance(message.get("role"), str)
             or not isinstance(message.get("content"), str)
         ):
-            raise _line_error(
-                path, lineno, f'"{key}"[{i}] is not a message with string role and content', fix
-            )
-    return messages
+            raise _line_error(origin, f'"{key}"[{i}] is not a message with string role and content', fix)
+    # A table's struct column gives every message each field of the column: the ones it does not use are null.
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
 def read_prompts(
@@ -80,26 +85,58 @@ def read_prompts(
     messages_key: str = "messages",
     label_key: str = "label",
 ) -> list[PromptRecord]:
-    """Read a JSONL prompt file into records, in file order; blank lines are skipped.
+    """Read a prompt file into records, in file order: JSONL, Parquet, or a folder of tables.
 
-    Raises ValueError naming the file, the line and the key for a line that is not
-    UTF-8 or not a JSON object, has neither (or both) of `prompt_key` and `messages_key`, or
-    holds a value of the wrong type; and for a missing or empty file.
+    JSONL: one JSON object per line, blank lines skipped. Parquet (a `.parquet` file or a
+    folder of them) and Hugging Face `datasets` folders (`save_to_disk`): one row per
+    prompt, read with pyarrow (`prompt_tables`). Every row follows one rule (`record_of`).
+    Raises ValueError naming the file, the line or row and the key for a line that is not
+    UTF-8 or not a JSON object, a row that breaks the rule, or a value of the wrong type;
+    for a missing or empty file; and for a binary file of another kind, naming the formats
+    that are read.
     """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        rows: Iterator[tuple[str, dict[str, Any]]] = table_rows(path)
+    elif not path.is_file():
         raise ValueError(
-            f"prompt file {path} does not exist (or is not a file); pass the path of a JSONL file"
+            f"prompt file {path} does not exist (or is not a file); pass the path of a JSONL or Parquet file"
         )
+    else:
+        kind = file_kind(path)
+        if kind == "parquet":
+            rows = table_rows(path)
+        elif kind == "text":
+            rows = _jsonl_rows(path)
+        else:
+            raise ValueError(f"{path} is not a text file of prompts ({kind}); give {ACCEPTED_FORMATS}")
     records: list[PromptRecord] = []
+    for origin, row in rows:
+        records.append(
+            record_of(
+                row,
+                origin,
+                index=len(records),
+                prompt_key=prompt_key,
+                messages_key=messages_key,
+                label_key=label_key,
+            )
+        )
+    if not records:
+        raise ValueError(f"prompt file {path} holds no prompts; write one JSON object per line")
+    return records
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(origin, object) of each non-blank line of a JSONL file."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            origin = f"{path}, line {lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise _line_error(
-                    path,
-                    lineno,
+                    origin,
                     f"byte {raw[exc.start]:#04x} at column {exc.start + 1} is not UTF-8",
                     "save the file as UTF-8 text",
                 ) from None
@@ -109,43 +146,79 @@ def read_prompts(
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise _line_error(
-                    path, lineno, f"not valid JSON ({exc.msg})", "write one JSON object per line"
+                    origin, f"not valid JSON ({exc.msg})", "write one JSON object per line"
                 ) from exc
             if not isinstance(row, dict):
                 raise _line_error(
-                    path,
-                    lineno,
-                    f"a JSON {type(row).__name__}, not an object",
-                    "write one JSON object per line",
+                    origin, f"a JSON {type(row).__name__}, not an object", "write one JSON object per line"
                 )
-            has_prompt, has_messages = prompt_key in row, messages_key in row
-            if has_prompt == has_messages:
-                which = "both" if has_prompt else "neither"
-                raise _line_error(
-                    path,
-                    lineno,
-                    f'has {which} of "{prompt_key}" and "{messages_key}"',
-                    f'give exactly one: a prompt string under "{prompt_key}" or chat messages under '
-                    f'"{messages_key}" (or point the prompt/messages key options at the keys your file uses)',
-                )
-            prompt: str | None = None
-            messages: list[dict[str, str]] | None = None
-            if has_prompt:
-                prompt = row.pop(prompt_key)
-                if not isinstance(prompt, str):
-                    raise _line_error(
-                        path,
-                        lineno,
-                        f'"{prompt_key}" is {type(prompt).__name__}, not a string',
-                        f'give "{prompt_key}" as a string',
-                    )
-            else:
-                messages = _check_messages(path, lineno, messages_key, row.pop(messages_key))
-            label = row.pop(label_key, None)
-            records.append(PromptRecord(len(records), prompt, messages, label, row))
-    if not records:
-        raise ValueError(f"prompt file {path} holds no prompts; write one JSON object per line")
-    return records
+            yield origin, row
+
+
+def record_of(
+    row: dict[str, Any],
+    origin: str,
+    *,
+    index: int,
+    prompt_key: str = "prompt",
+    messages_key: str = "messages",
+    label_key: str = "label",
+) -> PromptRecord:
+    """One row of any prompt file (a JSONL line, a Parquet row) as a record, by one rule.
+
+    - The prompt is `prompt_key`'s value, a string (a plain prompt) or a list of chat
+      messages (as verl's `prompt` column holds them), or else `messages_key`'s chat
+      messages; exactly one of the two keys holds a value (a null counts as none).
+    - The label is `label_key`'s value; a dotted key reaches into nested fields
+      (`reward_model.ground_truth`); where the row has no such field, verl's
+      `reward_model.ground_truth` is the label; else None.
+    - Every other field is metadata, passed to the reward function.
+
+    ValueError naming `origin` (file and line or row) and the key otherwise.
+    """
+    row = dict(row)
+    has_prompt, has_messages = row.get(prompt_key) is not None, row.get(messages_key) is not None
+    if has_prompt == has_messages:
+        which = "both" if has_prompt else "neither"
+        raise _line_error(
+            origin,
+            f'has {which} of "{prompt_key}" and "{messages_key}"',
+            f'give exactly one: a prompt string or chat messages under "{prompt_key}", or chat messages under '
+            f'"{messages_key}" (or name the field your file uses with --input-key)',
+        )
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    if has_prompt:
+        value = row.pop(prompt_key)
+        row.pop(messages_key, None)
+        if isinstance(value, str):
+            prompt = value
+        elif isinstance(value, list):
+            messages = _check_messages(origin, prompt_key, value)
+        else:
+            raise _line_error(
+                origin,
+                f'"{prompt_key}" is {type(value).__name__}, not a string or a list of chat messages',
+                f'give "{prompt_key}" as a string',
+            )
+    else:
+        row.pop(prompt_key, None)
+        messages = _check_messages(origin, messages_key, row.pop(messages_key))
+    label = _label(row, label_key)
+    return PromptRecord(index, prompt, messages, label, row, origin=origin)
+
+
+def _label(row: dict[str, Any], label_key: str) -> Any:
+    """The label by `record_of`'s rule; a top-level label field leaves the row (the rest is metadata)."""
+    if label_key in row:
+        return row.pop(label_key)
+    for path in (label_key.split("."), ["reward_model", "ground_truth"]):
+        value: Any = row
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        if len(path) > 1 and value is not None:
+            return value
+    return None
 
 
 class PromptDataset:
@@ -178,7 +251,8 @@ class PromptDataset:
             if record.messages is not None or (apply_chat_template and has_template):
                 if not has_template:
                     raise ValueError(
-                        f"prompt #{record.index} gives chat messages but the tokenizer has no chat template; "
+                        f"{record.origin or f'prompt #{record.index}'} gives chat messages but the tokenizer has "
+                        "no chat template; "
                         "use a tokenizer with a chat template, or give plain prompt strings"
                     )
                 messages = record.messages or [{"role": "user", "content": record.prompt or ""}]
@@ -191,6 +265,13 @@ class PromptDataset:
                 texts.append(record.prompt or "")
                 add_special_tokens.append(True)
         ids = self._tokenize(tokenizer, texts, add_special_tokens)
+        for record, prompt_ids in zip(records, ids, strict=True):
+            if not prompt_ids:
+                raise ValueError(
+                    f"{record.origin or f'prompt #{record.index}'}: the prompt is empty (no tokens), and the "
+                    "engine needs at least one; write the prompt, drop that line, or apply the chat template "
+                    "(--apply-chat-template), which adds tokens of its own"
+                )
 
         self.samples: list[PromptSample] = [
             PromptSample(record, prompt_ids, text)
@@ -200,6 +281,10 @@ class PromptDataset:
         """The kept prompts, in file order."""
         self.num_dropped = len(records) - len(self.samples)
         """Prompts dropped for being longer than `max_prompt_len` tokens."""
+        self.first_dropped: tuple[PromptRecord, int] | None = next(
+            ((r, len(i)) for r, i in zip(records, ids, strict=True) if len(i) > max_prompt_len), None
+        )
+        """The first dropped prompt's record and token count (None: none dropped)."""
         if not self.samples:
             raise ValueError(
                 f"all {len(records)} prompts are longer than --max-prompt-len={max_prompt_len} tokens; "

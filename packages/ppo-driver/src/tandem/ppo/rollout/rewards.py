@@ -101,14 +101,14 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {"exact_match": exact_match, "math"
 # --- load_reward ----------------------------------------------------------------------------------
 
 
-def _spec_error(spec: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"--custom-rm-path {spec!r}: {problem}; {fix}")
+def _spec_error(spec: str, problem: str, fix: str, flag: str = "--custom-rm-path") -> ValueError:
+    return ValueError(f"{flag} {spec!r}: {problem}; {fix}")
 
 
-def _load_file(spec: str, file_part: str) -> Any:
+def _load_file(spec: str, file_part: str, flag: str) -> Any:
     path = Path(file_part).expanduser().resolve()
     if not path.is_file():
-        raise _spec_error(spec, f"the file {path} does not exist", "pass the path of a Python file")
+        raise _spec_error(spec, f"the file {path} does not exist", "pass the path of a Python file", flag)
     # A unique, stable module name per file: two reward files named alike do not collide.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
     name = f"tandem_user_reward_{path.stem}_{digest}"
@@ -116,18 +116,20 @@ def _load_file(spec: str, file_part: str) -> Any:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise _spec_error(spec, f"{path} cannot be imported as a module", "pass a .py file")
+        raise _spec_error(spec, f"{path} cannot be imported as a module", "pass a .py file", flag)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # before exec, as an import does: dataclasses and pickling look it up
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise _spec_error(spec, f"importing {path} raised {exc!r}", "fix the error in that file") from exc
+        raise _spec_error(
+            spec, f"importing {path} raised {exc!r}", "fix the error in that file", flag
+        ) from exc
     return module
 
 
-def _load_module(spec: str, module_name: str) -> Any:
+def _load_module(spec: str, module_name: str, flag: str) -> Any:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -137,11 +139,14 @@ def _load_module(spec: str, module_name: str) -> Any:
                 f"no module named {exc.name!r}",
                 "install the package that holds it, put its folder on PYTHONPATH, or give a file path "
                 "(/path/to/file.py:function)",
+                flag,
             ) from exc
-        raise _spec_error(spec, f"importing {module_name} raised {exc!r}", "install what it imports") from exc
+        raise _spec_error(
+            spec, f"importing {module_name} raised {exc!r}", "install what it imports", flag
+        ) from exc
     except Exception as exc:
         raise _spec_error(
-            spec, f"importing {module_name} raised {exc!r}", "fix the error in that module"
+            spec, f"importing {module_name} raised {exc!r}", "fix the error in that module", flag
         ) from exc
 
 
@@ -159,8 +164,24 @@ def load_reward(spec: str) -> RewardFunction:
         raise _spec_error(
             spec, "not a built-in reward and not of the form X:function", f"use one of {_SPEC_FORMS}"
         )
+    return load_named(
+        spec,
+        "--custom-rm-path",
+        forms=_SPEC_FORMS,
+        expects="a function that takes list[RewardInput] and returns list[float]",
+    )
+
+
+def load_named(spec: str, flag: str, *, forms: str, expects: str) -> Any:
+    """The callable `spec` names, `package.module:name` or `/path/to/file.py:name`; ValueError naming
+    `flag` and the fix when the module, file or name does not exist or is not callable. `forms`: the
+    forms the flag takes, `expects`: what the callable must be (both for the messages)."""
+    spec = spec.strip()
+    target, sep, function_name = spec.rpartition(":")
+    if not sep or not target or not function_name:
+        raise _spec_error(spec, "not of the form X:name", f"use one of {forms}", flag)
     is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _load_file(spec, target) if is_file else _load_module(spec, target)
+    module = _load_file(spec, target, flag) if is_file else _load_module(spec, target, flag)
     fn = getattr(module, function_name, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -168,12 +189,11 @@ def load_reward(spec: str) -> RewardFunction:
             spec,
             f"{target} has no function {function_name!r}",
             f"name one of its functions ({', '.join(public) or 'it defines none'})",
+            flag,
         )
     if not callable(fn):
         raise _spec_error(
-            spec,
-            f"{target}:{function_name} is a {type(fn).__name__}, not callable",
-            "name a function that takes list[RewardInput] and returns list[float]",
+            spec, f"{target}:{function_name} is a {type(fn).__name__}, not callable", f"name {expects}", flag
         )
     return fn
 
@@ -251,10 +271,25 @@ def compute_rewards(fn: RewardFunction, inputs: Sequence[RewardInput]) -> list[f
         )
     checked = []
     for inp, reward in zip(inputs, rewards, strict=True):
-        if not isinstance(reward, numbers.Real) or not isfinite(reward):
+        value = _real(reward)
+        if value is None or not isfinite(value):
             raise RewardError(
                 f"reward function {_name(fn)} returned {reward!r} for {_describe(inp)}; "
-                "each reward must be a finite number (return float(...))"
+                "each reward must be a finite real number (return float(...))"
             )
-        checked.append(float(reward))
+        checked.append(value)
     return checked
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float when it is one real number, else None.
+
+    Python's numbers (bool included), and any scalar of an array library: NumPy's bool, integer and
+    float scalars (`np.bool_` is no `numbers.Real`), 0-d arrays and tensors, through their `.item()`.
+    """
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None

@@ -30,6 +30,7 @@ from tandem.megatron.algorithms.reward_shaping import overlong_penalty
 from tandem.megatron.batch import RolloutBatch
 from tandem.ppo.engines import Generation, SamplingParams
 from tandem.ppo.rollout.data import PromptSample
+from tandem.ppo.rollout.episodes.trajectory import END_REASONS, Episode
 from tandem.ppo.rollout.reward_mix import RewardMix, ScoreRequest
 from tandem.ppo.rollout.rewards import RewardFunction, RewardInput, compute_rewards
 
@@ -90,6 +91,7 @@ class Rollout:
         seconds: `generate` and `reward` wall seconds (and `reward_model` with a reward model).
         reward_terms: with a weighted reward (`tandem.ppo.rollout.reward_mix`), each term's unweighted
             value per sample, by term name; empty for a plain reward function.
+        params: what the responses were sampled with (whether a stop token could end them: `truncated`).
         teacher_log_probs: with a distillation teacher, its log-prob of each response token, one
             tensor per sample (`PPODriver.teach`); None without one.
     """
@@ -100,6 +102,8 @@ class Rollout:
     rewards: list[float]
     seconds: dict[str, float] = field(default_factory=dict)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
+    params: SamplingParams | None = None
+    episodes: list[Episode] | None = None
     teacher_log_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
@@ -123,12 +127,33 @@ class Rollout:
             f"{prefix}/accuracy": float((rewards >= accuracy_threshold).double().mean()),
             **terms,
             f"{prefix}/response_length": float(lengths.mean()),
-            f"{prefix}/truncated": sum(g.finish_reason == "length" for g in self.generations) / len(self),
+            f"{prefix}/truncated": sum(truncated(g, self.params) for g in self.generations) / len(self),
+            **self.episode_metrics("episodes" if prefix == "reward" else f"{prefix}_episodes"),
         }
         if n_samples_per_prompt > 1 and len(self) % n_samples_per_prompt == 0:
             groups = self.groups(n_samples_per_prompt)
             metrics[f"{prefix}/tied_groups"] = sum(not has_signal(g) for g in groups) / len(groups)
         return metrics
+
+    def episode_metrics(self, prefix: str = "episodes") -> dict[str, float]:
+        """Of a rollout of episodes: the mean turns, model tokens and cut turns per episode, the share of
+        each way to end, failed episodes and tool calls and errors counted; empty otherwise."""
+        episodes = self.episodes
+        if not episodes:
+            return {}
+        n = len(episodes)
+        metrics = {
+            f"{prefix}/turns": sum(e.turns for e in episodes) / n,
+            f"{prefix}/model_tokens": sum(sum(e.loss_mask) for e in episodes) / n,
+            f"{prefix}/cut_turns": sum(e.cut_turns for e in episodes) / n,
+            **{f"{prefix}/end_{end}": sum(e.end == end for e in episodes) / n for end in END_REASONS},
+            f"{prefix}/failed": float(sum(e.failed for e in episodes)),
+        }
+        counts: dict[str, float] = {}
+        for episode in episodes:
+            for name, value in episode.counts.items():
+                counts[name] = counts.get(name, 0.0) + value
+        return metrics | dict(sorted(counts.items()))
 
     def groups(self, n_samples_per_prompt: int) -> list[Rollout]:
         """The rollout cut into its prompts' groups of `n_samples_per_prompt` consecutive samples."""
@@ -144,6 +169,8 @@ class Rollout:
             responses=[self.responses[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
             reward_terms={k: [v[i] for i in indices] for k, v in self.reward_terms.items()},
+            params=self.params,
+            episodes=None if self.episodes is None else [self.episodes[i] for i in indices],
             teacher_log_probs=None
             if self.teacher_log_probs is None
             else [self.teacher_log_probs[i] for i in indices],
@@ -166,6 +193,10 @@ class Rollout:
                 k: [v for part in parts for v in part.reward_terms[k]]
                 for k in (parts[0].reward_terms if parts else {})
             },
+            params=parts[0].params if parts else None,
+            episodes=None
+            if not parts or parts[0].episodes is None
+            else [e for part in parts for e in part.episodes or []],
         )
 
     def response_tokens(self) -> int:
@@ -188,7 +219,9 @@ def generate_samples(
     generations = engines.generate([p.prompt_ids for p in repeated], params)
     generated = time.perf_counter()
     responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
-    return Rollout(repeated, generations, responses, rewards=[], seconds={"generate": generated - start})
+    return Rollout(
+        repeated, generations, responses, rewards=[], seconds={"generate": generated - start}, params=params
+    )
 
 
 def score_requests(rollout: Rollout) -> list[ScoreRequest]:
@@ -242,6 +275,18 @@ def generate_rollout(
         engines, prompts, n_samples_per_prompt=n_samples_per_prompt, params=params, tokenizer=tokenizer
     )
     return score_rollout(samples, reward_fn)
+
+
+def truncated(generation: Generation, params: SamplingParams | None) -> bool:
+    """Whether a response was cut by the length limit: it hit the limit (finish reason `length`) where a
+    stop token could have ended it. Not where none could: sampling that ignores EOS or stops on no token
+    runs every response to the limit by design, and a limit of one token leaves no room for EOS after an
+    answer (the demo's one-digit answers). `params` None: any `length` counts."""
+    if generation.finish_reason != "length":
+        return False
+    return params is None or (
+        bool(params.stop_token_ids) and not params.ignore_eos and params.max_new_tokens > 1
+    )
 
 
 def has_signal(group: Rollout) -> bool:
@@ -315,7 +360,10 @@ def to_train_batches(
     """The rollout as `data_parallel_size` equal, contiguous `RolloutBatch`es (rank `r` gets share `r`).
 
     `rewards`: what the models train on (`training_rewards`); None: the rollout's rewards.
-    `filter_truncated`: responses cut at the length cap (finish reason `length`) get loss mask 0.
+    `filter_truncated`: responses cut at the length cap (finish reason `length`; a truncated episode)
+    get loss mask 0. A rollout of episodes gives each sample its episode's loss mask (the model's
+    tokens 1, the context 0) and its rewards at their tokens (`RolloutBatch.step_rewards`), plus
+    whatever `rewards` adds to the episode's return (DAPO's penalty) at its last trainable token.
     """
     rewards = rollout.rewards if rewards is None else rewards
     n = len(rollout)
@@ -327,14 +375,19 @@ def to_train_batches(
     batches = []
     for rank in range(data_parallel_size):
         indices = range(rank * per_rank, (rank + 1) * per_rank)
-        tokens, lengths, masks, log_probs = [], [], [], []
+        tokens, lengths, masks, log_probs, step_rewards = [], [], [], [], []
         for i in indices:
             prompt, gen = rollout.prompts[i], rollout.generations[i]
             response = list(gen.token_ids)
             tokens.append(torch.tensor([*prompt.prompt_ids, *response], dtype=torch.long))
             lengths.append(len(response))
             dropped = filter_truncated and gen.finish_reason == "length"
-            masks.append((torch.zeros if dropped else torch.ones)(len(response), dtype=torch.float32))
+            mask = torch.ones(len(response), dtype=torch.float32)
+            if rollout.episodes is not None:
+                episode = rollout.episodes[i]
+                mask = torch.tensor(episode.loss_mask, dtype=torch.float32)
+                step_rewards.append(_step_rewards(episode, mask, rewards[i] - episode.reward))
+            masks.append(torch.zeros_like(mask) if dropped else mask)
             log_probs.append(torch.tensor(gen.log_probs, dtype=torch.float32))
         batches.append(
             RolloutBatch(
@@ -344,12 +397,22 @@ def to_train_batches(
                 rewards=torch.tensor([rewards[i] for i in indices], dtype=torch.float32),
                 sample_indices=list(indices),
                 rollout_log_probs=log_probs,
+                step_rewards=step_rewards if rollout.episodes is not None else None,
                 teacher_log_probs=None
                 if rollout.teacher_log_probs is None
                 else [rollout.teacher_log_probs[i] for i in indices],
             )
         )
     return batches
+
+
+def _step_rewards(episode: Episode, mask: torch.Tensor, extra: float) -> torch.Tensor:
+    """An episode's rewards at their tokens, and `extra` at its last trainable token (if it has one)."""
+    out = torch.tensor(episode.step_rewards(), dtype=torch.float32)
+    trainable = torch.nonzero(mask).flatten()
+    if extra != 0 and trainable.numel():
+        out[int(trainable[-1])] += extra
+    return out
 
 
 @dataclass

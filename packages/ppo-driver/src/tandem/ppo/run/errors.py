@@ -3,9 +3,9 @@
 Exit statuses of `ppo-driver`:
 
 - 0: done, also for a run found complete already;
-- 1: a failure of the machinery (a worker or an engine that died, Ray that does not start);
+- 1: a failure of the machinery (a worker or an engine that died, Ray that does not start, a full disk);
 - 2: bad input (a flag, the config file, a data file, a model folder, the reward function);
-- 130: Ctrl-C (`run_log.INTERRUPTED_EXIT_CODE`);
+- 130: Ctrl-C (`run_log.INTERRUPTED_EXIT_CODE`); 143: SIGTERM (`run_log.TERMINATED_EXIT_CODE`);
 - 141: stdout closed before the output was written (`ppo-driver demo --help | head`), as for
   any command that a SIGPIPE ends.
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.megatron.group import TrainWorkerHost
+from tandem.megatron.runtime.checkpoint_folder import DiskFull
 from tandem.ppo.rollout.rewards import RewardError
 
 __all__ = [
@@ -79,7 +80,7 @@ def failure_line(exc: BaseException) -> tuple[int, str] | None:
         return status, f"{_worker_name(exc)}: {line}{_notes(exc)}"
     if isinstance(exc, ValueError | RewardError):
         return INPUT_ERROR_EXIT_CODE, _one_line(str(exc)) + _notes(exc)
-    if isinstance(exc, WorkerDied | EngineError | RayStartError):
+    if isinstance(exc, WorkerDied | EngineError | RayStartError | DiskFull):
         return FAILURE_EXIT_CODE, _one_line(str(exc)) + _notes(exc)
     if isinstance(exc, RayActorError):
         return FAILURE_EXIT_CODE, f"a Ray worker died: {_death_reason(exc)}{_notes(exc)}"

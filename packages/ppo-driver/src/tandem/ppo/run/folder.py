@@ -104,7 +104,12 @@ class RunFolder:
                 _remove_if_empty(path)
             raise
         try:
-            resume = find_resume_point(path, model_folders(config), requested=config.load_rollout_id)
+            resume = find_resume_point(
+                path,
+                model_folders(config),
+                requested=config.load_rollout_id,
+                checksums=config.verify_checkpoint_checksums,
+            )
             folder = cls(config, lock, created, resume)
             if resume.rollout_id is not None:
                 folder._check_fixed_flags()

@@ -1,4 +1,4 @@
-"""What a run records: its events, each phase's seconds and memory, its end summary, and how Ctrl-C ends it."""
+"""What a run records: its events, each phase's seconds and memory, its end summary, and how Ctrl-C or SIGTERM ends it."""
 
 from __future__ import annotations
 
@@ -12,13 +12,44 @@ from typing import Any
 
 from tandem.megatron.runtime.gpu_memory import all_devices_used_bytes
 
-__all__ = ["INTERRUPTED_EXIT_CODE", "EventLog", "Interrupted", "PhaseClock", "RunSummary"]
+__all__ = [
+    "INTERRUPTED_EXIT_CODE",
+    "TERMINATED_EXIT_CODE",
+    "EventLog",
+    "Interrupted",
+    "PhaseClock",
+    "RunSummary",
+    "StoppedNow",
+]
 
 INTERRUPTED_EXIT_CODE = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+TERMINATED_EXIT_CODE = 143
+"""Exit status after SIGTERM (128 + SIGTERM): a scheduler's preemption (Slurm, Kubernetes, Ray's autoscaler)."""
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped the run (after the step under way, and its save when configured)."""
+    """A signal stopped the run after the step under way (and its save when configured).
+
+    `by`: "Ctrl-C" or "SIGTERM"; `exit_code`: the command's exit status for it.
+    """
+
+    def __init__(self, message: str, *, by: str = "Ctrl-C") -> None:
+        super().__init__(message)
+        self.by = by
+        self.exit_code = TERMINATED_EXIT_CODE if by == "SIGTERM" else INTERRUPTED_EXIT_CODE
+
+
+class StoppedNow(KeyboardInterrupt):
+    """A signal stopped the run at once, in the middle of a step (a second signal, or SIGTERM's grace
+    period over): the last complete checkpoint stays. A KeyboardInterrupt, so that no `except Exception`
+    on its way holds it up; `by` and `exit_code` as `Interrupted`'s."""
+
+    def __init__(self, message: str, *, by: str) -> None:
+        super().__init__(message)
+        self.by = by
+        self.exit_code = TERMINATED_EXIT_CODE if by == "SIGTERM" else INTERRUPTED_EXIT_CODE
 
 
 @dataclass
@@ -129,6 +160,15 @@ class PhaseClock:
         self.on_phase: Callable[[str, float, float], None] | None = None
         """Called with each phase's name and wall-clock start and end (`time.time()`), as it ends (a
         bench matches its GPU memory samples to the phases with it)."""
+        self.on_begin: Callable[[str], None] | None = None
+        """Told each phase's name as it begins (the progress bar's `MetricsLogger.status`); not the phases
+        inside another (a save's wakes and sleeps are the save's)."""
+        self._depth = 0
+
+    def announce(self, name: str) -> None:
+        """Tell `on_begin` that `name` begins (a phase's own `phase` does; work timed elsewhere calls it)."""
+        if self.on_begin is not None:
+            self.on_begin(name)
 
     def reset(self) -> None:
         """Forget the last step's figures."""
@@ -137,10 +177,14 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the `with` block as phase `name`."""
+        if self._depth == 0:
+            self.announce(name)
+        self._depth += 1
         start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
+            self._depth -= 1
             key = f"time/{name}"
             self.values[key] = self.values.get(key, 0.0) + time.perf_counter() - start
             if self.track_gpu_memory:

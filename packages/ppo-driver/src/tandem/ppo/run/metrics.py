@@ -26,6 +26,18 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+PHASE_WORDS = {
+    "generate": "generating responses",
+    "eval": "eval, generating and scoring",
+    "kl_first": "reference log-probs",
+    "save": "saving the checkpoint",
+    "export_hf": "writing the Hugging Face folder",
+    "weight_sync": "weights to the engines",
+    **{f"{role}_{work}": f"{role} {ing}" for role in ("actor", "critic") for work, ing in (
+        ("train", "training"), ("wake", "waking"), ("sleep", "going to sleep"))},
+}  # fmt: skip
+"""How the progress bar names a phase (`MetricsLogger.status`); any other: its name, in words."""
+
 METRIC_NAME = re.compile(r"^[A-Za-z0-9_./-]+$")
 """What a metric's name may hold: the characters that TensorBoard, wandb and MLflow all take as a tag."""
 
@@ -165,6 +177,14 @@ class MetricsLogger:
         if shown:
             self._bar.set_postfix(shown, refresh=False)
         self._bar.update(max(0, step + 1 - self._bar.n))
+
+    def status(self, phase: str) -> None:
+        """Name the phase under way on the bar (`step 3: critic training`), at once: a phase may take
+        minutes (a first step on a CPU), and a bar that does not move says nothing of why."""
+        words = PHASE_WORDS.get(phase, phase.replace("_", " "))
+        # A save and the export follow the step's line in the log: they belong to the step logged last.
+        step = self._bar.n - 1 if phase in ("save", "export_hf") and self._bar.n > 0 else self._bar.n
+        self._bar.set_description_str(f"step {step}: {words}", refresh=True)
 
     def close(self) -> None:
         """Close the file, the TensorBoard writer and the bar; a second call does nothing."""

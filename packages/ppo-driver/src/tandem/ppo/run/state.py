@@ -2,7 +2,9 @@
 
 `RUN_DIR/driver/iter_XXXXXXX.json` holds what the models' checkpoints do not:
 the rollout id, the data cursor (epoch and position in its permutation), the
-Python RNG state and the metrics so far. It is written before the models save
+Python RNG state and the last step's metrics (a resume reads the steps before
+from metrics.jsonl: `metrics_before`; a state that held them all grew with the
+run, and the run's states with its square). It is written before the models save
 (a temporary file, fsync, `os.replace`), so every complete model checkpoint has
 its driver state next to it; a resumed run takes the one of the rollout its
 models loaded.
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.megatron.runtime.fault_points import fault_point
+from tandem.ppo.run.metrics import read_metrics
 
 
 @dataclass
@@ -28,7 +31,7 @@ class DriverState:
         rollout_id: the last complete rollout (the next one is `rollout_id + 1`).
         data: the training dataset's `state_dict()` after that rollout's prompts.
         python_rng: `random.getstate()` of the driver, as a JSON-friendly list.
-        metrics: the metrics logged so far, one dict per step.
+        metrics: the last step's metrics (a list of one dict; a state written before held every step's).
     """
 
     rollout_id: int
@@ -38,9 +41,9 @@ class DriverState:
 
     @classmethod
     def capture(cls, rollout_id: int, data: dict[str, Any], metrics: list[dict[str, Any]]) -> DriverState:
-        """The state now (RNG included)."""
+        """The state now (RNG included), with the last of `metrics` (every step's, so far)."""
         version, internal, gauss = random.getstate()
-        return cls(rollout_id, data, [version, list(internal), gauss], list(metrics))
+        return cls(rollout_id, data, [version, list(internal), gauss], list(metrics[-1:]))
 
     def restore_rng(self) -> None:
         """Put the driver's Python RNG back where it was."""
@@ -82,3 +85,18 @@ def load_state(run_dir: str | os.PathLike[str], rollout_id: int) -> DriverState:
             "cursor cannot be restored; resume from another run dir, or remove the models' newer checkpoints"
         )
     return DriverState(**json.loads(path.read_text()))
+
+
+def metrics_before(run_dir: str | os.PathLike[str], start: int, state: DriverState) -> list[dict[str, Any]]:
+    """The metrics of steps 0 .. start - 1, for a run that resumes at `start`: metrics.jsonl's lines of
+    those steps (a NaN there is None), where it holds each of them, else what `state` holds."""
+    try:
+        rows = read_metrics(run_dir)
+    except ValueError:  # no metrics.jsonl, or a line that is not ours: the state's own
+        return list(state.metrics)
+    by_step = {
+        row["step"]: {k: v for k, v in row.items() if k != "step"} for row in rows if 0 <= row["step"] < start
+    }
+    if sorted(by_step) != list(range(start)):
+        return list(state.metrics)
+    return [by_step[k] for k in range(start)]

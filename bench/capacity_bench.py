@@ -1,21 +1,26 @@
-"""Capacity: the largest Qwen2.5 shape that PPO-trains with a critic of its own size on one GPU, shared and resident.
+"""Capacity: the largest Qwen2.5 shape that PPO-trains with a critic of its own size on one GPU, full or LoRA, shared or resident.
 
-For each shape of `--shapes` and each mode (`resident` first, then `shared`), one
-`bench/ppo_gpu_bench.py` run in its own process, on the bench's work (256 prompts x
-128 tokens, 512-token responses, KL loss on, so the reference model is there too),
-`--steps` steps and no probe. Each row says whether the run trained; its steady step
-(the mean after the first, the step's wall clock); the device-wide peak GPU memory;
-the peak host memory in use; the host buffers the sleep backend keeps for the two
-models; and, for a run that did not train, why: `CUDA out of memory`, the host's
-memory (Ray's memory monitor or the kernel killing a process), or the error's last
-line, with the run's log kept. The arithmetic of the training state sits beside each
-shape, so that a shape too big to try still gets its row: per model, bf16 weights
-(2 bytes a parameter), fp32 main gradients (4), fp32 main parameters (4) and Adam's
-two moments (8), of which a sleep keeps on the host all but the gradients (14 bytes a
-parameter; the gradients are zeroed before each minibatch and not kept).
+For each shape of `--shapes`, each kind of fine-tuning of `--finetune` (`full`, `lora`:
+the actor and the critic with adapters of `--lora-rank`) and each mode (`resident`,
+then `shared`), one `bench/ppo_gpu_bench.py` run in its own process, on the bench's
+work (256 prompts x 128 tokens, 512-token responses, KL loss on, so the reference is
+there too), `--steps` steps and no probe. Each row says whether the run trained; its
+steady step (the mean after the first, the step's wall clock); the device-wide peak GPU
+memory; the peak host memory in use; the host buffers the sleep backend keeps; the
+weight sync's seconds; and, for a run that did not train, why: `CUDA out of memory`,
+the host's memory (Ray's memory monitor or the kernel killing a process), or the error's
+last line, with the run's log kept. Beside each row, and alone for each shape of
+`--estimate` not run, the arithmetic of the same run (`capacity_arithmetic.py`: the
+GPU's peak, the host's memory, the disk, and the limit each passes).
+
+`--lora-sync adapters,merged` runs each LoRA row once for each way its actor reaches the
+engine (`--lora-sync`: the adapters alone, merged into the engine's base; or the whole
+merged weights): the weight sync's A/B.
 
     source .gpu-kit/setup.sh && python3 bench/capacity_bench.py --out "$OUT" --shapes qwen2.5-1.5b,qwen2.5-3b
-    ./uvw run python bench/capacity_bench.py --quick --out /tmp/capacity   # CPU smoke run: the tiny model
+    source .gpu-kit/setup.sh && python3 bench/capacity_bench.py --out "$OUT" --shapes qwen2.5-7b \
+        --finetune lora --modes shared --lora-sync adapters,merged
+    ./uvw run python bench/capacity_bench.py --quick --finetune full,lora --out /tmp/capacity   # CPU smoke run
 
 Results: `OUT/capacity_bench.json` (rewritten after each run) and a markdown table
 printed at the end; each run's own bench JSON and log under `--workdir`.
@@ -34,26 +39,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capacity_arithmetic import Work, estimate
 from ppo_harness import SHAPES, fmt, write_report
 
 BENCH = Path(__file__).resolve().parent / "ppo_gpu_bench.py"
-GIB = 1024**3
-STATE_BYTES_PER_PARAM = 2 + 4 + 4 + 8
-"""bf16 weights, fp32 main gradients, fp32 main parameters, Adam's two fp32 moments."""
-HOST_BYTES_PER_PARAM = 2 + 4 + 8
-"""What a sleep keeps on the host: all of the state but the gradients (zeroed before each minibatch)."""
-
-
-def shape_params(shape: dict[str, Any]) -> int:
-    """Parameters of a Qwen2-style decoder of this shape (attention biases on q, k, v; tied or untied head)."""
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    head_dim = h // heads
-    attn = h * h + h + 2 * (h * kv * head_dim + kv * head_dim) + h * h
-    layer = attn + 3 * h * i + 2 * h
-    embedding = shape["vocab_size"] * h
-    head = 0 if shape.get("tie_word_embeddings", True) else embedding
-    return embedding + n * layer + h + head
 
 
 def why_it_failed(report: dict[str, Any] | None, log: str) -> str:
@@ -67,13 +56,26 @@ def why_it_failed(report: dict[str, Any] | None, log: str) -> str:
     return last[-1][:200] if last else "no output"
 
 
-def run_one(shape: str, mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    out = work / f"{shape}-{mode}.json"
-    log_path = work / f"{shape}-{mode}.log"
+def lora_flags(args: argparse.Namespace, sync: str) -> list[str]:
+    """ppo_gpu_bench.py's `--set`s of a LoRA row: both roles' adapters, the base's sleep, the sync."""
+    values = [f"lora_rank={args.lora_rank}", f"critic_lora_rank={args.lora_rank}", f"lora_sync={sync}"]
+    values.append(f"lora_base_offload={str(args.lora_base_offload).lower()}")
+    return [flag for value in values for flag in ("--set", value)]
+
+
+def run_one(
+    shape: str, mode: str, args: argparse.Namespace, work: Path, *, finetune: str = "full", sync: str = ""
+) -> dict[str, Any]:
+    label = "-".join(part for part in (shape, finetune, sync, mode) if part)
+    out = work / f"{label}.json"
+    log_path = work / f"{label}.log"
     cmd = [sys.executable, str(BENCH), "--out", str(out), "--workdir", str(work / "models"), "--skip-probe"]
     cmd += ["--quick"] if args.quick else ["--shape", shape]
     cmd += ["--steps", str(args.steps), "--time-budget-s", str(args.time_budget_s)]
     cmd += ["--skip-shared" if mode == "resident" else "--skip-resident"]
+    if args.micro_batch_size is not None:
+        cmd += ["--micro-batch-size", str(args.micro_batch_size)]
+    cmd += lora_flags(args, sync) if finetune == "lora" else []
     cmd += args.bench_args
     started = time.time()
     with log_path.open("w") as log:
@@ -83,7 +85,8 @@ def run_one(shape: str, mode: str, args: argparse.Namespace, work: Path) -> dict
             ).returncode
         except subprocess.TimeoutExpired:
             rc = None
-    row: dict[str, Any] = {"shape": shape, "mode": mode, "rc": rc, "wall_s": time.time() - started}
+    row: dict[str, Any] = {"shape": shape, "finetune": finetune, "mode": mode, "rc": rc}
+    row |= {"lora_sync": sync or None, "wall_s": time.time() - started}
     report = json.loads(out.read_text()) if out.is_file() else None
     result = (report or {}).get("modes", {}).get(mode, {})
     trained = rc == 0 and bool(result.get("steps")) and not result.get("error")
@@ -93,6 +96,8 @@ def run_one(shape: str, mode: str, args: argparse.Namespace, work: Path) -> dict
     row["gpu_peak_gib"] = (result.get("gpu_peak_gib") or {}).get("overall")
     row["host_used_peak_gib"] = result.get("host_used_peak_gib")
     row["host_buffer_gib"] = result.get("host_buffer_gib")
+    row["weight_sync_s"] = (result.get("phase_s_mean") or {}).get("weight_sync") if trained else None
+    row["engine_weight_update_s"] = result.get("engine_weight_update_s") if trained else None
     row["params"] = (report or {}).get("model", {}).get("params")
     row["why_not"] = None if trained else why_it_failed(report, log_path.read_text(errors="replace")[-20000:])
     if rc is None:
@@ -101,37 +106,59 @@ def run_one(shape: str, mode: str, args: argparse.Namespace, work: Path) -> dict
     return row
 
 
-def estimate(shape: str) -> dict[str, Any]:
-    params = shape_params(SHAPES[shape])
-    return {
-        "shape": shape,
-        "params": params,
-        "state_gib_per_model": params * STATE_BYTES_PER_PARAM / GIB,
-        "host_gib_both_models_asleep": 2 * params * HOST_BYTES_PER_PARAM / GIB,
-        "resident_state_gib": (2 * STATE_BYTES_PER_PARAM + 2 + 2) * params / GIB,
-    }
+def estimates(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any]]:
+    """The arithmetic of every (shape, fine-tuning, mode) of the run and of `--estimate`."""
+    work = Work(micro_batch=args.micro_batch_size or Work.micro_batch)
+    rows = []
+    for shape in shapes:
+        for finetune in args.finetune.split(","):
+            for mode in args.modes.split(","):
+                one = estimate(
+                    shape,
+                    SHAPES[shape],
+                    finetune,  # type: ignore[arg-type]
+                    mode,  # type: ignore[arg-type]
+                    rank=args.lora_rank,
+                    base_offload=args.lora_base_offload,
+                    work=work,
+                )
+                rows.append(one.as_dict())
+    return rows
 
 
 def table(report: dict[str, Any]) -> str:
+    """The runs and the arithmetic of every shape as one markdown table (est.: by arithmetic)."""
     lines = [
-        "| shape | params | state a model (est.) | mode | trains | step s | peak GPU GiB | peak host GiB | host buffers GiB | why not |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | params | fine-tuning | mode | trains | step s | sync s | peak GPU GiB (est.) "
+        "| peak host GiB (est.) | host buffers GiB | why not (arithmetic: what passes its limit) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    estimates = {e["shape"]: e for e in report["estimates"]}
+    estimated = {(e["shape"], e["finetune"], e["mode"]): e for e in report["estimates"]}
+    run_keys = set()
     for row in report["runs"]:
-        est = estimates.get(row["shape"], {})
+        key = (row["shape"], row.get("finetune", "full"), row["mode"])
+        run_keys.add(key)
+        est = estimated.get(key, {})
         buffers = row.get("host_buffer_gib")
+        finetune = key[1] + (f" ({row['lora_sync']} sync)" if row.get("lora_sync") else "")
+        why = row.get("why_not") or ""
+        if est.get("why_not"):
+            why = f"{why} ({est['why_not']})" if why else f"(est.: {est['why_not']})"
         lines.append(
-            f"| {row['shape']} | {fmt((row.get('params') or est.get('params') or 0) / 1e9)} B "
-            f"| {fmt(est.get('state_gib_per_model'), '.1f')} GiB | {row['mode']} | {'yes' if row['trained'] else 'no'} "
-            f"| {fmt(row.get('step_s'))} | {fmt(row.get('gpu_peak_gib'), '.1f')} | {fmt(row.get('host_used_peak_gib'), '.1f')} "
-            f"| {fmt(sum(buffers.values()) if buffers else None, '.1f')} | {row.get('why_not') or ''} |"
+            f"| {row['shape']} | {fmt((row.get('params') or est.get('params') or 0) / 1e9)} B | {finetune} "
+            f"| {row['mode']} | {'yes' if row['trained'] else 'no'} | {fmt(row.get('step_s'))} "
+            f"| {fmt(row.get('weight_sync_s'), '.3f')} "
+            f"| {fmt(row.get('gpu_peak_gib'), '.1f')} ({fmt(est.get('gpu_peak_gib'), '.0f')}) "
+            f"| {fmt(row.get('host_used_peak_gib'), '.1f')} ({fmt(est.get('host_gib'), '.0f')}) "
+            f"| {fmt(sum(buffers.values()) if buffers else None, '.1f')} | {why} |"
         )
-    for shape in report["not_run"]:
-        est = estimates[shape]
+    for key, est in estimated.items():
+        if key in run_keys:
+            continue
         lines.append(
-            f"| {shape} | {fmt(est['params'] / 1e9)} B | {fmt(est['state_gib_per_model'], '.1f')} GiB | not run | | | | "
-            f"| {fmt(est['host_gib_both_models_asleep'], '.1f')} (est.) | arithmetic only |"
+            f"| {key[0]} | {fmt(est['params'] / 1e9)} B | {key[1]} | {key[2]} | {'no' if est['why_not'] else 'fits'} "
+            f"(est.) | | | ({fmt(est['gpu_peak_gib'], '.0f')}) | ({fmt(est['host_gib'], '.0f')}) | "
+            f"| {est['why_not'] or 'arithmetic only'} |"
         )
     return "\n".join(lines)
 
@@ -140,14 +167,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder (or a .json path) for the results")
     parser.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-3b", help="comma-separated shapes to run")
-    parser.add_argument("--estimate", default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b")
+    parser.add_argument(
+        "--estimate",
+        default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b,qwen2.5-14b,qwen2.5-32b",
+        help="shapes whose arithmetic the table gets, run or not",
+    )
     parser.add_argument("--modes", default="resident,shared")
+    parser.add_argument(
+        "--finetune", default="full", help="comma-separated: full, lora (both roles' adapters)"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="the LoRA rows' rank (actor and critic)")
+    parser.add_argument(
+        "--lora-base-offload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the LoRA rows' bases sleep on the host, copied there once (the driver's default); "
+        "--no-lora-base-offload: they stay on the GPU",
+    )
+    parser.add_argument(
+        "--lora-sync",
+        default="adapters",
+        help="comma-separated: adapters, merged; each LoRA row once for each (the weight sync's A/B)",
+    )
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="the runs' and the arithmetic's")
     parser.add_argument("--steps", type=int, default=2, help="steps a run (the first is its warm-up)")
     parser.add_argument("--time-budget-s", type=float, default=240.0, help="each run's --time-budget-s")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: the bench's tiny model")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("bench_args", nargs="*", help="after --: more ppo_gpu_bench.py arguments")
     args = parser.parse_args(argv)
+    bad = [f for f in args.finetune.split(",") if f not in ("full", "lora")]
+    bad += [m for m in args.modes.split(",") if m not in ("resident", "shared")]
+    bad += [s for s in args.lora_sync.split(",") if s not in ("adapters", "merged")]
+    if bad:
+        parser.error(
+            f"{bad[0]!r}: --finetune takes full, lora; --modes resident, shared; --lora-sync adapters, merged"
+        )
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     json_path = args.out if args.out.suffix == ".json" else args.out / "capacity_bench.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,17 +214,21 @@ def main(argv: list[str] | None = None) -> int:
         "_started": time.time(),
         "bench": "capacity_bench",
         "command": "python3 bench/capacity_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "estimates": [estimate(s) for s in estimated],
+        "estimates": estimates(args, [s for s in dict.fromkeys([*estimated, *shapes]) if s in SHAPES]),
         "runs": [],
-        "not_run": [s for s in estimated if s not in shapes],
     }
     for shape in shapes:
-        for mode in args.modes.split(","):
-            print(f"=== {shape} {mode}", flush=True)
-            row = run_one(shape, mode, args, work)
-            report["runs"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("bench_json", "log")}), flush=True)
-            write_report(report, json_path)
+        for finetune in args.finetune.split(","):
+            for sync in args.lora_sync.split(",") if finetune == "lora" else [""]:
+                for mode in args.modes.split(","):
+                    print(f"=== {shape} {finetune} {sync} {mode}", flush=True)
+                    row = run_one(shape, mode, args, work, finetune=finetune, sync=sync)
+                    report["runs"].append(row)
+                    print(
+                        json.dumps({k: v for k, v in row.items() if k not in ("bench_json", "log")}),
+                        flush=True,
+                    )
+                    write_report(report, json_path)
     print(table(report))
     print(f"\nJSON: {json_path}")
     return 0 if report["runs"] else 1

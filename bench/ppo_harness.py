@@ -73,6 +73,26 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
+    "qwen2.5-14b": {
+        **QWEN_05B,
+        "vocab_size": 152064,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-32b": {
+        **QWEN_05B,
+        "vocab_size": 152064,
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
     "smollm2-135m": {
         "family": "llama",
         "vocab_size": 49152,
@@ -86,7 +106,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 """The benches' model shapes: the Qwen2.5 family's (their config.json; 0.5B-3B tie the embeddings,
-7B does not) and SmolLM2-135M's (Llama, 9 / 3 heads, tied). `family` and `rope_theta` are ours."""
+7B-32B do not) and SmolLM2-135M's (Llama, 9 / 3 heads, tied). `family` and `rope_theta` are ours."""
 
 WORK: dict[str, dict[str, int]] = {
     "smollm2-135m": {

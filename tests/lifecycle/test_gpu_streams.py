@@ -53,3 +53,23 @@ def test_a_pause_joins_a_background_resume_first() -> None:
     backend.resume()
     backend.join()
     assert torch.equal(optimizer, expected)
+
+
+def test_a_frozen_tag_is_copied_to_the_host_once_and_freed_at_every_pause() -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    base = torch.randn(256 * 2**20, device="cuda", generator=g)  # 1 GiB
+    merged_view = base[: 2**20]
+    expected = base.clone()
+    backend = PinnedHostBackend()
+    backend.register("base", [base], frozen=True)
+    for cycle in range(3):
+        allocated = torch.cuda.memory_allocated()
+        backend.pause("base")
+        assert base.untyped_storage().nbytes() == 0
+        assert torch.cuda.memory_allocated() <= allocated - base.numel() * 4, cycle
+        backend.resume("base")
+        assert torch.equal(base, expected), cycle
+        assert backend.copied_to_host("base") == base.numel() * 4, cycle
+        merged_view.add_(1.0)  # a merge while awake: refreshed back from the host copy
+        backend.refresh("base", [merged_view])
+        assert torch.equal(base, expected), cycle

@@ -216,8 +216,65 @@ class LifecycleMachineWithTags(LifecycleMachine):
         assert self.groups_alive
 
 
+class LifecycleMachineWithFrozenBase(LifecycleMachineWithTags):
+    """A LoRA model: a frozen base (tag "base", registered `frozen`) beside the trained tags.
+
+    The base never changes, so it is copied to the host at most once, whatever the sleeps, wakes and
+    failures; every wake brings it back from that copy. Writes into it while awake (as an engine's merges
+    would be) are undone by `refresh` or dropped by the next pause.
+    """
+
+    tags: ClassVar[list[str] | None] = ["base", "weights", "grads", "optimizer"]
+
+    @initialize()
+    def build(self) -> None:
+        self.flat_base = torch.randn(48)
+        self.base = [self.flat_base[:32].view(4, 8), self.flat_base[32:]]
+        self.base_bytes = [_bytes(self.flat_base)]
+        self.base_dirty = False
+        super().build()
+        self.backend.inner.register("base", self.base, frozen=True)
+
+    def _tensors(self) -> dict[str, list[torch.Tensor]]:
+        # The base is checked against itself unless it holds writes (until a refresh or a pause).
+        return ({} if self.base_dirty else {"base": [self.flat_base]}) | super()._tensors()
+
+    def _snapshot(self) -> dict[str, list[torch.Tensor]]:
+        # Whatever was written into the base since, a wake brings the base itself back.
+        return {**super()._snapshot(), "base": self.base_bytes}
+
+    def _base_awake(self) -> bool:
+        return "base" not in self.backend.inner.paused_tags
+
+    # As an engine merges into its base: only once the host copy exists (`retain`).
+    @precondition(lambda self: self._base_awake() and self.backend.inner.copied_to_host("base") > 0)
+    @rule(value=st.floats(-4, 4, allow_nan=False))
+    def write_into_the_base(self, value: float) -> None:
+        self.base[1][3] = value
+        self.base_dirty = True
+
+    @precondition(lambda self: self._base_awake())
+    @rule()
+    def retain_the_base(self) -> None:
+        self.backend.inner.retain("base")
+
+    @precondition(lambda self: self._base_awake() and self.backend.inner.copied_to_host("base") > 0)
+    @rule()
+    def refresh_the_base(self) -> None:
+        self.backend.inner.refresh("base", [self.flat_base])
+        self.base_dirty = False
+
+    @invariant()
+    def the_base_is_copied_to_the_host_once_at_most(self) -> None:
+        assert self.backend.inner.copied_to_host("base") in (0, 48 * 4)
+        if not self._base_awake():
+            self.base_dirty = False  # what was written into it went with the GPU memory
+
+
 _settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestLifecycleMachine = LifecycleMachine.TestCase
 TestLifecycleMachine.settings = _settings
 TestLifecycleMachineWithTags = LifecycleMachineWithTags.TestCase
 TestLifecycleMachineWithTags.settings = _settings
+TestLifecycleMachineWithFrozenBase = LifecycleMachineWithFrozenBase.TestCase
+TestLifecycleMachineWithFrozenBase.settings = _settings

@@ -327,3 +327,84 @@ def test_prefault_zeroes_every_byte_whatever_the_split(numel: int, threads: int 
     tensor = torch.full((numel,), 7, dtype=torch.uint8)
     prefault(tensor, threads)
     assert int(tensor.count_nonzero()) == 0
+
+
+def test_a_frozen_tag_is_copied_to_the_host_once_and_comes_back_from_that_copy() -> None:
+    flat, params = _flat_model()
+    base = [p.clone() for p in params]
+    backend = PinnedHostBackend()
+    backend.register("base", params, frozen=True)
+    backend.pause("base")
+    assert flat.untyped_storage().nbytes() == 0
+    assert backend.copied_to_host("base") == 300 * 4
+    for _ in range(3):
+        backend.resume("base")
+        assert all(torch.equal(p, b) for p, b in zip(params, base, strict=True))
+        backend.pause("base")
+    assert backend.copied_to_host("base") == 300 * 4  # no device-to-host copy after the first
+    backend.resume("base")
+    # What is written while awake is lost at the next pause: the kept copy is what comes back.
+    params[0].fill_(9.0)
+    backend.pause("base")
+    backend.resume("base")
+    assert torch.equal(params[0], base[0])
+
+
+def test_a_frozen_tags_copy_serves_awake_retain_refresh_and_invalidate() -> None:
+    flat, params = _flat_model()
+    base = [p.clone() for p in params]
+    backend = PinnedHostBackend()
+    backend.register("base", params, frozen=True)
+    with pytest.raises(RuntimeError, match=r"refresh\('base'\): the tag has no host copy yet"):
+        backend.refresh("base", [params[1]])
+    backend.retain("base")
+    backend.retain("base")  # a copy exists: nothing more
+    assert backend.copied_to_host("base") == 300 * 4 and flat.untyped_storage().nbytes() == 1200
+    params[1].add_(1.0)  # e.g. a merge into one weight
+    params[2].add_(2.0)
+    backend.refresh("base", [params[1]])  # exactly that tensor's bytes come back, the others keep theirs
+    assert torch.equal(params[1], base[1]) and torch.equal(params[2], base[2] + 2.0)
+    backend.pause("base")  # the kept copy: no second copy, and the write into params[2] is dropped
+    backend.resume("base")
+    assert backend.copied_to_host("base") == 300 * 4 and torch.equal(params[2], base[2])
+    params[0].fill_(5.0)  # a deliberate change of the frozen tensors
+    backend.invalidate("base")
+    backend.pause("base")
+    backend.resume("base")
+    assert backend.copied_to_host("base") == 2 * 300 * 4 and torch.equal(
+        params[0], torch.full_like(params[0], 5.0)
+    )
+
+
+def test_a_frozen_tag_whose_storages_changed_is_copied_again() -> None:
+    tensors: list[torch.Tensor] = [torch.randn(10)]
+    backend = PinnedHostBackend()
+    backend.register("base", lambda: list(tensors), frozen=True)
+    backend.pause("base")
+    backend.resume("base")
+    tensors.append(torch.randn(20))  # another storage: the copy no longer covers the tag
+    expected = [t.clone() for t in tensors]
+    backend.pause("base")
+    backend.resume("base")
+    assert backend.copied_to_host("base") == 10 * 4 + 30 * 4
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
+
+
+def test_frozen_is_refused_where_it_cannot_hold() -> None:
+    backend = PinnedHostBackend()
+    with pytest.raises(ValueError, match=r"keep=False, frozen=True\): a frozen tag's bytes are kept"):
+        backend.register("base", [torch.zeros(3)], keep=False, frozen=True)
+    backend.register("weights", [torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"registered with frozen=False"):
+        backend.register("weights", [torch.zeros(3)], frozen=True)
+    with pytest.raises(ValueError, match=r"retain\('weights'\): not a frozen tag"):
+        backend.retain("weights")
+    backend.register("base", [torch.zeros(3)], frozen=True)
+    backend.pause("base")
+    with pytest.raises(RuntimeError, match=r"invalidate\('base'\): the tag is paused"):
+        backend.invalidate("base")
+    view = torch.zeros(4, 4)
+    backend.register("more", [view], frozen=True)
+    backend.retain("more")
+    with pytest.raises(ValueError, match="not a contiguous tensor of the tag"):
+        backend.refresh("more", [view.t()])

@@ -100,3 +100,20 @@ def test_kill_gives_the_shares_back(monkeypatch: pytest.MonkeyPatch) -> None:
     group.kill()
     assert killed == ["w0", "w1"]
     assert ledger.claims == {("pg", 3): {}, ("pg", 5): {}}
+
+
+def test_the_weight_sync_call_binds_to_the_workers_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TrainGroup.update_weights` reaches `TrainWorker.update_weights` through the generic host by name:
+    its arguments must bind to the worker's signature (`adapters` is keyword-only there)."""
+    import inspect
+
+    from tandem.megatron.worker.train_worker import TrainWorker
+
+    group = TrainGroup("actor", ["w0"], 0)
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(group, "run", lambda method, *a, **kw: calls.append((method, a, kw)) or [1])
+    for adapters in (False, True):
+        group.update_weights(["engine"], None, adapters=adapters)
+    for method, args, kwargs in calls:
+        bound = inspect.signature(getattr(TrainWorker, method)).bind("self", *args, **kwargs)
+        assert bound.arguments.get("adapters", False) == kwargs["adapters"]

@@ -469,3 +469,68 @@ def test_a_bad_data_path_never_reaches_a_finished_runs_config(
     assert status == 2
     assert one_line(err).startswith("--prompt-data: file ")
     assert snapshot(run_dir) == before
+
+
+# --- LoRA -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--lora-rank", "0"], "--lora-rank: got 0; it must be a positive integer"),
+        (["--critic-lora-rank", "-1"], "--critic-lora-rank: got -1; it must be a positive integer"),
+        (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha: got 0.0; it must be a finite number > 0"),
+        (
+            ["--lora-rank", "8", "--lora-target-modules", "q_proj", "c_attn"],
+            "--lora-target-modules: 'c_attn' is not a linear layer of this model; it has q_proj, k_proj, "
+            "v_proj, o_proj, gate_proj, up_proj, down_proj",
+        ),
+        (["--critic-lora-alpha", "4"], "--critic-lora-alpha: set, but --critic-lora-rank is unset"),
+        (["--lora-rank", "8", "--lora-dropout", "1.0"], "--lora-dropout: got 1.0; it must lie in [0, 1)"),
+        (
+            ["--lora-rank", "8", "--lora-dropout", "0.1", "--reuse-old-log-probs", "True"],
+            "--reuse-old-log-probs: the old log-probs are not the update's own here: lora_dropout",
+        ),
+        (["--lora-sync", "adapters"], "--lora-sync: adapters, but --lora-rank is unset"),
+        (
+            [
+                "--lora-rank",
+                "8",
+                "--lora-sync",
+                "adapters",
+                "--rollout-engine",
+                "sglang",
+                "--sglang-urls",
+                "http://127.0.0.1:9",
+            ],
+            "--lora-sync: adapters needs the embedded engine",
+        ),
+    ],
+)
+def test_lora_flags_that_cannot_work_are_refused_before_ray_naming_the_flag(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    prompts: Path,
+    flags: list[str],
+    expected: str,
+) -> None:
+    status, _, err = train(capsys, model, prompts, tmp_path / "run", *flags)
+    assert status == 2
+    assert one_line(err).startswith(expected), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_actor_takes_no_other_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, prompts: Path
+) -> None:
+    """Its reference is its base with the adapters off: another --ref-load is refused before Ray."""
+    other = shutil.copytree(model, tmp_path / "other")
+    status, _, err = train(
+        capsys, model, prompts, tmp_path / "run", "--lora-rank", "8", "--ref-load", str(other)
+    )
+    assert status == 2
+    assert one_line(err).startswith(
+        f"--ref-load: {str(other)!r} with --lora-rank; a LoRA actor's reference"
+    ), err
+    assert not (tmp_path / "run").exists()

@@ -435,6 +435,27 @@ def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
     ).fused_decode
 
 
+@pytest.mark.parametrize(
+    ("values", "adapters"),
+    [
+        ({}, False),  # a full fine-tune sends its weights
+        ({"lora_rank": 8}, True),  # auto: adapters to the embedded engine
+        ({"lora_rank": 8, "lora_sync": "merged"}, False),
+        ({"lora_rank": 8, "rollout_engine": "sglang"}, False),  # auto: SGLang gets merged weights
+        ({"critic_lora_rank": 8}, False),  # only the actor's LoRA reaches the engines
+    ],
+)
+def test_lora_sync_picks_adapters_where_the_engine_merges_them(
+    values: dict[str, Any], adapters: bool
+) -> None:
+    from tandem.ppo.config import PPOConfig
+    from tandem.ppo.loop.cluster import engine_options_of
+
+    config = PPOConfig(hf_checkpoint="", rollout_batch_size=32, global_batch_size=32, **values)
+    assert config.syncs_adapters is adapters
+    assert engine_options_of(config).adapter_sync is adapters
+
+
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     hidden=st.sampled_from([64, 511, 512, 576, 4096]),

@@ -197,6 +197,15 @@ DEPENDENT = (
     "kl_coef",
     "loss_type",
     "loss_aggregation",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "critic_lora_rank",
+    "critic_lora_alpha",
+    "critic_lora_dropout",
+    "critic_lora_target_modules",
+    "lora_base_offload",
     "kl_target",
     "tis_cap_low",
     "tis_mode",
@@ -251,6 +260,14 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
         if values["loss_type"] == "gspo"
         else draw(_one_of("sample_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"))
     )
+    for prefix in ("", "critic_"):  # LoRA's fields only with a rank (else refused, naming the flag)
+        rank = values[f"{prefix}lora_rank"] = draw(_one_of(None, 4))
+        values[f"{prefix}lora_alpha"] = draw(_one_of(None, 8.0)) if rank else None
+        values[f"{prefix}lora_dropout"] = draw(_one_of(0.0, 0.1)) if rank else 0.0
+        values[f"{prefix}lora_target_modules"] = (
+            draw(_one_of(None, ("q_proj", "linear_fc2"))) if rank else None
+        )
+    values["lora_base_offload"] = draw(st.booleans())
     values["tis_cap_low"] = draw(_one_of(0.0, 0.5)) if values["use_tis"] else 0.0
     values["tis_mode"] = draw(_one_of("token", "seq_mask")) if values["use_tis"] else "token"
     gae = values["advantage_estimator"] == "gae"  # the critic's own algorithms need one
@@ -278,6 +295,8 @@ def as_flags(values: dict[str, Any]) -> list[str]:
     for name, value in values.items():
         if hints[name] is bool:
             argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, tuple):
+            argv += [flag(name), *value]
         else:
             argv += [flag(name), str(value)]
     return argv

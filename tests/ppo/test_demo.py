@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.ppo.app.cli import COMMANDS, run
 
@@ -52,6 +53,25 @@ def test_demo_model_must_be_known(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert run(["demo", "--model", "gpt-17", "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--model: got 'gpt-17'; choose one of tiny, smollm2" in err
+
+
+def test_the_lora_demo_gets_a_model_its_adapters_can_answer_with(tmp_path: Path) -> None:
+    """`--lora-rank` gives the demo its LoRA model (the output layer's init times `LORA_HEAD_SCALE`, in a
+    folder of its own) and a larger entropy bonus, unless the flags give another."""
+    from safetensors.torch import load_file
+
+    from tandem.ppo._demo import DEMO_DEFAULTS, LORA_DEMO_DEFAULTS, LORA_HEAD_SCALE, prepare_demo
+
+    full = prepare_demo({**DEMO_DEFAULTS, "run_dir": str(tmp_path)})
+    lora = prepare_demo({**DEMO_DEFAULTS, "run_dir": str(tmp_path), "lora_rank": 8})
+    assert (lora["entropy_coef"], full["entropy_coef"]) == (LORA_DEMO_DEFAULTS["entropy_coef"], 0.003)
+    assert Path(lora["hf_checkpoint"]) == tmp_path / "base-lora"
+    heads = [
+        load_file(str(Path(c["hf_checkpoint"]) / "model.safetensors"))["lm_head.weight"] for c in (full, lora)
+    ]
+    assert torch.equal(heads[1], heads[0] * LORA_HEAD_SCALE)  # the same seed: the same model but its head
+    given = prepare_demo({**DEMO_DEFAULTS, "run_dir": str(tmp_path), "lora_rank": 8, "entropy_coef": 0.0})
+    assert given["entropy_coef"] == 0.0
 
 
 def test_demo_dry_run_writes_nothing(

@@ -8,10 +8,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import torch
 
+from ._frozen_tags import FrozenTags, Stored
 from ._host_buffers import HOST_MEMORY, HostBuffer, HostMemory, aligned, bytes_of
 
 logger = logging.getLogger(__name__)
@@ -20,16 +20,7 @@ TensorSource = Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
 DEFAULT_CHUNK_BYTES = 1 << 30
 
 
-@dataclass
-class _Stored:
-    """One storage put away: where its bytes live in the tag's host buffer."""
-
-    storage: torch.UntypedStorage
-    nbytes: int
-    offset: int
-
-
-class PinnedHostBackend:
+class PinnedHostBackend(FrozenTags):
     """Puts registered GPU tensors away in host buffers that are allocated once and reused.
 
     Tensors are registered per tag (`register`). `pause(tag)` copies each distinct
@@ -39,6 +30,13 @@ class PinnedHostBackend:
     each storage at its old size and copies the bytes back, so every tensor and
     view made before the pause sees its data again. On CPU tensors the same steps
     run with plain memory, which is how the logic is tested without a GPU.
+
+    A tag registered `frozen` (tensors that never change, such as a LoRA model's
+    base) is copied to the host once: later pauses only free its GPU memory, and
+    every resume copies the kept host copy back. Its host copy serves while awake
+    too: `retain` makes it without a pause, `refresh` copies some of its tensors
+    back over what was written into them since, `invalidate` makes the next pause
+    (or `retain`) copy again.
 
     Args:
         device: the device whose tensors are put away; None takes the device of the
@@ -65,18 +63,27 @@ class PinnedHostBackend:
         self._chunk_bytes = chunk_bytes
         self._sources: dict[str, list[TensorSource]] = {}
         self._buffers: dict[str, HostBuffer] = {}
-        self._paused: dict[str, list[_Stored]] = {}
+        self._paused: dict[str, list[Stored]] = {}
         self._owner: dict[int, str] = {}  # storage identity -> the paused tag holding it
         self._scratch: set[str] = set()  # tags registered with keep=False
         self._background: set[str] = set()  # tags registered with resume_in_background=True
         self._in_flight: dict[str, torch.cuda.Event] = {}  # background resumes not joined yet
+        self._frozen: set[str] = set()  # tags registered with frozen=True
+        self._kept: dict[str, dict[int, Stored]] = {}  # frozen tag -> its host copy's layout, by storage
+        self._to_host: dict[str, int] = {}  # bytes copied to the host, per tag
         self._stream: torch.cuda.Stream | None = None
         self._lock = threading.RLock()
 
     # -- registration -------------------------------------------------------------------------
 
     def register(
-        self, tag: str, tensors: TensorSource, *, keep: bool = True, resume_in_background: bool = False
+        self,
+        tag: str,
+        tensors: TensorSource,
+        *,
+        keep: bool = True,
+        resume_in_background: bool = False,
+        frozen: bool = False,
     ) -> None:
         """Put `tensors` under `tag`: an iterable of tensors, or a zero-argument callable
         returning one (called at every pause, so state created later is included).
@@ -92,9 +99,27 @@ class PinnedHostBackend:
         these tensors (an optimizer state that is first read at the optimizer step). The
         owner calls `join(tag)` before it reads them; `pause` joins first by itself. On the
         CPU a resume is complete when it returns.
+
+        `frozen=True`: the owner promises that the tensors of `tag` do not change while
+        awake (a LoRA model's base), so the host copy made by the first `pause` (or
+        `retain`) stays valid: every later `pause` frees the GPU memory without a
+        device-to-host copy, and `resume` copies the kept bytes back. What is written into
+        them while awake is lost at the next pause (or undone by `refresh`). A changed set
+        of storages (another storage, another size) is copied again; so is everything
+        after `invalidate`. A tag is frozen or not once and for all, and never scratch.
         """
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"register: tag={tag!r} must be a non-empty string")
+        if frozen and not keep:
+            raise ValueError(
+                f"register({tag!r}, keep=False, frozen=True): a frozen tag's bytes are kept on the host; "
+                "a scratch tag keeps none"
+            )
+        if tag in self._sources and (tag in self._frozen) != frozen:
+            raise ValueError(
+                f"register({tag!r}, frozen={frozen}): the tag was registered with frozen={not frozen}; "
+                "a tag is frozen or not, for all of its tensors"
+            )
         if tag in self._sources and (tag in self._scratch) == keep:
             raise ValueError(
                 f"register({tag!r}, keep={keep}): the tag was registered with keep={not keep}; "
@@ -113,6 +138,9 @@ class PinnedHostBackend:
                 self._scratch.add(tag)
             if resume_in_background:
                 self._background.add(tag)
+            if frozen:
+                self._frozen.add(tag)
+            self._kept.pop(tag, None)  # more tensors: the host copy no longer covers the tag
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -127,6 +155,18 @@ class PinnedHostBackend:
     def host_nbytes(self) -> int:
         """Bytes held in host buffers (kept between cycles, also while awake)."""
         return sum(b.nbytes for b in self._buffers.values())
+
+    def copied_to_host(self, tag: str) -> int:
+        """Bytes of `tag` copied from its tensors to the host so far (a frozen tag's: once, at its first pause)."""
+        return self._to_host.get(tag, 0)
+
+    def retain(self, tag: str) -> None:
+        """Make the host copy of awake frozen `tag` now, without freeing anything (nothing when it has one)."""
+        with self._lock:
+            self._check_frozen(tag, "retain")
+            stored = self._layout(self._collect(tag))
+            if not self._holds_copy(tag, stored):
+                self._copy_to_host(tag, stored)
 
     def region(self, tag: str) -> AbstractContextManager[None]:
         """A context that does nothing: this backend finds memory through `register`."""
@@ -152,7 +192,7 @@ class PinnedHostBackend:
     def resume(self, tag: str | None = None) -> None:
         """Re-create the storages of `tag` (every registered tag when None) and copy their bytes back."""
         with self._lock:
-            done: list[tuple[str, list[_Stored]]] = []
+            done: list[tuple[str, list[Stored]]] = []
             try:
                 for t in self._select(tag, paused=True):
                     done.append((t, self._paused[t]))
@@ -189,15 +229,8 @@ class PinnedHostBackend:
     def _pause_tag(self, tag: str) -> None:
         self.join(tag)
         stored = self._layout(self._collect(tag))
-        total = stored[-1].offset + stored[-1].nbytes if stored else 0
-        buffer = None if tag in self._scratch else self._buffer(tag, total)
-        if buffer is not None:
-            with self._copies(wait_for_device=True) as copy:
-                for s in stored:
-                    copy(s, buffer, True)
-        elif self._is_cuda():
-            torch.cuda.synchronize(self._device)  # no queued kernel may still use memory freed now
-        freed: list[_Stored] = []
+        buffer = self._put_away(tag, stored)
+        freed: list[Stored] = []
         try:
             for s in stored:
                 s.storage.resize_(0)
@@ -208,6 +241,31 @@ class PinnedHostBackend:
         self._paused[tag] = stored
         for s in stored:
             self._owner[int(s.storage._cdata)] = tag
+
+    def _put_away(self, tag: str, stored: list[Stored]) -> HostBuffer | None:
+        """The host buffer that holds `stored`'s bytes once this returns (None for a scratch tag): copied
+        there now, or a frozen tag's kept copy. Either way no queued kernel still uses the storages."""
+        if tag in self._scratch:
+            buffer = None
+        elif tag in self._frozen and self._holds_copy(tag, stored):
+            buffer = self._buffers[tag]
+        else:
+            return self._copy_to_host(tag, stored)  # waits for the copies
+        if self._is_cuda():
+            torch.cuda.synchronize(self._device)  # no queued kernel may still use memory freed now
+        return buffer
+
+    def _copy_to_host(self, tag: str, stored: list[Stored]) -> HostBuffer:
+        """Copy `stored` to `tag`'s host buffer (a frozen tag remembers what its copy is of); once this
+        returns the copies are complete."""
+        buffer = self._buffer(tag, stored[-1].offset + stored[-1].nbytes if stored else 0)
+        with self._copies(wait_for_device=True) as copy:
+            for s in stored:
+                copy(s, buffer, True)
+        self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
+        if tag in self._frozen:
+            self._kept[tag] = {int(s.storage._cdata): s for s in stored}
+        return buffer
 
     def _resume_tag(self, tag: str) -> None:
         stored = self._paused[tag]
@@ -221,7 +279,7 @@ class PinnedHostBackend:
         for s in stored:
             self._owner.pop(int(s.storage._cdata), None)
 
-    def _unresume(self, tag: str, stored: list[_Stored]) -> None:
+    def _unresume(self, tag: str, stored: list[Stored]) -> None:
         """Free a tag that was just resumed: its host buffer still holds the same bytes."""
         if self._in_flight.pop(tag, None) is not None:
             self._wait_side_stream()  # its background copies must not write memory freed now
@@ -231,10 +289,10 @@ class PinnedHostBackend:
         for s in stored:
             self._owner[int(s.storage._cdata)] = tag
 
-    def _restore(self, stored: list[_Stored], buffer: HostBuffer | None, *, background: bool = False) -> None:
+    def _restore(self, stored: list[Stored], buffer: HostBuffer | None, *, background: bool = False) -> None:
         """Re-create `stored` and copy their bytes back (zeros without a `buffer`: a scratch tag); on
         failure free them again (all-or-nothing). `background`: return with the copies queued."""
-        allocated: list[_Stored] = []
+        allocated: list[Stored] = []
         try:
             with self._copies(background=background) as copy:
                 for s in stored:
@@ -297,11 +355,11 @@ class PinnedHostBackend:
             )
 
     @staticmethod
-    def _layout(storages: list[torch.UntypedStorage]) -> list[_Stored]:
+    def _layout(storages: list[torch.UntypedStorage]) -> list[Stored]:
         stored, offset = [], 0
         for storage in storages:
             n = storage.nbytes()
-            stored.append(_Stored(storage, n, offset))
+            stored.append(Stored(storage, n, offset))
             offset = aligned(offset + n)
         return stored
 
@@ -317,9 +375,6 @@ class PinnedHostBackend:
         self._buffers[tag] = buffer
         return buffer
 
-    def _is_cuda(self) -> bool:
-        return self._device is not None and self._device.type == "cuda"
-
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self._device)
@@ -332,7 +387,7 @@ class PinnedHostBackend:
     @contextlib.contextmanager
     def _copies(
         self, *, wait_for_device: bool = False, background: bool = False
-    ) -> Iterator[Callable[[_Stored, HostBuffer, bool], None]]:
+    ) -> Iterator[Callable[[Stored, HostBuffer, bool], None]]:
         """A session of copies between storages and a host buffer; on exit they are complete.
 
         On CUDA the copies run on a side stream, in chunks, without blocking the host
@@ -354,7 +409,7 @@ class PinnedHostBackend:
         # may still write these tensors (pause), or used the memory handed out again (resume).
         side.wait_stream(current)
 
-        def on_side_stream(s: _Stored, buffer: HostBuffer, to_host: bool) -> None:
+        def on_side_stream(s: Stored, buffer: HostBuffer, to_host: bool) -> None:
             with torch.cuda.stream(side):
                 self._copy_one(s, buffer, to_host)
 
@@ -366,7 +421,7 @@ class PinnedHostBackend:
         current.wait_stream(side)
         side.synchronize()
 
-    def _copy_one(self, s: _Stored, buffer: HostBuffer, to_host: bool) -> None:
+    def _copy_one(self, s: Stored, buffer: HostBuffer, to_host: bool) -> None:
         non_blocking = self._is_cuda()
         device_bytes = bytes_of(s.storage)
         host_bytes = buffer.tensor[s.offset : s.offset + s.nbytes]

@@ -108,6 +108,7 @@ def check_choices(config: Any) -> None:
         "background_optimizer_wake",
         "grpo_std_normalization",
         "jit_fusions",
+        "lora_base_offload",
     ):
         if not isinstance(getattr(config, name), bool):
             raise FieldError(name, f"got {getattr(config, name)!r}; it must be True or False")
@@ -353,6 +354,85 @@ def _check_distillation(config: Any) -> None:
             "reinforce_plus_plus(_baseline)",
             "advantage_estimator",
             "opd_mode",
+        )
+
+
+def check_lora(config: Any) -> None:
+    """Each role's LoRA fields: a positive rank, a positive alpha, a dropout in [0, 1), layers the model has;
+    none of them without a rank; the flags LoRA cannot work with."""
+    from tandem.megatron.models.lora_spec import resolve_targets
+
+    for prefix in ("", "critic_"):
+        rank, alpha = getattr(config, f"{prefix}lora_rank"), getattr(config, f"{prefix}lora_alpha")
+        dropout, targets = (
+            getattr(config, f"{prefix}lora_dropout"),
+            getattr(config, f"{prefix}lora_target_modules"),
+        )
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise FieldError(
+                f"{prefix}lora_rank",
+                f"got {rank!r}; it must be a positive integer (the adapters' rank, e.g. 8), or unset for full "
+                "fine-tuning",
+            )
+        if alpha is not None and (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, int | float)
+            or not math.isfinite(alpha)
+            or alpha <= 0
+        ):
+            raise FieldError(
+                f"{prefix}lora_alpha",
+                f"got {alpha!r}; it must be a finite number > 0 (adapters are scaled by alpha / rank), or unset "
+                "for alpha = rank",
+            )
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+            raise FieldError(f"{prefix}lora_dropout", f"got {dropout!r}; it must lie in [0, 1)")
+        if targets is not None:
+            try:
+                resolve_targets(targets)
+            except ValueError as exc:
+                raise FieldError(f"{prefix}lora_target_modules", str(exc)) from None
+        if rank is None:
+            given = [
+                name
+                for name, value in (
+                    ("lora_alpha", alpha),
+                    ("lora_dropout", dropout or None),
+                    ("lora_target_modules", targets),
+                )
+                if value is not None
+            ]
+            if given:
+                field, rank_field = f"{prefix}{given[0]}", f"{prefix}lora_rank"
+                raise FieldError(
+                    field,
+                    f"set, but `{rank_field}` is unset (full fine-tuning); set `{rank_field}` to train adapters, "
+                    f"or leave `{field}` unset",
+                    rank_field,
+                    field,
+                )
+    if (
+        config.lora_rank is not None
+        and config.ref_load is not None
+        and not same_path(config.ref_load, config.hf_checkpoint)
+    ):
+        raise FieldError(
+            "ref_load",
+            f"{config.ref_load!r} with `lora_rank`; a LoRA actor's reference is its own base model "
+            "(`hf_checkpoint`) with the adapters switched off, so no other reference is loaded; leave "
+            "`ref_load` unset",
+            "lora_rank",
+            "hf_checkpoint",
+            "ref_load",
+        )
+    uses_lora = config.lora_rank is not None or config.critic_lora_rank is not None
+    if uses_lora and config.offload_backend == "torch_memory_saver" and config.lora_base_offload:
+        raise FieldError(
+            "offload_backend",
+            "torch_memory_saver copies the frozen LoRA base to the host at every sleep; use pinned_host "
+            "(which keeps one host copy of the base and copies it back only), or keep the base on the GPU with "
+            "`lora_base_offload` False",
+            "lora_base_offload",
         )
 
 

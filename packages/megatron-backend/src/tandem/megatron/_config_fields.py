@@ -384,6 +384,46 @@ class WorkerFields:
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits divided by it (values never are)."""
 
+    # --- LoRA -------------------------------------------------------------------
+    lora_rank: int | None = None
+    """The actor's LoRA rank: train low-rank adapters (`alpha / rank · B A x`, Hu et al. 2021) on
+    `lora_target_modules` of every decoder layer, split over tensor parallelism as their layers are,
+    and freeze the rest of the model in `params_dtype` (no fp32 main copy, no gradient, no optimizer
+    state). The reference policy of the KL loss or of reward-level KL is then the model with its
+    adapters switched off: no reference copy is kept. None: full fine-tuning."""
+
+    lora_alpha: float | None = None
+    """The actor's LoRA scaling numerator: each adapter's output is multiplied by `lora_alpha /
+    lora_rank`; None: `lora_rank` (scaling 1, as PEFT's default alpha 8 at rank 8)."""
+
+    lora_dropout: float = 0.0
+    """Probability, in [0, 1), that an element of an actor adapter's input is zeroed in an update's
+    forward pass (PEFT's `lora_dropout`); never in a forward-only pass."""
+
+    lora_target_modules: tuple[str, ...] | None = None
+    """The actor's adapted linear layers, by Hugging Face name (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    `gate_proj`, `up_proj`, `down_proj`) or by Megatron's fused name (`linear_qkv` is q, k and v,
+    `linear_proj` o, `linear_fc1` gate and up, `linear_fc2` down); None or `all-linear`: all seven."""
+
+    critic_lora_rank: int | None = None
+    """The critic's own LoRA rank (`lora_rank`'s rules; its value head always trains in full);
+    None: the critic trains in full, whatever the actor does."""
+
+    critic_lora_alpha: float | None = None
+    """The critic's LoRA scaling numerator; None: `critic_lora_rank` (scaling 1)."""
+
+    critic_lora_dropout: float = 0.0
+    """The critic's LoRA input dropout, in [0, 1) (`lora_dropout`'s rules)."""
+
+    critic_lora_target_modules: tuple[str, ...] | None = None
+    """The critic's adapted linear layers (`lora_target_modules`' names); None: all seven."""
+
+    lora_base_offload: bool = True
+    """With LoRA and the pinned_host offload backend, what a sleep does with the frozen base: True,
+    its GPU memory is dropped and a wake copies it back from a page-locked host copy made at the first
+    sleep and kept (the base never changes, so no device-to-host copy after that first one); False,
+    it stays on the GPU and only the adapters, their gradients and their optimizer state move."""
+
     # --- device, memory, system -------------------------------------------------
     device: Device = "auto"
     """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""
@@ -493,7 +533,8 @@ class WorkerFields:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the actor keeps reference weights: for the KL loss or for reward-level KL."""
+        """Whether the actor computes reference log-probs (for the KL loss or reward-level KL): from
+        reference weights kept on the host, or with LoRA from its base with the adapters off."""
         return self.use_kl_loss or self.kl_coef != 0
 
     @property

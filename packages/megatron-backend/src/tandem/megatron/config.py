@@ -26,6 +26,7 @@ from tandem.megatron._config_checks import (
     check_choices,
     check_estimator,
     check_folders,
+    check_lora,
     check_model_layout,
     check_positive_ints,
     check_ppo,
@@ -33,6 +34,7 @@ from tandem.megatron._config_checks import (
 from tandem.megatron._config_fields import WorkerFields
 from tandem.megatron._field_error import FieldError
 from tandem.megatron.choices import ROLES, Role, check_role
+from tandem.megatron.models.lora_spec import LoraSettings, resolve_targets
 
 __all__ = ["ROLES", "FieldError", "Role", "WorkerConfig", "WorkerFields"]
 
@@ -49,6 +51,7 @@ class WorkerConfig(WorkerFields):
         check_estimator(self)
         check_batches(self)
         check_folders(self)
+        check_lora(self)
 
     # --- what the fields imply, and each role's own fields -----------------------------
     def _one_epoch_one_step(self, what: str) -> str | None:
@@ -73,6 +76,8 @@ class WorkerConfig(WorkerFields):
             why = "opd_coef folds the reverse KL to the teacher into the rewards before the update"
         if why is None and self.use_tis:
             why = "use_tis weighs each token by the old against the sampler's log-probs"
+        if why is None and self.lora_rank is not None and self.lora_dropout > 0:
+            why = "lora_dropout drops adapter inputs in the update's forward pass"
         return why
 
     @property
@@ -89,6 +94,8 @@ class WorkerConfig(WorkerFields):
                 f"critic_updates_per_step is {self.critic_updates_per_step} (later passes train against the "
                 "first's values)"
             )
+        if why is None and self.critic_lora_rank is not None and self.critic_lora_dropout > 0:
+            why = "critic_lora_dropout drops adapter inputs in the update's forward pass"
         return why
 
     @property
@@ -111,6 +118,21 @@ class WorkerConfig(WorkerFields):
     def critic_passes(self) -> int:
         """The critic's passes over each rollout: `ppo_epochs * critic_updates_per_step`."""
         return self.ppo_epochs * self.critic_updates_per_step
+
+    def lora_of(self, role: Role) -> LoraSettings | None:
+        """`role`'s LoRA settings (rank, alpha, dropout, target layers); None: it trains in full."""
+        _check_role(role)
+        prefix = "critic_" if role == "critic" else ""
+        rank = getattr(self, f"{prefix}lora_rank")
+        if rank is None:
+            return None
+        alpha = getattr(self, f"{prefix}lora_alpha")
+        return LoraSettings(
+            rank=rank,
+            alpha=float(rank if alpha is None else alpha),
+            dropout=float(getattr(self, f"{prefix}lora_dropout")),
+            targets=resolve_targets(getattr(self, f"{prefix}lora_target_modules")),
+        )
 
     def lr_of(self, role: Role) -> float:
         """Peak learning rate of `role`."""

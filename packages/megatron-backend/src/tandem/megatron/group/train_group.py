@@ -144,13 +144,19 @@ class TrainGroup:
         return self.run("load_model")
 
     def update_weights(
-        self, engines: Sequence[ActorHandle], pack: Callable[[Any], Any] | None = None
+        self,
+        engines: Sequence[ActorHandle],
+        pack: Callable[[Any], Any] | None = None,
+        *,
+        adapters: bool = False,
     ) -> list[int]:
         """Send the actor's weights to `engines` (every rank takes part); each rank's chunk count.
 
         `pack`: the engines' `ipc_payload` when engine r shares rank r's GPU, else None (CPU copies).
+        `adapters`: a LoRA actor's adapters alone, to the engines' `update_adapter_from_tensors`
+        (`TrainWorker.update_weights`); else its whole weights, adapters merged in.
         """
-        return self.run("update_weights", list(engines), pack)
+        return self.run("update_weights", list(engines), pack, adapters=adapters)
 
     def shutdown(self) -> None:
         """Every rank leaves its process groups (before `kill`)."""

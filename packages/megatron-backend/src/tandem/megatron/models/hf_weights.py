@@ -41,6 +41,15 @@ from tandem.megatron.models.conversion import (
 )
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.host_tensors import zero_copy
+from tandem.megatron.models.lora import (
+    ADAPTER,
+    LAYER_LINEARS,
+    LoraAdapter,
+    adapters,
+    is_adapter_param,
+    merged_weight,
+)
+from tandem.megatron.models.lora_spec import FUSED_TARGETS, LoraSettings, adapter_name, hf_module
 from tandem.megatron.models.networks import ValueHead, unwrap_model
 
 
@@ -124,6 +133,8 @@ def load_hf_checkpoint(model: Any, spec: ModelSpec, hf_dir: str | Path, role: Ro
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     offset, _ = _stage_layout(gpt)
     for name, param in gpt.named_parameters():
+        if is_adapter_param(name):
+            continue  # an adapter is the trainer's, not the checkpoint's
         pm = param_map(spec, name, layer_offset=offset, role=role)
         if role == "critic" and name.startswith("output_layer."):
             head = _score_head(reader, pm.hf[0], param)
@@ -219,6 +230,50 @@ def _export_plan(gpt: Any, spec: ModelSpec, role: Role) -> list[tuple[int, Param
     return plan
 
 
+Planned = Iterator[tuple[int, list[tuple[str, tuple[int, ...]]], Callable[[], list[torch.Tensor]]]]
+"""(owner pipeline stage, [(name, shape)], produce) of each group of exported tensors, in the same order
+on every rank; the owner stage's `produce()` makes the group's tensors."""
+
+
+def _stage_groups(
+    planned: Planned, *, dtype: torch.dtype, device: torch.device
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every planned group on every rank: made by its owner stage, broadcast over the pipeline."""
+    from megatron.core import parallel_state as mpu
+
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    for stage, names, produce in planned:
+        if stage == pp_rank:
+            tensors = [t.contiguous().clone() for t in produce()]
+        else:
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for _, shape in names]
+        if pp_size > 1:
+            src = dist.get_global_rank(pp_group, stage)
+            for t in tensors:
+                dist.broadcast(t, src=src, group=pp_group)
+        yield list(zip((n for n, _ in names), tensors, strict=True))
+
+
+def _in_chunks(
+    groups: Iterator[list[tuple[str, torch.Tensor]]], chunk_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors of `groups` in lists of at most `chunk_bytes`; a group is never split (a group larger
+    than that comes alone)."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for group in groups:
+        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+        if chunk and size + nbytes > chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk += group
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
 def export_hf_weights(
     model: Any, spec: ModelSpec, chunk_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -226,55 +281,117 @@ def export_hf_weights(
 
     Every rank of the model must iterate it to the end (collectives inside);
     every rank gets every chunk (see the module docstring). Tensors are fresh
-    copies on the model's device, in its parameter dtype.
+    copies on the model's device, in its parameter dtype. A LoRA model's layers
+    come with their adapters merged in (`lora.merged_weight`): a plain model of the
+    same architecture.
     """
     if chunk_bytes < 1:
         raise ValueError(f"export_hf_weights: chunk_bytes is {chunk_bytes}; it must be positive")
     enable_cpu_compat()
-    from megatron.core import parallel_state as mpu
-
     gpt = unwrap_model(model)
     role = _role_of(gpt)
     params = dict(gpt.named_parameters())
     device = next(iter(params.values())).device
-    pp_group = mpu.get_pipeline_model_parallel_group()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
-    pp_size = mpu.get_pipeline_model_parallel_world_size()
 
-    @torch.no_grad()
-    def materialize(stage: int, pm: ParamMap) -> list[tuple[str, torch.Tensor]]:
-        if stage == pp_rank:
-            full = _gather_tp(params[pm.megatron].detach(), pm)
+    def produce(pm: ParamMap) -> Callable[[], list[torch.Tensor]]:
+        @torch.no_grad()
+        def made() -> list[torch.Tensor]:
+            full = _gather_tp(_local_weight(gpt, pm.megatron, params[pm.megatron]), pm)
             if _is_vocab(pm):
                 full = full[: spec.vocab_size]  # the padding rows are Megatron's, not the model's
-            tensors = [(n, t.contiguous().clone()) for n, t in to_hf(spec, pm, full)]
-        else:
-            dtype = gpt.config.params_dtype  # every parameter is stored in it (`build_model`)
-            tensors = [(n, torch.empty(hf_shape(spec, n), dtype=dtype, device=device)) for n in pm.hf]
-        if pp_size > 1:
-            src = dist.get_global_rank(pp_group, stage)
-            for _, t in tensors:
-                dist.broadcast(t, src=src, group=pp_group)
-        return tensors
+            return [t for _, t in to_hf(spec, pm, full)]
 
-    chunk: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for stage, pm in _export_plan(gpt, spec, role):
-        for name, t in materialize(stage, pm):
-            nbytes = t.numel() * t.element_size()
-            if chunk and size + nbytes > chunk_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append((name, t))
-            size += nbytes
-    if chunk:
-        yield chunk
+        return made
+
+    planned = (
+        (stage, [(n, hf_shape(spec, n)) for n in pm.hf], produce(pm))
+        for stage, pm in _export_plan(gpt, spec, role)
+    )
+    # Every parameter is stored in the config's dtype (`build_model`); each HF tensor on its own.
+    singles = (
+        [named]
+        for group in _stage_groups(planned, dtype=gpt.config.params_dtype, device=device)
+        for named in group
+    )
+    yield from _in_chunks(singles, chunk_bytes)
+
+
+def _local_weight(gpt: Any, name: str, param: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of parameter `name` as exported: an adapted layer's weight with its adapter merged."""
+    owner, _, leaf = name.rpartition(".")
+    if (
+        leaf == "weight"
+        and owner
+        and isinstance(getattr(gpt.get_submodule(owner), ADAPTER, None), LoraAdapter)
+    ):
+        return merged_weight(gpt.get_submodule(owner))
+    return param.detach()
+
+
+def export_lora_adapters(
+    model: Any, spec: ModelSpec, settings: LoraSettings, chunk_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's LoRA adapters, whole (gathered over TP and PP), in chunks of at most `chunk_bytes`.
+
+    Named as PEFT saves them, without its `base_model.model.` prefix
+    (`model.layers.3.self_attn.q_proj.lora_A.weight`, `(rank, in)`; `...lora_B.weight`,
+    `(out, rank)`). Every rank must iterate it to the end (collectives inside) and gets
+    every chunk; the adapters of one Megatron layer always come in one chunk.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"export_lora_adapters: chunk_bytes is {chunk_bytes}; it must be positive")
+    enable_cpu_compat()
+    from megatron.core import parallel_state as mpu
+
+    gpt = unwrap_model(model)
+    device = next(iter(gpt.parameters())).device
+    found = dict(adapters(gpt))
+    r = settings.rank
+
+    def produce(local_name: str) -> Callable[[], list[torch.Tensor]]:
+        @torch.no_grad()
+        def made() -> list[torch.Tensor]:
+            adapter = found[local_name]
+            out = []
+            for part, a in zip(adapter.targets, adapter.a.detach().split(r, dim=0), strict=True):
+                b = adapter.b[part].detach()
+                if adapter.parallel == "row":  # A split by input columns, as the base
+                    a = _gather_tp(a, ParamMap(local_name, (), "columns"))
+                else:  # B split by output rows, as the base
+                    b = _gather_tp(b, ParamMap(local_name, (), "rows"))
+                out += [a, b]
+            return out
+
+        return made
+
+    def planned() -> Planned:
+        for stage in range(mpu.get_pipeline_model_parallel_world_size()):
+            offset, num_layers = _stage_layout(gpt, pp_rank=stage)
+            for local in range(num_layers):
+                for block, linear, _ in LAYER_LINEARS:
+                    names: list[tuple[str, tuple[int, ...]]] = []
+                    for target in (t for t in FUSED_TARGETS[linear] if t in settings.targets):
+                        rows, cols = hf_shape(spec, hf_module(offset + local, target) + ".weight")
+                        names += [
+                            (adapter_name(offset + local, target, "A"), (r, cols)),
+                            (adapter_name(offset + local, target, "B"), (rows, r)),
+                        ]
+                    if names:
+                        yield stage, names, produce(f"decoder.layers.{local}.{block}.{linear}")
+
+    yield from _in_chunks(_stage_groups(planned(), dtype=gpt.config.params_dtype, device=device), chunk_bytes)
 
 
 def send_chunk(
-    target: Any, named: list[tuple[str, torch.Tensor]], pack: Callable[[Any], Any] | None = None
+    target: Any,
+    named: list[tuple[str, torch.Tensor]],
+    pack: Callable[[Any], Any] | None = None,
+    *,
+    method: str = "update_weights_from_tensors",
+    **kwargs: Any,
 ) -> None:
-    """Hand one chunk of `export_hf_weights` to an engine's `update_weights_from_tensors`.
+    """Hand one chunk of `export_hf_weights` to an engine's `update_weights_from_tensors` (or, for a
+    chunk of `export_lora_adapters`, its `update_adapter_from_tensors`: `method`, with `kwargs`).
 
     A local object gets the tensors as they are; a Ray actor handle gets CPU
     copies (as `host_tensors.zero_copy` objects, which arrive as read-only CPU
@@ -282,17 +399,17 @@ def send_chunk(
     this rank's GPU: no round trip through the host). The call is waited for, so
     chunks arrive one at a time and in order, and a packed payload outlives its use.
     """
-    method = target.update_weights_from_tensors
-    remote: Callable[..., Any] | None = getattr(method, "remote", None)
+    bound = getattr(target, method)
+    remote: Callable[..., Any] | None = getattr(bound, "remote", None)
     if remote is None:
-        method(named if pack is None else pack(named))
+        bound(named if pack is None else pack(named), **kwargs)
         return
     import ray
 
     if pack is not None:
         payload = pack(named)
-        ray.get(remote(payload))
+        ray.get(remote(payload, **kwargs))
         del payload
         return
     # CPU copies that Ray passes through its object store without pickling their bytes.
-    ray.get(remote([(name, zero_copy(t.detach().to("cpu"))) for name, t in named]))
+    ray.get(remote([(name, zero_copy(t.detach().to("cpu"))) for name, t in named], **kwargs))

@@ -2,10 +2,12 @@
 
 `build_trainee` builds this rank's pipeline stage of the actor or critic, loads
 the Hugging Face weights (and, for an actor with a KL loss or reward-level KL, keeps the reference
-weights on the host), wraps it in Megatron's DDP and builds the optimizer, each
+weights on the host), gives it LoRA adapters when the role has them (`WorkerConfig.lora_of`: the
+base then frozen), wraps it in Megatron's DDP and builds the optimizer, each
 inside the memory backend's region of its tag so that torch_memory_saver tracks
 them. `Trainee` then says which tensors belong to which tag for the pinned-host
-backend, swaps reference weights in and out, and snapshots the training state.
+backend, swaps reference weights in and out (with LoRA: switches the adapters off),
+and snapshots the training state.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from tandem.lifecycle import HostCopies, MemoryBackend, PinnedHostBackend
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
+from tandem.megatron.models.lora import adapters_disabled
+from tandem.megatron.models.lora_spec import LoraSettings
 from tandem.megatron.worker.checkpoint import TrainState
 from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
 
 WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
 """Memory tags: weights can come back alone (weight export while asleep)."""
+BASE = "base"
+"""The memory tag of a LoRA model's frozen base (every parameter that does not train)."""
 
 
 def _params_dtype(config: WorkerConfig) -> torch.dtype:
@@ -47,7 +53,8 @@ class Trainee:
         reference: host copies of the reference weights, one per parameter of
             `chunks[0].module`, in `parameters()` order (`HostCopies`: one exact-size
             buffer, page-locked on the GPU); None without a KL loss or reward-level KL
-            (`WorkerConfig.needs_reference`).
+            (`WorkerConfig.needs_reference`), and with LoRA (the reference is the base).
+        lora: the role's LoRA settings; None when it trains in full.
     """
 
     role: Role
@@ -58,6 +65,7 @@ class Trainee:
     device: torch.device
     backend: MemoryBackend
     reference: Sequence[torch.Tensor] | None = None
+    lora: LoraSettings | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -68,6 +76,11 @@ class Trainee:
     def parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters, in `parameters()` order."""
         return list(self.module.parameters())
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether `reference_weights` has a reference to swap in: host copies, or a LoRA model's base."""
+        return self.reference is not None or (self.lora is not None and self.config.needs_reference)
 
     def optimizer_step(self) -> tuple[float, float]:
         """One optimizer step; (grad norm, lr). Inside the optimizer's region: Adam state is created lazily."""
@@ -89,12 +102,16 @@ class Trainee:
 
     # --- tensors per memory tag (pinned-host backend) ------------------------------------
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The model weights: DDP's flat parameter buffers where it has them, else each parameter."""
+        """The trained weights: DDP's flat parameter buffers where it has them, else each trained parameter."""
         flat = [b.param_data for b in self._buffers() if getattr(b, "param_data", None) is not None]
         in_flat = {
             id(p) for b in self._buffers() if getattr(b, "param_data", None) is not None for p in b.params
         }
-        return flat + [p for p in self.parameters() if id(p) not in in_flat]
+        return flat + [p for p in self.parameters() if id(p) not in in_flat and p.requires_grad]
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        """The parameters that never train (a LoRA model's base), each on its own; none without LoRA."""
+        return [p for p in self.parameters() if not p.requires_grad]
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """DDP's flat gradient buffers."""
@@ -109,22 +126,32 @@ class Trainee:
         taken = {_storage_key(t) for t in (*self.weight_tensors(), *self.grad_tensors())}
         return (t for t in self.optim.state_tensors() if _storage_key(t) not in taken)
 
+    @property
+    def base_sleeps(self) -> bool:
+        """Whether a sleep puts a LoRA model's frozen base away too (`lora_base_offload`)."""
+        return self.lora is not None and self.config.lora_base_offload
+
     def register(self, backend: MemoryBackend) -> tuple[str, ...]:
         """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order."""
+        base = (BASE,) if self.base_sleeps else ()
         if isinstance(backend, PinnedHostBackend):
+            if base:
+                # Copied to the host at the first sleep only: the base never changes.
+                backend.register(BASE, self.frozen_tensors(), frozen=True)
             backend.register(WEIGHTS, self.weight_tensors())
             # Gradients are zeroed before every minibatch: their bytes are not worth moving.
             backend.register(GRADS, self.grad_tensors(), keep=self.config.offload_grads)
             backend.register(
                 OPTIMIZER, self.optimizer_tensors, resume_in_background=self.config.background_optimizer_wake
             )
-            return WEIGHTS, GRADS, OPTIMIZER
+            return (*base, WEIGHTS, GRADS, OPTIMIZER)
         # torch_memory_saver: regions at build time; the gradients were allocated in the weights region.
-        return WEIGHTS, OPTIMIZER
+        return (*base, WEIGHTS, OPTIMIZER)
 
     def state_nbytes(self) -> dict[str, int]:
         """Bytes of the training state by memory tag (distinct storages), for benchmarks."""
         sources = {
+            BASE: self.frozen_tensors(),
             WEIGHTS: self.weight_tensors(),
             GRADS: self.grad_tensors(),
             OPTIMIZER: self.optimizer_tensors(),
@@ -148,7 +175,14 @@ class Trainee:
         come back by a device-to-device copy; so the host holds the reference weights alone
         (`HostCopies`: one exact-size page-locked buffer), not a second set for the trained
         ones. Every copy runs on the current stream: no host sync.
+
+        With LoRA the reference is the base model: the block runs with every adapter
+        switched off, and nothing is copied.
         """
+        if self.lora is not None and self.config.needs_reference:
+            with adapters_disabled(self.module):
+                yield
+            return
         if self.reference is None:
             raise RuntimeError(
                 "reference_weights: this model keeps no reference weights (use_kl_loss is off and kl_coef is 0)"
@@ -179,7 +213,13 @@ class Trainee:
             # which megatron-core 0.19 refuses; "dp_reshardable" is the format it supports.
             metadata["distrib_optim_sharding_type"] = "dp_reshardable"
             metadata["dp_cp_group"] = mpu.get_data_parallel_group(with_context_parallel=True)
-        return TrainState(self.chunks, self.optim.optimizer, self.optim.scheduler, metadata)
+        return TrainState(
+            self.chunks,
+            self.optim.optimizer,
+            self.optim.scheduler,
+            metadata,
+            trained_only=self.lora is not None,
+        )
 
     @torch.no_grad()
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -198,11 +238,14 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
     """Build, load and wrap `role`'s model on this rank; weights and optimizer in their memory regions."""
     # Megatron-core: its modules load once the worker's process has its CPU path (`enable_cpu_compat`).
     from tandem.megatron.models.hf_weights import load_hf_checkpoint as load_hf
+    from tandem.megatron.models.lora import apply_lora
     from tandem.megatron.models.networks import build_model
 
     spec = ModelSpec.from_hf(config.hf_checkpoint_of(role))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    with backend.region(WEIGHTS):
+    lora = config.lora_of(role)
+    # A LoRA model's base gets a region of its own (torch_memory_saver): it never sleeps with the adapters.
+    with backend.region(WEIGHTS if lora is None else BASE):
         model = build_model(
             spec,
             role,
@@ -214,14 +257,17 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
             **_jit_fusion_overrides(config.jit_fusions),
         )
         reference = None
-        if role == "actor" and config.needs_reference:
+        if role == "actor" and config.needs_reference and lora is None:
             load_hf(model, spec, config.ref_load or config.hf_checkpoint, role)
             reference = HostCopies(p.detach() for p in model.parameters())
         load_hf(model, spec, config.hf_checkpoint_of(role), role)
+    with backend.region(WEIGHTS):
+        if lora is not None:
+            apply_lora(model, spec, lora, seed=config.seed)
         ddp = wrap_ddp(model, use_distributed_optimizer=on_gpu)
     with backend.region(OPTIMIZER):
         optim = build_optimizer([ddp], config, role)
-    return Trainee(role, config, spec, [ddp], optim, device, backend, reference)
+    return Trainee(role, config, spec, [ddp], optim, device, backend, reference, lora)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -70,12 +70,16 @@ class TrainState:
         optimizer: the Megatron optimizer.
         scheduler: Megatron's OptimizerParamScheduler.
         sharding_metadata: Megatron's sharded_state_dict metadata (optimizer sharding type, groups).
+        trained_only: the model's part of a checkpoint holds only the parameters that train (a
+            LoRA model: its adapters and the critic's value head); the frozen base is the Hugging
+            Face folder's, loaded at start-up, and never saved.
     """
 
     model: Sequence[torch.nn.Module]
     optimizer: Any
     scheduler: Any
     sharding_metadata: dict[str, Any]
+    trained_only: bool = False
 
 
 def _rng_state() -> dict[str, Any]:
@@ -111,7 +115,11 @@ def _sharded_state_dict(
     for i, chunk in enumerate(state.model):
         module: Any = getattr(chunk, "module", chunk)
         key = "model" if len(state.model) == 1 else f"model{i}"
-        model_sd[key] = module.sharded_state_dict(metadata=state.sharding_metadata)
+        sharded = module.sharded_state_dict(metadata=state.sharding_metadata)
+        if state.trained_only:
+            trained = _trained_names(module)
+            sharded = {k: v for k, v in sharded.items() if k in trained}
+        model_sd[key] = sharded
     flat_model_sd: dict[str, Any] = {}
     for sd in model_sd.values():
         flat_model_sd.update(sd)
@@ -132,6 +140,25 @@ def _sharded_state_dict(
         # Each rank's RNG differs; one shard per rank, restored on the same topology.
         "rng_state": ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0),
     }
+
+
+def _trained_names(module: torch.nn.Module) -> set[str]:
+    return {name for name, param in module.named_parameters() if param.requires_grad}
+
+
+def _load_model_part(chunk: torch.nn.Module, loaded: dict[str, Any], *, trained_only: bool) -> None:
+    """Copy a checkpoint's model part into `chunk`; a trained-only part must hold every trained parameter."""
+    if not trained_only:
+        chunk.load_state_dict(loaded, strict=True)
+        return
+    module: Any = getattr(chunk, "module", chunk)
+    missing, unexpected = module.load_state_dict(loaded, strict=False)
+    absent = sorted(set(missing) & _trained_names(module))
+    if absent or unexpected:
+        raise RuntimeError(
+            f"the checkpoint does not match the LoRA model: missing {absent[:5]}, unexpected {list(unexpected)[:5]} "
+            "(was it saved with other LoRA settings, or without LoRA?)"
+        )
 
 
 def in_process_write_results() -> bool:
@@ -224,7 +251,8 @@ def load_checkpoint(
             "a start of the run sets it aside and resumes from the one before"
         ) from exc
     for i, chunk in enumerate(state.model):
-        chunk.load_state_dict(loaded["model" if len(state.model) == 1 else f"model{i}"], strict=True)
+        part = loaded["model" if len(state.model) == 1 else f"model{i}"]
+        _load_model_part(chunk, part, trained_only=state.trained_only)
     if stepped:
         state.optimizer.load_state_dict(loaded["optimizer"])
     # The scheduler adds the saved step count to its own; count from 0 when loading in place.

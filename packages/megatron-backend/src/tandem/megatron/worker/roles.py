@@ -82,12 +82,12 @@ def compute_log_probs(trainee: Trainee, batch: RolloutBatch) -> ActorLogProbs | 
 
     Returns, on pipeline-last-stage ranks, an `ActorLogProbs`, each Box
     `pack_values` of one tensor per sample (its response length); its
-    `ref_log_probs` only when the actor keeps reference weights. None on other stages.
+    `ref_log_probs` only when the actor has a reference (host copies, or a LoRA base). None on other stages.
     """
 
     old_log_probs = _actor_log_probs(trainee, batch)
     ref_log_probs = None
-    if trainee.reference is not None:
+    if trainee.has_reference:
         with trainee.reference_weights():
             ref_log_probs = _actor_log_probs(trainee, batch)
     if old_log_probs is None:

@@ -26,12 +26,12 @@ from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
 from tandem.megatron.models._megatron_core import import_megatron_core
-from tandem.megatron.models.hf_weights import export_hf_weights, send_chunk
+from tandem.megatron.models.hf_weights import export_hf_weights, export_lora_adapters, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.runtime.fault_points import set_context as set_fault_context
 from tandem.megatron.runtime.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker import roles
-from tandem.megatron.worker._trainee import WEIGHTS, Trainee, build_trainee
+from tandem.megatron.worker._trainee import BASE, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
 from tandem.megatron.worker.parallel import destroy_distributed, free_port
 from tandem.megatron.worker.startup import (
@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """A rollout engine that takes HF-named weights in chunks (`update_weights`'s target).
+    """A rollout engine that takes HF-named weights in chunks (`update_weights`'s target; with
+    `adapters=True` it also needs `update_adapter_from_tensors(named_tensors, scaling=...)`).
 
     A Ray actor handle whose class has this method works too (the worker calls
     `.remote` and waits); it then receives CPU tensors.
@@ -274,7 +275,9 @@ class TrainWorker:
         )
 
     # --- weights to the rollout engine ---------------------------------------------------------
-    def update_weights(self, engine: Any, pack: Callable[[Any], Any] | None = None) -> int:
+    def update_weights(
+        self, engine: Any, pack: Callable[[Any], Any] | None = None, *, adapters: bool = False
+    ) -> int:
         """Send the model's weights, HF-named and in chunks, to `engine` (or each engine of a list).
 
         Every rank takes part (tensors are gathered over TP and PP). Without `pack`,
@@ -283,10 +286,19 @@ class TrainWorker:
         to engine r, so there must be one engine per rank.
         While asleep only the weights come back, over temporary process groups
         that are torn down again afterwards. Returns the number of chunks sent.
+
+        A LoRA actor sends its weights with the adapters merged in (a frozen base that
+        sleeps comes back for it too), or with `adapters` its adapters alone, in PEFT's
+        names, to each engine's `update_adapter_from_tensors(named, scaling=...)`, which
+        merges them into its own copy of the base; then only the adapters come back.
         """
-        self._require_init()
+        trainee = self._require_init()
         if self.role != "actor":
             raise ValueError("update_weights: only the actor's weights go to the rollout engine")
+        if adapters and trainee.lora is None:
+            raise ValueError(
+                "update_weights: adapters=True, but the actor trains in full (lora_rank is unset)"
+            )
         engines = list(engine) if isinstance(engine, list | tuple) else [engine]
         if pack is not None and len(engines) != self.world_size:
             raise ValueError(
@@ -294,17 +306,18 @@ class TrainWorker:
                 f"engines for {self.world_size} ranks; pass one engine per rank, or no pack"
             )
         if not self._lifecycle.asleep:
-            return self._send_weights(engines, pack)
+            return self._send_weights(engines, pack, adapters=adapters)
         # Only the weights come back, and the process groups only where the export gathers
         # over TP or PP (each rebuild and teardown costs a communicator setup and shutdown):
         # a rank of a TP = PP = 1 model holds every weight already.
         tp, pp = self.config.topology(self.role)
         collectives = tp * pp > 1
-        self._lifecycle.wake_up([WEIGHTS], process_groups=collectives)
+        tags = [BASE, WEIGHTS] if trainee.base_sleeps and not adapters else [WEIGHTS]
+        self._lifecycle.wake_up(tags, process_groups=collectives)
         try:
-            return self._send_weights(engines, pack, barrier=collectives)
+            return self._send_weights(engines, pack, barrier=collectives, adapters=adapters)
         finally:
-            self._lifecycle.sleep([WEIGHTS], process_groups=collectives)
+            self._lifecycle.sleep(tags, process_groups=collectives)
 
     def lifecycle_timings(self) -> dict[str, float]:
         """Seconds of each step of this worker's last sleep or wake (that of a weight export included)."""
@@ -331,16 +344,29 @@ class TrainWorker:
         return counts
 
     def _send_weights(
-        self, engines: list[Any], pack: Callable[[Any], Any] | None = None, *, barrier: bool = True
+        self,
+        engines: list[Any],
+        pack: Callable[[Any], Any] | None = None,
+        *,
+        barrier: bool = True,
+        adapters: bool = False,
     ) -> int:
         trainee = self._require_init()
+        chunk_bytes = self.config.update_weights_chunk_bytes
+        if adapters:
+            assert trainee.lora is not None
+            exported = export_lora_adapters(trainee.module, trainee.spec, trainee.lora, chunk_bytes)
+            how: dict[str, Any] = {"method": "update_adapter_from_tensors", "scaling": trainee.lora.scaling}
+        else:
+            exported = export_hf_weights(trainee.module, trainee.spec, chunk_bytes)
+            how = {}
         chunks = 0
-        for named in export_hf_weights(trainee.module, trainee.spec, self.config.update_weights_chunk_bytes):
+        for named in exported:
             if pack is not None:
-                send_chunk(engines[self.rank], named, pack)
+                send_chunk(engines[self.rank], named, pack, **how)
             elif self.rank == 0:
                 for target in engines:
-                    send_chunk(target, named)
+                    send_chunk(target, named, **how)
             chunks += 1
         if barrier:  # without it the caller's wait for every rank's answer is the barrier
             self._barrier()
@@ -366,6 +392,15 @@ class TrainWorker:
         cycles, also while awake); None where the backend does not say (torch_memory_saver's CPU backup)."""
         host_nbytes = getattr(self._backend, "host_nbytes", None)
         return int(host_nbytes()) if host_nbytes is not None else None
+
+    def bytes_copied_to_host(self) -> dict[str, int]:
+        """Bytes each memory tag has copied to the host so far (pinned_host; {} elsewhere): a LoRA model's
+        frozen base only at its first sleep."""
+        self._require_init()
+        copied = getattr(self._backend, "copied_to_host", None)
+        if copied is None:
+            return {}
+        return {tag: int(copied(tag)) for tag in self._backend.tags}
 
     def gpu_memory(self) -> dict[str, int | None]:
         """This worker's GPU memory now and at start-up, in bytes, as nvidia-smi reports it.

@@ -317,7 +317,8 @@ def export_run(run_dir: str, out: str | None = None) -> str:
                 actor_config, "actor", slot.pg, slot.bundle_indices, num_gpus_per_worker=1.0
             )
             try:
-                return export_actor(actor, folder, config.hf_checkpoint)
+                lora = actor_config.lora_of("actor")
+                return export_actor(actor, folder, config.hf_checkpoint, lora)
             finally:
                 actor.shutdown()
                 actor.kill()

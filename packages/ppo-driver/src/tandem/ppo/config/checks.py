@@ -179,6 +179,16 @@ def _check_plan(config: RunFields) -> None:
             f"--sglang-urls: {len(config.sglang_urls)} URLs for {config.num_engines} rollout GPUs; give one "
             "URL per rollout GPU (--rollout-num-gpus)"
         )
+    if config.lora_sync != "auto" and config.lora_rank is None:
+        raise ValueError(
+            f"--lora-sync: {config.lora_sync}, but --lora-rank is unset (the actor trains in full and sends "
+            "its whole weights); set --lora-rank, or leave --lora-sync at auto"
+        )
+    if config.lora_sync == "adapters" and config.rollout_engine == "sglang":
+        raise ValueError(
+            "--lora-sync: adapters needs the embedded engine (it merges them into its base); SGLang servers "
+            "get the merged weights: use --lora-sync merged or auto"
+        )
     if config.weight_sync == "ipc" and not (config.colocate and config.num_engines == config.actor_num_gpus):
         raise ValueError(
             "--weight-sync: ipc needs each engine on an actor rank's GPU (--colocate, one engine per "

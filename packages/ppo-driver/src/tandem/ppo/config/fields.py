@@ -145,6 +145,13 @@ class RunFields(EpisodeFields, WorkerFields):
     engine on its GPU (no copy through the host; colocated, one engine per actor rank); `cpu`, CPU
     copies from rank 0 to every engine through Ray; `auto`, `ipc` where it applies, else `cpu`."""
 
+    lora_sync: Literal["auto", "adapters", "merged"] = "auto"
+    """How a LoRA actor (`--lora-rank`) reaches the engines: `adapters`, its adapters alone, which each
+    embedded engine merges into its own copy of the base, exactly, from that copy (the base itself is
+    copied to the host once); `merged`, its whole weights with the adapters merged in, as a full
+    fine-tune sends them; `auto`, `adapters` with the embedded engine, `merged` with SGLang (which is
+    sent whole weights)."""
+
     sglang_urls: tuple[str, ...] = ()
     """Attach to these running SGLang servers (one per rollout GPU) instead of launching them."""
 
@@ -396,6 +403,13 @@ class RunFields(EpisodeFields, WorkerFields):
     def actor_data_parallel_size(self) -> int:
         """Data-parallel size of the actor."""
         return self.data_parallel_size(self.actor_num_gpus, "actor")
+
+    @property
+    def syncs_adapters(self) -> bool:
+        """Whether the weight sync sends the LoRA actor's adapters rather than its merged weights (`lora_sync`)."""
+        if self.lora_rank is None or self.lora_sync == "merged":
+            return False
+        return self.lora_sync == "adapters" or self.rollout_engine == "embedded"
 
     @property
     def reward_spec(self) -> str:

@@ -31,6 +31,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("rollout", "how responses are sampled, and by which engine"),
     ("PPO algorithm", "the policy loss, advantages, KL, and the optimizer"),
     ("critic", "the value model that shares the actor's GPUs"),
+    ("LoRA", "low-rank adapters for the actor and the critic, over a frozen base"),
     ("data and rewards", "prompts, rewards and the eval set"),
     ("episodes and tools", "multi-turn rollouts: the environment, its budgets, tools, the chat endpoint"),
     ("on-policy distillation", "a teacher that scores the student's own samples on the rollout GPUs"),
@@ -66,6 +67,10 @@ _GROUP_MEMBERS: dict[str, str] = {
         "critic_updates_per_step "
         "critic_tensor_model_parallel_size critic_pipeline_model_parallel_size critic_load critic_save"
     ),
+    "LoRA": (
+        "lora_rank lora_alpha lora_dropout lora_target_modules critic_lora_rank critic_lora_alpha "
+        "critic_lora_dropout critic_lora_target_modules lora_base_offload lora_sync"
+    ),
     "data and rewards": (
         "prompt_data input_key label_key apply_chat_template max_prompt_len rm_type custom_rm_path "
         "accuracy_threshold eval_prompt_data n_samples_per_eval_prompt eval_temperature"
@@ -93,6 +98,7 @@ GROUP_OF: dict[str, str] = {name: group for group, names in _GROUP_MEMBERS.items
 """The group of every field the help knows by name."""
 
 GROUP_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"(^|_)lora(_|$)", "LoRA"),
     (r"(^|_)(wandb|mlflow|tensorboard|log|logging|metrics?)(_|$)", "logging"),
     (r"_gpu_share$|^(actor|rollout)_num_|_gpus?$|^ray_", "placement and resources"),
     (r"^critic_|_critic(_|$)|^value_", "critic"),

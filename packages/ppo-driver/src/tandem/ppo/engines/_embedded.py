@@ -16,7 +16,8 @@ The model code is transformers' own; the engine owns the loop around it:
   (`PinnedHostBackend`) and the KV cache, CUDA graphs and their memory pool are freed.
 
 The forward passes, the cache and the CUDA graphs are in `_forward.py`, the weight
-updates in `_weight_updates.py` (mixins of `EmbeddedEngine`).
+updates in `_weight_updates.py` and LoRA adapters merged into the base in
+`_adapter_updates.py` (mixins of `EmbeddedEngine`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
 from tandem.megatron.runtime.fault_points import fault_point
 
+from ._adapter_updates import AdapterUpdates
 from ._errors import EngineMemoryReleasedError
 from ._forward import ForwardPasses
 from ._fused_decode import DecodeOpsKind, build_fused_decoder
@@ -41,14 +43,16 @@ from ._protocol import MEMORY_TAGS, FinishReason, Generation, MemoryTag, Samplin
 from ._sampling import Draws
 from ._sessions import SessionKV
 from ._weight_changes import ChangeCounter, weight_magnitudes
-from ._weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
 _MIN_BUCKET = 8
 
+COUNTER_TAG = "weight_changes"
+"""The memory backend's tag of the change counter's bitmask when the weights' tag is frozen (`adapter_sync`)."""
 
-class EmbeddedEngine(WeightUpdates, ForwardPasses):
+
+class EmbeddedEngine(AdapterUpdates, ForwardPasses):
     """A rollout engine on Hugging Face transformers (CPU or one CUDA device); see the module docstring.
 
     Args:
@@ -120,9 +124,25 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 memory_backend = NoopBackend()
             else:
                 memory_backend = PinnedHostBackend(self.device)
+        # With adapter_sync the weights are the base, copied to the host once (`_adapter_updates`); the
+        # change counter's bitmask, which every sync writes, is then a tag of its own that moves each time.
+        self._weight_tags = (
+            ["weights", COUNTER_TAG] if options.adapter_sync and self._changes is not None else ["weights"]
+        )
+        frozen = {"frozen": True} if options.adapter_sync else {}
         if hasattr(memory_backend, "register"):
-            memory_backend.register("weights", self._weight_tensors)
-        self._lifecycle = Lifecycle(memory_backend, tags=["weights"])
+            memory_backend.register("weights", self._weight_tensors, **frozen)
+            if COUNTER_TAG in self._weight_tags:
+                memory_backend.register(COUNTER_TAG, self._counter_tensors)
+        self._base_copy: Any = None
+        if options.adapter_sync:
+            self._base_copy = memory_backend if isinstance(memory_backend, PinnedHostBackend) else None
+            if self._base_copy is None:  # released weights stay put (or another backend): a copy of its own
+                self._base_copy = PinnedHostBackend(self.device)
+                self._base_copy.register("weights", self._weight_tensors, frozen=True)
+        self._adapters: dict[str, Any] = {}
+        self._merged: set[str] = set()
+        self._lifecycle = Lifecycle(memory_backend, tags=self._weight_tags)
         self._kv_released = False
         self._lock = threading.RLock()
         self._generate_calls = 0  # this process's, for `fault_points` (a test kills the n-th)
@@ -188,7 +208,8 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 self._drop_graphs()  # they point at the weights' storages, which move
                 if self._fused is not None:
                     self._fused.release()
-                self._lifecycle.sleep(["weights"])
+                self._lifecycle.sleep(self._weight_tags)
+                self._adapters_released()
             self._empty_device_cache()
 
     def resume_memory(self, tags: Sequence[MemoryTag] = MEMORY_TAGS) -> None:
@@ -196,7 +217,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
         chosen = _check_tags(tags)
         with self._lock:
             if "weights" in chosen and self._lifecycle.asleep:
-                self._lifecycle.wake_up(["weights"])
+                self._lifecycle.wake_up(self._weight_tags)
             if "kv_cache" in chosen and self._kv_released:
                 self._kv_released = False
                 if self._last_cache_shape is not None:
@@ -249,6 +270,7 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
                 raise ValueError(
                     f"generate: {len(sessions)} sessions for {len(token_lists)} prompts; give one each"
                 )
+            self._merge_kept_adapters()
             if not token_lists:
                 return []
             if params.max_new_tokens == 0:
@@ -442,9 +464,13 @@ class EmbeddedEngine(WeightUpdates, ForwardPasses):
             torch.cuda.empty_cache()
 
     def _weight_tensors(self) -> list[torch.Tensor]:
-        # The change counter's bitmask goes to the host and back with the weights it describes.
-        counter = self._changes.tensors() if self._changes is not None else []
+        # The change counter's bitmask goes to the host and back with the weights it describes (in a tag
+        # of its own beside a frozen base).
+        counter = self._counter_tensors() if COUNTER_TAG not in self._weight_tags else []
         return [*self.model.parameters(), *self.model.buffers(), *counter]
+
+    def _counter_tensors(self) -> list[torch.Tensor]:
+        return self._changes.tensors() if self._changes is not None else []
 
 
 def _own_storages(model: torch.nn.Module) -> None:

@@ -69,6 +69,12 @@ class EngineOptions:
     """Where released weights go: "pinned_host" (tandem.lifecycle's retained host buffers, back at
     link speed) or "none" (weights stay resident; only the KV cache is freed)."""
 
+    adapter_sync: bool = False
+    """The actor is a LoRA model that sends its adapters (`update_adapter_from_tensors`) instead of its
+    whole weights: the engine's weights are its base, copied to the host once (a release then only frees
+    them, a resume copies the base back), and each sync merges the adapters into the base exactly, from
+    that copy (`_adapter_updates.py`). Embedded engine only."""
+
     request_timeout_s: float = 600.0
     """Seconds the group waits for an engine's answer (a generate, a weight update, a release) before
     raising an `EngineError` naming its rank."""

@@ -256,4 +256,6 @@ def engine_options_of(config: PPOConfig) -> Any:
         engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction
     if config.sglang_urls:
         engine_kwargs["sglang_urls"] = tuple(config.sglang_urls)
+    if config.syncs_adapters:
+        engine_kwargs["adapter_sync"] = True
     return EngineOptions(**engine_kwargs)

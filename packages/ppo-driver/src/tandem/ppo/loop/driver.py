@@ -469,7 +469,8 @@ class PPODriver:
     def export_hf(self) -> Path:
         """The actor as a Hugging Face folder at RUN_DIR/hf."""
         with self.gpus.phase("export_hf"):
-            return Path(export_actor(self.actor, self.run_dir / "hf", self.config.hf_checkpoint))
+            lora = self.config.actor_config().lora_of("actor")
+            return Path(export_actor(self.actor, self.run_dir / "hf", self.config.hf_checkpoint, lora))
 
 
 @functools.cache

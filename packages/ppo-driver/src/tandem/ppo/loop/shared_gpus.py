@@ -76,6 +76,7 @@ class SharedGpus:
         events: EventLog,
         clock: PhaseClock,
         weight_pack: Callable[..., Any] | None = None,
+        sync_adapters: bool = False,
     ) -> None:
         self.engines = engines
         self.actor = actor
@@ -86,6 +87,8 @@ class SharedGpus:
         self.clock = clock
         self.weight_pack = weight_pack
         """The engines' `ipc_payload` where actor rank r and engine r share a GPU, else None (CPU copies)."""
+        self.sync_adapters = sync_adapters
+        """A LoRA actor's weight syncs send its adapters alone (`PPOConfig.syncs_adapters`)."""
         self.weights_version = 0
         self.weight_changes: dict[str, float] | None = None
         """What the last weight sync changed in the engines' weights (`weight_sync.sync_weights`)."""
@@ -219,6 +222,7 @@ class SharedGpus:
             release_engines=not self.awake("engine"),
             events=self.events,
             clock=self.clock,
+            adapters=self.sync_adapters,
         )
         self._awake.add("engine")
         if weights_version is not None:
@@ -228,7 +232,13 @@ class SharedGpus:
         """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
         self.engine_restarts += 1
         send_to_restarted(
-            self.actor, self.engines, rank, handle, weights_version=self.weights_version, events=self.events
+            self.actor,
+            self.engines,
+            rank,
+            handle,
+            weights_version=self.weights_version,
+            events=self.events,
+            adapters=self.sync_adapters,
         )
 
     @contextlib.contextmanager

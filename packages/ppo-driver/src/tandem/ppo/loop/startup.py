@@ -109,6 +109,7 @@ def start_roles(
         events=events,
         clock=clock,
         weight_pack=weight_pack(config),
+        sync_adapters=config.syncs_adapters,
     )
     closing.callback(lambda: gpus.shutdown(graceful=not stopping_now()))
     slots = {"actor": started.placements.actor, "rollout": started.placements.rollout}

@@ -2,7 +2,8 @@
 
 The engines' weights come back first (when they released their memory), the
 asleep actor sends its weights (CUDA IPC where actor rank r and engine r share a
-GPU, else CPU copies), the engines flush their prefix caches and say what they
+GPU, else CPU copies; a LoRA actor with `adapters` its adapters alone, which the
+engines merge into their base), the engines flush their prefix caches and say what they
 hold (`weights_received`) and what the sync changed in their weights (`weight_changes`, counted on
 their device as they copied), and their KV cache comes back last.
 """
@@ -33,22 +34,23 @@ def sync_weights(
     release_engines: bool,
     events: EventLog,
     clock: PhaseClock,
+    adapters: bool = False,
 ) -> dict[str, float] | None:
-    """Engines' weights back -> the actor's weights into them -> KV cache back; what the sync changed in
-    the engines' weights (`EngineGroup.weight_changes`; None where the engines do not say)."""
+    """Engines' weights back -> the actor's weights (or LoRA adapters) into them -> KV cache back; what the
+    sync changed in the engines' weights (`EngineGroup.weight_changes`; None where the engines do not say)."""
     if release_engines:
         with clock.phase("engine_resume_weights"):
             engines.resume_memory(["weights"])
     with clock.phase("weight_sync"):
-        events.record("weight_sync", path="ipc" if pack is not None else "cpu")
+        events.record("weight_sync", path="ipc" if pack is not None else "cpu", adapters=adapters)
         try:
-            actor.update_weights(engines.handles, pack)
+            actor.update_weights(engines.handles, pack, adapters=adapters)
         except Exception as exc:
             # An engine that died during the sync is restarted (with these weights), then all
             # engines get them again; any other failure is the sync's own.
             if not restart_dead_engines(engines, exc):
                 raise
-            actor.update_weights(engines.handles, pack)
+            actor.update_weights(engines.handles, pack, adapters=adapters)
         engines.flush_cache()
         check_engines_agree(engines, events)
         changes = engines.weight_changes()
@@ -59,7 +61,14 @@ def sync_weights(
 
 
 def send_to_restarted(
-    actor: TrainGroup, engines: EngineGroup, rank: int, handle: Any, *, weights_version: int, events: EventLog
+    actor: TrainGroup,
+    engines: EngineGroup,
+    rank: int,
+    handle: Any,
+    *,
+    weights_version: int,
+    events: EventLog,
+    adapters: bool = False,
 ) -> None:
     """A restarted engine (`EngineGroup.restart`) starts from the HF folder: give it the actor's weights."""
     import ray
@@ -67,7 +76,7 @@ def send_to_restarted(
     digest = getattr(handle, "weights_digest", None)
     before = ray.get(digest.remote()) if digest is not None else None
     if weights_version > 0:
-        actor.update_weights([handle])  # CPU copies: to this engine alone
+        actor.update_weights([handle], adapters=adapters)  # CPU copies: to this engine alone
     after = ray.get(digest.remote()) if digest is not None else None
     events.record(
         "engine_restart",

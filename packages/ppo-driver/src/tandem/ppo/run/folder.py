@@ -38,6 +38,8 @@ CONFIG_FILE = "config.yaml"
 _FIXED_GROUPS: dict[str, tuple[str, ...]] = {
     "the models' shape and weights": (
         "hf_checkpoint", "critic_hf_checkpoint", "ref_load", "params_dtype", "use_critic", "train_backend",
+        "lora_rank", "lora_alpha", "lora_target_modules",
+        "critic_lora_rank", "critic_lora_alpha", "critic_lora_target_modules",
     ),
     "the optimizer state and learning-rate schedule in the checkpoints": (
         "lr", "critic_lr", "min_lr", "lr_decay_style", "lr_warmup_steps", "lr_decay_steps",

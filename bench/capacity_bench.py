@@ -94,6 +94,9 @@ def run_one(
     row["steps"] = len(result.get("steps") or [])
     row["step_s"] = result.get("step_s_mean") if trained else None
     row["gpu_peak_gib"] = (result.get("gpu_peak_gib") or {}).get("overall")
+    # Where the peak was (and, for a run that failed, how far it got): the row must say it once
+    # the bench's own folder is gone with the machine.
+    row["gpu_peak_gib_by_phase"] = (result.get("gpu_peak_gib") or {}).get("per_phase")
     row["host_used_peak_gib"] = result.get("host_used_peak_gib")
     row["host_buffer_gib"] = result.get("host_buffer_gib")
     row["weight_sync_s"] = (result.get("phase_s_mean") or {}).get("weight_sync") if trained else None
@@ -102,6 +105,8 @@ def run_one(
     row["why_not"] = None if trained else why_it_failed(report, log_path.read_text(errors="replace")[-20000:])
     if rc is None:
         row["why_not"] = f"timed out after {args.time_budget_s + 240:.0f} s"
+    if not trained:
+        row["log_tail"] = log_path.read_text(errors="replace").splitlines()[-40:]
     row["bench_json"], row["log"] = str(out), str(log_path)
     return row
 

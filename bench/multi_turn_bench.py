@@ -15,7 +15,7 @@ template (the tiny character tokenizer's, one token a character). Reported, from
    turn's prompts generated again for one token) and the share of their tokens that an earlier
    turn had already prefilled or sampled give `upper_bound_saving_s`;
 4. `kept_kv`: the same rollout with the engine keeping each episode's KV cache between its turns
-   (`--keep-episode-kv`, the default), its tokens per second and its speed-up over re-prefilling.
+   (`--keep-episode-kv`, off by default since this bench's H200 row), its tokens per second and its speed-up over re-prefilling.
 
 CPU smoke run (tests/ppo/engines/test_bench_smoke.py runs it):
 

@@ -50,10 +50,13 @@ class EpisodeFields:
     """Failed episodes (the environment raised, returned the wrong types or timed out) a run tolerates;
     one more stops it, naming the environment, the sample and its log in RUN_DIR/logs/episodes."""
 
-    keep_episode_kv: bool = True
+    keep_episode_kv: bool = False
     """The embedded engine keeps each episode's KV cache between its turns, so that a turn prefills only
     the tokens that are new since the last one (the environment's reply); off: each turn prefills the
-    whole episode again. SGLang reuses the prefixes itself either way."""
+    whole episode again. Off by default: on one H200 (a Qwen2.5-0.5B shape, 256 episodes of 4 turns of
+    128 tokens; docs/benchmarks.md, "Multi-turn episodes on the embedded engine") keeping the KV ran
+    at 0.77 times the speed of re-prefilling, its copies of the kept rows costing more than the
+    batched prefill they save. SGLang reuses the prefixes itself either way."""
 
     endpoint_host: str = "127.0.0.1"
     """Where the OpenAI-compatible chat endpoint of a custom generate function listens. Any address but

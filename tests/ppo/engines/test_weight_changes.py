@@ -9,6 +9,7 @@ the count off the weights still arrive.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from tandem.ppo.engines import EmbeddedEngine, EngineMemoryReleasedError, EngineOptions, ipc_payload
 from tandem.ppo.engines._weight_changes import _count_with_torch, count_and_copy, weight_magnitudes
 
-from .conftest import make_tiny_model
+from .conftest import make_tiny_model, save_model
 
 
 def _changed_positions(size: int, positions: list[int]) -> set[int]:
@@ -103,7 +104,12 @@ def _hand_edit(model: Any, edits: dict[str, list[int]], delta: float) -> list[tu
     ids=["tensors", "ipc_payload", "cuda"],
 )
 def test_the_engine_counts_what_each_sync_changed(tiny_llama_dir: str, device: str, as_ipc: bool) -> None:
-    engine = EmbeddedEngine(tiny_llama_dir, EngineOptions(device=device))
+    assert_counts_of_hand_edits(EmbeddedEngine(tiny_llama_dir, EngineOptions(device=device)), device, as_ipc)
+
+
+def assert_counts_of_hand_edits(engine: EmbeddedEngine, device: str, as_ipc: bool) -> None:
+    """Syncs that change chosen elements of the tiny Llama report exactly those (test_weight_change_kernel.py
+    runs it with the counter's kernel in Triton's interpreter)."""
     base = make_tiny_model("llama")  # the weights the engine loaded (the folder's)
     elements = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
 
@@ -136,10 +142,30 @@ def test_the_engine_counts_what_each_sync_changed(tiny_llama_dir: str, device: s
 
 def test_without_the_count_the_weights_still_arrive(tiny_llama_dir: str) -> None:
     engine = EmbeddedEngine(tiny_llama_dir, EngineOptions(device="cpu", count_weight_changes=False))
-    engine.update_weights_from_tensors([("model.norm.weight", torch.full((32,), 2.0))])
-    assert torch.equal(engine.model.model.norm.weight, torch.full((32,), 2.0))
+    named = _hand_edit(make_tiny_model("llama"), {"model.norm.weight": [0], "lm_head.weight": [3, 4]}, 0.5)
+    named[0] = (named[0][0], named[0][1].double())  # another dtype: cast as `copy_` casts
+    engine.update_weights_from_tensors(named)  # one batched copy over every tensor
+    state = engine.model.state_dict()
+    assert all(torch.equal(state[name], tensor.to(state[name].dtype)) for name, tensor in named)
+    assert float(state["model.norm.weight"][0]) == 1.5  # RMSNorm's weights start at 1
     assert set(engine.weight_changes()) == {"update_s"}
     assert engine.weight_magnitudes() == {}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_tied_names_are_one_weight_counted_once(tmp_path: Path, device: str) -> None:
+    """Qwen2's head is its embedding: sent under both names, the weight is copied and counted once (on CUDA
+    two programs of one launch over it would both count its changes)."""
+    model = make_tiny_model("qwen2")
+    engine = EmbeddedEngine(save_model(model, tmp_path), EngineOptions(device=device))
+    embedding = model.model.embed_tokens.weight.detach().clone().to(device, engine.dtype)
+    embedding[2, :3] += 0.5
+    engine.update_weights_from_tensors(
+        [("model.embed_tokens.weight", embedding), ("lm_head.weight", embedding)]
+    )
+    changes = engine.weight_changes()
+    assert (changes["changed"], changes["changed_since_start"]) == (3, 3)
+    assert torch.equal(engine.model.lm_head.weight.detach(), embedding)
 
 
 def test_weight_magnitudes_count_elements_by_binary_exponent() -> None:

@@ -13,18 +13,18 @@ of changes can say without the start's values. The bitmask lives beside the
 weights and moves to the host with them when the engine releases its memory.
 
 The counts stay on the device until `take` (one read per sync, after it). On CUDA
-one Triton kernel per tensor compares, packs the bits, counts and copies
-(`_weight_change_kernel.py`); elsewhere, and for tensors the kernel does not take
-(not contiguous, not floating point), `count_and_copy` does the same in slices: with
-NumPy on the CPU (torch's small operations there cost many times the copy), with torch
-operations on another device.
+one Triton kernel launch for all the tensors of a call (one a dtype pair) compares,
+packs the bits, counts and copies (`_weight_change_kernel.py`); elsewhere, and for
+tensors the kernel does not take (not contiguous, not floating point), `count_and_copy`
+does the same in slices: with NumPy on the CPU (torch's small operations there cost
+many times the copy), with torch operations on another device.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,10 +154,14 @@ class ChangeCounter:
     """Counts the changes that weight syncs make to `weights` (name -> tensor, tied names sharing one).
 
     Allocates the bitmask (one bit per element, one buffer for all tensors) on the weights'
-    device; `tensors()` is what a memory backend moves with the weights.
+    device; `tensors()` is what a memory backend moves with the weights. `fused`: copy and count
+    with `_weight_change_kernel` (by default on CUDA; the tests also run it on the CPU, in
+    Triton's interpreter).
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], device: torch.device, *, fused: bool | None = None
+    ) -> None:
         self.device = device
         self._offset: dict[int, int] = {}
         self._numel: dict[int, int] = {}
@@ -174,10 +178,11 @@ class ChangeCounter:
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)
         self._since_start = 0
         self._kernel: Any = None
-        if device.type == "cuda":
-            from ._weight_change_kernel import copy_and_count  # Triton: CUDA hosts only
+        self._kernel_dtypes: Container[torch.dtype] = ()
+        if device.type == "cuda" if fused is None else fused:
+            from ._weight_change_kernel import DTYPES, copy_and_count  # Triton: CUDA hosts only
 
-            self._kernel = copy_and_count
+            self._kernel, self._kernel_dtypes = copy_and_count, DTYPES
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors the counter holds (the bitmask and the counts)."""
@@ -185,16 +190,32 @@ class ChangeCounter:
 
     def copy_in(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """Copy `source` over the weight `target` (one of the counter's), counting what changes."""
-        key = id(target)
-        offset = self._offset[key]
-        bits = self.bits[offset : offset + math.ceil(self._numel[key] / 8)]
-        if self._kernel is not None and target.is_contiguous() and target.is_floating_point():
-            incoming = (
-                source if source.device == target.device else source.to(target.device, non_blocking=True)
-            )
-            self._kernel(target, incoming.contiguous(), bits, self.counts)
-        else:
-            count_and_copy(target, source, bits, self.counts)
+        self.copy_in_many([(target, source)])
+
+    def copy_in_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each `source` over its weight `target` (the counter's; each target once), counting what changes.
+
+        The kernel takes the contiguous floating-point targets at once (their sources moved to the
+        targets' device first); the others are counted one by one by `count_and_copy`.
+        """
+        fused: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for target, source in copies:
+            offset = self._offset[id(target)]
+            if (
+                self._kernel is not None
+                and target.dtype in self._kernel_dtypes
+                and source.dtype in self._kernel_dtypes
+                and target.is_contiguous()
+                and target.device == self.bits.device
+            ):
+                if source.device != target.device:
+                    source = source.to(target.device, non_blocking=True)
+                fused.append((target, source.contiguous(), offset))
+            else:
+                bits = self.bits[offset : offset + math.ceil(self._numel[id(target)] / 8)]
+                count_and_copy(target, source, bits, self.counts)
+        if fused:
+            self._kernel(fused, self.bits, self.counts)
 
     def take(self) -> WeightChanges:
         """The changes since the last `take` (one device-to-host read), and the count since the start."""

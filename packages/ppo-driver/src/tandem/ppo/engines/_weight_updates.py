@@ -98,22 +98,35 @@ class WeightUpdates:
             return [float(x) for x in total.cpu()]
 
     def _copy_in(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        unknown = [n for n, _ in named if n not in self._params_by_name]
-        if unknown:
-            raise ValueError(
-                f"update_weights_from_tensors: {len(unknown)} names are not in the model, e.g. {unknown[:5]}"
-            )
+        """Each (name, tensor) over the model's tensor of that name: counted (`ChangeCounter.copy_in_many`,
+        one kernel launch a dtype pair on CUDA) or not (one `torch._foreach_copy_` for the sources on the
+        model's device), so that the sync's time with and without the count compares like with like."""
+        # By target: tied names (an embedding and its head) are one tensor, copied once (the last one sent).
+        by_target: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, tensor in named:
+            target = self._params_by_name.get(name)
+            if target is None:
+                unknown = [n for n, _ in named if n not in self._params_by_name]
+                raise ValueError(
+                    f"update_weights_from_tensors: {len(unknown)} names are not in the model, e.g. {unknown[:5]}"
+                )
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
+                    f"the model's is {tuple(target.shape)}"
+                )
+            by_target[id(target)] = (target, tensor)
+        copies = list(by_target.values())
         with torch.no_grad():
-            for name, tensor in named:
-                target = self._params_by_name[name]
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"update_weights_from_tensors: {name} has shape {tuple(tensor.shape)}, "
-                        f"the model's is {tuple(target.shape)}"
-                    )
-                if self._changes is not None:
-                    self._changes.copy_in(target, tensor)
-                else:
-                    target.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+            if self._changes is not None:
+                self._changes.copy_in_many(copies)
+            else:
+                local = [(t, s) for t, s in copies if s.device == t.device]
+                if local:
+                    targets, sources = zip(*local, strict=True)
+                    torch._foreach_copy_(targets, sources, non_blocking=True)
+                for target, source in copies:
+                    if source.device != target.device:
+                        target.copy_(source, non_blocking=source.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

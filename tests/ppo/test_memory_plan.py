@@ -1,0 +1,400 @@
+"""The step's memory plan: it fits where its check says so, replayed against a fake allocator, and sleeps the least.
+
+A plan is replayed turn by turn against `FakeAllocator`, which tracks allocated bytes and
+raises `OutOfMemory` past its capacity (the budget's available bytes: the margin stays
+free). Hypothesis draws the schedules the facts build (and the saves'), memory models and
+capacities: a plan that passes its check replays without running out, never sleeps what a
+turn touches, and more capacity never sleeps more. Hand-made cases show resident mode
+(nothing moves) and today's shared mode (every untouched tag moves) as the plan's two ends,
+the order in which tags go to sleep, and the near-full case: a capacity just above the
+plan's worst turn passes, one byte below is refused by the check before any replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.ppo.loop.memory_plan import (
+    EVICTION_ORDER,
+    GpuBudget,
+    MemoryModel,
+    MemoryPlan,
+    PlanError,
+    RoleMemory,
+    check_plan,
+    plan_memory,
+    resident_plan,
+    schedule_plan,
+    shared_plan,
+)
+from tandem.ppo.loop.schedule import (
+    Role,
+    ScheduleError,
+    StepFacts,
+    StepSchedule,
+    residents_at_each_turn,
+    save_schedule,
+    step_schedule,
+)
+
+GIB = 2**30
+
+
+class OutOfMemory(RuntimeError):
+    """What the fake allocator raises past its capacity, as CUDA's does."""
+
+
+@dataclass
+class FakeAllocator:
+    """One GPU's allocator: named blocks of bytes, an out-of-memory error past `capacity`."""
+
+    capacity: int
+    blocks: dict[object, int] = field(default_factory=dict)
+    calls: int = 0
+    peak: int = 0
+
+    @property
+    def allocated(self) -> int:
+        return sum(self.blocks.values())
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        self.calls += 1
+        assert key not in self.blocks, f"{key} allocated twice"
+        if self.allocated + nbytes > self.capacity:
+            raise OutOfMemory(f"{key}: {nbytes} bytes with {self.allocated} of {self.capacity} allocated")
+        self.blocks[key] = nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, key: object) -> None:
+        self.calls += 1
+        del self.blocks[key]
+
+
+def replay(
+    plan: MemoryPlan, memory: MemoryModel, allocators: dict[str, FakeAllocator], steps: int = 2
+) -> None:
+    """Carry `plan` out for `steps` steps: before each turn its sleeps (freed) then its wakes (allocated), its
+    phase's transient allocated and freed (the async loop's background generation from `start_next` to
+    `await_next`); every tag the turn touches must be allocated while it works."""
+    schedule = plan.schedule
+
+    def gpu(role: Role) -> FakeAllocator:
+        return allocators[schedule.gpus(role)]
+
+    for role, held in memory.roles.items():
+        gpu(role).malloc(("fixed", role), held.fixed)
+        for tag, nbytes in held.tags.items():
+            if (role, tag) not in plan.turns[-1].asleep:
+                gpu(role).malloc((role, tag), nbytes)
+    residents = residents_at_each_turn(schedule)
+    for _ in range(steps):
+        for index, planned in enumerate(plan.turns):
+            sleeps, wakes = plan.moves(index)
+            for role, tag in sorted(sleeps):
+                gpu(role).free((role, tag))
+            for role, tag in sorted(wakes):
+                gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
+            turn = planned.turn
+            for role, tag in planned.needs:
+                assert (role, tag) in gpu(role).blocks, f"{turn.describe()} works without {role}/{tag}"
+            if turn.work == "start_next":
+                gpu(turn.role).malloc(("background", turn.role), memory.transient(turn.role, turn.work))
+            elif turn.work == "await_next":
+                gpu(turn.role).free(("background", turn.role))
+            elif turn.work is not None and turn.role in residents[index].computing:
+                gpu(turn.role).malloc(("transient", turn.role), memory.transient(turn.role, turn.work))
+                gpu(turn.role).free(("transient", turn.role))
+
+
+def run_step(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> dict[str, FakeAllocator]:
+    """What the driver is to do: check the plan, then carry it out (here against fake allocators)."""
+    allocators = {gpus: FakeAllocator(budget.available) for gpus in ("shared", "train", "rollout")}
+    check_plan(plan, memory, budget)
+    replay(plan, memory, allocators)
+    return allocators
+
+
+# --- strategies -----------------------------------------------------------------------------------------
+FACTS = (
+    "colocate",
+    "offload_train",
+    "critic",
+    "reward_model",
+    "teacher",
+    "kl_first",
+    "warm_up",
+    "generate_ahead",
+)
+TRAIN_TAGS = tuple(t for t in EVICTION_ORDER if t != "kv_cache")
+
+
+def _schedules() -> list[StepSchedule]:
+    out = []
+    for values in itertools.product([False, True], repeat=len(FACTS)):
+        facts = StepFacts(**dict(zip(FACTS, values, strict=True)))
+        for build in (step_schedule, save_schedule):
+            schedule = build(facts)
+            try:
+                residents_at_each_turn(schedule)
+            except ScheduleError:
+                continue
+            out.append(schedule)
+    return out
+
+
+SCHEDULES = _schedules()
+
+
+@st.composite
+def models(draw: st.DrawFn, schedule: StepSchedule) -> MemoryModel:
+    roles = {t.role for t in schedule.turns} | {
+        "actor"
+    }  # a warm-up has no actor turn, yet the actor is there
+    figures = st.integers(0, 100)
+    memory = {}
+    for role in sorted(roles):
+        if role in ("actor", "critic"):
+            names = ["weights", *draw(st.sets(st.sampled_from([t for t in TRAIN_TAGS if t != "weights"])))]
+        else:
+            names = ["weights", "kv_cache"] if role == "engine" else ["weights"]
+        fixed = draw(st.integers(2, 20))  # a CUDA context at least
+        memory[role] = RoleMemory({n: draw(figures) for n in names}, fixed=fixed)
+    phases = {
+        (t.role, t.work): draw(st.integers(0, 60))
+        for t in schedule.turns
+        if t.work not in (None, "await_next")
+    }
+    return MemoryModel(memory, phases)  # type: ignore[arg-type]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[StepSchedule, MemoryModel]:
+    schedule = draw(st.sampled_from(SCHEDULES))
+    return schedule, draw(models(schedule))
+
+
+def _worst(plan: MemoryPlan) -> int:
+    return max(max(t.peaks.values()) for t in plan.turns)
+
+
+def _least(schedule: StepSchedule, memory: MemoryModel) -> int:
+    """The least room a plan can do with: the worst turn with every tag it does not touch asleep."""
+    return _worst(shared_plan(schedule, memory))
+
+
+# --- properties -----------------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 400), st.integers(0, 10))
+def test_a_plan_that_passes_its_check_replays_within_the_capacity(
+    case: tuple[StepSchedule, MemoryModel], room: int, margin: int
+) -> None:
+    schedule, memory = case
+    budget = GpuBudget(room + margin + 1, margin)
+    least = _least(schedule, memory)
+    if least > budget.available:
+        with pytest.raises(PlanError, match=r"turn \d+ .* needs \d+ bytes"):
+            plan_memory(schedule, memory, budget)
+        return
+    plan = plan_memory(schedule, memory, budget)
+    for planned in plan.turns:
+        assert not planned.asleep & planned.needs, f"{planned.turn.describe()} sleeps what it touches"
+    allocators = run_step(plan, memory, budget)
+    assert all(a.peak <= budget.available for a in allocators.values())
+    assert max(a.peak for a in allocators.values()) == _worst(plan), (
+        "the replay's peak is the plan's worst turn"
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 300), st.integers(0, 300))
+def test_more_capacity_never_sleeps_more(
+    case: tuple[StepSchedule, MemoryModel], extra: int, more: int
+) -> None:
+    schedule, memory = case
+    low = GpuBudget(_least(schedule, memory) + extra + 1)
+    high = GpuBudget(low.capacity + more)
+    tight, roomy = plan_memory(schedule, memory, low), plan_memory(schedule, memory, high)
+    for a, b in zip(tight.turns, roomy.turns, strict=True):
+        assert b.asleep <= a.asleep, (
+            f"{a.turn.describe()}: {sorted(b.asleep - a.asleep)} sleep only with more room"
+        )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 300), st.integers(0, 8))
+def test_the_near_full_case_passes_just_above_and_is_refused_before_the_step_just_below(
+    case: tuple[StepSchedule, MemoryModel], extra: int, margin: int
+) -> None:
+    schedule, memory = case
+    plan = plan_memory(schedule, memory, GpuBudget(_least(schedule, memory) + extra + margin + 1, margin))
+    worst = _worst(plan)
+    run_step(plan, memory, GpuBudget(worst + margin, margin))  # just fits: the worst turn reaches the budget
+    below = GpuBudget(worst + margin - 1, margin)  # worst >= 2: every role holds a context
+    untouched = {gpus: FakeAllocator(below.available) for gpus in ("shared", "train", "rollout")}
+    with pytest.raises(PlanError, match=rf"needs {worst} bytes .* {worst - 1} bytes .* available"):
+        check_plan(plan, memory, below)
+        replay(plan, memory, untouched)
+    assert all(a.calls == 0 for a in untouched.values()), "refused before anything was allocated"
+    with pytest.raises(OutOfMemory):  # what the check spares the step: the same plan runs out mid-way
+        replay(plan, memory, untouched)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_resident_and_shared_are_the_plans_two_ends(case: tuple[StepSchedule, MemoryModel]) -> None:
+    schedule, memory = case
+    everything = sum(m.fixed + sum(m.tags.values()) for m in memory.roles.values())
+    roomy = plan_memory(schedule, memory, GpuBudget(everything + max(memory.phases.values(), default=0) + 1))
+    assert roomy == resident_plan(schedule, memory), "with room for everything nothing moves"
+    assert roomy.moved() == frozenset()
+    least = _least(schedule, memory)
+    tight = plan_memory(schedule, memory, GpuBudget(least))
+    shared = shared_plan(schedule, memory)
+    for a, b in zip(tight.turns, shared.turns, strict=True):
+        assert a.asleep <= b.asleep, "no plan sleeps more than the shared one"
+    today = schedule_plan(schedule, memory)
+    for a, b in zip(today.turns, shared.turns, strict=True):
+        assert a.asleep <= b.asleep, "today's whole-role sleeps are a part of the shared plan's"
+
+
+# --- hand-made cases ------------------------------------------------------------------------------------
+SHARED = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True))
+"""engine: generate, release → actor: wake, log_probs, sleep → critic: wake, train, sleep → actor: wake, train,
+sleep → engine: resume, weights"""
+
+
+def _model(**phases: int) -> MemoryModel:
+    train = {"optimizer_moments": 20, "main_params": 10, "weights": 5, "grads": 5}
+    return MemoryModel(
+        {
+            "engine": RoleMemory({"weights": 5, "kv_cache": 30}, fixed=1),
+            "actor": RoleMemory(train, fixed=1),
+            "critic": RoleMemory(train, fixed=1),
+        },
+        {
+            ("engine", "generate"): phases.get("generate", 4),
+            ("actor", "log_probs"): phases.get("log_probs", 6),
+            ("critic", "train"): phases.get("critic_train", 8),
+            ("actor", "train"): phases.get("actor_train", 8),
+            ("engine", "weights"): phases.get("weights", 2),
+        },
+    )
+
+
+def test_the_turns_of_a_shared_step_and_what_each_touches() -> None:
+    plan = shared_plan(SHARED, _model())
+    assert [t.turn.describe() for t in plan.turns] == [
+        "engine: generate, release",
+        "actor: wake, log_probs, sleep",
+        "critic: wake, train, sleep",
+        "actor: wake, train, sleep",
+        "engine: resume, weights",
+    ]
+    needs = [sorted(t.needs) for t in plan.turns]
+    assert needs[0] == [("engine", "kv_cache"), ("engine", "weights")]
+    assert needs[1] == [("actor", "weights")], "the actor's log-probs read its weights alone"
+    assert {tag for _, tag in needs[2]} == {"optimizer_moments", "main_params", "weights", "grads"}
+    assert needs[4] == [("actor", "weights"), ("engine", "kv_cache"), ("engine", "weights")]
+    # Resident: 3 fixed + 35 engine + 40 a model = 118, plus the critic's train's 8 = 126 at its worst turn.
+    assert _worst(resident_plan(SHARED, _model())) == 126
+    # The shared plan's critic train: the critic's 40 + 8 of activations + the three fixed 3 = 51.
+    assert plan.turns[2].peaks == {"shared": 51}
+
+
+def test_sleeps_the_next_turns_untouched_tags_first_then_moments_before_main_parameters_before_weights() -> (
+    None
+):
+    memory = _model()
+    # The critic's train needs 40 + 8 + 3 = 51; resident, the turn holds 126; 100 available: free 26.
+    plan = plan_memory(SHARED, memory, GpuBudget(100))
+    critic_train = plan.turns[2]
+    # The next turn (the actor's train) touches every actor tag, not the engines': the KV cache (30, dropped
+    # for free) goes first and is enough.
+    assert critic_train.asleep == {("engine", "kv_cache")}
+    # With 70 available (free 56): the KV cache (30) is not enough; the engine's weights (5, untouched next)
+    # follow, then the actor's tags by kind: grads (5), its moments (20). 30 + 5 + 5 + 20 = 60 >= 56.
+    plan = plan_memory(SHARED, memory, GpuBudget(70))
+    assert plan.turns[2].asleep == {
+        ("engine", "kv_cache"),
+        ("engine", "weights"),
+        ("actor", "grads"),
+        ("actor", "optimizer_moments"),
+    }
+    # 60 available (free 66): the main parameters (10) too, never the weights: 70 >= 66.
+    plan = plan_memory(SHARED, memory, GpuBudget(60))
+    assert ("actor", "main_params") in plan.turns[2].asleep
+    assert ("actor", "weights") not in plan.turns[2].asleep
+    # The actor's log-probs (60 available, 124 resident: free 64) keep the actor's weights and the critic's
+    # tags, which the next turn trains; among the rest by kind: the actor's grads (5), the KV cache (30), the
+    # actor's moments (20), its main parameters (10): 65 >= 64, the engine's weights stay.
+    assert plan.turns[1].asleep == {
+        ("actor", "grads"),
+        ("engine", "kv_cache"),
+        ("actor", "optimizer_moments"),
+        ("actor", "main_params"),
+    }
+
+
+def test_a_plan_that_cannot_fit_is_refused_with_the_numbers() -> None:
+    memory = _model()
+    # The critic's train alone needs 51 with everything else asleep.
+    with pytest.raises(PlanError) as refused:
+        plan_memory(SHARED, memory, GpuBudget(55, margin=5))
+    message = str(refused.value)
+    assert (
+        "turn 2 ('critic: wake, train, sleep', phase critic/train) on the shared GPUs needs 51 bytes"
+        in message
+    )
+    assert "50 bytes" in message and "capacity 55 less margin 5" in message
+    assert "actor/weights" in message and "engine/kv_cache" in message, "it says what is asleep already"
+    plan_memory(SHARED, memory, GpuBudget(56, margin=5))  # one byte more fits
+
+
+def test_the_check_refuses_a_plan_that_sleeps_what_its_turn_touches() -> None:
+    memory = _model()
+    plan = shared_plan(SHARED, memory)
+    bad = list(plan.turns)
+    bad[3] = bad[3].__class__(bad[3].turn, bad[3].needs, bad[3].asleep | {("actor", "weights")}, bad[3].peaks)
+    with pytest.raises(
+        PlanError, match=r"turn 3 \('actor: wake, train, sleep'\) sleeps \[\('actor', 'weights'\)\]"
+    ):
+        check_plan(MemoryPlan(SHARED, tuple(bad)), memory, GpuBudget(1000))
+
+
+def test_todays_shared_step_moves_whole_roles_and_the_plan_less() -> None:
+    memory = _model()
+    today = schedule_plan(SHARED, memory)
+    # Today the actor's log-probs wake the whole actor (44 resident + 6 + fixed 3 = 53 at that turn)...
+    assert today.turns[1].peaks == {"shared": 3 + 40 + 6}
+    # ...where the shared plan brings back its weights alone.
+    assert shared_plan(SHARED, memory).turns[1].peaks == {"shared": 3 + 5 + 6}
+    run_step(today, memory, GpuBudget(_worst(today)))
+
+
+def test_the_memory_model_from_the_workers_reports_and_as_data() -> None:
+    actor = RoleMemory.from_ranks(
+        [{"weights": 10, "grads": 4, "optimizer": 30}, {"weights": 12, "grads": 4, "optimizer": 28}], fixed=3
+    )
+    assert actor == RoleMemory({"weights": 12, "grads": 4, "optimizer": 30}, fixed=3), (
+        "the largest rank's figures"
+    )
+    memory = MemoryModel({"actor": actor}, {("actor", "train"): 7})
+    assert MemoryModel.from_dict(memory.to_dict()) == memory
+    assert memory.to_dict()["phases"] == {"actor/train": 7}
+    with pytest.raises(ValueError, match="memory tag 'adam'"):
+        RoleMemory({"adam": 1})
+    with pytest.raises(ValueError, match=r"phases\['actor/fit'\]"):
+        MemoryModel.from_dict({"phases": {"actor/fit": 1}})
+    with pytest.raises(ValueError, match="role 'policy'"):
+        MemoryModel.from_dict({"roles": {"policy": {"tags": {}}}})
+    with pytest.raises(ValueError, match="no figure for engine/generate"):
+        plan_memory(SHARED, MemoryModel(_model().roles, {}), GpuBudget(10**6))
+    with pytest.raises(ValueError, match=r"no figures for \['critic', 'engine'\]"):
+        plan_memory(SHARED, memory, GpuBudget(10**6))
+    with pytest.raises(ValueError, match="margin < capacity"):
+        GpuBudget(10, margin=10)

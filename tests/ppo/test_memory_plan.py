@@ -203,6 +203,11 @@ def test_a_plan_that_passes_its_check_replays_within_the_capacity(
     plan = plan_memory(schedule, memory, budget)
     for planned in plan.turns:
         assert not planned.asleep & planned.needs, f"{planned.turn.describe()} sleeps what it touches"
+    for index in range(len(plan.turns)):
+        for ref in plan.moves(index)[1]:  # woken before this turn: some turn uses it before it sleeps again
+            ahead = [plan.turns[(index + k) % len(plan.turns)] for k in range(len(plan.turns))]
+            until_asleep = itertools.takewhile(lambda t, ref=ref: ref not in t.asleep, ahead)
+            assert any(ref in t.needs for t in until_asleep), f"{ref} woken before turn {index} for nothing"
     allocators = run_step(plan, memory, budget)
     assert all(a.peak <= budget.available for a in allocators.values())
     assert max(a.peak for a in allocators.values()) == _worst(plan), (
@@ -338,6 +343,44 @@ def test_sleeps_the_next_turns_untouched_tags_first_then_moments_before_main_par
         ("actor", "optimizer_moments"),
         ("actor", "main_params"),
     }
+
+
+def test_a_tag_asleep_on_both_sides_of_turns_that_do_not_touch_it_stays_asleep() -> None:
+    schedule = step_schedule(
+        StepFacts(colocate=True, offload_train=True, critic=False, reward_model=True, teacher=True)
+    )
+    assert schedule.describe().startswith(
+        "engine: generate, release → reward_model: wake, score, sleep → teacher"
+    )
+    one = {"engine": 1, "reward_model": 1, "teacher": 1, "actor": 1}  # fixed: 4 in all
+    memory = MemoryModel(
+        {
+            "engine": RoleMemory({"weights": 5, "kv_cache": 30}, one["engine"]),
+            "reward_model": RoleMemory({"weights": 10}, one["reward_model"]),
+            "teacher": RoleMemory({"weights": 10}, one["teacher"]),
+            "actor": RoleMemory({"weights": 5, "optimizer": 20}, one["actor"]),
+        },
+        {
+            ("engine", "generate"): 1,
+            ("reward_model", "score"): 1,
+            ("teacher", "log_probs"): 50,
+            ("actor", "train"): 20,
+            ("engine", "weights"): 50,
+        },
+    )
+    plan = plan_memory(schedule, memory, GpuBudget(100))
+    rm = ("reward_model", "weights")
+    # 84 resident. The teacher's turn (134) frees 40: the KV cache (30), then the reward model's weights (10,
+    # next used furthest ahead). The actor's train (104) frees 4: the teacher's weights (10) alone would do.
+    # The weight sync (134, touching the engines' memory and the actor's weights) frees 40: the actor's
+    # optimizer (20, untouched by the next turn), the teacher's weights, the reward model's.
+    assert [rm in t.asleep for t in plan.turns] == [False, False, True, True, True]
+    # The actor's train would fit with the reward model awake: it stays asleep there, between two sleeps,
+    # rather than coming back for a turn that does not use it.
+    assert plan.turns[3].asleep == {("teacher", "weights"), rm}
+    # The next step's generate (85) fits everything: what the sync put away comes back before it.
+    assert plan.moves(0) == (frozenset(), {rm, ("teacher", "weights"), ("actor", "optimizer")})
+    run_step(plan, memory, GpuBudget(100))
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_numbers() -> None:

@@ -13,7 +13,8 @@ chooses at each turn the tags to have asleep:
   then by kind (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments
   before fp32 main parameters before weights), then what is used furthest ahead, the
   larger first: the shortest prefix of that order that lets the turn's peak fit;
-- the rest stays resident. With room for everything the plan moves nothing (resident
+- the rest stays resident, but for a tag asleep on both sides of turns that do not touch it,
+  which stays asleep through them (waking it there would move it twice for nothing). With room for everything the plan moves nothing (resident
   mode); with room for each turn's own tags alone it sleeps everything else (shared
   mode, by tag).
 
@@ -308,31 +309,56 @@ def _refusal(
 
 
 def plan_memory(schedule: StepSchedule, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
-    """The plan that sleeps, at each turn, the shortest prefix of `eviction_key`'s order that lets the turn fit.
+    """The plan that sleeps, at each turn, the shortest prefix of `eviction_key`'s order that lets the turn fit,
+    and keeps a tag asleep through turns that do not touch it between two turns that sleep it (waking it there
+    would move it twice for nothing).
 
     PlanError, naming the turn and its numbers, when a turn does not fit even with every tag it does not
     touch asleep (before the step: nothing has moved).
     """
     walk = _walk(schedule, memory)
-    turns: list[PlannedTurn] = []
+    asleep: list[set[TagRef]] = []
     for index, (residents, needs) in enumerate(walk):
         candidates = sorted(
             (ref for ref in memory.tags() if ref not in needs),
             key=lambda ref: eviction_key(walk, index, ref, memory),
         )
-        asleep: frozenset[TagRef] = frozenset()
-        peaks = _peaks(schedule, residents, asleep, memory)
+        chosen: set[TagRef] = set()
+        peaks = _peaks(schedule, residents, frozenset(), memory)
         for ref in candidates:
             gpus = schedule.gpus(ref[0])
             if peaks[gpus] <= budget.available:
                 continue  # this tag's GPUs fit already: sleeping it frees nothing the turn lacks
-            asleep |= {ref}
+            chosen.add(ref)
             peaks[gpus] -= memory.nbytes(ref)
-        why = _refusal(schedule, index, peaks, asleep, budget)
+        why = _refusal(schedule, index, peaks, frozenset(chosen), budget)
         if why is not None:
             raise PlanError(f"{why}. Schedule: {schedule.describe()!r}")
-        turns.append(PlannedTurn(residents.turn, needs, asleep, peaks))
-    return MemoryPlan(schedule, tuple(turns))
+        asleep.append(chosen)
+    _stay_asleep(walk, asleep)
+    turns = tuple(
+        PlannedTurn(residents.turn, needs, frozenset(a), _peaks(schedule, residents, frozenset(a), memory))
+        for (residents, needs), a in zip(walk, asleep, strict=True)
+    )
+    return MemoryPlan(schedule, turns)
+
+
+def _stay_asleep(walk: list[tuple[Residents, frozenset[TagRef]]], asleep: list[set[TagRef]]) -> None:
+    """Fill each run of turns (cyclically) in which a tag is awake between two in which it sleeps, where no
+    turn of the run touches it. It only adds sleepers, so every turn still fits, and no turn sleeps what it needs."""
+    count = len(walk)
+    for ref in set().union(*asleep):
+        sleeping = [ref in a for a in asleep]
+        for start in range(count):
+            if not sleeping[start] or sleeping[(start + 1) % count]:
+                continue
+            run, at = [], (start + 1) % count
+            while not sleeping[at]:
+                run.append(at)
+                at = (at + 1) % count
+            if not any(ref in walk[k][1] for k in run):
+                for k in run:
+                    asleep[k].add(ref)
 
 
 def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:

@@ -19,14 +19,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.ppo.loop.memory_plan import (
+from tandem.ppo.loop.memory_model import (
     EVICTION_ORDER,
     GpuBudget,
     MemoryModel,
-    MemoryPlan,
-    PlanError,
     RoleMemory,
     TagRef,
+    fixed_from_gpu_memory,
+)
+from tandem.ppo.loop.memory_plan import (
+    MemoryPlan,
+    PlanError,
     check_plan,
     plan_memory,
     resident_plan,
@@ -439,6 +442,17 @@ def test_the_memory_model_from_the_workers_reports_and_as_data() -> None:
     memory = MemoryModel({"actor": actor}, {("actor", "train"): 7})
     assert MemoryModel.from_dict(memory.to_dict()) == memory
     assert memory.to_dict()["phases"] == {"actor/train": 7}
+    engines = RoleMemory.from_engine_stats(
+        [
+            {"allocated_gib": 3.0, "kv_cache_gib": 2.0, "sessions_gib": 0.25, "reserved_gib": 3.5},
+            {"allocated_gib": 2.5, "kv_cache_gib": 2.0, "sessions_gib": 0.0},
+        ]
+    )
+    # kv_cache: the largest cache with its sessions (2.25 GiB); weights: the largest rest (0.75 GiB, then 0.5).
+    assert engines == RoleMemory({"weights": 3 * 2**28, "kv_cache": 9 * 2**28})
+    with pytest.raises(ValueError, match="no allocated_gib; measure the engines on a GPU"):
+        RoleMemory.from_engine_stats([{"kv_cache_gib": 1.0}])
+    assert fixed_from_gpu_memory([{"context": 500, "process": 9}, {"context": None}, {"context": 600}]) == 600
     with pytest.raises(ValueError, match="memory tag 'adam'"):
         RoleMemory({"adam": 1})
     with pytest.raises(ValueError, match=r"phases\['actor/fit'\]"):

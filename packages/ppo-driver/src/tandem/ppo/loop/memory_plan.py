@@ -13,10 +13,11 @@ chooses at each turn the tags to have asleep:
   then by kind (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments
   before fp32 main parameters before weights), then what is used furthest ahead, the
   larger first: the shortest prefix of that order that lets the turn's peak fit;
-- the rest stays resident, but for a tag asleep on both sides of turns that do not touch it,
-  which stays asleep through them (waking it there would move it twice for nothing). With room for everything the plan moves nothing (resident
-  mode); with room for each turn's own tags alone it sleeps everything else (shared
-  mode, by tag).
+- the rest stays resident, but for a tag asleep on both sides of turns that do not touch
+  it, which stays asleep through them (waking it there would move it twice for nothing).
+
+With room for everything the plan moves nothing (resident mode, `resident_plan`); with room
+for each turn's own tags alone it sleeps everything else (shared mode by tag, `shared_plan`).
 
 `check_plan` replays a plan (a computed one, or today's from the schedule's wakes and
 sleeps, `schedule_plan`) and refuses one whose peak at some turn passes the budget, or
@@ -27,21 +28,17 @@ is the PPO step's knowledge, and when to sleep is the driver's plan, not the lif
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, get_args
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from tandem.ppo.loop.schedule import Residents, Role, StepSchedule, Turn, Work, residents_at_each_turn
+from tandem.ppo.loop.memory_model import EVICTION_ORDER, WEIGHT_TAGS, GpuBudget, MemoryModel, TagRef
+from tandem.ppo.loop.schedule import Residents, StepSchedule, Turn, residents_at_each_turn
 
 __all__ = [
-    "EVICTION_ORDER",
-    "GpuBudget",
-    "MemoryModel",
     "MemoryPlan",
     "PlanError",
     "PlannedTurn",
-    "RoleMemory",
-    "TagRef",
     "check_plan",
     "eviction_key",
     "plan_memory",
@@ -51,149 +48,9 @@ __all__ = [
     "turn_needs",
 ]
 
-TagRef = tuple[Role, str]
-"""One memory tag of one role: ("actor", "optimizer")."""
-
-EVICTION_ORDER: tuple[str, ...] = (
-    "grads",
-    "kv_cache",
-    "optimizer_moments",
-    "main_params",
-    "optimizer",
-    "base",
-    "weights",
-)
-"""The memory tags a role may have, in the order the plan puts them to sleep among tags that are equally far
-from their next use. Gradients (zeroed before every minibatch) and the engines' KV cache (empty between
-rollouts) are dropped, not copied; then the optimizer's moments, its fp32 main parameters, the two together
-(`optimizer`, one tag today), a LoRA model's frozen base (copied to the host once, so it only comes back), and
-the weights last (issue 43's order)."""
-
-WEIGHT_TAGS: frozenset[str] = frozenset({"base", "weights"})
-"""The tags a forward pass reads (the actor's log-probs, a weight export)."""
-
 
 class PlanError(ValueError):
     """A memory plan that does not fit the GPU at some turn, or sleeps what a turn touches."""
-
-
-@dataclass(frozen=True)
-class RoleMemory:
-    """What one role holds on one GPU, in bytes (each figure the largest over the role's ranks).
-
-    Attributes:
-        tags: bytes per memory tag (`EVICTION_ORDER`'s names), the part a sleep can hand back: a train
-            worker's `state_nbytes()`, an engine's weights and `kv_cache`.
-        fixed: bytes that stay while the role sleeps (CUDA context, communicators, the allocator's cache).
-    """
-
-    tags: Mapping[str, int]
-    fixed: int = 0
-
-    def __post_init__(self) -> None:
-        for tag, nbytes in self.tags.items():
-            if tag not in EVICTION_ORDER:
-                raise ValueError(f"memory tag {tag!r}: choose among {list(EVICTION_ORDER)}")
-            if nbytes < 0:
-                raise ValueError(f"memory tag {tag!r}: {nbytes} bytes; give a count of bytes >= 0")
-        if self.fixed < 0:
-            raise ValueError(f"fixed={self.fixed}: give a count of bytes >= 0")
-
-    @classmethod
-    def from_ranks(cls, per_rank: Iterable[Mapping[str, int]], fixed: int = 0) -> RoleMemory:
-        """A role's figures from each rank's report (a train worker's `state_nbytes()`), the largest of each tag."""
-        tags: dict[str, int] = {}
-        for report in per_rank:
-            for tag, nbytes in report.items():
-                tags[tag] = max(tags.get(tag, 0), int(nbytes))
-        return cls(tags, fixed)
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """The memory of one step on one GPU: each role's tags, and each phase's transient peak.
-
-    Attributes:
-        roles: each role's `RoleMemory`.
-        phases: bytes a phase allocates above the resident tags while it runs (activations, logits, a
-            weight sync's buckets), by (role, work): the allocator's peak in the phase less what was
-            allocated when it began. The async loop's background generation holds its `start_next`
-            figure until `await_next`.
-    """
-
-    roles: Mapping[Role, RoleMemory]
-    phases: Mapping[tuple[Role, Work], int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for (role, work), nbytes in self.phases.items():
-            if nbytes < 0:
-                raise ValueError(f"phases[{role}/{work}]: {nbytes} bytes; give a count of bytes >= 0")
-
-    def nbytes(self, ref: TagRef) -> int:
-        """Bytes of one tag."""
-        return self.roles[ref[0]].tags[ref[1]]
-
-    def tags(self) -> list[TagRef]:
-        """Every (role, tag) of the model."""
-        return [(role, tag) for role, memory in self.roles.items() for tag in memory.tags]
-
-    def transient(self, role: Role, work: Work | None) -> int:
-        """The phase's transient bytes; ValueError naming the phase when the model lacks its figure."""
-        if work is None:
-            return 0
-        key: tuple[Role, Work] = (role, "start_next" if work == "await_next" else work)
-        if key not in self.phases:
-            raise ValueError(f"phases: no figure for {key[0]}/{key[1]}; measure its peak in the first step")
-        return self.phases[key]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The model as JSON-ready data (`from_dict` reads it back)."""
-        return {
-            "roles": {role: {"tags": dict(m.tags), "fixed": m.fixed} for role, m in self.roles.items()},
-            "phases": {f"{role}/{work}": nbytes for (role, work), nbytes in self.phases.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
-        """The model from `to_dict`'s data: {"roles": {role: {"tags": {...}, "fixed": n}}, "phases": {"role/work": n}}."""
-        roles: dict[Role, RoleMemory] = {}
-        for role, entry in data.get("roles", {}).items():
-            roles[_role(role)] = RoleMemory(dict(entry.get("tags", {})), int(entry.get("fixed", 0)))
-        phases: dict[tuple[Role, Work], int] = {}
-        for key, nbytes in data.get("phases", {}).items():
-            role, _, work = key.partition("/")
-            if work not in get_args(Work):
-                raise ValueError(
-                    f"phases[{key!r}]: name a phase as role/work, the work one of {get_args(Work)}"
-                )
-            phases[(_role(role), work)] = int(nbytes)
-        return cls(roles, phases)
-
-
-def _role(name: str) -> Role:
-    if name not in get_args(Role):
-        raise ValueError(f"role {name!r}: choose among {get_args(Role)}")
-    return name  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class GpuBudget:
-    """What a turn may use on one GPU: `capacity` bytes less a `margin` kept free (fragmentation, the
-    allocator's rounding, what the figures missed)."""
-
-    capacity: int
-    margin: int = 0
-
-    def __post_init__(self) -> None:
-        if self.capacity <= 0 or self.margin < 0 or self.margin >= self.capacity:
-            raise ValueError(
-                f"capacity={self.capacity}, margin={self.margin}: give a capacity > 0 and 0 <= margin < capacity"
-            )
-
-    @property
-    def available(self) -> int:
-        """Bytes a turn's peak may reach."""
-        return self.capacity - self.margin
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,190 @@
+"""The memory of one step on one GPU, as data: per role and memory tag the bytes it holds, per phase its
+transient peak, and the GPU's budget (`memory_plan` plans with them).
+
+The figures come from the workers' own reports, measured in the first step: a train worker's
+`state_nbytes()` per tag (`RoleMemory.from_ranks`), an engine's `memory_stats()` (`RoleMemory.from_engine_stats`),
+each worker's CUDA context from `gpu_memory()` (`fixed_from_gpu_memory`), and each phase's allocator peak
+less what was allocated as it began. `MemoryModel.to_dict` / `from_dict` keep them as JSON. Pure: no Ray,
+no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from tandem.ppo.loop.schedule import Role, Work
+
+__all__ = [
+    "EVICTION_ORDER",
+    "WEIGHT_TAGS",
+    "GpuBudget",
+    "MemoryModel",
+    "RoleMemory",
+    "TagRef",
+    "fixed_from_gpu_memory",
+]
+
+TagRef = tuple[Role, str]
+"""One memory tag of one role: ("actor", "optimizer")."""
+
+EVICTION_ORDER: tuple[str, ...] = (
+    "grads",
+    "kv_cache",
+    "optimizer_moments",
+    "main_params",
+    "optimizer",
+    "base",
+    "weights",
+)
+"""The memory tags a role may have, in the order the plan puts them to sleep (among the tags the next turn
+does not touch, then among those it does). Gradients (zeroed before every minibatch; copied only with
+`offload_grads`) and the engines' KV cache (empty between rollouts) are dropped, not copied; then the
+optimizer's moments, its fp32 main parameters, the two together (`optimizer`, one tag today), a LoRA model's
+frozen base (copied to the host once, so it only comes back), and the weights last."""
+
+WEIGHT_TAGS: frozenset[str] = frozenset({"base", "weights"})
+"""The tags a forward pass reads (the actor's log-probs, a weight export)."""
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """What one role holds on one GPU, in bytes (each figure the largest over the role's ranks).
+
+    Attributes:
+        tags: bytes per memory tag (`EVICTION_ORDER`'s names), the part a sleep can hand back: a train
+            worker's `state_nbytes()`, an engine's weights and `kv_cache`.
+        fixed: bytes that stay while the role sleeps (CUDA context, communicators, the allocator's cache).
+    """
+
+    tags: Mapping[str, int]
+    fixed: int = 0
+
+    def __post_init__(self) -> None:
+        for tag, nbytes in self.tags.items():
+            if tag not in EVICTION_ORDER:
+                raise ValueError(f"memory tag {tag!r}: choose among {list(EVICTION_ORDER)}")
+            if nbytes < 0:
+                raise ValueError(f"memory tag {tag!r}: {nbytes} bytes; give a count of bytes >= 0")
+        if self.fixed < 0:
+            raise ValueError(f"fixed={self.fixed}: give a count of bytes >= 0")
+
+    @classmethod
+    def from_ranks(cls, per_rank: Iterable[Mapping[str, int]], fixed: int = 0) -> RoleMemory:
+        """A role's figures from each rank's report (a train worker's `state_nbytes()`), the largest of each tag."""
+        tags: dict[str, int] = {}
+        for report in per_rank:
+            for tag, nbytes in report.items():
+                tags[tag] = max(tags.get(tag, 0), int(nbytes))
+        return cls(tags, fixed)
+
+    @classmethod
+    def from_engine_stats(cls, per_engine: Iterable[Mapping[str, float]], fixed: int = 0) -> RoleMemory:
+        """The engines' figures from each engine's `memory_stats()` (GiB), taken once a rollout has built the
+        KV cache: `kv_cache` the cache and the kept sessions' KV (released together), `weights` the rest of
+        what the engine's allocator holds; the largest engine's of each."""
+        kv_cache = weights = 0
+        for stats in per_engine:
+            if "allocated_gib" not in stats:
+                raise ValueError(
+                    f"engine memory_stats {dict(stats)}: no allocated_gib; measure the engines on a GPU "
+                    "(the figures come from torch's CUDA allocator)"
+                )
+            kv = (stats.get("kv_cache_gib", 0.0) + stats.get("sessions_gib", 0.0)) * 2**30
+            kv_cache = max(kv_cache, round(kv))
+            weights = max(weights, round(stats["allocated_gib"] * 2**30 - kv))
+        return cls({"weights": weights, "kv_cache": kv_cache}, fixed)
+
+
+def fixed_from_gpu_memory(per_rank: Iterable[Mapping[str, int | None]]) -> int:
+    """The bytes a role's process holds whatever sleeps, from each rank's `gpu_memory()`: its CUDA context
+    (`context`), the largest rank's; 0 where nvidia-smi could not tell (a container's view)."""
+    return max((r["context"] or 0 for r in per_rank if "context" in r), default=0)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The memory of one step on one GPU: each role's tags, and each phase's transient peak.
+
+    Attributes:
+        roles: each role's `RoleMemory`.
+        phases: bytes a phase allocates above the resident tags while it runs (activations, logits, a
+            weight sync's buckets), by (role, work): the allocator's peak in the phase less what was
+            allocated when it began. The async loop's background generation holds its `start_next`
+            figure until `await_next`.
+    """
+
+    roles: Mapping[Role, RoleMemory]
+    phases: Mapping[tuple[Role, Work], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for (role, work), nbytes in self.phases.items():
+            if nbytes < 0:
+                raise ValueError(f"phases[{role}/{work}]: {nbytes} bytes; give a count of bytes >= 0")
+
+    def nbytes(self, ref: TagRef) -> int:
+        """Bytes of one tag."""
+        return self.roles[ref[0]].tags[ref[1]]
+
+    def tags(self) -> list[TagRef]:
+        """Every (role, tag) of the model."""
+        return [(role, tag) for role, memory in self.roles.items() for tag in memory.tags]
+
+    def transient(self, role: Role, work: Work | None) -> int:
+        """The phase's transient bytes; ValueError naming the phase when the model lacks its figure."""
+        if work is None:
+            return 0
+        key: tuple[Role, Work] = (role, "start_next" if work == "await_next" else work)
+        if key not in self.phases:
+            raise ValueError(f"phases: no figure for {key[0]}/{key[1]}; measure its peak in the first step")
+        return self.phases[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The model as JSON-ready data (`from_dict` reads it back)."""
+        return {
+            "roles": {role: {"tags": dict(m.tags), "fixed": m.fixed} for role, m in self.roles.items()},
+            "phases": {f"{role}/{work}": nbytes for (role, work), nbytes in self.phases.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
+        """The model from `to_dict`'s data: {"roles": {role: {"tags": {...}, "fixed": n}}, "phases": {"role/work": n}}."""
+        roles: dict[Role, RoleMemory] = {}
+        for role, entry in data.get("roles", {}).items():
+            roles[_role(role)] = RoleMemory(dict(entry.get("tags", {})), int(entry.get("fixed", 0)))
+        phases: dict[tuple[Role, Work], int] = {}
+        for key, nbytes in data.get("phases", {}).items():
+            role, _, work = key.partition("/")
+            if work not in get_args(Work):
+                raise ValueError(
+                    f"phases[{key!r}]: name a phase as role/work, the work one of {get_args(Work)}"
+                )
+            phases[(_role(role), work)] = int(nbytes)
+        return cls(roles, phases)
+
+
+def _role(name: str) -> Role:
+    if name not in get_args(Role):
+        raise ValueError(f"role {name!r}: choose among {get_args(Role)}")
+    return name  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """What a turn may use on one GPU: `capacity` bytes less a `margin` kept free (fragmentation, the
+    allocator's rounding, what the figures missed)."""
+
+    capacity: int
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity <= 0 or self.margin < 0 or self.margin >= self.capacity:
+            raise ValueError(
+                f"capacity={self.capacity}, margin={self.margin}: give a capacity > 0 and 0 <= margin < capacity"
+            )
+
+    @property
+    def available(self) -> int:
+        """Bytes a turn's peak may reach."""
+        return self.capacity - self.margin

@@ -12,6 +12,7 @@ plan's worst turn passes, one byte below is refused by the check before any repl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -124,16 +125,7 @@ def run_step(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> dict[s
 
 
 # --- strategies -----------------------------------------------------------------------------------------
-FACTS = (
-    "colocate",
-    "offload_train",
-    "critic",
-    "reward_model",
-    "teacher",
-    "kl_first",
-    "warm_up",
-    "generate_ahead",
-)
+FACTS = tuple(f.name for f in dataclasses.fields(StepFacts))
 TRAIN_TAGS = tuple(t for t in EVICTION_ORDER if t != "kv_cache")
 
 

@@ -314,6 +314,11 @@ def test_the_turns_of_a_shared_step_and_what_each_touches() -> None:
     assert _worst(resident_plan(SHARED, _model())) == 126
     # The shared plan's critic train: the critic's 40 + 8 of activations + the three fixed 3 = 51.
     assert plan.turns[2].peaks == {"shared": 51}
+    assert plan.describe().splitlines()[1] == (
+        "actor: wake, log_probs, sleep | asleep actor/grads, actor/main_params, actor/optimizer_moments, "
+        "critic/grads, critic/main_params, critic/optimizer_moments, critic/weights, engine/kv_cache, "
+        "engine/weights | peak 0.0 GiB"
+    )
 
 
 def test_sleeps_the_next_turns_untouched_tags_first_then_moments_before_main_parameters_before_weights() -> (

@@ -462,3 +462,44 @@ def test_the_memory_model_from_the_workers_reports_and_as_data() -> None:
         plan_memory(SHARED, memory, GpuBudget(10**6))
     with pytest.raises(ValueError, match="margin < capacity"):
         GpuBudget(10, margin=10)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 400), st.integers(0, 10))
+def test_a_plan_of_the_train_roles_alone_leaves_the_others_as_the_schedule_has_them(
+    case: tuple[StepSchedule, MemoryModel], room: int, margin: int
+) -> None:
+    """`--memory-plan fit` plans the actor's and the critic's tags; the engines (and a reward model, a teacher)
+    keep the schedule's whole-role wakes and sleeps, and the plan fits around them."""
+    schedule, memory = case
+    budget = GpuBudget(room + margin + 1, margin)
+    planned = ("actor", "critic")
+    whole = schedule_plan(schedule, memory)
+    # The least this plan can do with: every untouched train tag asleep, the rest as the schedule has it.
+    least = _fixed_plan_worst(schedule, memory, whole, planned)
+    if least > budget.available:
+        with pytest.raises(PlanError, match=r"turn \d+ .* needs \d+ bytes"):
+            plan_memory(schedule, memory, budget, planned_roles=planned)
+        return
+    plan = plan_memory(schedule, memory, budget, planned_roles=planned)
+    for mine, theirs in zip(plan.turns, whole.turns, strict=True):
+        others = {ref for ref in theirs.asleep if ref[0] not in planned}
+        assert {ref for ref in mine.asleep if ref[0] not in planned} == others, mine.turn.describe()
+    allocators = run_step(plan, memory, budget)
+    assert all(a.peak <= budget.available for a in allocators.values())
+
+
+def _fixed_plan_worst(
+    schedule: StepSchedule, memory: MemoryModel, whole: MemoryPlan, planned: tuple[Role, ...]
+) -> int:
+    """The worst turn with every train tag a turn does not touch asleep and the other roles as `whole` has them."""
+    from tandem.ppo.loop.memory_plan import _peaks
+
+    worst = 0
+    every = shared_plan(schedule, memory)
+    for residents, s, w in zip(residents_at_each_turn(schedule), every.turns, whole.turns, strict=True):
+        asleep = frozenset(r for r in s.asleep if r[0] in planned) | frozenset(
+            r for r in w.asleep if r[0] not in planned
+        )
+        worst = max(worst, *_peaks(schedule, residents, asleep, memory).values())
+    return worst

@@ -27,8 +27,8 @@ from tandem.ppo.config.episode_fields import ENDPOINT_KEY_VARIABLE
 from tandem.ppo.config.estimator_plan import check_estimator_plan
 from tandem.ppo.config.fields import RunFields, flag
 from tandem.ppo.rollout.model_folder import missing_folder
-from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
-from tandem.ppo.rollout.teacher import check_teacher_config
+from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config, uses_reward_model
+from tandem.ppo.rollout.teacher import check_teacher_config, uses_teacher
 
 if TYPE_CHECKING:
     from tandem.megatron.choices import Role
@@ -42,6 +42,7 @@ def check_config(config: RunFields) -> None:
     _check_required(config)
     _check_driver_numbers(config)
     _check_plan(config)
+    _check_memory_plan(config)
     check_estimator_plan(config)
     _check_files(config)
     _check_episodes(config)
@@ -212,6 +213,35 @@ def _check_plan(config: RunFields) -> None:
         raise ValueError(
             f"--actor-gpu-share / --critic-gpu-share / --engine-gpu-share: they add up to {shares:g} of "
             "one GPU; lower them so that the roles sharing a GPU add up to at most 1"
+        )
+
+
+def _check_memory_plan(config: RunFields) -> None:
+    for name in ("gpu_memory_gib", "memory_margin_gib"):
+        value = getattr(config, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag(name)}: {value}; give a number of GiB >= 0")
+    if config.gpu_memory_gib is not None and config.memory_margin_gib >= config.gpu_memory_gib:
+        raise ValueError(
+            f"--memory-margin-gib: {config.memory_margin_gib:g} GiB leaves nothing of --gpu-memory-gib "
+            f"{config.gpu_memory_gib:g}; give a margin below the GPU's memory"
+        )
+    if config.memory_plan == "whole":
+        return
+    if not config.offload_train:
+        raise ValueError(
+            "--memory-plan: fit chooses what the actor and the critic put to sleep, but --no-offload-train "
+            "keeps them resident; drop --no-offload-train, or use --memory-plan whole"
+        )
+    if uses_reward_model(config) or uses_teacher(config):
+        raise ValueError(
+            "--memory-plan: fit does not plan a reward model's or a teacher's turns yet; with a `model` "
+            "reward (--rm-type / --reward-weights) or --teacher-hf-checkpoint use --memory-plan whole"
+        )
+    if config.device == "cpu" and config.gpu_memory_gib is None:
+        raise ValueError(
+            "--memory-plan: fit on --device cpu needs the memory it may fill: give --gpu-memory-gib "
+            "(there is no GPU allocator to ask)"
         )
 
 

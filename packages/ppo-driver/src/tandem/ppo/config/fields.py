@@ -27,6 +27,7 @@ import tyro
 from tandem.megatron.config import WorkerConfig, WorkerFields
 from tandem.placement import PlacementSpec
 from tandem.ppo.config.episode_fields import EpisodeFields
+from tandem.ppo.config.memory_fields import MemoryFields
 
 __all__ = ["BUILTIN_REWARDS", "FLAG_NAMES", "RunFields", "flag"]
 
@@ -58,9 +59,9 @@ def _hidden_size(folder: str) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunFields(EpisodeFields, WorkerFields):
+class RunFields(EpisodeFields, MemoryFields, WorkerFields):
     """Everything one PPO run needs, unchecked: the train workers' fields plus the driver's (with those of
-    multi-turn rollouts, `EpisodeFields`).
+    multi-turn rollouts, `EpisodeFields`, and of the memory plan, `MemoryFields`).
 
     The three fields below are the workers' too; a worker needs them given, while a run
     has defaults for them (a YAML file may give them; `validate` names a missing

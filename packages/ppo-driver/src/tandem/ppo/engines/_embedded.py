@@ -184,7 +184,8 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         return tags
 
     def memory_stats(self) -> dict[str, float]:
-        """GiB held on the device by this process's torch allocator, and the KV cache's size."""
+        """GiB held on the device by this process's torch allocator, the KV cache's size, and the GPU's whole
+        memory (`total_gib`)."""
         stats = {
             "kv_cache_gib": (self._cache.nbytes() if self._cache is not None else 0) / 2**30,
             "sessions_gib": self._sessions.nbytes() / 2**30,
@@ -192,6 +193,7 @@ class EmbeddedEngine(AdapterUpdates, ForwardPasses):
         if self.device.type == "cuda":
             stats["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
             stats["reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
+            stats["total_gib"] = torch.cuda.get_device_properties(self.device).total_memory / 2**30
         return stats
 
     # -- memory ------------------------------------------------------------------------------------

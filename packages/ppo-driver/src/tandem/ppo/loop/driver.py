@@ -36,6 +36,7 @@ from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.hints import RunHints
+from tandem.ppo.loop.memory_figures import adopt_plans
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
@@ -133,6 +134,8 @@ class PPODriver:
         self._closing = contextlib.ExitStack()
         """How to stop what `setup` started, in reverse order (`close`)."""
         self.stopping_now = False
+        self.steps_here = 0
+        """Steps taken since this start (the first runs the whole-role plan and measures the memory)."""
         """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
         to finish first."""
 
@@ -174,6 +177,7 @@ class PPODriver:
             stopping_now=lambda: self.stopping_now,
         )
         self.gpus.start_asleep(self.between_steps())
+        self.gpus.keep_engine_stats = config.memory_plan == "fit"
         if self.episodes is not None:  # an episode's context is the engines'
             limits = dataclasses.replace(self.episodes.limits, max_context=self.engines.max_context_len)
             self.episodes = dataclasses.replace(self.episodes, limits=limits)
@@ -388,6 +392,9 @@ class PPODriver:
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
+        if self.config.memory_plan == "fit" and self.steps_here and self.gpus.planning is None:
+            adopt_plans(self.gpus, self.config, self.run_dir)  # from the first step's own figures
+        self.gpus.begin_step(schedule)  # its memory plan; a PlanError names the numbers before anything moves
         # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout (its
         # scores and the teacher's log-probs), 2. engines release, 2b. KL-first log-probs, 3. critic,
         # 4. actor, 5. weights
@@ -399,8 +406,10 @@ class PPODriver:
             start_next=start_next,
             kl_coef=kl_coef_of_step(self.config, self.metrics_so_far),
         )
-        for turn in schedule.turns:
+        for index, turn in enumerate(schedule.turns):
+            self.gpus.enter(index)  # the memory plan's tag sleeps and wakes (nothing without a plan)
             turns.take(turn)
+        self.steps_here += 1
         self.last_sampled, self.generating = turns.rollout, turns.generating
 
         seconds = time.perf_counter() - step_start
@@ -418,6 +427,8 @@ class PPODriver:
             restarts=self.gpus.engine_restarts - restarts_before,
             restarts_total=self.gpus.engine_restarts,
         )
+        if self.gpus.plan is not None:
+            metrics["memory/moved_gib"] = self.gpus.moved_bytes / 2**30
         # Why a run may not be learning, said once each, never while the reward rises (loop/hints.py).
         metrics.update(self.hints.after_step(rollout_id, metrics, turns.rollout.rollout))
         return metrics

@@ -28,12 +28,12 @@ is the PPO step's knowledge, and when to sleep is the driver's plan, not the lif
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.ppo.loop.memory_model import EVICTION_ORDER, WEIGHT_TAGS, GpuBudget, MemoryModel, TagRef
-from tandem.ppo.loop.schedule import Residents, StepSchedule, Turn, residents_at_each_turn
+from tandem.ppo.loop.schedule import Residents, Role, StepSchedule, Turn, residents_at_each_turn
 
 __all__ = [
     "MemoryPlan",
@@ -165,23 +165,34 @@ def _refusal(
     return None
 
 
-def plan_memory(schedule: StepSchedule, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
+def plan_memory(
+    schedule: StepSchedule,
+    memory: MemoryModel,
+    budget: GpuBudget,
+    *,
+    planned_roles: Collection[Role] | None = None,
+) -> MemoryPlan:
     """The plan that sleeps, at each turn, the shortest prefix of `eviction_key`'s order that lets the turn fit,
     and keeps a tag asleep through turns that do not touch it between two turns that sleep it (waking it there
     would move it twice for nothing).
+
+    `planned_roles`: the roles whose tags the plan chooses (None: every role); the others sleep as the
+    schedule's wakes and sleeps say (`schedule_plan`), and their bytes count in every turn's peak.
 
     PlanError, naming the turn and its numbers, when a turn does not fit even with every tag it does not
     touch asleep (before the step: nothing has moved).
     """
     walk = _walk(schedule, memory)
+    planned = set(memory.roles) if planned_roles is None else set(planned_roles)
+    fixed = schedule_plan(schedule, memory)
     asleep: list[set[TagRef]] = []
     for index, (residents, needs) in enumerate(walk):
         candidates = sorted(
-            (ref for ref in memory.tags() if ref not in needs),
+            (ref for ref in memory.tags() if ref not in needs and ref[0] in planned),
             key=lambda ref: eviction_key(walk, index, ref, memory),
         )
-        chosen: set[TagRef] = set()
-        peaks = _peaks(schedule, residents, frozenset(), memory)
+        chosen: set[TagRef] = {ref for ref in fixed.turns[index].asleep if ref[0] not in planned}
+        peaks = _peaks(schedule, residents, frozenset(chosen), memory)
         for ref in candidates:
             gpus = schedule.gpus(ref[0])
             if peaks[gpus] <= budget.available:
@@ -192,7 +203,7 @@ def plan_memory(schedule: StepSchedule, memory: MemoryModel, budget: GpuBudget) 
         if why is not None:
             raise PlanError(f"{why}. Schedule: {schedule.describe()!r}")
         asleep.append(chosen)
-    _stay_asleep(walk, asleep)
+    _stay_asleep(walk, asleep, planned)
     turns = tuple(
         PlannedTurn(residents.turn, needs, frozenset(a), _peaks(schedule, residents, frozenset(a), memory))
         for (residents, needs), a in zip(walk, asleep, strict=True)
@@ -200,11 +211,14 @@ def plan_memory(schedule: StepSchedule, memory: MemoryModel, budget: GpuBudget) 
     return MemoryPlan(schedule, turns)
 
 
-def _stay_asleep(walk: list[tuple[Residents, frozenset[TagRef]]], asleep: list[set[TagRef]]) -> None:
-    """Fill each run of turns (cyclically) in which a tag is awake between two in which it sleeps, where no
-    turn of the run touches it. It only adds sleepers, so every turn still fits, and no turn sleeps what it needs."""
+def _stay_asleep(
+    walk: list[tuple[Residents, frozenset[TagRef]]], asleep: list[set[TagRef]], planned: Collection[Role]
+) -> None:
+    """Fill each run of turns (cyclically) in which a planned role's tag is awake between two in which it
+    sleeps, where no turn of the run touches it. It only adds sleepers, so every turn still fits, and no turn
+    sleeps what it needs."""
     count = len(walk)
-    for ref in set().union(*asleep):
+    for ref in {r for r in set().union(*asleep) if r[0] in planned}:
         sleeping = [ref in a for a in asleep]
         for start in range(count):
             if not sleeping[start] or sleeping[(start + 1) % count]:

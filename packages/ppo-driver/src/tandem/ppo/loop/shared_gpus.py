@@ -15,6 +15,13 @@ Each lifecycle step is a phase of the step's clock (`time/<role>_wake`,
 own timings (`lifecycle/...`) and an event in events.jsonl (`wake` / `sleep` with the
 role, `engine_release`, `engine_resume`; the forward-only roles record their own: the
 reward model `rm_wake` / `rm_sleep`, the teacher `wake` / `sleep` with its role).
+
+With a memory plan (`--memory-plan fit`, `use_plans`), the actor and the critic sleep by
+memory tag instead: before each turn (`enter`) they put to sleep and wake the tags the
+plan has asleep at that turn (`memory_plan.MemoryPlan`), sleeps first, and their own
+turns' wakes and sleeps do nothing; a save between steps wakes what the role has asleep
+and puts it back after. The other roles keep the schedule's whole-role wakes and sleeps,
+which the plan counts as they are.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from tandem.ppo.loop.schedule import Role, StepSchedule, Turn, asleep_between_steps
+from tandem.ppo.loop.memory_plan import MemoryPlan
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, asleep_between_steps
 from tandem.ppo.loop.weight_sync import send_to_restarted, sync_weights
 
 if TYPE_CHECKING:
@@ -97,6 +105,22 @@ class SharedGpus:
         if critic is not None:
             self._awake.add("critic")
         engines.on_restart = self._engine_restarted
+        self.plan: MemoryPlan | None = None
+        """The memory plan of the step under way (`begin_step`); None: whole-role wakes and sleeps."""
+        self.moved_bytes = 0
+        """Bytes the plan's tag sleeps and wakes moved since `begin_step` (each tag's model figure)."""
+        self._tag_bytes: dict[tuple[Role, str], int] = {}
+        self._tags: dict[Role, list[str]] = {}
+        """Each train role's memory tags (`use_plans`)."""
+        self._asleep_tags: dict[Role, set[str]] = {}
+        """The tags each train role has asleep now (kept once `use_plans` is called)."""
+        self._woken_for_save: dict[Role, set[str]] = {}
+        self.planning: Callable[[StepSchedule], MemoryPlan] | None = None
+        """The planner `use_plans` gave: each schedule's memory plan."""
+        self.keep_engine_stats = False
+        """Keep the engines' `memory_stats` as they release their memory (`engine_stats`): their KV cache is
+        built then, which the memory plan counts (`--memory-plan fit`)."""
+        self.engine_stats: list[dict[str, float]] | None = None
 
     # --- the roles ------------------------------------------------------------------------------
     def add_reward_model(self, reward_model: RewardModelRole) -> None:
@@ -139,12 +163,24 @@ class SharedGpus:
         return role in self._awake
 
     def before(self, turn: Turn) -> None:
-        """What `turn` asks before its work: its role woken."""
+        """What `turn` asks before its work: its role woken. Under a memory plan a train role's turn in the
+        step asks nothing (`enter` woke what it touches), and a save wakes what the role has asleep."""
+        if self._planned(turn.role):
+            if turn.work == "save" or (turn.work is None and turn.wake_before):
+                woken = set(self._asleep_tags[turn.role])
+                self._move_tags(turn.role, wake=woken)
+                self._woken_for_save[turn.role] = woken
+            return
         if turn.wake_before:
             self.wake(turn.role)
 
     def after(self, turn: Turn) -> None:
-        """What `turn` asks after its work: its role put to sleep."""
+        """What `turn` asks after its work: its role put to sleep. Under a memory plan a train role's turn
+        in the step asks nothing (the next turn's `enter` sleeps what the plan says); a save puts back
+        to sleep what its `before` woke."""
+        if self._planned(turn.role):
+            self._move_tags(turn.role, sleep=self._woken_for_save.pop(turn.role, set()))
+            return
         if turn.sleep_after:
             self.sleep(turn.role)
 
@@ -182,6 +218,8 @@ class SharedGpus:
             with self.clock.phase(f"{role}_wake"):
                 self.events.record("wake", role=role)
                 self.clock.record_lifecycle(f"{role}_wake", group.wake_up())
+            if role in self._asleep_tags:
+                self._asleep_tags[role] = set()
         self._awake.add(role)
 
     def sleep(self, role: Role) -> None:
@@ -189,6 +227,8 @@ class SharedGpus:
         if not self.awake(role):
             return
         if role == "engine":
+            if self.keep_engine_stats and self.engine_stats is None:
+                self.engine_stats = self.engines.all("memory_stats")
             with self.clock.phase("engine_release"):
                 self.engines.release_memory()
             self.events.record("engine_release")
@@ -200,6 +240,8 @@ class SharedGpus:
             with self.clock.phase(f"{role}_sleep"):
                 self.clock.record_lifecycle(f"{role}_sleep", group.sleep())
                 self.events.record("sleep", role=role)
+            if role in self._asleep_tags:
+                self._asleep_tags[role] = set(self._tags[role])
         self._awake.discard(role)
 
     def start_asleep(self, schedule: StepSchedule) -> None:
@@ -209,6 +251,72 @@ class SharedGpus:
         for role in SLEEP_ORDER:
             if role in asleep and role in self.roles():
                 self.sleep(role)
+
+    # --- the memory plan ---------------------------------------------------------------------------
+    def use_plans(
+        self,
+        planner: Callable[[StepSchedule], MemoryPlan],
+        tags: dict[Role, list[str]],
+        tag_bytes: dict[tuple[Role, str], int],
+    ) -> None:
+        """From the next `begin_step` on, the train roles sleep by tag as `planner(schedule)` says.
+
+        `tags`: each train role's memory tags (its workers' `memory_tags()`); `tag_bytes`: each tag's bytes
+        (the memory model's, for `moved_bytes`). The roles' tags asleep now follow from who is awake.
+        """
+        self.planning, self._tags, self._tag_bytes = planner, {r: list(t) for r, t in tags.items()}, tag_bytes
+        self._asleep_tags = {r: set() if self.awake(r) else set(t) for r, t in self._tags.items()}
+
+    def begin_step(self, schedule: StepSchedule) -> None:
+        """The step about to run takes `schedule`: its memory plan, where `use_plans` gave a planner."""
+        self.moved_bytes = 0
+        self.plan = self.planning(schedule) if self.planning is not None else None
+
+    def enter(self, index: int) -> None:
+        """Before turn `index` of the step's schedule: the train roles' tags asleep as the plan says, sleeps
+        first (so no moment holds more than the turn after it); nothing without a plan.
+
+        A train role that computed in the turn before and sleeps nothing now hands its allocator's cached
+        blocks back (`empty_cache`): the next role's process cannot use them.
+        """
+        if self.plan is None:
+            return
+        target = self.plan.turns[index].asleep
+        previous = self.plan.turns[index - 1].turn
+        moves: dict[Role, tuple[set[str], set[str]]] = {}
+        for role, asleep in self._asleep_tags.items():
+            want = {tag for r, tag in target if r == role}
+            moves[role] = (want - asleep, asleep - want)
+        for role, (sleep, _) in moves.items():
+            if sleep:
+                self._move_tags(role, sleep=sleep)
+            elif role == previous.role and previous.work is not None and index > 0:
+                self.group(role).run("empty_cache")
+        for role, (_, wake) in moves.items():
+            self._move_tags(role, wake=wake)
+
+    def _planned(self, role: Role) -> bool:
+        return self.plan is not None and role in TRAIN_ROLES and role in self._asleep_tags
+
+    def _move_tags(self, role: Role, *, sleep: set[str] | None = None, wake: set[str] | None = None) -> None:
+        """Put `sleep` of `role`'s tags to sleep, or wake `wake`, in the role's own tag order."""
+        group, order = self.group(role), self._tags[role]
+        for verb, chosen, method in (("sleep", sleep, "sleep"), ("wake", wake, "wake_up")):
+            tags = [t for t in order if chosen and t in chosen]
+            if not tags:
+                continue
+            with self.clock.phase(f"{role}_{verb}"):
+                self.events.record(verb, role=role, tags=tags)
+                self.clock.record_lifecycle(f"{role}_{verb}", group.run(method, tags))
+            if verb == "sleep":
+                self._asleep_tags[role] |= set(tags)
+            else:
+                self._asleep_tags[role] -= set(tags)
+            self.moved_bytes += sum(self._tag_bytes.get((role, t), 0) for t in tags)
+        if self._asleep_tags[role] == set(order):
+            self._awake.discard(role)
+        else:
+            self._awake.add(role)
 
     # --- the engines' weights -----------------------------------------------------------------------
     def sync_weights(self, weights_version: int | None = None) -> None:

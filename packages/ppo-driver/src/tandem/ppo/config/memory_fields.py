@@ -1,0 +1,33 @@
+"""The fields of the step's memory plan: whether the train roles sleep as whole roles or by memory tag.
+
+`MemoryFields` is a part of `RunFields` (every flag of `ppo-driver train`), kept apart so that each
+module stays one concept. docs/design.md, "The memory plan".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+__all__ = ["MemoryFields"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFields:
+    """The flags of the memory plan: which of the actor's and the critic's tensors sleep at each turn."""
+
+    memory_plan: Literal["whole", "fit"] = "whole"
+    """How the actor and the critic sleep on shared GPUs (`--offload-train`). `whole`: each sleeps whole
+    after its turns, as the step's schedule says. `fit`: from the first step's own figures (each model's
+    bytes per memory tag, each phase's allocator peak, the engines' memory), each turn puts to sleep only
+    the tags that the turn needs room for, optimizer moments before fp32 main parameters before
+    weights, and keeps the rest resident; a plan that does not fit `--gpu-memory-gib` less
+    `--memory-margin-gib` is refused with the numbers. The first step of each start runs `whole`."""
+
+    gpu_memory_gib: float | None = None
+    """The GPU memory the `fit` plan may fill, in GiB per GPU. None: the GPU's whole memory as the
+    engines' allocator reports it (on a CPU run give it)."""
+
+    memory_margin_gib: float = 4.0
+    """GiB per GPU the `fit` plan keeps free of its figures: fragmentation, the allocator's rounding,
+    the phases' peaks on rollouts longer than the first step's."""

@@ -1,0 +1,170 @@
+"""The memory plan's inputs, read off the run's own roles after its first step (`--memory-plan fit`).
+
+`measure_memory` asks the train workers for each memory tag's bytes (`state_nbytes`, recorded
+by their last train), their CUDA context (`gpu_memory`) and each phase's allocator peak
+(`phase_peaks`: train, log-probs, weight export), and takes the engines' `memory_stats` as
+`SharedGpus` kept them when they released their memory after the first rollout (their KV
+cache built). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
+and the critic's tags), and `write_plans` keeps the figures and every plan as JSON in the run
+folder. docs/design.md, "The memory plan".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args
+
+from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, fixed_from_gpu_memory
+from tandem.ppo.loop.memory_plan import MemoryPlan, plan_memory
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Work
+
+if TYPE_CHECKING:
+    from tandem.ppo.loop.shared_gpus import SharedGpus
+
+__all__ = ["MemoryFigures", "adopt_plans", "measure_memory", "planner", "write_plans"]
+
+logger = logging.getLogger(__name__)
+
+PHASE_OF_WORKER: Mapping[str, tuple[Role | None, Work]] = {
+    "train": (None, "train"),
+    "log_probs": ("actor", "log_probs"),
+    "weights": ("engine", "weights"),
+}
+"""A train worker's phase (`phase_peaks`' keys) as the (role, work) of the turn that takes it: its own
+train and log-probs, and the actor's weight export during the engines' `weights` turn (the export's
+buckets sit on the engines' GPU beside them, colocated)."""
+
+
+class MemoryFigures:
+    """What `measure_memory` read: the model, the budget and each train role's memory tags in order."""
+
+    def __init__(self, model: MemoryModel, budget: GpuBudget, tags: dict[Role, list[str]]) -> None:
+        self.model, self.budget, self.tags = model, budget, tags
+
+    def tag_bytes(self) -> dict[tuple[Role, str], int]:
+        """Each (role, tag)'s bytes."""
+        return {ref: self.model.nbytes(ref) for ref in self.model.tags()}
+
+
+def engine_memory(stats: Sequence[Mapping[str, float]]) -> RoleMemory:
+    """The engines' figures from their `memory_stats`: on a GPU `RoleMemory.from_engine_stats`; on a CPU,
+    where no allocator reports, their KV cache and kept sessions alone."""
+    if all("allocated_gib" in s for s in stats):
+        return RoleMemory.from_engine_stats(stats)
+    kv = max(
+        (round((s.get("kv_cache_gib", 0.0) + s.get("sessions_gib", 0.0)) * 2**30) for s in stats), default=0
+    )
+    return RoleMemory({"kv_cache": kv})
+
+
+def measure_memory(
+    gpus: SharedGpus,
+    *,
+    engine_stats: Sequence[Mapping[str, float]] | None,
+    gpu_memory_gib: float | None,
+    margin_gib: float,
+) -> MemoryFigures:
+    """The memory model of the run's roles on one GPU (each figure its largest rank's), the budget, the tags.
+
+    `engine_stats`: the engines' `memory_stats` taken while their KV cache was built (None: ask them now).
+    `gpu_memory_gib`: the capacity (None: the GPU's whole memory, as the engines report it).
+    """
+    stats = list(engine_stats) if engine_stats is not None else gpus.engines.all("memory_stats")
+    roles: dict[Role, RoleMemory] = {"engine": engine_memory(stats)}
+    phases: dict[tuple[Role, Work], int] = {}
+    tags: dict[Role, list[str]] = {}
+    for group in gpus.models():
+        role: Role = group.role
+        tags[role] = list(group.run("memory_tags")[0])
+        nbytes = group.run("state_nbytes")
+        fixed = fixed_from_gpu_memory(group.run("gpu_memory"))
+        roles[role] = RoleMemory.from_ranks(({t: r.get(t, 0) for t in tags[role]} for r in nbytes), fixed)
+        for per_rank in group.run("phase_peaks"):
+            for phase, peak in per_rank.items():
+                owner, work = PHASE_OF_WORKER[phase]
+                key: tuple[Role, Work] = (owner or role, work)
+                phases[key] = max(phases.get(key, 0), int(peak))
+    for (
+        role
+    ) in roles:  # a phase no worker measured (a CPU run, the engines' own work) holds nothing above its tags
+        for work in get_args(Work):
+            phases.setdefault((role, work), 0)
+    if gpu_memory_gib is not None:
+        capacity = round(gpu_memory_gib * 2**30)
+    else:
+        totals = [s["total_gib"] for s in stats if "total_gib" in s]
+        if not totals:
+            raise ValueError(
+                "--memory-plan: fit needs the GPU's memory, and the engines report none (a CPU run, or "
+                "SGLang servers); give --gpu-memory-gib"
+            )
+        capacity = round(min(totals) * 2**30)
+    margin = round(margin_gib * 2**30)
+    if margin >= capacity:
+        raise ValueError(
+            f"--memory-margin-gib: {margin_gib:g} GiB leaves nothing of the GPU's {capacity / 2**30:.1f} GiB; "
+            "give a smaller margin"
+        )
+    return MemoryFigures(MemoryModel(roles, phases), GpuBudget(capacity, margin), tags)
+
+
+def planner(
+    figures: MemoryFigures, record: Callable[[StepSchedule, MemoryPlan], None]
+) -> Callable[[StepSchedule], MemoryPlan]:
+    """Each schedule's plan of the actor's and the critic's tags, made once (`record` told of it); PlanError
+    with the numbers for a schedule that does not fit, before its step moves anything."""
+    plans: dict[StepSchedule, MemoryPlan] = {}
+
+    def plan_of(schedule: StepSchedule) -> MemoryPlan:
+        if schedule not in plans:
+            plans[schedule] = plan_memory(schedule, figures.model, figures.budget, planned_roles=TRAIN_ROLES)
+            record(schedule, plans[schedule])
+        return plans[schedule]
+
+    return plan_of
+
+
+def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPlan]) -> None:
+    """The figures and every plan so far as JSON at `path`: {"model", "budget", "plans": {schedule: turns}}."""
+    data: dict[str, Any] = {
+        "model": figures.model.to_dict(),
+        "budget": {"capacity": figures.budget.capacity, "margin": figures.budget.margin},
+        "plans": {
+            described: [
+                {
+                    "turn": t.turn.describe(),
+                    "asleep": sorted(f"{r}/{g}" for r, g in t.asleep),
+                    "peaks": dict(t.peaks),
+                }
+                for t in plan.turns
+            ]
+            for described, plan in plans.items()
+        },
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
+    """Measure the run's memory (`measure_memory`) and have `gpus` take each step's plan from it; every plan
+    is logged once and kept with the figures in RUN_DIR/memory_plan.json."""
+    figures = measure_memory(
+        gpus,
+        engine_stats=gpus.engine_stats,
+        gpu_memory_gib=config.gpu_memory_gib,
+        margin_gib=config.memory_margin_gib,
+    )
+    made: dict[str, MemoryPlan] = {}
+
+    def record(schedule: StepSchedule, plan: MemoryPlan) -> None:
+        made[schedule.describe()] = plan
+        moved = ", ".join(f"{r}/{t}" for r, t in sorted(plan.moved())) or "nothing"
+        logger.info("memory plan for %s: moves %s\n%s", schedule.describe(), moved, plan.describe())
+        write_plans(run_dir / "memory_plan.json", figures, made)
+
+    gpus.use_plans(planner(figures, record), figures.tags, figures.tag_bytes())
+    return figures

@@ -1,0 +1,210 @@
+"""`SharedGpus` carries a memory plan out (`--memory-plan fit`): before each turn the actor's and the critic's
+tags asleep are the plan's, what a turn touches is awake, a save wakes what its role has asleep and puts it
+back, and without a plan every wake and sleep is the schedule's whole-role one.
+
+The train groups and the engines are fakes that keep each role's tags asleep; no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.ppo.loop.memory_figures import MemoryFigures, engine_memory, planner, write_plans
+from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
+from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, plan_memory
+from tandem.ppo.loop.schedule import StepFacts, StepSchedule, save_schedule, step_schedule
+from tandem.ppo.loop.shared_gpus import SharedGpus
+from tandem.ppo.run.log import PhaseClock
+
+TAGS = ["weights", "grads", "main_params", "optimizer_moments"]
+
+
+class FakeGroup:
+    """A train group whose workers keep which tags are asleep and refuse work without the tags it needs."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.asleep: set[str] = set()
+        self.calls: list[tuple[str, list[str] | None]] = []
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        tags = list(args[0]) if args and args[0] is not None else None
+        self.calls.append((method, tags))
+        if method == "sleep":
+            assert tags is None or not (set(tags) & self.asleep), f"{self.role}: {tags} sleep twice"
+            self.asleep |= set(TAGS if tags is None else tags)
+        elif method == "wake_up":
+            assert tags is None or set(tags) <= self.asleep, f"{self.role}: {tags} woken while awake"
+            self.asleep -= set(TAGS if tags is None else tags)
+        return [{"total": 0.0}]
+
+    def sleep(self) -> list[dict[str, float]]:
+        return self.run("sleep")  # type: ignore[no-any-return]
+
+    def wake_up(self) -> list[dict[str, float]]:
+        return self.run("wake_up")  # type: ignore[no-any-return]
+
+
+class FakeEngines:
+    on_restart: Any = None
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def release_memory(self) -> None:
+        self.released = True
+
+    def resume_memory(self) -> None:
+        self.released = False
+
+    def all(self, method: str) -> list[dict[str, float]]:
+        return [{"kv_cache_gib": 1.0, "sessions_gib": 0.0}]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, dict[str, Any]]] = []
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.recorded.append((event, fields))
+
+
+FACTS = StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True)
+MB = 2**20
+
+
+def _gpus() -> tuple[SharedGpus, FakeGroup, FakeGroup, Events]:
+    actor, critic, events = FakeGroup("actor"), FakeGroup("critic"), Events()
+    gpus = SharedGpus(
+        engines=FakeEngines(),  # type: ignore[arg-type]
+        actor=actor,  # type: ignore[arg-type]
+        critic=critic,  # type: ignore[arg-type]
+        events=events,  # type: ignore[arg-type]
+        clock=PhaseClock(track_gpu_memory=False),
+    )
+    return gpus, actor, critic, events
+
+
+def _model() -> MemoryModel:
+    train = {"weights": 10 * MB, "grads": 10 * MB, "main_params": 20 * MB, "optimizer_moments": 40 * MB}
+    return MemoryModel(
+        {
+            "engine": RoleMemory({"weights": 10 * MB, "kv_cache": 30 * MB}, fixed=MB),
+            "actor": RoleMemory(train, fixed=MB),
+            "critic": RoleMemory(dict(train), fixed=MB),
+        },
+        {
+            ("actor", "train"): 20 * MB,
+            ("actor", "log_probs"): 8 * MB,
+            ("critic", "train"): 20 * MB,
+            ("engine", "generate"): 5 * MB,
+            ("engine", "weights"): 2 * MB,
+        },
+    )
+
+
+def _take(
+    gpus: SharedGpus, schedule: StepSchedule, groups: dict[str, FakeGroup], plan: MemoryPlan | None
+) -> None:
+    """One step's turns as `PPODriver.step` takes them: `enter`, the turn's wake, its work, its sleep."""
+    gpus.begin_step(schedule)
+    for index, turn in enumerate(schedule.turns):
+        gpus.enter(index)
+        gpus.before(turn)
+        if plan is not None:
+            planned = plan.turns[index]
+            for role, group in groups.items():
+                assert group.asleep == {t for r, t in planned.asleep if r == role}, (
+                    f"turn {index} {turn.describe()}: {role} has {sorted(group.asleep)} asleep"
+                )
+            for role, tag in planned.needs:
+                if role in groups:
+                    assert tag not in groups[role].asleep, f"{turn.describe()} works without {role}/{tag}"
+        elif turn.role in groups and turn.work is not None:
+            assert not groups[turn.role].asleep, f"{turn.describe()} works asleep"
+        gpus.after(turn)
+
+
+@pytest.mark.parametrize("room_mb", [120, 170, 400])
+def test_each_turn_has_the_plans_tags_asleep_and_a_save_wakes_and_restores(room_mb: int) -> None:
+    schedule = step_schedule(FACTS)
+    memory, budget = _model(), GpuBudget(room_mb * MB + 4 * MB, 4 * MB)
+    plan = plan_memory(schedule, memory, budget, planned_roles=("actor", "critic"))
+    gpus, actor, critic, events = _gpus()
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)  # the first step's whole-role state: both models asleep
+    assert actor.asleep == critic.asleep == set(TAGS)
+    _take(gpus, schedule, groups, None)  # the first step runs whole
+    gpus.use_plans(
+        lambda s: plan, {"actor": TAGS, "critic": TAGS}, {r: memory.nbytes(r) for r in memory.tags()}
+    )
+    for _ in range(2):  # the first planned step starts from the whole-role state, the second from its own
+        _take(gpus, schedule, groups, plan)
+    steady = sum(
+        memory.nbytes(ref)
+        for index in range(len(plan.turns))
+        for ref in set().union(*plan.moves(index))
+        if ref[0] in groups
+    )
+    assert gpus.moved_bytes == steady, "a step moves what the plan's moves say, no more"
+    if room_mb == 400:
+        assert steady == 0, "with room for everything nothing moves (resident)"
+    else:
+        assert steady > 0
+    # A save between two steps: its role whole on the GPU, then as the plan left it.
+    before = {r: set(g.asleep) for r, g in groups.items()}
+    for turn in save_schedule(FACTS).turns:
+        gpus.before(turn)
+        if turn.work == "save":
+            assert not groups[turn.role].asleep, f"{turn.role} saves with tags asleep"
+        gpus.after(turn)
+    assert {r: g.asleep for r, g in groups.items()} == before
+    assert any(e == "sleep" and "tags" in f for e, f in events.recorded) or steady == 0
+
+
+def test_the_plan_sleeps_moments_before_main_parameters_before_weights_when_tight() -> None:
+    schedule = step_schedule(FACTS)
+    memory = _model()
+    roomy = plan_memory(schedule, memory, GpuBudget(170 * MB), planned_roles=("actor", "critic"))
+    critic_train = next(t for t in roomy.turns if t.turn.role == "critic" and t.turn.work == "train")
+    asleep = {tag for role, tag in critic_train.asleep if role == "actor"}
+    assert "optimizer_moments" in asleep and "weights" not in asleep, sorted(asleep)
+
+
+def test_without_a_plan_every_wake_and_sleep_is_the_whole_roles() -> None:
+    schedule = step_schedule(FACTS)
+    gpus, actor, critic, _ = _gpus()
+    gpus.start_asleep(schedule)
+    _take(gpus, schedule, {"actor": actor, "critic": critic}, None)
+    assert all(tags is None for method, tags in actor.calls + critic.calls), "whole-role calls only"
+    assert gpus.moved_bytes == 0
+
+
+def test_a_planner_refuses_a_schedule_that_cannot_fit_before_the_step_moves_anything(tmp_path: Path) -> None:
+    memory = _model()
+    figures = MemoryFigures(memory, GpuBudget(60 * MB), {"actor": TAGS, "critic": TAGS})
+    made: dict[str, MemoryPlan] = {}
+    gpus, actor, critic, _ = _gpus()
+    gpus.start_asleep(step_schedule(FACTS))
+    calls_before = len(actor.calls) + len(critic.calls)
+    gpus.use_plans(
+        planner(figures, lambda s, p: made.update({s.describe(): p})), figures.tags, figures.tag_bytes()
+    )
+    with pytest.raises(PlanError, match=r"needs \d+ bytes .* available"):
+        gpus.begin_step(step_schedule(FACTS))
+    assert len(actor.calls) + len(critic.calls) == calls_before, "refused before any tag moved"
+    roomy = MemoryFigures(memory, GpuBudget(400 * MB), figures.tags)
+    plan_of = planner(roomy, lambda s, p: made.update({s.describe(): p}))
+    assert plan_of(step_schedule(FACTS)) is plan_of(step_schedule(FACTS)), "each schedule planned once"
+    write_plans(tmp_path / "memory_plan.json", roomy, made)
+    data = (tmp_path / "memory_plan.json").read_text()
+    assert '"capacity": 419430400' in data and "critic: wake, train, sleep" in data
+
+
+def test_the_engines_figures_on_a_cpu_are_their_kv_cache_alone() -> None:
+    assert engine_memory([{"kv_cache_gib": 1.0, "sessions_gib": 0.5}]).tags == {"kv_cache": 3 * 2**29}
+    gpu = engine_memory([{"kv_cache_gib": 1.0, "sessions_gib": 0.0, "allocated_gib": 3.0}])
+    assert gpu.tags == {"weights": 2 * 2**30, "kv_cache": 2**30}

@@ -2,7 +2,8 @@
 
 A newcomer reads the step here: `driver` (`PPODriver`: setup, one step, save, eval),
 `schedule` (a step's turns as data, checked), `memory_model` and `memory_plan` (the
-memory tags asleep at each turn, checked against the GPU), `turns` (each turn's work),
+memory tags asleep at each turn, checked against the GPU), `memory_figures` (the plan's inputs read
+off the run's roles, `--memory-plan fit`), `turns` (each turn's work),
 `shared_gpus` (`SharedGpus`: the roles on the GPUs and who is awake), `weight_sync`,
 `step_metrics`, `hints` (the run's hints said), `run_loop` (one step per rollout, sync or async, Ctrl-C), `startup`
 (the run's processes coming up), `cluster` (Ray, placement groups, the groups) and

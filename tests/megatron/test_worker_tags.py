@@ -167,3 +167,34 @@ def test_a_partial_sleep_keeps_computing_and_training_exact(actor: TrainGroup) -
     never_slept = ray.get(actor.train(1, data))
     assert_identical(actor.run("state_snapshot"), after_sleeping)
     assert [r.metrics for r in slept] == [r.metrics for r in never_slept]
+
+
+class Engine:
+    """Stands in for a rollout engine: keeps the weights it is sent."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.tensors.update((name, tensor.clone()) for name, tensor in named_tensors)
+
+    def received(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
+def test_a_weight_export_wakes_only_the_weights_that_sleep(actor: TrainGroup) -> None:
+    actor.wake_up()
+    engine_cls: Any = ray.remote(Engine)
+    engines = [engine_cls.remote(), engine_cls.remote()]
+    # The weights alone asleep: they come back for the export and go again; the rest stays awake, and so
+    # do the process groups (nothing to tear down or rebuild).
+    actor.sleep(["weights"])
+    assert groups_alive(actor)
+    actor.update_weights([engines[0]])
+    assert actor.asleep_tags() == [["weights"]] * RANKS and groups_alive(actor)
+    assert all(list(t) == ["clear_caches", "pause:weights", "total"] for t in actor.run("lifecycle_timings"))
+    actor.wake_up()
+    actor.update_weights([engines[1]])
+    sent, sent_awake = ray.get([e.received.remote() for e in engines])
+    assert sent and sent.keys() == sent_awake.keys()
+    assert all(torch.equal(sent[k], sent_awake[k]) for k in sent)

@@ -4,9 +4,10 @@
 `train` wakes the model when it is asleep and never sleeps afterwards,
 `save_model` never sleeps or wakes, and `sleep` / `wake_up` run the lifecycle
 that the driver asks for, of every memory tag or of some (`memory.WorkerMemory`);
-what `init` does to the process around building the trainee is `startup`'s. This module imports Megatron: only worker processes
-import it. The driver starts workers through `group.create_train_group`, which
-never does.
+what `init` does to the process around building the trainee is `startup`'s, and
+the weight export's sending is `weight_export`'s. This module imports Megatron:
+only worker processes import it. The driver starts workers through
+`group.create_train_group`, which never does.
 """
 
 from __future__ import annotations

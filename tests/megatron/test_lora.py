@@ -152,8 +152,13 @@ def test_a_resumed_worker_trains_on_exactly_and_sleep_changes_nothing(
         assert torch.equal(resumed["state"][name], tensor), name
         assert torch.equal(straight["state_after_wake"][name], tensor), name
     # The optimizer keeps state for the adapters (and the value head) only: far less than the base.
+    # On the CPU its main weights are the model's own (the weights tag's), so main_params is empty.
     nbytes = straight["nbytes"]
-    assert 0 < nbytes["weights"] < nbytes["base"] and 0 < nbytes["optimizer"] <= 2 * nbytes["weights"]
+    assert straight["memory_tags"] == ["base", "weights", "grads", "main_params", "optimizer_moments"]
+    assert nbytes.keys() >= set(straight["memory_tags"]) and nbytes["main_params"] == 0
+    assert 0 < nbytes["weights"] < nbytes["base"] and 0 < nbytes["optimizer_moments"] <= 2 * nbytes["weights"]
+    if role == "actor":  # a LoRA model's base is a weight tag: the log-probs need it awake
+        assert "['base']" in straight["refused_with_base_asleep"]
     # Two sleeps: the trained state went to the host at each, the frozen base at the first only.
     copied = straight["copied_to_host"]
     assert copied["base"] == nbytes["base"] and copied["weights"] == 2 * nbytes["weights"]

@@ -188,7 +188,8 @@ def ppo_step(critic: TrainGroup, actor: TrainGroup, rollout_id: int, data: list[
     if sleep:
         timings = actor.run("sleep")
         assert all(
-            {"destroy_process_groups", "pause:weights", "pause:optimizer"} <= t.keys() for t in timings
+            {"destroy_process_groups", "pause:weights", "pause:optimizer_moments"} <= t.keys()
+            for t in timings
         )
         assert actor.run("sleep") == [{}, {}]  # idempotent: nothing ran
     return {"critic": critic_out, "actor": actor_out}

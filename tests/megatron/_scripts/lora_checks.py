@@ -11,7 +11,8 @@ Usage (under launch.py, 2 processes): lora_checks.py HF_DIR WORK_DIR
   - `actor-straight` / `actor-resumed`, `critic-straight` / `critic-resumed` (TP 2): the train
     worker with LoRA (the actor with a KL loss, so the reference is the base with adapters off)
     trains rollout 0, saves, trains rollout 1; a fresh worker loads rollout 0 and trains
-    rollout 1 again. Also a sleep and a wake between the two, and the reference log-probs.
+    rollout 1 again. Also a sleep and a wake between the two, the reference log-probs, the
+    memory tags, and the log-probs refused while the base alone sleeps.
 
 Each phase writes WORK_DIR/<phase>-rank<r>.pt. No Ray here: the records that would cross Ray
 as Boxes (`pack_values`) are kept as plain lists of tensors.
@@ -207,7 +208,15 @@ def worker_phase(hf: Path, work: Path, role: str, resumed: bool, port: int, out:
     result["metrics1"] = worker.train(1, batch(11)).metrics
     result["state"] = worker.state_snapshot()
     result["nbytes"] = worker.state_nbytes()
+    result["memory_tags"] = worker.memory_tags()
     if role == "actor":
+        # The base is a weight tag: asleep, the log-probs are refused (and nothing else moved).
+        worker.sleep(["base"])
+        try:
+            worker.compute_log_probs(2, batch(10))
+        except RuntimeError as err:
+            result["refused_with_base_asleep"] = str(err)
+        worker.wake_up(["base"])
         result["log_probs_after"] = log_probs(worker, 2)
     worker.sleep()
     worker.wake_up()

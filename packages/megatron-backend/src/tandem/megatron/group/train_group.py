@@ -123,17 +123,42 @@ class TrainGroup:
         return list(ray.get(self.call(method, *args, **kwargs)))
 
     # --- the lifecycle and the checkpoints: the driver's calls, each waited for --------------------
-    def wake_up(self) -> list[dict[str, float]]:
-        """Bring every rank's memory back; each rank's seconds per lifecycle step, in rank order."""
-        return self.run("wake_up")
+    def wake_up(self, tags: Sequence[str] | None = None) -> list[dict[str, float]]:
+        """Bring every rank's memory back, of `tags` (some of `memory_tags()`) or all (None); each rank's
+        seconds per lifecycle step, in rank order."""
+        return self.run("wake_up", None if tags is None else list(tags))
 
-    def sleep(self) -> list[dict[str, float]]:
-        """Put every rank's GPU memory away; each rank's seconds per lifecycle step, in rank order."""
-        return self.run("sleep")
+    def sleep(self, tags: Sequence[str] | None = None) -> list[dict[str, float]]:
+        """Put every rank's GPU memory away, of `tags` (some of `memory_tags()`) or all (None); each rank's
+        seconds per lifecycle step, in rank order. The process groups go only with the last tag."""
+        return self.run("sleep", None if tags is None else list(tags))
 
     def asleep(self) -> list[bool]:
-        """Whether each rank's model is asleep, in rank order."""
+        """Whether each rank's model is asleep (any of its tags), in rank order."""
         return self.run("asleep")
+
+    def memory_tags(self) -> list[str]:
+        """The role's memory tags, in the order a sleep puts them away (rank 0's: every rank has the same)."""
+        import ray
+
+        tags: list[str] = ray.get(self.workers[0].call.remote("memory_tags"))
+        return tags
+
+    def asleep_tags(self) -> list[list[str]]:
+        """Each rank's memory tags put away now, in rank order."""
+        return self.run("asleep_tags")
+
+    def empty_cache(self) -> None:
+        """Every rank hands its allocator's cached blocks back to the device (a role left partly resident)."""
+        self.run("empty_cache")
+
+    def state_nbytes(self) -> list[dict[str, int]]:
+        """Each rank's bytes of training state by memory tag (`TrainWorker.state_nbytes`, also asleep)."""
+        return self.run("state_nbytes")
+
+    def phase_peaks(self) -> list[dict[str, int]]:
+        """Each rank's largest transient bytes by work (`train`, `log_probs`, `weights`); empty on the CPU."""
+        return self.run("phase_peaks")
 
     def save_model(self, rollout_id: int) -> None:
         """Save every rank's checkpoint of rollout `rollout_id` (the model must be awake)."""

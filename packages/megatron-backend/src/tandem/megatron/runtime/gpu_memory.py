@@ -1,4 +1,5 @@
-"""GPU memory figures of one process and of its GPU, as nvidia-smi reports them (no CUDA call)."""
+"""GPU memory figures of one process and of its GPU, as nvidia-smi reports them (no CUDA call), and the
+CUDA caching allocator's counts and peaks over a block (`AllocatorCalls`, `PhasePeak`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import subprocess
 from typing import Any, ClassVar
 
-__all__ = ["AllocatorCalls", "all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
+__all__ = ["AllocatorCalls", "PhasePeak", "all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
 
 
 def _nvidia_smi(*args: str) -> list[str] | None:
@@ -98,3 +99,38 @@ class AllocatorCalls:
     def metrics(self) -> dict[str, float]:
         """The counts of the last block (empty without CUDA)."""
         return dict(self._counts)
+
+
+class PhasePeak:
+    """The bytes a block allocates at its peak above what was allocated as it began (a phase's transient).
+
+    `with PhasePeak() as peak: ...`, then `peak.nbytes`: the CUDA caching allocator's
+    `max_memory_allocated()` in the block (its peak statistic reset on entry) less
+    `memory_allocated()` on entry: activations, logits, a weight sync's buckets, above the
+    tensors that stay resident. None without CUDA (or before this process has touched it):
+    the CPU has no allocator figures. The memory plan adds it to a phase's resident tags.
+    Resets the process's peak statistic: blocks of it do not nest.
+    """
+
+    def __init__(self) -> None:
+        self._start: int | None = None
+        self.nbytes: int | None = None
+
+    @staticmethod
+    def _cuda() -> Any:
+        import torch
+
+        return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def __enter__(self) -> PhasePeak:
+        cuda = self._cuda()
+        self.nbytes = None
+        self._start = None if cuda is None else int(cuda.memory_allocated())
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cuda = self._cuda()
+        if self._start is not None and cuda is not None:
+            self.nbytes = max(0, int(cuda.max_memory_allocated()) - self._start)

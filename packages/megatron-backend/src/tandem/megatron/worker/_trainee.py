@@ -12,7 +12,7 @@ and snapshots the training state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,11 @@ from tandem.megatron.worker.checkpoint import TrainState
 from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
 
 WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
-"""Memory tags: weights can come back alone (weight export while asleep)."""
+"""Memory tags: weights can come back alone (weight export while asleep). `optimizer` is
+torch_memory_saver's one region of the optimizer state (chosen at build time)."""
+MAIN_PARAMS, OPTIMIZER_MOMENTS = "main_params", "optimizer_moments"
+"""The pinned-host backend's two tags of the optimizer state: its fp32 main weights, and its moments
+(Adam's), which a memory plan may put to sleep apart."""
 BASE = "base"
 """The memory tag of a LoRA model's frozen base (every parameter that does not train)."""
 
@@ -91,14 +95,15 @@ class Trainee:
     def join_optimizer(self) -> None:
         """Wait (on the GPU) for the optimizer state that a wake brings back in the background.
 
-        The pinned-host backend resumes the optimizer tag on its side stream and returns
-        (`register(..., resume_in_background=True)`): the optimizer state is first read
-        at the optimizer step, so its copy overlaps the forward and backward passes before
-        it. Whatever reads that state calls this first: the step, checkpoints, snapshots.
+        The pinned-host backend resumes the optimizer's tags (`main_params`, `optimizer_moments`)
+        on its side stream and returns (`register(..., resume_in_background=True)`): the optimizer
+        state is first read at the optimizer step, so its copy overlaps the forward and backward
+        passes before it. Whatever reads that state calls this first: the step, checkpoints, snapshots.
         """
         join = getattr(self.backend, "join", None)
         if join is not None:
-            join(OPTIMIZER)
+            join(MAIN_PARAMS)
+            join(OPTIMIZER_MOMENTS)
 
     # --- tensors per memory tag (pinned-host backend) ------------------------------------
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -123,16 +128,37 @@ class Trainee:
         Compared by storage, not by tensor: the distributed optimizer's fp32 shards of fp32
         parameters are views into DDP's flat parameter buffer, which the weights tag holds.
         """
+        return self._not_model(self.optim.state_tensors())
+
+    def main_param_tensors(self) -> Iterator[torch.Tensor]:
+        """The optimizer's main weights that are not the model's weights or grads: the distributed
+        optimizer's fp32 copies of bf16 weights; none on the CPU (there they are the model's weights)."""
+        return self._not_model(self.optim.main_param_tensors())
+
+    def moment_tensors(self) -> Iterator[torch.Tensor]:
+        """The optimizer's moments (Adam's `exp_avg`, `exp_avg_sq`), created at the first step."""
+        return self._not_model(self.optim.moment_tensors())
+
+    def _not_model(self, tensors: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         taken = {_storage_key(t) for t in (*self.weight_tensors(), *self.grad_tensors())}
-        return (t for t in self.optim.state_tensors() if _storage_key(t) not in taken)
+        return (t for t in tensors if _storage_key(t) not in taken)
 
     @property
     def base_sleeps(self) -> bool:
         """Whether a sleep puts a LoRA model's frozen base away too (`lora_base_offload`)."""
         return self.lora is not None and self.config.lora_base_offload
 
+    @property
+    def weight_tags(self) -> tuple[str, ...]:
+        """The memory tags a forward pass reads: the weights, and a LoRA model's base when it sleeps."""
+        return (BASE, WEIGHTS) if self.base_sleeps else (WEIGHTS,)
+
     def register(self, backend: MemoryBackend) -> tuple[str, ...]:
-        """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order."""
+        """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order.
+
+        Pinned-host: (`base`,) `weights`, `grads`, `main_params`, `optimizer_moments`;
+        torch_memory_saver: (`base`,) `weights`, `optimizer` (its regions, chosen at build time).
+        """
         base = (BASE,) if self.base_sleeps else ()
         if isinstance(backend, PinnedHostBackend):
             if base:
@@ -141,20 +167,28 @@ class Trainee:
             backend.register(WEIGHTS, self.weight_tensors())
             # Gradients are zeroed before every minibatch: their bytes are not worth moving.
             backend.register(GRADS, self.grad_tensors(), keep=self.config.offload_grads)
-            backend.register(
-                OPTIMIZER, self.optimizer_tensors, resume_in_background=self.config.background_optimizer_wake
-            )
-            return (*base, WEIGHTS, GRADS, OPTIMIZER)
+            # Callables: the moments are created at the first step, after this.
+            background = self.config.background_optimizer_wake
+            backend.register(MAIN_PARAMS, self.main_param_tensors, resume_in_background=background)
+            backend.register(OPTIMIZER_MOMENTS, self.moment_tensors, resume_in_background=background)
+            return (*base, WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_MOMENTS)
         # torch_memory_saver: regions at build time; the gradients were allocated in the weights region.
         return (*base, WEIGHTS, OPTIMIZER)
 
     def state_nbytes(self) -> dict[str, int]:
-        """Bytes of the training state by memory tag (distinct storages), for benchmarks."""
-        sources = {
+        """Bytes of the training state by memory tag (distinct storages): `base`, `weights`, `grads`, and
+        the optimizer's as the backend tags it (pinned-host: `main_params`, `optimizer_moments`;
+        torch_memory_saver: `optimizer`). For the memory plan and benchmarks."""
+        optimizer: dict[str, Iterator[torch.Tensor]]
+        if isinstance(self.backend, PinnedHostBackend):
+            optimizer = {MAIN_PARAMS: self.main_param_tensors(), OPTIMIZER_MOMENTS: self.moment_tensors()}
+        else:
+            optimizer = {OPTIMIZER: self.optimizer_tensors()}
+        sources: dict[str, Iterable[torch.Tensor]] = {
             BASE: self.frozen_tensors(),
             WEIGHTS: self.weight_tensors(),
             GRADS: self.grad_tensors(),
-            OPTIMIZER: self.optimizer_tensors(),
+            **optimizer,
         }
         out = {}
         for tag, tensors in sources.items():

@@ -104,15 +104,36 @@ class OptimizerBundle:
         the CPU the plain optimizer's parameters are the model's own weights, which
         the weights tag already covers; the caller removes those.
         """
-        seen: set[int] = set()
+        return _distinct(self._tensors(params=True, state=True))
+
+    def main_param_tensors(self) -> Iterator[torch.Tensor]:
+        """The inner torch optimizers' parameters: the distributed optimizer's fp32 main weights (GPU),
+        the model's own weights on the CPU (the caller removes what the weights tag holds)."""
+        return _distinct(self._tensors(params=True, state=False))
+
+    def moment_tensors(self) -> Iterator[torch.Tensor]:
+        """The optimizer's per-parameter state (Adam's `exp_avg`, `exp_avg_sq`), each once; lazily, so
+        that the state the first step creates is included."""
+        return _distinct(self._tensors(params=False, state=True))
+
+    def _tensors(self, *, params: bool, state: bool) -> Iterator[Any]:
         for inner in _inner_torch_optimizers(self.optimizer):
             for group in inner.param_groups:
                 for param in group["params"]:
-                    for tensor in (param, *inner.state.get(param, {}).values()):
-                        # 0-dim entries (Adam's step count) live on the host and are not state to move.
-                        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and id(tensor) not in seen:
-                            seen.add(id(tensor))
-                            yield tensor
+                    if params:
+                        yield param
+                    if state:
+                        yield from inner.state.get(param, {}).values()
+
+
+def _distinct(tensors: Iterator[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among `tensors`, each once; 0-dim entries (Adam's step count) live on the host and are
+    not state to move."""
+    seen: set[int] = set()
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
 
 
 def _inner_torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:

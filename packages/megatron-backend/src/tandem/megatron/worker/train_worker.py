@@ -3,10 +3,11 @@
 `TrainWorker` owns the mechanism (docs/design.md, "The driver owns the plan"):
 `train` wakes the model when it is asleep and never sleeps afterwards,
 `save_model` never sleeps or wakes, and `sleep` / `wake_up` run the lifecycle
-that the driver asks for; what `init` does to the process around building the
-trainee is `startup`'s. This module imports Megatron: only worker processes
-import it. The driver starts workers through `group.create_train_group`, which
-never does.
+that the driver asks for, of every memory tag or of some (`memory.WorkerMemory`);
+what `init` does to the process around building the trainee is `startup`'s, and
+the weight export's sending is `weight_export`'s. This module imports Megatron:
+only worker processes import it. The driver starts workers through
+`group.create_train_group`, which never does.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import ray
 import torch
 
-from tandem.lifecycle import forget_all, make_backend, reloadable_process_groups
+from tandem.lifecycle import forget_all, make_backend
 from tandem.megatron.batch import TARGETS, RolloutBatch, resolve_batch
 from tandem.megatron.choices import Role
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
 from tandem.megatron.models._megatron_core import import_megatron_core
-from tandem.megatron.models.hf_weights import export_hf_weights, export_lora_adapters, send_chunk
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.runtime.fault_points import set_context as set_fault_context
 from tandem.megatron.runtime.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
 from tandem.megatron.worker import roles
 from tandem.megatron.worker._trainee import BASE, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
+from tandem.megatron.worker.memory import WorkerMemory, process_group_counts
 from tandem.megatron.worker.parallel import destroy_distributed, free_port
 from tandem.megatron.worker.startup import (
     build_lifecycle,
@@ -42,6 +43,7 @@ from tandem.megatron.worker.startup import (
     keep_tensor_pickles_portable,
     resolve_device,
 )
+from tandem.megatron.worker.weight_export import WeightReceiver, send_weights
 
 __all__ = ["TrainWorker", "WeightReceiver"]
 
@@ -50,26 +52,13 @@ mpu = import_megatron_core().parallel_state
 logger = logging.getLogger(__name__)
 
 
-@runtime_checkable
-class WeightReceiver(Protocol):
-    """A rollout engine that takes HF-named weights in chunks (`update_weights`'s target; with
-    `adapters=True` it also needs `update_adapter_from_tensors(named_tensors, scaling=...)`).
-
-    A Ray actor handle whose class has this method works too (the worker calls
-    `.remote` and waits); it then receives CPU tensors.
-    """
-
-    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> Any:
-        """Load these tensors (full, HF-named) into the engine's model."""
-        ...
-
-
 class TrainWorker:
     """One rank of the actor or the critic: trains, sleeps and wakes, saves and loads, exports weights.
 
     Used as a Ray actor (`create_train_group` starts a group). Call order:
     `master_address()` on rank 0, then `init(...)` on every rank, then any of
-    `train`, `sleep`, `wake_up`, `save_model`, `load_model`, `update_weights`.
+    `train`, `compute_log_probs`, `sleep`, `wake_up`, `save_model`, `load_model`,
+    `update_weights`. `sleep` and `wake_up` take some of `memory_tags()` or all.
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -79,6 +68,7 @@ class TrainWorker:
         self.world_size = world_size
         self._trainee: Trainee | None = None
         self._lifecycle: Any = None
+        self._memory: WorkerMemory | None = None
         self._backend: Any = None
         self._group: Any = None
         self._gpu_start: dict[str, int | None] = {}
@@ -108,8 +98,13 @@ class TrainWorker:
             torch.set_num_threads(config.cpu_threads)
         self._trainee = build_trainee(config, role, backend, on_gpu=on_gpu)
         keep_tensor_pickles_portable()
-        self._lifecycle = build_lifecycle(backend, self._trainee.register(backend), config)
+        tags = self._trainee.register(backend)
+        self._lifecycle = build_lifecycle(backend, tags, config)
+        self._memory = WorkerMemory(
+            self._lifecycle, tags, self._trainee.weight_tags, self._trainee.state_nbytes
+        )
         loaded = self.load_model()
+        self._memory.record_state()
         clear_caches()  # the objects of start-up are frozen before the first sleep
         return 0 if loaded is None else loaded + 1
 
@@ -144,6 +139,7 @@ class TrainWorker:
             ranks its old values (`CriticValues`).
         """
         trainee = self._require_init()
+        memory = self._require_memory()
         if self._lifecycle.asleep:
             self._lifecycle.wake_up()
         batch = self._batch(data_ref)
@@ -166,16 +162,18 @@ class TrainWorker:
             on_targets=self._keep_targets,
             kl_coef=kl_coef,
         )
-        with AllocatorCalls() as calls:
+        with AllocatorCalls() as calls, memory.measure("train"):
             out = train()
+        memory.record_state()  # the optimizer's moments exist from the first step on
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep.
         return dataclasses.replace(out, allocator=calls.metrics())
 
     def compute_log_probs(self, rollout_id: int, data_ref: Any) -> ActorLogProbs | None:
         """The actor's old and reference log-probs of this rank's samples, for the KL-first plan.
 
-        Never wakes or sleeps: the driver wakes the actor before (RuntimeError if
-        asleep). Old log-probs under `temperature` with the current weights, and
+        Never wakes or sleeps: the driver wakes the actor's weights before (RuntimeError
+        while a weight tag sleeps; the optimizer state and gradients may stay asleep).
+        Old log-probs under `temperature` with the current weights, and
         reference log-probs with the reference weights swapped in from the host
         (kept when `kl_coef != 0` or `use_kl_loss`). Every rank must take part.
 
@@ -189,14 +187,16 @@ class TrainWorker:
             raise ValueError(
                 "compute_log_probs: only the actor computes log-probs (this worker is the critic)"
             )
-        if self._lifecycle.asleep:
+        memory = self._require_memory()
+        if asleep := memory.weights_asleep():
             raise RuntimeError(
-                "compute_log_probs: the model is asleep and computing never wakes it; the driver wakes "
-                "the actor first (and puts it back to sleep before the critic trains)"
+                f"compute_log_probs: the weight tags {asleep} are asleep and computing never wakes them; "
+                "the driver wakes the actor's weights first (wake_up(['weights', ...]) or wake_up())"
             )
         batch = self._batch(data_ref)
         logger.info("rank %d: actor log-probs of rollout %d (%d samples)", self.rank, rollout_id, len(batch))
-        return roles.compute_log_probs(trainee, batch)
+        with memory.measure("log_probs"):
+            return roles.compute_log_probs(trainee, batch)
 
     def last_targets(self) -> dict[str, Any]:
         """Host copies of this rank's per-token targets of its last `train` call (tests, debugging).
@@ -223,30 +223,49 @@ class TrainWorker:
         )
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def sleep(self) -> dict[str, float]:
-        """Put the model's GPU memory away (idempotent); returns the seconds each step took.
+    def sleep(self, tags: list[str] | None = None) -> dict[str, float]:
+        """Put the model's GPU memory away, of `tags` (some of `memory_tags()`) or every tag (None).
 
-        The keys are `Lifecycle.last_timings`' (empty when already asleep).
+        Idempotent: tags asleep already are skipped. The process groups are torn down only
+        when the sleep leaves every tag asleep (a model partly asleep still computes).
+        Returns the seconds each step took: `Lifecycle.last_timings`' keys (empty when
+        nothing was left to put away). ValueError naming the worker's tags for one it lacks.
         """
         self._require_init()
-        self._lifecycle.sleep()
-        timings: dict[str, float] = self._lifecycle.last_timings
-        return timings
+        return self._require_memory().sleep(tags)
 
-    def wake_up(self) -> dict[str, float]:
-        """Bring the model's memory back (idempotent; when awake, reloads process groups only).
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, float]:
+        """Bring the model's memory back, of `tags` (some of `memory_tags()`) or every tag (None).
 
-        Returns the seconds each step took (`Lifecycle.last_timings`).
+        Idempotent. The process groups come back with a wake from every tag asleep; `wake_up()`
+        also reloads them when awake (a retried step). Returns the seconds each step took
+        (`Lifecycle.last_timings`). ValueError naming the worker's tags for one it lacks.
         """
         self._require_init()
-        self._lifecycle.wake_up()
-        timings: dict[str, float] = self._lifecycle.last_timings
-        return timings
+        return self._require_memory().wake_up(tags)
 
     def asleep(self) -> bool:
-        """Whether the model is asleep."""
+        """Whether the model is asleep (any of its tags)."""
         self._require_init()
         return bool(self._lifecycle.asleep)
+
+    def memory_tags(self) -> list[str]:
+        """This worker's memory tags, in the order a sleep puts them away (the backend's: pinned-host
+        `[base,] weights, grads, main_params, optimizer_moments`; torch_memory_saver `[base,] weights,
+        optimizer`)."""
+        self._require_init()
+        return list(self._require_memory().tags)
+
+    def asleep_tags(self) -> list[str]:
+        """The memory tags put away now, in `memory_tags()` order."""
+        self._require_init()
+        return self._require_memory().asleep()
+
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached blocks back to the device (the clear step a sleep runs first; on the
+        CPU it only collects garbage): for a role that stays partly resident after its phase."""
+        self._require_init()
+        clear_caches()
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_model(self, rollout_id: int) -> None:
@@ -305,19 +324,24 @@ class TrainWorker:
                 f"update_weights: pack sends rank r's chunks to engine r, but there are {len(engines)} "
                 f"engines for {self.world_size} ranks; pass one engine per rank, or no pack"
             )
-        if not self._lifecycle.asleep:
-            return self._send_weights(engines, pack, adapters=adapters)
-        # Only the weights come back, and the process groups only where the export gathers
-        # over TP or PP (each rebuild and teardown costs a communicator setup and shutdown):
-        # a rank of a TP = PP = 1 model holds every weight already.
+        memory = self._require_memory()
+        # Only the weight tags that sleep come back (and sleep again after), and the process
+        # groups only where they are down and the export gathers over TP or PP (each rebuild
+        # and teardown costs a communicator setup and shutdown): a rank of a TP = PP = 1
+        # model holds every weight already.
         tp, pp = self.config.topology(self.role)
-        collectives = tp * pp > 1
-        tags = [BASE, WEIGHTS] if trainee.base_sleeps and not adapters else [WEIGHTS]
-        self._lifecycle.wake_up(tags, process_groups=collectives)
-        try:
-            return self._send_weights(engines, pack, barrier=collectives, adapters=adapters)
-        finally:
-            self._lifecycle.sleep(tags, process_groups=collectives)
+        needed = [WEIGHTS] if adapters else [BASE, WEIGHTS]
+        chunk_bytes = self.config.update_weights_chunk_bytes
+        with (
+            memory.weights_back(collectives=tp * pp > 1, tags=needed) as groups_alive,
+            memory.measure("weights"),
+        ):
+            chunks = send_weights(
+                trainee, engines, pack, rank=self.rank, chunk_bytes=chunk_bytes, adapters=adapters
+            )
+            if groups_alive:  # without it the caller's wait for every rank's answer is the barrier
+                self._barrier()
+            return chunks
 
     def lifecycle_timings(self) -> dict[str, float]:
         """Seconds of each step of this worker's last sleep or wake (that of a weight export included)."""
@@ -332,45 +356,7 @@ class TrainWorker:
         down unless `keep_single_rank_groups` keeps those of one rank (whose NCCL
         communicators then keep their device memory).
         """
-        counts = dict.fromkeys(
-            ("local_one_rank", "alive_one_rank", "alive_larger", "torn_down_one_rank", "torn_down_larger"), 0
-        )
-        for group in reloadable_process_groups():
-            if group.local:
-                counts["local_one_rank"] += 1
-                continue
-            state = "alive" if group.alive else "torn_down"
-            counts[f"{state}_{'one_rank' if group.size() == 1 else 'larger'}"] += 1
-        return counts
-
-    def _send_weights(
-        self,
-        engines: list[Any],
-        pack: Callable[[Any], Any] | None = None,
-        *,
-        barrier: bool = True,
-        adapters: bool = False,
-    ) -> int:
-        trainee = self._require_init()
-        chunk_bytes = self.config.update_weights_chunk_bytes
-        if adapters:
-            assert trainee.lora is not None
-            exported = export_lora_adapters(trainee.module, trainee.spec, trainee.lora, chunk_bytes)
-            how: dict[str, Any] = {"method": "update_adapter_from_tensors", "scaling": trainee.lora.scaling}
-        else:
-            exported = export_hf_weights(trainee.module, trainee.spec, chunk_bytes)
-            how = {}
-        chunks = 0
-        for named in exported:
-            if pack is not None:
-                send_chunk(engines[self.rank], named, pack, **how)
-            elif self.rank == 0:
-                for target in engines:
-                    send_chunk(target, named, **how)
-            chunks += 1
-        if barrier:  # without it the caller's wait for every rank's answer is the barrier
-            self._barrier()
-        return chunks
+        return process_group_counts()
 
     # --- introspection -------------------------------------------------------------------------
     def state_snapshot(self) -> dict[str, torch.Tensor]:
@@ -381,11 +367,18 @@ class TrainWorker:
         return trainee.snapshot()
 
     def state_nbytes(self) -> dict[str, int]:
-        """Bytes of the training state that sleep moves, by memory tag (weights, grads, optimizer)."""
-        trainee = self._require_init()
-        if self._lifecycle.asleep:
-            raise RuntimeError("state_nbytes: the model is asleep; wake it up first")
-        return trainee.state_nbytes()
+        """Bytes of the training state that sleep moves, by memory tag: every tag of `memory_tags()` (0
+        where empty), and `base` and `grads` always (`Trainee.state_nbytes`). Measured now when awake;
+        while any tag sleeps, the figures recorded at the end of `init` and of each `train`."""
+        self._require_init()
+        return self._require_memory().state_nbytes()
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Each work's transient bytes on CUDA, the largest seen so far: the allocator's peak in the work
+        less what was allocated as it began (after any wake), by work (`train`, `log_probs`, `weights`,
+        once each has run). Empty on the CPU, which has no allocator figures."""
+        self._require_init()
+        return self._require_memory().phase_peaks()
 
     def host_buffer_bytes(self) -> int | None:
         """Bytes of host memory the sleep backend keeps for this worker's state (pinned, kept between
@@ -430,3 +423,8 @@ class TrainWorker:
         if self._trainee is None:
             raise RuntimeError("TrainWorker: call init(config, role, master_addr, master_port) first")
         return self._trainee
+
+    def _require_memory(self) -> WorkerMemory:
+        self._require_init()
+        assert self._memory is not None, "init sets the trainee and its memory together"
+        return self._memory

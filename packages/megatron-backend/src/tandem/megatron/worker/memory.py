@@ -1,0 +1,156 @@
+"""The memory side of a train worker: some of its tags asleep, each phase's allocator peak, the state's bytes.
+
+A memory plan (tandem.ppo.loop.memory_plan) puts only some of a role's memory tags to
+sleep at each turn of the PPO step: the actor's optimizer state while its weights stay
+for the log-probs, say. `WorkerMemory` runs those sleeps and wakes over the model's
+`Lifecycle`, with the process groups down only while every tag is; it keeps, per work
+of the worker (`train`, `log_probs`, `weights`), the largest transient the allocator
+saw (`PhasePeak`), and the state's bytes per tag as last measured awake, which a sleep
+would otherwise hide (a paused storage has 0 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from tandem.lifecycle import Lifecycle, reloadable_process_groups
+from tandem.megatron.runtime.gpu_memory import PhasePeak
+
+__all__ = ["WorkerMemory", "process_group_counts"]
+
+
+class WorkerMemory:
+    """Sleep and wake of any of one model's memory tags, its phases' peaks, and its state's bytes.
+
+    The process groups go down with the last tag and come back with the first: a sleep
+    destroys them only when it leaves every tag asleep, and a wake reloads them only when
+    it starts from every tag asleep (or wakes every tag: `wake_up(None)` reloads them even
+    when awake, for a retried step). A model partly asleep keeps computing, so it keeps them.
+
+    Args:
+        lifecycle: the model's lifecycle, made with `tags`.
+        tags: the model's memory tags, in the order they sleep.
+        weight_tags: those a forward pass reads (`Trainee.weight_tags`).
+        state_nbytes: the state's bytes by tag, measured now (`Trainee.state_nbytes`).
+    """
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        tags: Sequence[str],
+        weight_tags: Sequence[str],
+        state_nbytes: Callable[[], dict[str, int]],
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.tags = list(tags)
+        self.weight_tags = [t for t in self.tags if t in weight_tags]
+        self._measure_state = state_nbytes
+        self._state_nbytes: dict[str, int] | None = None
+        self._peaks: dict[str, int] = {}
+
+    # --- which tags sleep ---------------------------------------------------------------------------
+    def asleep(self) -> list[str]:
+        """The tags put away now, in the order they sleep."""
+        paused = self.lifecycle.paused_tags
+        return [t for t in self.tags if t in paused]
+
+    @property
+    def all_asleep(self) -> bool:
+        """Whether every tag is put away (the process groups are then torn down)."""
+        return len(self.asleep()) == len(self.tags)
+
+    def weights_asleep(self) -> list[str]:
+        """The weight tags put away now: a forward pass needs them back."""
+        paused = self.lifecycle.paused_tags
+        return [t for t in self.weight_tags if t in paused]
+
+    def check(self, method: str, tags: Sequence[str] | None) -> list[str] | None:
+        """`tags` as a list (None: every tag); ValueError naming the worker's tags for one it lacks."""
+        if tags is None:
+            return None
+        if isinstance(tags, str):
+            raise ValueError(f"{method}: tags={tags!r}; give a list of tag names, e.g. [{tags!r}]")
+        unknown = [t for t in tags if t not in self.tags]
+        if unknown:
+            raise ValueError(
+                f"{method}: tags {unknown} are not this worker's; choose among its memory tags {self.tags} "
+                "(None: every tag)"
+            )
+        return list(tags)
+
+    def sleep(self, tags: Sequence[str] | None = None) -> dict[str, float]:
+        """Put `tags` away (None: every tag; those asleep already are skipped); the seconds each step took."""
+        chosen = self.check("sleep", tags)
+        after = set(self.tags if chosen is None else chosen) | set(self.asleep())
+        self.lifecycle.sleep(chosen, process_groups=len(after) == len(self.tags))
+        return self.lifecycle.last_timings
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, float]:
+        """Bring `tags` back (None: every tag, and the process groups even when awake); the seconds each
+        step took."""
+        chosen = self.check("wake_up", tags)
+        reload = chosen is None or (bool(chosen) and self.all_asleep)
+        self.lifecycle.wake_up(chosen, process_groups=reload)
+        return self.lifecycle.last_timings
+
+    @contextmanager
+    def weights_back(self, *, collectives: bool, tags: Sequence[str] | None = None) -> Iterator[bool]:
+        """The weight tags that are asleep (of `tags`: default all of them) back for the block, and asleep
+        again after; yields whether the process groups are alive in the block.
+
+        Only those that were asleep move, and the process groups come back (and go again) only where the
+        block gathers over them (`collectives`) and they were down: with every tag asleep.
+        """
+        asleep = [t for t in self.weights_asleep() if tags is None or t in tags]
+        if not asleep:
+            yield True
+            return
+        were_down = self.all_asleep
+        groups = collectives and were_down
+        self.lifecycle.wake_up(asleep, process_groups=groups)
+        try:
+            yield groups or not were_down
+        finally:
+            self.lifecycle.sleep(asleep, process_groups=groups)
+
+    # --- what the memory plan measures ---------------------------------------------------------------
+    @contextmanager
+    def measure(self, work: str) -> Iterator[None]:
+        """Keep the block's allocator peak above its start as `work`'s transient, the largest so far (CUDA)."""
+        with PhasePeak() as peak:
+            yield
+        if peak.nbytes is not None:
+            self._peaks[work] = max(self._peaks.get(work, 0), peak.nbytes)
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Each work's largest transient bytes so far (`measure`); empty on the CPU."""
+        return dict(self._peaks)
+
+    def record_state(self) -> None:
+        """Measure the state's bytes now (awake), for `state_nbytes` to answer while asleep."""
+        self._state_nbytes = self._measure_state()
+
+    def state_nbytes(self) -> dict[str, int]:
+        """The state's bytes by tag, every tag included: measured now when awake, else as last recorded."""
+        if not self.asleep():
+            figures = self._measure_state()
+        elif self._state_nbytes is None:
+            raise RuntimeError("state_nbytes: the model is asleep and no figures were recorded awake")
+        else:
+            figures = self._state_nbytes
+        return {**dict.fromkeys(self.tags, 0), **figures}
+
+
+def process_group_counts() -> dict[str, int]:
+    """How many of this process's reloadable process groups are alive, by size (`TrainWorker.process_groups`)."""
+    counts = dict.fromkeys(
+        ("local_one_rank", "alive_one_rank", "alive_larger", "torn_down_one_rank", "torn_down_larger"), 0
+    )
+    for group in reloadable_process_groups():
+        if group.local:
+            counts["local_one_rank"] += 1
+            continue
+        state = "alive" if group.alive else "torn_down"
+        counts[f"{state}_{'one_rank' if group.size() == 1 else 'larger'}"] += 1
+    return counts

@@ -84,12 +84,14 @@ class MemoryPlan:
         return frozenset().union(*(t.asleep for t in self.turns))
 
     def describe(self) -> str:
-        """One line a turn: "critic: wake, train, sleep | asleep actor/optimizer, engine/kv_cache | peak 10.0 GiB"."""
+        """One line a turn: "critic: wake, train, sleep | asleep actor/optimizer, engine/kv_cache | peak 10.0 GiB"
+        (MiB below a GiB)."""
         lines = []
         for t in self.turns:
             asleep = ", ".join(f"{r}/{g}" for r, g in sorted(t.asleep)) or "nothing"
-            peak = max(t.peaks.values(), default=0) / 2**30
-            lines.append(f"{t.turn.describe()} | asleep {asleep} | peak {peak:.1f} GiB")
+            peak = max(t.peaks.values(), default=0)
+            size = f"{peak / 2**30:.1f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
+            lines.append(f"{t.turn.describe()} | asleep {asleep} | peak {size}")
         return "\n".join(lines)
 
 

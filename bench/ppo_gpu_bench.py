@@ -76,6 +76,14 @@ mode's steps and summary): `--ab-policy-change-count` runs the shared mode again
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --ab-policy-change-count --skip-resident --skip-probe --out "$OUT"
 
+The memory plan (`--memory-plan fit`): `--ab-memory-plan` runs the shared mode again with it
+(`shared_fit`: its first step sleeps whole roles and measures, the later ones sleep only the tags each
+turn needs room for) and reports its step against shared and resident (`memory_plan`: each mode's
+warm step, `fit_over_resident`, and the bytes its steps moved, `moved_gib`); with `--quick` (no GPU to
+ask) the plan's capacity is 64 GiB, so the models stay resident.
+
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --ab-memory-plan --skip-probe --out "$OUT"
+
 CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a reward model):
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
@@ -110,7 +118,7 @@ from ppo_harness import (
     write_prompts,
     write_report,
 )
-from ppo_modes import NO_COUNT_MODE, ppo_values, run_mode
+from ppo_modes import FIT_MODE, NO_COUNT_MODE, ppo_values, run_mode
 from ppo_report import compare, new_report, plot, print_summary
 
 __all__ = ["main", "parse_args", "ppo_values"]
@@ -179,6 +187,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="after the shared mode, the same run with the count off (mode shared_no_count): the weight "
         "sync's seconds with and without it",
+    )
+    parser.add_argument(
+        "--ab-memory-plan",
+        action="store_true",
+        help="after the shared mode, the same run with --memory-plan fit (mode shared_fit: the models sleep "
+        "only the tags each turn needs room for, from the second step): its step against shared and resident",
     )
     parser.add_argument(
         "--reward-model",
@@ -372,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.ab_policy_change_count:
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, NO_COUNT_MODE)
+        if args.ab_memory_plan:
+            modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, FIT_MODE)
         for i, mode in enumerate(modes):
             # Keep time for what follows: another mode (about this one's wall time) and the probe.
             reserve = 0.0 if args.skip_probe else 120.0

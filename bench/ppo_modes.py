@@ -84,6 +84,10 @@ def ppo_values(
         values["rollout_kv_cache_memory_fraction"] = args.resident_kv_fraction
     if mode == NO_COUNT_MODE:
         values["policy_change_count"] = False
+    if mode == FIT_MODE:
+        values["memory_plan"] = "fit"
+        if args.quick:  # no GPU to ask: room for everything, so the plan's moves are the engines' alone
+            values.update(gpu_memory_gib=64.0, memory_margin_gib=0.0)
     if reward_model is not None:
         # The model's term first: the rollout's timeline is generate, reward model, rule.
         values.update(rm_type="model", reward_model=str(reward_model), reward_weights="model=1.0,custom=1.0")
@@ -96,7 +100,11 @@ def ppo_values(
 NO_COUNT_MODE = "shared_no_count"
 """The shared mode with the weight sync's count of changed weights off (`--ab-policy-change-count`)."""
 
-SHARED_MODES = ("shared", NO_COUNT_MODE)
+FIT_MODE = "shared_fit"
+"""The shared mode with the memory plan (`--memory-plan fit`, `--ab-memory-plan`): from its second step the
+actor and the critic sleep only the tags each turn needs room for."""
+
+SHARED_MODES = ("shared", NO_COUNT_MODE, FIT_MODE)
 """The modes whose models time-share the GPU."""
 
 SHARING_PHASES = (
@@ -139,7 +147,10 @@ def summarize_mode(
 ) -> None:
     """Steady-state means, sharing share, tokens/s and per-phase GPU peaks, into `result`."""
     steps = result["steps"]
-    steady = steps[1:] if len(steps) > 1 else steps
+    # The first step warms up; in the plan's mode the second measures the memory and moves from the
+    # whole-role state to the plan's, so the steady steps start after it (where there are more).
+    warm_up = 2 if result.get("mode") == FIT_MODE and len(steps) > 2 else 1
+    steady = steps[warm_up:] if len(steps) > warm_up else steps
     result["steady_steps"] = [s["step"] for s in steady]
     keys = sorted({k for s in steady for k in s if k.startswith("time/")})
     phase_s = {k[5:]: mean([float(s.get(k, 0.0)) for s in steady]) for k in keys}
@@ -180,6 +191,7 @@ def summarize_mode(
         [float(s["actor/sampler_log_prob_gap"]) for s in steady if "actor/sampler_log_prob_gap" in s]
     )
     result["truncated_share"] = mean([float(s["reward/truncated"]) for s in steady])
+    result["moved_gib"] = [s.get("memory/moved_gib") for s in steps]  # the memory plan's (None: whole roles)
     allocs = sorted({k for s in steps for k in s if k.startswith("alloc/")})
     result["allocator_calls"] = {k: [s.get(k) for s in steps] for k in allocs}
     if host is not None:

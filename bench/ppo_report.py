@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_harness import fmt, gpu_name
-from ppo_modes import NO_COUNT_MODE, PHASES
+from ppo_modes import FIT_MODE, NO_COUNT_MODE, PHASES
 
 from tandem.ppo.app.plot import plot_run
 
@@ -60,6 +60,7 @@ def compare(report: dict[str, Any]) -> None:
     }
     report["vs_verl"] = {k: {"verl_s": verl[k], "shared_s": ours[k]} for k in ours}
     report["policy_change_count"] = count_cost(shared, report["modes"].get(NO_COUNT_MODE) or {})
+    report["memory_plan"] = plan_cost(shared, resident, report["modes"].get(FIT_MODE) or {})
     probe = report.get("probe") or {}
     peaks = shared.get("gpu_peak_gib") or {}
     overhead = report["overhead_of_sharing"]
@@ -74,6 +75,24 @@ def compare(report: dict[str, Any]) -> None:
             if peaks.get("overall") and (resident.get("gpu_peak_gib") or {}).get("overall")
             else None
         ),
+    }
+
+
+def plan_cost(shared: dict[str, Any], resident: dict[str, Any], fit: dict[str, Any]) -> dict[str, Any] | None:
+    """The memory plan's mode against whole-role sharing and resident: each mode's warm step, the plan's step
+    over resident's less one, and the GiB its planned steps moved (`memory/moved_gib`); None without it."""
+    step = fit.get("step_s_mean")
+    if step is None:
+        return None
+    r_step, s_step = resident.get("step_s_mean"), shared.get("step_s_mean")
+    return {
+        "fit_step_s": step,
+        "shared_step_s": s_step,
+        "resident_step_s": r_step,
+        "fit_over_resident": step / r_step - 1 if r_step else None,
+        "fit_over_shared": step / s_step - 1 if s_step else None,
+        "moved_gib": fit.get("moved_gib"),
+        "gpu_peak_gib": (fit.get("gpu_peak_gib") or {}).get("overall"),
     }
 
 

@@ -45,3 +45,27 @@ def test_the_counts_cost_is_the_syncs_seconds_with_against_without() -> None:
     assert cost["count_share_of_sync"] == pytest.approx(0.05)
     assert cost["engine_count_share_of_sync"] == pytest.approx(0.04)
     assert ppo_report.count_cost(counted, {}) is None
+
+
+def test_the_fit_mode_is_the_shared_mode_with_the_memory_plan_and_its_cost_against_both(
+    tmp_path: Path,
+) -> None:
+    """`--ab-memory-plan`: the shared_fit mode's config, and the report's figures by hand."""
+    args = ppo_gpu_bench.parse_args(["--quick", "--out", str(tmp_path), "--ab-memory-plan"])
+    assert args.ab_memory_plan
+    args.stop_token_ids = ()
+    paths = (tmp_path / "hf", tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "run")
+    shared = ppo_modes.ppo_values(args, "shared", *paths)
+    fit = ppo_modes.ppo_values(args, ppo_modes.FIT_MODE, *paths)
+    assert fit == {**shared, "memory_plan": "fit", "gpu_memory_gib": 64.0, "memory_margin_gib": 0.0}
+    assert fit["offload_train"], "the plan's mode shares the GPU"
+    cost = ppo_report.plan_cost(
+        {"step_s_mean": 6.3},
+        {"step_s_mean": 5.4},
+        {"step_s_mean": 5.5, "moved_gib": [None, 3.0, 1.5], "gpu_peak_gib": {"overall": 40.0}},
+    )
+    assert cost is not None
+    assert cost["fit_over_resident"] == pytest.approx(5.5 / 5.4 - 1)
+    assert cost["fit_over_shared"] == pytest.approx(5.5 / 6.3 - 1)
+    assert cost["moved_gib"] == [None, 3.0, 1.5] and cost["gpu_peak_gib"] == 40.0
+    assert ppo_report.plan_cost({"step_s_mean": 6.3}, {"step_s_mean": 5.4}, {}) is None

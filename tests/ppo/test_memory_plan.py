@@ -317,7 +317,7 @@ def test_the_turns_of_a_shared_step_and_what_each_touches() -> None:
     assert plan.describe().splitlines()[1] == (
         "actor: wake, log_probs, sleep | asleep actor/grads, actor/main_params, actor/optimizer_moments, "
         "critic/grads, critic/main_params, critic/optimizer_moments, critic/weights, engine/kv_cache, "
-        "engine/weights | peak 0.0 GiB"
+        "engine/weights | peak 0.0 MiB"
     )
 
 

@@ -267,6 +267,18 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
             "--critic-updates-per-step: set, but --advantage-estimator grpo trains no critic",
             "use --advantage-estimator gae",
         ),
+        (
+            ("--memory-plan", "fit", "--no-offload-train"),
+            "--memory-plan: fit chooses what the actor and the critic put to sleep",
+            "drop --no-offload-train, or use --memory-plan whole",
+        ),
+        (("--memory-plan", "fit"), "--memory-plan: fit on --device cpu needs", "give --gpu-memory-gib"),
+        (
+            ("--gpu-memory-gib", "8", "--memory-margin-gib", "8"),
+            "--memory-margin-gib: 8 GiB leaves nothing of --gpu-memory-gib 8",
+            "give a margin below the GPU's memory",
+        ),
+        (("--gpu-memory-gib", "-1"), "--gpu-memory-gib: -1.0", "give a number of GiB >= 0"),
     ],
 )
 def test_the_algorithms_flags_are_refused_before_ray_naming_the_flag_and_the_fix(

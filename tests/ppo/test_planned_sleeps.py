@@ -208,3 +208,81 @@ def test_the_engines_figures_on_a_cpu_are_their_kv_cache_alone() -> None:
     assert engine_memory([{"kv_cache_gib": 1.0, "sessions_gib": 0.5}]).tags == {"kv_cache": 3 * 2**29}
     gpu = engine_memory([{"kv_cache_gib": 1.0, "sessions_gib": 0.0, "allocated_gib": 3.0}])
     assert gpu.tags == {"weights": 2 * 2**30, "kv_cache": 2**30}
+
+
+class FakeForward:
+    """A reward model or a teacher: whole-role wake and sleep."""
+
+    def __init__(self) -> None:
+        self.awake = True
+
+    def wake(self) -> list[dict[str, float]]:
+        self.awake = True
+        return []
+
+    def sleep(self) -> list[dict[str, float]]:
+        self.awake = False
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_reward_models_and_a_teachers_turns_inside_the_draw_find_the_plans_tags() -> None:
+    """The draw takes the score and teacher turns inside the generate turn (and a second round of sampling
+    resumes the engines after the score): each finds the train roles' tags as the plan has them for it."""
+    facts = StepFacts(colocate=True, offload_train=True, critic=True, reward_model=True, teacher=True)
+    schedule = step_schedule(facts)
+    base = _model()
+    memory = MemoryModel(
+        {
+            **base.roles,
+            "reward_model": RoleMemory({"weights": 60 * MB}),
+            "teacher": RoleMemory({"weights": 50 * MB}),
+        },
+        {**base.phases, ("reward_model", "score"): 4 * MB, ("teacher", "log_probs"): 4 * MB},
+    )
+    plan = plan_memory(schedule, memory, GpuBudget(200 * MB), planned_roles=("actor", "critic"))
+    index = {t.turn.work if t.turn.role == "engine" else t.turn.role: i for i, t in enumerate(plan.turns)}
+    trains = ("actor", "critic")
+    at_score, at_generate = (
+        {ref for ref in plan.turns[index[k]].asleep if ref[0] in trains} for k in ("reward_model", "generate")
+    )
+    assert at_score != at_generate, "the case must move tags between the generate and the score turns"
+    gpus, actor, critic, _ = _gpus()
+    groups = {"actor": actor, "critic": critic}
+    gpus.add_reward_model(FakeForward())  # type: ignore[arg-type]
+    gpus.add_teacher(FakeForward())  # type: ignore[arg-type]
+    gpus.start_asleep(schedule)
+    gpus.use_plans(
+        lambda s: plan, {"actor": TAGS, "critic": TAGS}, {r: memory.nbytes(r) for r in memory.tags()}
+    )
+
+    def train_tags_are(i: int) -> None:
+        for role, group in groups.items():
+            assert group.asleep == {t for r, t in plan.turns[i].asleep if r == role}, (
+                plan.turns[i].turn,
+                role,
+            )
+
+    generate, score, teach = (plan.turns[index[k]].turn for k in ("generate", "reward_model", "teacher"))
+    for _ in range(2):
+        gpus.begin_step(schedule)
+        gpus.enter(0)
+        for _round in range(2):  # dynamic sampling: two rounds of generate + score
+            gpus.ready("engine")
+            train_tags_are(index["generate"])
+            gpus.after(generate)
+            with gpus.turn(score):
+                train_tags_are(index["reward_model"])
+        with gpus.turn(teach):
+            train_tags_are(index["teacher"])
+        gpus.after(generate)
+        for i, turn in enumerate(schedule.turns[1:], start=1):
+            gpus.enter(i)
+            train_tags_are(i)
+            if turn.role in groups:
+                gpus.before(turn)
+                gpus.after(turn)
+            elif turn.work == "weights":
+                gpus.wake("engine")

@@ -27,8 +27,8 @@ from tandem.ppo.config.episode_fields import ENDPOINT_KEY_VARIABLE
 from tandem.ppo.config.estimator_plan import check_estimator_plan
 from tandem.ppo.config.fields import RunFields, flag
 from tandem.ppo.rollout.model_folder import missing_folder
-from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config, uses_reward_model
-from tandem.ppo.rollout.teacher import check_teacher_config, uses_teacher
+from tandem.ppo.rollout.reward_model import RM_TYPES, check_reward_config
+from tandem.ppo.rollout.teacher import check_teacher_config
 
 if TYPE_CHECKING:
     from tandem.megatron.choices import Role
@@ -232,11 +232,6 @@ def _check_memory_plan(config: RunFields) -> None:
         raise ValueError(
             "--memory-plan: fit chooses what the actor and the critic put to sleep, but --no-offload-train "
             "keeps them resident; drop --no-offload-train, or use --memory-plan whole"
-        )
-    if uses_reward_model(config) or uses_teacher(config):
-        raise ValueError(
-            "--memory-plan: fit does not plan a reward model's or a teacher's turns yet; with a `model` "
-            "reward (--rm-type / --reward-weights) or --teacher-hf-checkpoint use --memory-plan whole"
         )
     if config.device == "cpu" and config.gpu_memory_gib is None:
         raise ValueError(

@@ -2,7 +2,9 @@
 
 `measure_memory` asks the train workers for each memory tag's bytes (`state_nbytes`, recorded
 by their last train), their CUDA context (`gpu_memory`) and each phase's allocator peak
-(`phase_peaks`: train, log-probs, weight export), and takes the engines' `memory_stats` as
+(`phase_peaks`: train, log-probs, weight export), a reward model's or a teacher's workers for
+their weights (`weight_bytes`), context and forward peak (`phase_peak`), and takes the engines'
+`memory_stats` as
 `SharedGpus` kept them when they released their memory after the first rollout (their KV
 cache built). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
 and the critic's tags), and `write_plans` keeps the figures and every plan as JSON in the run
@@ -36,6 +38,10 @@ PHASE_OF_WORKER: Mapping[str, tuple[Role | None, Work]] = {
 """A train worker's phase (`phase_peaks`' keys) as the (role, work) of the turn that takes it: its own
 train and log-probs, and the actor's weight export during the engines' `weights` turn (the export's
 buckets sit on the engines' GPU beside them, colocated)."""
+
+
+FORWARD_WORK: Mapping[Role, Work] = {"reward_model": "score", "teacher": "log_probs"}
+"""The work of each forward-only role's turn (its workers' `phase_peak`)."""
 
 
 class MemoryFigures:
@@ -87,9 +93,18 @@ def measure_memory(
                 owner, work = PHASE_OF_WORKER[phase]
                 key: tuple[Role, Work] = (owner or role, work)
                 phases[key] = max(phases.get(key, 0), int(peak))
-    for (
-        role
-    ) in roles:  # a phase no worker measured (a CPU run, the engines' own work) holds nothing above its tags
+    forward: dict[Role, Any] = {"reward_model": gpus.reward_model, "teacher": gpus.teacher}
+    for role, present in forward.items():
+        if present is None:
+            continue
+        group, work = present.group, FORWARD_WORK[role]
+        weights = max(int(n) for n in group.run("weight_bytes"))
+        roles[role] = RoleMemory({"weights": weights}, fixed_from_gpu_memory(group.run("gpu_memory")))
+        peaks = [p for p in group.run("phase_peak") if p is not None]
+        if peaks:
+            phases[(role, work)] = max(int(p) for p in peaks)
+    # A phase no worker measured (a CPU run, the engines' own work) holds nothing above its tags.
+    for role in roles:
         for work in get_args(Work):
             phases.setdefault((role, work), 0)
     if gpu_memory_gib is not None:

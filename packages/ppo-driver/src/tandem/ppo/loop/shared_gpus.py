@@ -164,7 +164,10 @@ class SharedGpus:
 
     def before(self, turn: Turn) -> None:
         """What `turn` asks before its work: its role woken. Under a memory plan a train role's turn in the
-        step asks nothing (`enter` woke what it touches), and a save wakes what the role has asleep."""
+        step asks nothing (`enter` woke what it touches), and a save wakes what the role has asleep; a
+        reward model's or a teacher's turn, which the rollout's draw takes inside the generate turn,
+        first enters its own turn of the plan (`enter`)."""
+        self._enter_turn_of(turn)
         if self._planned(turn.role):
             if turn.work == "save" or (turn.work is None and turn.wake_before):
                 woken = set(self._asleep_tags[turn.role])
@@ -199,6 +202,9 @@ class SharedGpus:
         round of dynamic sampling, or an eval, after a reward model's score); any other role must be
         awake already, as its turn's wake saw to."""
         if role == "engine":
+            generate = self.plan.schedule.turn("engine", "generate") if self.plan is not None else None
+            if generate is not None:  # the train roles' tags as the plan has them while the engines generate
+                self._enter_turn_of(generate)
             self.wake("engine")
         assert self.awake(role), f"{role} works while asleep"
 
@@ -274,7 +280,9 @@ class SharedGpus:
 
     def enter(self, index: int) -> None:
         """Before turn `index` of the step's schedule: the train roles' tags asleep as the plan says, sleeps
-        first (so no moment holds more than the turn after it); nothing without a plan.
+        first (so no moment holds more than the turn after it); nothing without a plan. The moves go from
+        the tags asleep now, so entering a turn twice (the rollout's draw entered a reward model's turn
+        already, another round of sampling enters the generate turn again) moves nothing the second time.
 
         A train role that computed in the turn before and sleeps nothing now hands its allocator's cached
         blocks back (`empty_cache`): the next role's process cannot use them.
@@ -294,6 +302,17 @@ class SharedGpus:
                 self.group(role).run("empty_cache")
         for role, (_, wake) in moves.items():
             self._move_tags(role, wake=wake)
+
+    def _enter_turn_of(self, turn: Turn) -> None:
+        """Enter `turn`'s place in the plan where a plan is under way, the turn is in it and its role works
+        on the train GPUs beside the actor and the critic, so that their tags are as the plan has them for it.
+        Never on GPUs of their own: there the async loop's rollout, drawn on another thread, must not move
+        the train roles' tags, and the plan's turns move them in order."""
+        plan = self.plan
+        if plan is None or not plan.schedule.colocated or turn.role in TRAIN_ROLES:
+            return
+        if turn in plan.schedule.turns:
+            self.enter(plan.schedule.turns.index(turn))
 
     def _planned(self, role: Role) -> bool:
         return self.plan is not None and role in TRAIN_ROLES and role in self._asleep_tags

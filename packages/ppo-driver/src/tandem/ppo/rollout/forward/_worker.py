@@ -10,14 +10,16 @@ context and nothing else of the model on the device), and its memory figures.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
-from tandem.megatron.runtime.gpu_memory import device_used_bytes, process_gpu_bytes
+from tandem.megatron.runtime.gpu_memory import PhasePeak, device_used_bytes, process_gpu_bytes
 
 from ._options import ForwardOptions
 
@@ -55,6 +57,7 @@ class ForwardWorker:
             memory_backend.register(WEIGHTS, lambda: [*self.model.parameters(), *self.model.buffers()])
         self._lifecycle = Lifecycle(memory_backend, tags=[WEIGHTS])
         self._lock = threading.RLock()
+        self._phase_peak: int | None = None
 
     def load_model(self, folder: str, dtype: torch.dtype) -> Any:
         """The model of `folder` in `dtype`, on the CPU (the base moves it); a subclass's own."""
@@ -87,6 +90,19 @@ class ForwardWorker:
                 ("process", "process_baseline", "device_used", "device_before_context", "context"), 0
             )
         return {"process": process_gpu_bytes(), "device_used": device_used_bytes(), **self._gpu_start}
+
+    def phase_peak(self) -> int | None:
+        """The largest allocator peak of a forward call so far, above what was allocated as it began (the
+        memory plan's transient of this role's turn); None on a CPU or before a call."""
+        return self._phase_peak
+
+    @contextlib.contextmanager
+    def measured(self) -> Iterator[None]:
+        """Keep the block's allocator peak (`PhasePeak`) in `phase_peak` where it is the largest so far."""
+        with PhasePeak() as peak:
+            yield
+        if peak.nbytes is not None:
+            self._phase_peak = max(self._phase_peak or 0, peak.nbytes)
 
     def memory_stats(self) -> dict[str, float]:
         """GiB held on the device by this process's torch allocator (CUDA only)."""

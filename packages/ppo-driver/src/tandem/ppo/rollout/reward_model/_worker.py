@@ -72,7 +72,7 @@ class RewardModelWorker(ForwardWorker):
             rows = checked_rows(sequences, self._vocab, "the reward model")
             scores = [0.0] * len(rows)
             batches = token_budget_batches([len(r) for r in rows], self.options.max_tokens_per_batch)
-            with torch.no_grad():
+            with torch.no_grad(), self.measured():
                 for batch in batches:
                     for i, value in zip(batch, self._score_batch([rows[i] for i in batch]), strict=True):
                         scores[i] = value

@@ -85,7 +85,7 @@ class TeacherWorker(ForwardWorker):
                     )
             out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
             batches = token_budget_batches([len(r) for r in rows], self.options.max_tokens_per_batch)
-            with torch.no_grad():
+            with torch.no_grad(), self.measured():
                 for batch in batches:
                     picked = self._batch([rows[i] for i in batch], [lengths[i] for i in batch], temperature)
                     for i, values in zip(batch, picked, strict=True):

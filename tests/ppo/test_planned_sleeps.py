@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from tandem.ppo.loop.memory_figures import MemoryFigures, engine_memory, planner, write_plans
+from tandem.ppo.loop.memory_figures import MemoryFigures, engine_memory, planner, replan_if_grown, write_plans
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
-from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, plan_memory
+from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan, plan_memory
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, save_schedule, step_schedule
 from tandem.ppo.loop.shared_gpus import SharedGpus
 from tandem.ppo.run.log import PhaseClock
@@ -29,8 +29,12 @@ class FakeGroup:
         self.role = role
         self.asleep: set[str] = set()
         self.calls: list[tuple[str, list[str] | None]] = []
+        self.peaks: dict[str, int] = {}
+        """What `phase_peaks` answers: each work's allocator peak so far."""
 
     def run(self, method: str, *args: Any) -> list[Any]:
+        if method == "phase_peaks":
+            return [dict(self.peaks)]
         tags = list(args[0]) if args and args[0] is not None else None
         self.calls.append((method, tags))
         if method == "sleep":
@@ -286,3 +290,36 @@ def test_a_reward_models_and_a_teachers_turns_inside_the_draw_find_the_plans_tag
                 gpus.after(turn)
             elif turn.work == "weights":
                 gpus.wake("engine")
+
+
+def test_a_phase_whose_peak_grew_is_planned_again_from_the_new_figure(tmp_path: Path) -> None:
+    """A longer rollout's train needs more than the first step's: the next step's plan counts it."""
+    schedule = step_schedule(FACTS)
+    memory = _model()
+    figures = MemoryFigures(memory, GpuBudget(200 * MB), {"actor": TAGS, "critic": TAGS})
+    gpus, actor, _critic, _ = _gpus()
+    gpus.start_asleep(schedule)
+    made: dict[str, MemoryPlan] = {}
+    gpus.use_plans(
+        planner(figures, lambda s, p: made.update({"first": p})), figures.tags, figures.tag_bytes()
+    )
+    gpus.begin_step(schedule)
+    before = gpus.plan
+    assert before is not None
+    actor.peaks = {"train": 20 * MB}  # as measured: nothing grew
+    assert replan_if_grown(gpus, figures, tmp_path) is figures
+    actor.peaks = {"train": 60 * MB, "log_probs": 1 * MB}  # the actor's train grew; its log-probs did not
+    grown = replan_if_grown(gpus, figures, tmp_path)
+    assert grown.model.phases[("actor", "train")] == 60 * MB
+    assert grown.model.phases[("actor", "log_probs")] == 8 * MB, "a figure never shrinks"
+    gpus.begin_step(schedule)
+    after = gpus.plan
+    assert after is not None and after is not before
+    actor_train = next(
+        i for i, t in enumerate(after.turns) if t.turn.role == "actor" and t.turn.work == "train"
+    )
+    assert after.turns[actor_train].asleep > before.turns[actor_train].asleep, "more room made for the train"
+    check_plan(after, grown.model, grown.budget)
+    with pytest.raises(PlanError, match="actor/train"):  # the first plan would run out with the new figure
+        check_plan(before, grown.model, grown.budget)
+    assert "actor: wake, train, sleep" in (tmp_path / "memory_plan.json").read_text()

@@ -36,7 +36,7 @@ from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.hints import RunHints
-from tandem.ppo.loop.memory_figures import adopt_plans
+from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, replan_if_grown
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
@@ -136,6 +136,8 @@ class PPODriver:
         self.stopping_now = False
         self.steps_here = 0
         """Steps taken since this start (the first runs the whole-role plan and measures the memory)."""
+        self.memory_figures: MemoryFigures | None = None
+        """The memory plan's figures (`--memory-plan fit`), once measured."""
         """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
         to finish first."""
 
@@ -392,8 +394,9 @@ class PPODriver:
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
-        if self.config.memory_plan == "fit" and self.steps_here and self.gpus.planning is None:
-            adopt_plans(self.gpus, self.config, self.run_dir)  # from the first step's own figures
+        if self.config.memory_plan == "fit" and self.steps_here and self.memory_figures is None:
+            # The plan from the first step's own figures.
+            self.memory_figures = adopt_plans(self.gpus, self.config, self.run_dir)
         self.gpus.begin_step(schedule)  # its memory plan; a PlanError names the numbers before anything moves
         # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout (its
         # scores and the teacher's log-probs), 2. engines release, 2b. KL-first log-probs, 3. critic,
@@ -410,6 +413,8 @@ class PPODriver:
             self.gpus.enter(index)  # the memory plan's tag sleeps and wakes (nothing without a plan)
             turns.take(turn)
         self.steps_here += 1
+        if self.memory_figures is not None:  # the next step counts what this one needed
+            self.memory_figures = replan_if_grown(self.gpus, self.memory_figures, self.run_dir)
         self.last_sampled, self.generating = turns.rollout, turns.generating
 
         seconds = time.perf_counter() - step_start

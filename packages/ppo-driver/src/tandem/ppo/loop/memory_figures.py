@@ -7,8 +7,8 @@ their weights (`weight_bytes`), context and forward peak (`phase_peak`), and tak
 `memory_stats` as
 `SharedGpus` kept them when they released their memory after the first rollout (their KV
 cache built). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
-and the critic's tags), and `write_plans` keeps the figures and every plan as JSON in the run
-folder. docs/design.md, "The memory plan".
+and the critic's tags), `write_plans` keeps the figures and every plan as JSON in the run
+folder, and after each step `replan_if_grown` plans again where a phase's peak grew. docs/design.md, "The memory plan".
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Work
 if TYPE_CHECKING:
     from tandem.ppo.loop.shared_gpus import SharedGpus
 
-__all__ = ["MemoryFigures", "adopt_plans", "measure_memory", "planner", "write_plans"]
+__all__ = [
+    "MemoryFigures",
+    "adopt_plans",
+    "measure_memory",
+    "measure_phases",
+    "planner",
+    "replan_if_grown",
+    "write_plans",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +88,6 @@ def measure_memory(
     """
     stats = list(engine_stats) if engine_stats is not None else gpus.engines.all("memory_stats")
     roles: dict[Role, RoleMemory] = {"engine": engine_memory(stats)}
-    phases: dict[tuple[Role, Work], int] = {}
     tags: dict[Role, list[str]] = {}
     for group in gpus.models():
         role: Role = group.role
@@ -88,21 +95,10 @@ def measure_memory(
         nbytes = group.run("state_nbytes")
         fixed = fixed_from_gpu_memory(group.run("gpu_memory"))
         roles[role] = RoleMemory.from_ranks(({t: r.get(t, 0) for t in tags[role]} for r in nbytes), fixed)
-        for per_rank in group.run("phase_peaks"):
-            for phase, peak in per_rank.items():
-                owner, work = PHASE_OF_WORKER[phase]
-                key: tuple[Role, Work] = (owner or role, work)
-                phases[key] = max(phases.get(key, 0), int(peak))
-    forward: dict[Role, Any] = {"reward_model": gpus.reward_model, "teacher": gpus.teacher}
-    for role, present in forward.items():
-        if present is None:
-            continue
-        group, work = present.group, FORWARD_WORK[role]
-        weights = max(int(n) for n in group.run("weight_bytes"))
-        roles[role] = RoleMemory({"weights": weights}, fixed_from_gpu_memory(group.run("gpu_memory")))
-        peaks = [p for p in group.run("phase_peak") if p is not None]
-        if peaks:
-            phases[(role, work)] = max(int(p) for p in peaks)
+    for role, present in _forward_roles(gpus).items():
+        weights = max(int(n) for n in present.group.run("weight_bytes"))
+        roles[role] = RoleMemory({"weights": weights}, fixed_from_gpu_memory(present.group.run("gpu_memory")))
+    phases = measure_phases(gpus)
     # A phase no worker measured (a CPU run, the engines' own work) holds nothing above its tags.
     for role in roles:
         for work in get_args(Work):
@@ -124,6 +120,29 @@ def measure_memory(
             "give a smaller margin"
         )
     return MemoryFigures(MemoryModel(roles, phases), GpuBudget(capacity, margin), tags)
+
+
+def _forward_roles(gpus: SharedGpus) -> dict[Role, Any]:
+    present: dict[Role, Any] = {"reward_model": gpus.reward_model, "teacher": gpus.teacher}
+    return {role: r for role, r in present.items() if r is not None}
+
+
+def measure_phases(gpus: SharedGpus) -> dict[tuple[Role, Work], int]:
+    """Each measured phase's allocator peak above what was allocated as it began, the largest rank's and the
+    largest so far: the train workers' `phase_peaks()` and a reward model's or a teacher's `phase_peak()`
+    (nothing on a CPU)."""
+    phases: dict[tuple[Role, Work], int] = {}
+    for group in gpus.models():
+        for per_rank in group.run("phase_peaks"):
+            for phase, peak in per_rank.items():
+                owner, work = PHASE_OF_WORKER[phase]
+                key: tuple[Role, Work] = (owner or group.role, work)
+                phases[key] = max(phases.get(key, 0), int(peak))
+    for role, present in _forward_roles(gpus).items():
+        peaks = [p for p in present.group.run("phase_peak") if p is not None]
+        if peaks:
+            phases[(role, FORWARD_WORK[role])] = max(int(p) for p in peaks)
+    return phases
 
 
 def planner(
@@ -173,6 +192,30 @@ def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
         gpu_memory_gib=config.gpu_memory_gib,
         margin_gib=config.memory_margin_gib,
     )
+    _use(gpus, figures, run_dir)
+    return figures
+
+
+def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> MemoryFigures:
+    """After a step: where a phase's allocator peak grew past its figure (a longer rollout, a larger packed
+    micro-batch), the figures with the new peaks and every schedule planned again from them, said once in
+    the log; `figures` as they are otherwise. The next step's plan, checked before it moves anything, then
+    counts what this step needed."""
+    grown = {k: v for k, v in measure_phases(gpus).items() if v > figures.model.phases.get(k, 0)}
+    if not grown:
+        return figures
+    said = ", ".join(
+        f"{role}/{work} {figures.model.phases.get((role, work), 0) / 2**30:.2f} -> {v / 2**30:.2f} GiB"
+        for (role, work), v in sorted(grown.items())
+    )
+    logger.info("memory plan: phase peaks grew (%s); planning again", said)
+    model = MemoryModel(figures.model.roles, {**figures.model.phases, **grown})
+    figures = MemoryFigures(model, figures.budget, figures.tags)
+    _use(gpus, figures, run_dir)
+    return figures
+
+
+def _use(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> None:
     made: dict[str, MemoryPlan] = {}
 
     def record(schedule: StepSchedule, plan: MemoryPlan) -> None:
@@ -182,4 +225,3 @@ def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
         write_plans(run_dir / "memory_plan.json", figures, made)
 
     gpus.use_plans(planner(figures, record), figures.tags, figures.tag_bytes())
-    return figures

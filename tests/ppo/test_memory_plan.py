@@ -31,6 +31,7 @@ from tandem.ppo.loop.memory_model import (
 from tandem.ppo.loop.memory_plan import (
     MemoryPlan,
     PlanError,
+    capacity_range,
     check_plan,
     plan_memory,
     resident_plan,
@@ -470,13 +471,13 @@ def test_a_plan_of_the_train_roles_alone_leaves_the_others_as_the_schedule_has_t
     case: tuple[StepSchedule, MemoryModel], room: int, margin: int
 ) -> None:
     """`--memory-plan fit` plans the actor's and the critic's tags; the engines (and a reward model, a teacher)
-    keep the schedule's whole-role wakes and sleeps, and the plan fits around them."""
+    keep the schedule's whole-role wakes and sleeps, and the plan fits around them, within `capacity_range`."""
     schedule, memory = case
     budget = GpuBudget(room + margin + 1, margin)
     planned = ("actor", "critic")
     whole = schedule_plan(schedule, memory)
-    # The least this plan can do with: every untouched train tag asleep, the rest as the schedule has it.
-    least = _fixed_plan_worst(schedule, memory, whole, planned)
+    least, most = capacity_range(schedule, memory, planned_roles=planned)
+    assert least <= most
     if least > budget.available:
         with pytest.raises(PlanError, match=r"turn \d+ .* needs \d+ bytes"):
             plan_memory(schedule, memory, budget, planned_roles=planned)
@@ -487,19 +488,11 @@ def test_a_plan_of_the_train_roles_alone_leaves_the_others_as_the_schedule_has_t
         assert {ref for ref in mine.asleep if ref[0] not in planned} == others, mine.turn.describe()
     allocators = run_step(plan, memory, budget)
     assert all(a.peak <= budget.available for a in allocators.values())
-
-
-def _fixed_plan_worst(
-    schedule: StepSchedule, memory: MemoryModel, whole: MemoryPlan, planned: tuple[Role, ...]
-) -> int:
-    """The worst turn with every train tag a turn does not touch asleep and the other roles as `whole` has them."""
-    from tandem.ppo.loop.memory_plan import _peaks
-
-    worst = 0
-    every = shared_plan(schedule, memory)
-    for residents, s, w in zip(residents_at_each_turn(schedule), every.turns, whole.turns, strict=True):
-        asleep = frozenset(r for r in s.asleep if r[0] in planned) | frozenset(
-            r for r in w.asleep if r[0] not in planned
+    if budget.available >= most:
+        assert not any(ref[0] in planned for ref in plan.moved()), (
+            "room for all: the train roles stay resident"
         )
-        worst = max(worst, *_peaks(schedule, residents, asleep, memory).values())
-    return worst
+    if least >= 1:  # the least fits exactly; a byte less does not
+        plan_memory(schedule, memory, GpuBudget(least), planned_roles=planned)
+        with pytest.raises(PlanError):  # a margin of one byte: `least - 1` available
+            plan_memory(schedule, memory, GpuBudget(least, 1), planned_roles=planned)

@@ -39,6 +39,7 @@ __all__ = [
     "MemoryPlan",
     "PlanError",
     "PlannedTurn",
+    "capacity_range",
     "check_plan",
     "eviction_key",
     "plan_memory",
@@ -283,6 +284,28 @@ def schedule_plan(schedule: StepSchedule, memory: MemoryModel) -> MemoryPlan:
         return frozenset(r for r in memory.tags() if r[0] in roles and r[0] not in residents.awake) - needs
 
     return _fixed_plan(schedule, memory, asleep)
+
+
+def capacity_range(
+    schedule: StepSchedule, memory: MemoryModel, *, planned_roles: Collection[Role] | None = None
+) -> tuple[int, int]:
+    """The bytes a GPU needs, less its margin, for `plan_memory` to fit: (the least, with every tag of the
+    planned roles that a turn does not touch asleep; the most it can use, with none of them asleep). The
+    other roles sleep as the schedule says at both ends."""
+    planned = set(memory.roles) if planned_roles is None else set(planned_roles)
+    whole, every = schedule_plan(schedule, memory), shared_plan(schedule, memory)
+
+    def worst(keep_planned: Callable[[PlannedTurn, PlannedTurn], frozenset[TagRef]]) -> int:
+        def asleep(index: int) -> frozenset[TagRef]:
+            others = frozenset(r for r in whole.turns[index].asleep if r[0] not in planned)
+            return others | keep_planned(whole.turns[index], every.turns[index])
+
+        steps = residents_at_each_turn(schedule)
+        return max(max(_peaks(schedule, r, asleep(i), memory).values()) for i, r in enumerate(steps))
+
+    least = worst(lambda w, e: frozenset(r for r in e.asleep if r[0] in planned))
+    most = worst(lambda w, e: frozenset())
+    return least, most
 
 
 def _fixed_plan(

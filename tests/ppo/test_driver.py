@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.ppo.app.memory_report import MemoryPlanArgs, memory_report
 from tandem.ppo.loop.driver import PPODriver, RunSummary
 
 from ._runs import demo_config, last_state, read_jsonl, run_driver
@@ -177,6 +178,10 @@ def test_resume_continues_exactly(
     moved = {tag for turn in turns for tag in turn["asleep"] if not tag.startswith("engine/")}
     every = {f"{r}/{t}" for r in ("actor", "critic") for t in plan["model"]["roles"][r]["tags"]}
     assert moved and moved < every, f"the plan moves some train tags, not all: {sorted(moved)}"
+    # `ppo-driver memory-plan` reads the run's file back: the same plan at the run's own capacity.
+    report = memory_report(MemoryPlanArgs(str(tmp_path / "resumed")))
+    assert "planned for 9.7 MiB less a margin of 0.0 MiB" in report
+    assert all(f"{t['turn']} | asleep {', '.join(t['asleep']) or 'nothing'}" in report for t in turns), report
     keys = ("reward/mean", "loss/policy", "loss/value", "actor/lr", "critic/lr")
     assert len(straight.metrics) == len(resumed.metrics) == 4
     for a, b in zip(straight.metrics, resumed.metrics, strict=True):

@@ -1,4 +1,4 @@
-"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`, `fetch-model`.
+"""The `ppo-driver` command: `train`, `demo`, `eval`, `export`, `plot`, `fetch-model`, `memory-plan`.
 
 Each subcommand's options come from a typed dataclass through tyro, so
 `--help` shows every field's docstring. A bad value ends the command with a
@@ -26,6 +26,7 @@ from tandem.ppo._recall import RECALL_DEFAULTS, prepare_recall_demo
 from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
 from tandem.ppo.app.dry_run import dry_run_report, split_dry_run
 from tandem.ppo.app.machine import adapt_to_machine, announce
+from tandem.ppo.app.memory_report import MemoryPlanArgs, memory_report
 from tandem.ppo.app.plot import plot_run
 from tandem.ppo.app.pretrained import FetchModelArgs, fetch_model_command
 from tandem.ppo.config.file import parse_config, unvalidated
@@ -194,6 +195,13 @@ def _fetch_model(argv: Sequence[str]) -> int:
     return 0
 
 
+def _memory_plan(argv: Sequence[str]) -> int:
+
+    args = tyro.cli(MemoryPlanArgs, args=list(argv), prog=f"{PROG} memory-plan")
+    print(memory_report(args))
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "train a model with PPO (YAML --config plus flags)"),
     "demo": (
@@ -207,6 +215,10 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "fetch-model": (
         _fetch_model,
         "fetch a pretrained model (smollm2) into the cache as a Hugging Face folder",
+    ),
+    "memory-plan": (
+        _memory_plan,
+        "what a --memory-plan fit run's plan moves, on its GPU or on one of another size",
     ),
 }
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, fixed_from_gpu_memory
 from tandem.ppo.loop.memory_plan import MemoryPlan, plan_memory
-from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Work
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, Work
 
 if TYPE_CHECKING:
     from tandem.ppo.loop.shared_gpus import SharedGpus
@@ -162,10 +162,13 @@ def planner(
 
 
 def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPlan]) -> None:
-    """The figures and every plan so far as JSON at `path`: {"model", "budget", "plans": {schedule: turns}}."""
+    """The figures and every plan so far as JSON at `path`: {"model", "budget", "tags", "schedules": {schedule:
+    its turns as data, `schedule_from_dict`'s}, "plans": {schedule: turns}}."""
     data: dict[str, Any] = {
         "model": figures.model.to_dict(),
         "budget": {"capacity": figures.budget.capacity, "margin": figures.budget.margin},
+        "tags": figures.tags,
+        "schedules": {described: schedule_to_dict(plan.schedule) for described, plan in plans.items()},
         "plans": {
             described: [
                 {
@@ -225,3 +228,15 @@ def _use(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> None:
         write_plans(run_dir / "memory_plan.json", figures, made)
 
     gpus.use_plans(planner(figures, record), figures.tags, figures.tag_bytes())
+
+
+def schedule_to_dict(schedule: StepSchedule) -> dict[str, Any]:
+    """A schedule as JSON-ready data: {"colocated": bool, "turns": [[role, work, wake_before, sleep_after]]}."""
+    turns = [[t.role, t.work, t.wake_before, t.sleep_after] for t in schedule.turns]
+    return {"colocated": schedule.colocated, "turns": turns}
+
+
+def schedule_from_dict(data: Mapping[str, Any]) -> StepSchedule:
+    """The schedule `schedule_to_dict` wrote."""
+    turns = tuple(Turn(role, work, bool(wake), bool(sleep)) for role, work, wake, sleep in data["turns"])
+    return StepSchedule(turns, colocated=bool(data["colocated"]))

@@ -24,6 +24,7 @@ __all__ = [
     "RoleMemory",
     "TagRef",
     "fixed_from_gpu_memory",
+    "format_bytes",
 ]
 
 TagRef = tuple[Role, str]
@@ -188,3 +189,8 @@ class GpuBudget:
     def available(self) -> int:
         """Bytes a turn's peak may reach."""
         return self.capacity - self.margin
+
+
+def format_bytes(nbytes: int) -> str:
+    """`nbytes` for people: "10.0 GiB", or in MiB below a GiB ("9.6 MiB")."""
+    return f"{nbytes / 2**30:.1f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -32,7 +32,14 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.ppo.loop.memory_model import EVICTION_ORDER, WEIGHT_TAGS, GpuBudget, MemoryModel, TagRef
+from tandem.ppo.loop.memory_model import (
+    EVICTION_ORDER,
+    WEIGHT_TAGS,
+    GpuBudget,
+    MemoryModel,
+    TagRef,
+    format_bytes,
+)
 from tandem.ppo.loop.schedule import Residents, Role, StepSchedule, Turn, residents_at_each_turn
 
 __all__ = [
@@ -90,9 +97,9 @@ class MemoryPlan:
         lines = []
         for t in self.turns:
             asleep = ", ".join(f"{r}/{g}" for r, g in sorted(t.asleep)) or "nothing"
-            peak = max(t.peaks.values(), default=0)
-            size = f"{peak / 2**30:.1f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
-            lines.append(f"{t.turn.describe()} | asleep {asleep} | peak {size}")
+            lines.append(
+                f"{t.turn.describe()} | asleep {asleep} | peak {format_bytes(max(t.peaks.values(), default=0))}"
+            )
         return "\n".join(lines)
 
 

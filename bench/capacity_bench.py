@@ -2,7 +2,8 @@
 
 For each shape of `--shapes`, each kind of fine-tuning of `--finetune` (`full`, `lora`:
 the actor and the critic with adapters of `--lora-rank`) and each mode (`resident`,
-then `shared`), one `bench/ppo_gpu_bench.py` run in its own process, on the bench's
+then `shared`; `fit`: shared with `--memory-plan fit`, its row giving the GiB each step's plan
+moved, `moved_gib`), one `bench/ppo_gpu_bench.py` run in its own process, on the bench's
 work (256 prompts x 128 tokens, 512-token responses, KL loss on, so the reference is
 there too), `--steps` steps and no probe. Each row says whether the run trained; its
 steady step (the mean after the first, the step's wall clock); the device-wide peak GPU
@@ -20,6 +21,8 @@ merged weights): the weight sync's A/B.
     source .gpu-kit/setup.sh && python3 bench/capacity_bench.py --out "$OUT" --shapes qwen2.5-1.5b,qwen2.5-3b
     source .gpu-kit/setup.sh && python3 bench/capacity_bench.py --out "$OUT" --shapes qwen2.5-7b \
         --finetune lora --modes shared --lora-sync adapters,merged
+    source .gpu-kit/setup.sh && python3 bench/capacity_bench.py --out "$OUT" --shapes qwen2.5-3b --modes shared,fit \
+        --steps 4 -- --response-len 2048
     ./uvw run python bench/capacity_bench.py --quick --finetune full,lora --out /tmp/capacity   # CPU smoke run
 
 Results: `OUT/capacity_bench.json` (rewritten after each run) and a markdown table
@@ -43,6 +46,9 @@ from capacity_arithmetic import Work, estimate
 from ppo_harness import SHAPES, fmt, write_report
 
 BENCH = Path(__file__).resolve().parent / "ppo_gpu_bench.py"
+BENCH_MODE = {"fit": "shared_fit"}
+"""The bench's own mode of each capacity mode: `fit` is its `shared_fit` (`--memory-plan fit`)."""
+MODES = ("resident", "shared", "fit")
 
 
 def why_it_failed(report: dict[str, Any] | None, log: str) -> str:
@@ -72,7 +78,10 @@ def run_one(
     cmd = [sys.executable, str(BENCH), "--out", str(out), "--workdir", str(work / "models"), "--skip-probe"]
     cmd += ["--quick"] if args.quick else ["--shape", shape]
     cmd += ["--steps", str(args.steps), "--time-budget-s", str(args.time_budget_s)]
-    cmd += ["--skip-shared" if mode == "resident" else "--skip-resident"]
+    # `fit`: the shared run with the memory plan (ppo_gpu_bench's shared_fit mode alone).
+    cmd += {"resident": ["--skip-shared"], "shared": ["--skip-resident"]}.get(
+        mode, ["--skip-shared", "--skip-resident", "--ab-memory-plan"]
+    )
     if args.micro_batch_size is not None:
         cmd += ["--micro-batch-size", str(args.micro_batch_size)]
     cmd += lora_flags(args, sync) if finetune == "lora" else []
@@ -88,7 +97,7 @@ def run_one(
     row: dict[str, Any] = {"shape": shape, "finetune": finetune, "mode": mode, "rc": rc}
     row |= {"lora_sync": sync or None, "wall_s": time.time() - started}
     report = json.loads(out.read_text()) if out.is_file() else None
-    result = (report or {}).get("modes", {}).get(mode, {})
+    result = (report or {}).get("modes", {}).get(BENCH_MODE.get(mode, mode), {})
     trained = rc == 0 and bool(result.get("steps")) and not result.get("error")
     row["trained"] = trained
     row["steps"] = len(result.get("steps") or [])
@@ -102,6 +111,7 @@ def run_one(
     row["weight_sync_s"] = (result.get("phase_s_mean") or {}).get("weight_sync") if trained else None
     row["engine_weight_update_s"] = result.get("engine_weight_update_s") if trained else None
     row["params"] = (report or {}).get("model", {}).get("params")
+    row["moved_gib"] = result.get("moved_gib")  # the memory plan's, a step (fit)
     row["why_not"] = None if trained else why_it_failed(report, log_path.read_text(errors="replace")[-20000:])
     if rc is None:
         row["why_not"] = f"timed out after {args.time_budget_s + 240:.0f} s"
@@ -122,12 +132,12 @@ def estimates(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any
                     shape,
                     SHAPES[shape],
                     finetune,  # type: ignore[arg-type]
-                    mode,  # type: ignore[arg-type]
+                    "shared" if mode == "fit" else mode,  # type: ignore[arg-type]  # fit holds at most shared's
                     rank=args.lora_rank,
                     base_offload=args.lora_base_offload,
                     work=work,
                 )
-                rows.append(one.as_dict())
+                rows.append({**one.as_dict(), "mode": mode})
     return rows
 
 
@@ -202,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("bench_args", nargs="*", help="after --: more ppo_gpu_bench.py arguments")
     args = parser.parse_args(argv)
     bad = [f for f in args.finetune.split(",") if f not in ("full", "lora")]
-    bad += [m for m in args.modes.split(",") if m not in ("resident", "shared")]
+    bad += [m for m in args.modes.split(",") if m not in MODES]
     bad += [s for s in args.lora_sync.split(",") if s not in ("adapters", "merged")]
     if bad:
         parser.error(
-            f"{bad[0]!r}: --finetune takes full, lora; --modes resident, shared; --lora-sync adapters, merged"
+            f"{bad[0]!r}: --finetune takes full, lora; --modes resident, shared, fit; --lora-sync adapters, merged"
         )
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     json_path = args.out if args.out.suffix == ".json" else args.out / "capacity_bench.json"

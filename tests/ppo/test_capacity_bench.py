@@ -109,8 +109,9 @@ p.add_argument("--time-budget-s"); p.add_argument("--quick", action="store_true"
 p.add_argument("--skip-probe", action="store_true"); p.add_argument("--skip-shared", action="store_true")
 p.add_argument("--skip-resident", action="store_true"); p.add_argument("--micro-batch-size")
 p.add_argument("--set", dest="sets", action="append", default=[])
+p.add_argument("--ab-memory-plan", action="store_true")
 a = p.parse_args()
-mode = "resident" if a.skip_shared else "shared"
+mode = "shared_fit" if a.ab_memory_plan else "resident" if a.skip_shared else "shared"
 steps = [{"step": i, "time/step": 2.0 + i} for i in range(a.steps)]
 lora = "lora_rank=8" in a.sets
 sync = 0.5 if "lora_sync=adapters" in a.sets else 2.5
@@ -118,6 +119,8 @@ result = {"steps": steps, "error": None, "step_s_mean": 3.0, "gpu_peak_gib": {"o
           "host_used_peak_gib": 20.0, "host_buffer_gib": {"actor": 6.0, "critic": 6.5},
           "phase_s_mean": {"weight_sync": sync}, "engine_weight_update_s": sync / 2, "sets": a.sets,
           "micro_batch_size": a.micro_batch_size}
+if mode == "shared_fit":
+    result["moved_gib"] = [None, 12.0, 3.5]
 if mode == "resident" and not lora:  # out of GPU memory in its first step, as the bench records it
     result = {"steps": [], "error": "Traceback ...\\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate"}
 json.dump({"model": {"params": 1543714304}, "modes": {mode: result}}, open(a.out, "w"))
@@ -183,3 +186,31 @@ def test_each_run_gets_its_row_and_a_failure_its_reason(
     assert "| qwen2.5-1.5b | 1.54 B | lora (merged sync) | shared | yes | 3.00 | 2.500 |" in table
     assert "| qwen2.5-1.5b | 1.54 B | full | resident | no |" in table and "CUDA out of memory" in table
     assert "| qwen2.5-32b | 32.76 B | lora | shared | no (est.) |" in table and "host: " in table
+
+
+def test_the_fit_mode_is_the_benchs_shared_fit_run_with_what_its_plan_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import capacity_bench
+
+    stand_in = tmp_path / "bench.py"
+    stand_in.write_text(STAND_IN)
+    monkeypatch.setattr(capacity_bench, "BENCH", stand_in)
+    out = tmp_path / "capacity.json"
+    argv = [
+        "--shapes",
+        "qwen2.5-3b",
+        "--modes",
+        "fit",
+        "--out",
+        str(out),
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
+    assert capacity_bench.main(argv) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert (row["mode"], row["trained"], row["step_s"]) == ("fit", True, 3.0)
+    assert row["moved_gib"] == [None, 12.0, 3.5]
+    assert "| qwen2.5-3b |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        capacity_bench.main(["--modes", "planned", "--out", str(out)])

@@ -134,12 +134,12 @@ class PPODriver:
         self._closing = contextlib.ExitStack()
         """How to stop what `setup` started, in reverse order (`close`)."""
         self.stopping_now = False
+        """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
+        to finish first."""
         self.steps_here = 0
         """Steps taken since this start (the first runs the whole-role plan and measures the memory)."""
         self.memory_figures: MemoryFigures | None = None
         """The memory plan's figures (`--memory-plan fit`), once measured."""
-        """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
-        to finish first."""
 
     # --- setup and shutdown ------------------------------------------------------------------
     def setup(self) -> None:

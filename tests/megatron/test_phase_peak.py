@@ -1,11 +1,12 @@
-"""`PhasePeak`: a phase's transient bytes from the CUDA allocator's peak, and nothing without CUDA."""
+"""`PhasePeak`: a phase's transient bytes from the CUDA allocator's peak, and nothing without CUDA;
+`PhasePeaks`: each phase's largest."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.megatron.runtime.gpu_memory import PhasePeak
+from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks
 
 
 def test_without_cuda_a_phase_reports_no_figure() -> None:
@@ -16,6 +17,10 @@ def test_without_cuda_a_phase_reports_no_figure() -> None:
         scratch = torch.zeros(1 << 20)
         del scratch
     assert peak.nbytes is None
+    peaks = PhasePeaks()
+    with peaks.measure("train"):
+        torch.zeros(1 << 20)
+    assert peaks.as_dict() == {}, "no figure is kept where there is none"
 
 
 @pytest.mark.gpu
@@ -28,3 +33,13 @@ def test_a_phase_reports_its_peak_above_what_was_allocated_as_it_began() -> None
         kept = torch.empty(1 << 10, dtype=torch.uint8, device="cuda")  # smaller than the peak
     assert peak.nbytes == transient
     del resident, kept
+
+
+@pytest.mark.gpu
+def test_each_phase_keeps_its_largest_peak() -> None:
+    peaks = PhasePeaks()
+    for phase, nbytes in (("train", 4 << 20), ("train", 2 << 20), ("log_probs", 1 << 20)):
+        with peaks.measure(phase):
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            del scratch
+    assert peaks.as_dict() == {"train": 4 << 20, "log_probs": 1 << 20}

@@ -3,11 +3,20 @@ CUDA caching allocator's counts and peaks over a block (`AllocatorCalls`, `Phase
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
-__all__ = ["AllocatorCalls", "PhasePeak", "all_devices_used_bytes", "device_used_bytes", "process_gpu_bytes"]
+__all__ = [
+    "AllocatorCalls",
+    "PhasePeak",
+    "PhasePeaks",
+    "all_devices_used_bytes",
+    "device_used_bytes",
+    "process_gpu_bytes",
+]
 
 
 def _nvidia_smi(*args: str) -> list[str] | None:
@@ -134,3 +143,23 @@ class PhasePeak:
         cuda = self._cuda()
         if self._start is not None and cuda is not None:
             self.nbytes = max(0, int(cuda.max_memory_allocated()) - self._start)
+
+
+class PhasePeaks:
+    """Each phase's largest transient so far: `with peaks.measure("train"): ...` (a `PhasePeak` each time),
+    then `peaks.as_dict()`, {phase: bytes}; empty without CUDA."""
+
+    def __init__(self) -> None:
+        self._largest: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        """Keep the block's transient as `phase`'s where it is the largest so far."""
+        with PhasePeak() as peak:
+            yield
+        if peak.nbytes is not None:
+            self._largest[phase] = max(self._largest.get(phase, 0), peak.nbytes)
+
+    def as_dict(self) -> dict[str, int]:
+        """{phase: its largest transient bytes so far}."""
+        return dict(self._largest)

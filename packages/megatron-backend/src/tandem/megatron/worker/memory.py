@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from tandem.lifecycle import Lifecycle, reloadable_process_groups
-from tandem.megatron.runtime.gpu_memory import PhasePeak
+from tandem.megatron.runtime.gpu_memory import PhasePeaks
 
 __all__ = ["WorkerMemory", "process_group_counts"]
 
@@ -47,7 +47,7 @@ class WorkerMemory:
         self.weight_tags = [t for t in self.tags if t in weight_tags]
         self._measure_state = state_nbytes
         self._state_nbytes: dict[str, int] | None = None
-        self._peaks: dict[str, int] = {}
+        self._peaks = PhasePeaks()
 
     # --- which tags sleep ---------------------------------------------------------------------------
     def asleep(self) -> list[str]:
@@ -118,14 +118,12 @@ class WorkerMemory:
     @contextmanager
     def measure(self, work: str) -> Iterator[None]:
         """Keep the block's allocator peak above its start as `work`'s transient, the largest so far (CUDA)."""
-        with PhasePeak() as peak:
+        with self._peaks.measure(work):
             yield
-        if peak.nbytes is not None:
-            self._peaks[work] = max(self._peaks.get(work, 0), peak.nbytes)
 
     def phase_peaks(self) -> dict[str, int]:
         """Each work's largest transient bytes so far (`measure`); empty on the CPU."""
-        return dict(self._peaks)
+        return self._peaks.as_dict()
 
     def record_state(self) -> None:
         """Measure the state's bytes now (awake), for `state_nbytes` to answer while asleep."""

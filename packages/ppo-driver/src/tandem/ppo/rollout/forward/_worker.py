@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
-from tandem.megatron.runtime.gpu_memory import PhasePeak, device_used_bytes, process_gpu_bytes
+from tandem.megatron.runtime.gpu_memory import PhasePeaks, device_used_bytes, process_gpu_bytes
 
 from ._options import ForwardOptions
 
@@ -57,7 +56,7 @@ class ForwardWorker:
             memory_backend.register(WEIGHTS, lambda: [*self.model.parameters(), *self.model.buffers()])
         self._lifecycle = Lifecycle(memory_backend, tags=[WEIGHTS])
         self._lock = threading.RLock()
-        self._phase_peak: int | None = None
+        self._peaks = PhasePeaks()
 
     def load_model(self, folder: str, dtype: torch.dtype) -> Any:
         """The model of `folder` in `dtype`, on the CPU (the base moves it); a subclass's own."""
@@ -94,15 +93,11 @@ class ForwardWorker:
     def phase_peak(self) -> int | None:
         """The largest allocator peak of a forward call so far, above what was allocated as it began (the
         memory plan's transient of this role's turn); None on a CPU or before a call."""
-        return self._phase_peak
+        return self._peaks.as_dict().get("forward")
 
-    @contextlib.contextmanager
-    def measured(self) -> Iterator[None]:
-        """Keep the block's allocator peak (`PhasePeak`) in `phase_peak` where it is the largest so far."""
-        with PhasePeak() as peak:
-            yield
-        if peak.nbytes is not None:
-            self._phase_peak = max(self._phase_peak or 0, peak.nbytes)
+    def measured(self) -> contextlib.AbstractContextManager[None]:
+        """Keep the block's allocator peak as `phase_peak` where it is the largest so far (`PhasePeaks`)."""
+        return self._peaks.measure("forward")
 
     def memory_stats(self) -> dict[str, float]:
         """GiB held on the device by this process's torch allocator (CUDA only)."""

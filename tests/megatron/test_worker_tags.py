@@ -1,4 +1,5 @@
-"""The train worker's memory tags on CPU: the optimizer in two tags, some tags asleep, the state's bytes.
+"""The train worker's memory tags on CPU: the optimizer in two kinds of tag, each in two pieces
+(`optimizer_pieces=2`), some tags asleep, the state's bytes.
 
 One actor group (Ray + gloo, data parallel 2, a tiny Llama, the pinned-host backend, a KL loss
 against host-side reference weights) lives for the whole module. It is a group of its own, not
@@ -21,8 +22,10 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 64
 RANKS = 2
-TAGS = ["weights", "grads", "main_params", "optimizer_moments"]
-OPTIMIZER_AND_GRADS = ["optimizer_moments", "main_params", "grads"]
+MOMENTS = ["optimizer_moments.0", "optimizer_moments.1"]
+MAIN_PARAMS = ["main_params.0", "main_params.1"]
+TAGS = ["weights", "grads", *MAIN_PARAMS, *MOMENTS]
+OPTIMIZER_AND_GRADS = [*MOMENTS, *MAIN_PARAMS, "grads"]
 
 
 def put_rollout(seed: int) -> list[Any]:
@@ -66,6 +69,7 @@ def actor(
         device="cpu",
         params_dtype="float32",
         offload_backend="pinned_host",
+        optimizer_pieces=2,
         lr=1e-3,
         use_kl_loss=True,
         kl_loss_coef=0.01,
@@ -108,18 +112,21 @@ def assert_identical(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.T
         assert not different, f"rank {rank}: {different[:5]} differ"
 
 
-def test_the_optimizer_sleeps_in_two_tags_whose_bytes_are_known_asleep(actor: TrainGroup) -> None:
+def test_the_optimizer_sleeps_in_pieces_whose_bytes_are_known_asleep(actor: TrainGroup) -> None:
     actor.wake_up()
     assert actor.memory_tags() == TAGS
     ray.get(actor.train(0, put_rollout(seed=1)))
     awake = actor.state_nbytes()
     for nbytes in awake:
         assert nbytes.keys() >= set(TAGS)
-        # Adam's two moments per trained weight; on the CPU the main weights are the model's own.
-        assert nbytes["optimizer_moments"] == 2 * nbytes["weights"] > 0 and nbytes["main_params"] == 0
+        # Adam's two moments per trained weight, in two pieces of whole tensors, neither empty; on the
+        # CPU the main weights are the model's own.
+        moments = [nbytes[t] for t in MOMENTS]
+        assert sum(moments) == 2 * nbytes["weights"] > 0 and min(moments) > 0, moments
+        assert all(nbytes[t] == 0 for t in MAIN_PARAMS)
     assert actor.phase_peaks() == [{}, {}]  # the CPU has no allocator figures
     timings = actor.sleep()
-    assert all({"pause:main_params", "pause:optimizer_moments"} <= t.keys() for t in timings)
+    assert all({f"pause:{t}" for t in MAIN_PARAMS + MOMENTS} <= t.keys() for t in timings)
     assert actor.asleep_tags() == [TAGS, TAGS]
     assert actor.state_nbytes() == awake  # the figures recorded awake, not the freed storages' 0
     actor.sleep(OPTIMIZER_AND_GRADS)  # already away: nothing moves
@@ -137,10 +144,13 @@ def test_a_partial_sleep_keeps_computing_and_training_exact(actor: TrainGroup) -
     data = put_rollout(seed=2)
     awake = log_probs(actor, 1, data)
 
-    # The optimizer state and gradients asleep: the weights compute, the process groups stay.
-    timings = actor.sleep(OPTIMIZER_AND_GRADS)
+    # One piece of the moments asleep, then the rest of the optimizer state and the gradients (the
+    # pieces' cuts stay where they were with a piece asleep): the weights compute, the process groups stay.
+    actor.sleep(MOMENTS[1:])
+    assert actor.asleep_tags() == [MOMENTS[1:]] * RANKS
+    timings = actor.sleep([t for t in OPTIMIZER_AND_GRADS if t not in MOMENTS[1:]])
     assert all("destroy_process_groups" not in t and "pause:grads" in t for t in timings)
-    assert actor.asleep_tags() == [["grads", "main_params", "optimizer_moments"]] * RANKS
+    assert actor.asleep_tags() == [["grads", *MAIN_PARAMS, *MOMENTS]] * RANKS
     assert groups_alive(actor)
     partial = log_probs(actor, 1, data)
     for a, b in zip(awake, partial, strict=True):

@@ -29,6 +29,9 @@ from tandem.megatron.choices import (
 )
 from tandem.megatron.choices import estimator as estimator_of
 
+MAX_OPTIMIZER_PIECES = 64
+"""The most pieces `optimizer_pieces` may split each optimizer tag in (each piece is a tag to move)."""
+
 
 def check_positive_ints(config: Any) -> None:
     """Sizes and counts are positive integers; the warm-up and decay steps fit together."""
@@ -121,6 +124,19 @@ def check_choices(config: Any) -> None:
             "fused_log_probs",
             "True needs CUDA (Triton kernels) but device is 'cpu'; leave it unset (auto) or False",
         )
+    pieces = config.optimizer_pieces
+    if pieces is not None:
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= MAX_OPTIMIZER_PIECES:
+            raise FieldError(
+                "optimizer_pieces", f"got {pieces!r}; give a whole number from 1 to {MAX_OPTIMIZER_PIECES}"
+            )
+        if pieces > 1 and config.offload_backend != "pinned_host":
+            raise FieldError(
+                "optimizer_pieces",
+                f"{pieces} splits the pinned_host backend's optimizer tags, but offload_backend is "
+                f"{config.offload_backend!r} (torch_memory_saver keeps the optimizer in one region); use "
+                "offload_backend pinned_host, or leave it unset",
+            )
     if config.device == "cpu" and config.offload_backend == "torch_memory_saver":
         raise FieldError(
             "offload_backend",

@@ -473,6 +473,12 @@ class WorkerFields:
     overlaps the forward and backward passes before it. False: a wake returns with every byte
     back."""
 
+    optimizer_pieces: int | None = None
+    """pinned_host: each of the optimizer's two memory tags (`main_params`, `optimizer_moments`) as this
+    many tags of about equal bytes (`optimizer_moments.0` …, whole tensors each), so that a memory plan
+    can put to sleep only the part of them a turn needs room for. None: 1 here; tandem-ppo-driver takes
+    4 under `--memory-plan fit`."""
+
     local_single_rank_groups: bool = True
     """Answer the collectives of process groups of one rank in the process (a reduction over
     one rank is the identity, a gather a copy), so that NCCL never builds their

@@ -125,3 +125,20 @@ def check_role(role: str, where: str = "role") -> None:
     """ValueError unless `role` is one of `ROLES`."""
     if role not in ROLES:
         raise ValueError(f"{where}: got {role!r}; choose one of {', '.join(ROLES)}")
+
+
+PIECE_SEPARATOR = "."
+"""Between a memory tag's kind and its piece's index: `optimizer_moments.2` is the third piece of the
+optimizer's moments (`memory_tag_pieces`), which a memory plan may put to sleep apart from the others."""
+
+
+def memory_tag_pieces(kind: str, pieces: int) -> tuple[str, ...]:
+    """The memory tags of `kind` split in `pieces`: `(kind,)` for one piece, else `kind.0` … `kind.{pieces-1}`."""
+    if pieces < 1:
+        raise ValueError(f"memory tag {kind!r}: {pieces} pieces; give at least 1")
+    return (kind,) if pieces == 1 else tuple(f"{kind}{PIECE_SEPARATOR}{i}" for i in range(pieces))
+
+
+def memory_tag_kind(tag: str) -> str:
+    """What a memory tag holds, without its piece's index: `optimizer_moments.2` -> `optimizer_moments`."""
+    return tag.split(PIECE_SEPARATOR, 1)[0]

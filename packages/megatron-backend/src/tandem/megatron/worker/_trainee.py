@@ -12,7 +12,8 @@ and snapshots the training state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,20 +21,22 @@ from typing import Any
 import torch
 
 from tandem.lifecycle import HostCopies, MemoryBackend, PinnedHostBackend
-from tandem.megatron.choices import Role
+from tandem.megatron.choices import Role, memory_tag_pieces
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.lora import adapters_disabled
 from tandem.megatron.models.lora_spec import LoraSettings
 from tandem.megatron.worker.checkpoint import TrainState
+from tandem.megatron.worker.memory import storage_piece
 from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
 
 WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
 """Memory tags: weights can come back alone (weight export while asleep). `optimizer` is
 torch_memory_saver's one region of the optimizer state (chosen at build time)."""
 MAIN_PARAMS, OPTIMIZER_MOMENTS = "main_params", "optimizer_moments"
-"""The pinned-host backend's two tags of the optimizer state: its fp32 main weights, and its moments
-(Adam's), which a memory plan may put to sleep apart."""
+"""The pinned-host backend's two kinds of tag of the optimizer state: its fp32 main weights, and its
+moments (Adam's), which a memory plan may put to sleep apart; each in `optimizer_pieces` tags
+(`optimizer_moments.0` …: `choices.memory_tag_pieces`)."""
 BASE = "base"
 """The memory tag of a LoRA model's frozen base (every parameter that does not train)."""
 
@@ -102,8 +105,8 @@ class Trainee:
         """
         join = getattr(self.backend, "join", None)
         if join is not None:
-            join(MAIN_PARAMS)
-            join(OPTIMIZER_MOMENTS)
+            for tag in self.optimizer_tags:
+                join(tag)
 
     # --- tensors per memory tag (pinned-host backend) ------------------------------------
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -139,6 +142,26 @@ class Trainee:
         """The optimizer's moments (Adam's `exp_avg`, `exp_avg_sq`), created at the first step."""
         return self._not_model(self.optim.moment_tensors())
 
+    @property
+    def optimizer_tags(self) -> tuple[str, ...]:
+        """The pinned-host backend's tags of the optimizer state: `main_params`' pieces, then
+        `optimizer_moments`' (`optimizer_pieces` each)."""
+        pieces = self.config.optimizer_pieces or 1
+        return (*memory_tag_pieces(MAIN_PARAMS, pieces), *memory_tag_pieces(OPTIMIZER_MOMENTS, pieces))
+
+    def optimizer_sources(self) -> dict[str, Callable[[], list[torch.Tensor]]]:
+        """Each optimizer tag's tensors (`optimizer_tags`), read when called (the moments are created at the
+        first step): each kind's distinct storages in order, cut where their running bytes pass each
+        `1 / optimizer_pieces` of the kind's total, so that the pieces hold about equal bytes of whole
+        storages, none in two pieces."""
+        pieces = self.config.optimizer_pieces or 1
+        kinds = {MAIN_PARAMS: self.main_param_tensors, OPTIMIZER_MOMENTS: self.moment_tensors}
+        sources: dict[str, Callable[[], list[torch.Tensor]]] = {}
+        for kind, tensors in kinds.items():
+            for index, tag in enumerate(memory_tag_pieces(kind, pieces)):
+                sources[tag] = functools.partial(storage_piece, tensors, index, pieces)
+        return sources
+
     def _not_model(self, tensors: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         taken = {_storage_key(t) for t in (*self.weight_tensors(), *self.grad_tensors())}
         return (t for t in tensors if _storage_key(t) not in taken)
@@ -156,8 +179,9 @@ class Trainee:
     def register(self, backend: MemoryBackend) -> tuple[str, ...]:
         """Register this model's tensors with a pinned-host backend; returns the tags to sleep, in order.
 
-        Pinned-host: (`base`,) `weights`, `grads`, `main_params`, `optimizer_moments`;
-        torch_memory_saver: (`base`,) `weights`, `optimizer` (its regions, chosen at build time).
+        Pinned-host: (`base`,) `weights`, `grads`, `main_params`, `optimizer_moments` (the last two in
+        `optimizer_pieces` tags each: `optimizer_tags`); torch_memory_saver: (`base`,) `weights`,
+        `optimizer` (its regions, chosen at build time).
         """
         base = (BASE,) if self.base_sleeps else ()
         if isinstance(backend, PinnedHostBackend):
@@ -169,19 +193,19 @@ class Trainee:
             backend.register(GRADS, self.grad_tensors(), keep=self.config.offload_grads)
             # Callables: the moments are created at the first step, after this.
             background = self.config.background_optimizer_wake
-            backend.register(MAIN_PARAMS, self.main_param_tensors, resume_in_background=background)
-            backend.register(OPTIMIZER_MOMENTS, self.moment_tensors, resume_in_background=background)
-            return (*base, WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_MOMENTS)
+            for tag, source in self.optimizer_sources().items():
+                backend.register(tag, source, resume_in_background=background)
+            return (*base, WEIGHTS, GRADS, *self.optimizer_tags)
         # torch_memory_saver: regions at build time; the gradients were allocated in the weights region.
         return (*base, WEIGHTS, OPTIMIZER)
 
     def state_nbytes(self) -> dict[str, int]:
         """Bytes of the training state by memory tag (distinct storages): `base`, `weights`, `grads`, and
-        the optimizer's as the backend tags it (pinned-host: `main_params`, `optimizer_moments`;
-        torch_memory_saver: `optimizer`). For the memory plan and benchmarks."""
-        optimizer: dict[str, Iterator[torch.Tensor]]
+        the optimizer's as the backend tags it (pinned-host: `optimizer_tags`; torch_memory_saver:
+        `optimizer`). For the memory plan and benchmarks."""
+        optimizer: dict[str, Iterable[torch.Tensor]]
         if isinstance(self.backend, PinnedHostBackend):
-            optimizer = {MAIN_PARAMS: self.main_param_tensors(), OPTIMIZER_MOMENTS: self.moment_tensors()}
+            optimizer = {tag: source() for tag, source in self.optimizer_sources().items()}
         else:
             optimizer = {OPTIMIZER: self.optimizer_tensors()}
         sources: dict[str, Iterable[torch.Tensor]] = {

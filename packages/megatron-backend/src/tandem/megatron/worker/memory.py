@@ -11,13 +11,15 @@ would otherwise hide (a paused storage has 0 bytes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+
+import torch
 
 from tandem.lifecycle import Lifecycle, reloadable_process_groups
 from tandem.megatron.runtime.gpu_memory import PhasePeaks
 
-__all__ = ["WorkerMemory", "process_group_counts"]
+__all__ = ["WorkerMemory", "process_group_counts", "storage_piece"]
 
 
 class WorkerMemory:
@@ -152,3 +154,29 @@ def process_group_counts() -> dict[str, int]:
         state = "alive" if group.alive else "torn_down"
         counts[f"{state}_{'one_rank' if group.size() == 1 else 'larger'}"] += 1
     return counts
+
+
+def storage_piece(
+    tensors: Callable[[], Iterable[torch.Tensor]], index: int, pieces: int
+) -> list[torch.Tensor]:
+    """Piece `index` of `pieces` of `tensors()`: the tensors of the distinct storages whose first byte, in the
+    storages' order, lies in the piece's share of their total bytes. Each storage's bytes are its tensors'
+    extent by their shapes, not its present size, which a paused piece has at 0: so the cuts stay where
+    they were whichever pieces are asleep."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    extent: dict[int, int] = {}
+    for t in tensors():
+        key = int(t.untyped_storage()._cdata)  # stable while resized
+        groups.setdefault(key, []).append(t)
+        reach = int(t.storage_offset()) + sum(
+            (n - 1) * step for n, step in zip(t.shape, t.stride(), strict=True)
+        )
+        extent[key] = max(extent.get(key, 0), (reach + 1) * t.element_size() if t.numel() else 0)
+    total = sum(extent.values())
+    chosen: list[torch.Tensor] = []
+    start = 0
+    for key, group in groups.items():
+        if pieces == 1 or min(start * pieces // max(total, 1), pieces - 1) == index:
+            chosen += group
+        start += extent[key]
+    return chosen

@@ -22,15 +22,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from ray.exceptions import RayActorError
 
 from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.config.ppo_config import PPOConfig
@@ -57,12 +53,11 @@ from tandem.ppo.rollout.samples import (
 )
 from tandem.ppo.rollout.teacher import uses_teacher
 from tandem.ppo.run.checkpoint import check_free_space, prune_checkpoints, save_run_checkpoint
-from tandem.ppo.run.errors import dead_worker
 from tandem.ppo.run.export import export_actor
 from tandem.ppo.run.folder import model_folders
-from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary, StoppedNow
+from tandem.ppo.run.log import EventLog, PhaseClock, RunSummary
 from tandem.ppo.run.state import DriverState, load_state, metrics_before, state_dir
-from tandem.ppo.run.worker_logs import driver_log, from_a_worker, note_worker_logs, remove_empty_logs
+from tandem.ppo.run.worker_logs import driver_log
 
 if TYPE_CHECKING:
     from tandem.megatron.choices import Role
@@ -79,7 +74,7 @@ if TYPE_CHECKING:
     from tandem.ppo.run.folder import RunFolder
     from tandem.ppo.run.metrics import MetricsLogger
 
-__all__ = ["PPODriver", "RunSummary", "train"]
+__all__ = ["PPODriver", "RunSummary"]
 
 # The name its lines show on the terminal, kept from before the layers.
 logger = logging.getLogger("tandem.ppo.driver")
@@ -180,6 +175,7 @@ class PPODriver:
         )
         self.gpus.start_asleep(self.between_steps())
         self.gpus.keep_engine_stats = config.memory_plan == "fit"
+        self.gpus.overlap_moves = config.overlap_moves
         if self.episodes is not None:  # an episode's context is the engines'
             limits = dataclasses.replace(self.episodes.limits, max_context=self.engines.max_context_len)
             self.episodes = dataclasses.replace(self.episodes, limits=limits)
@@ -497,50 +493,3 @@ def _checked_schedule(facts: StepFacts) -> StepSchedule:
 @functools.cache
 def _checked_save_schedule(facts: StepFacts) -> StepSchedule:
     return check_exclusive(save_schedule(facts))
-
-
-def train(config: PPOConfig) -> RunSummary:
-    """Run PPO with `config` (validated first); the summary. Raises `Interrupted` on Ctrl-C, and
-    `errors.WorkerDied` naming the worker when a train worker's process dies. The driver's log
-    lines also go to `RUN_DIR/logs/driver.log` once the run folder is locked and its inputs checked."""
-    driver = PPODriver(config)
-    # SIGTERM before the loop (which finishes its step on one): stop at once, nothing trained yet.
-    previous = _on_sigterm(_stop_during_start_up)
-    try:
-        driver.setup()
-        if driver.complete:
-            return driver.complete_summary()
-        return driver.run()
-    except KeyboardInterrupt:
-        driver.stopping_now = True  # the workers are not asked to finish what they are doing
-        raise
-    except RayActorError as exc:
-        # A train worker's process died: name its role, rank, pid and log (the last complete
-        # checkpoint stays, and the next start resumes from it).
-        models = driver.gpus.models() if hasattr(driver, "gpus") else []  # none before they start
-        died = dead_worker(exc, models, run_dir=config.run_dir)
-        if died is None:
-            note_worker_logs(exc, config.run_dir)
-            raise
-        raise died from exc
-    except Exception as exc:
-        # Refused input (exit 2) found by the driver itself, not a worker's failure with a log to read.
-        driver.refused = isinstance(exc, ValueError) and not from_a_worker(exc)
-        note_worker_logs(exc, config.run_dir)  # an error from a worker names its log file
-        raise
-    finally:
-        driver.close()
-        _on_sigterm(previous)
-        if driver.started_logs:
-            remove_empty_logs(config.run_dir)
-
-
-def _stop_during_start_up(signum: int, frame: Any) -> None:
-    raise StoppedNow("during start-up: nothing trained by this start, the run folder as it was", by="SIGTERM")
-
-
-def _on_sigterm(handler: Any) -> Any:
-    """Install `handler` for SIGTERM (in the main thread only, where Python runs handlers); the one before."""
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)

@@ -84,6 +84,19 @@ ask) the plan's capacity is 64 GiB, so the models stay resident.
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --ab-memory-plan --skip-probe --out "$OUT"
 
+The plan's moves at once (`--overlap-moves`, on by default with `fit`): `--ab-overlap-moves` runs the
+plan's mode twice, its moves at once where the plan has room (`shared_fit`) and one after the other
+(`shared_fit_serial`), and reports each one's step and the seconds of its moves (`overlap_moves`). The
+lever shows only where the plan moves tags of both models, as it may at 3B with 2048-token responses:
+
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-3b --response-len 2048 --ab-overlap-moves --skip-shared --skip-resident --skip-probe --out "$OUT"
+
+The optimizer's tags in quarters (`--optimizer-pieces`, 4 by default with `fit`): `--ab-optimizer-pieces`
+runs the plan's mode with them (`shared_fit`) and with whole tags (`shared_fit_whole_tags`), and reports
+each one's step and the GiB each moved (`optimizer_pieces`); both A/Bs go in one run:
+
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-3b --response-len 2048 --ab-overlap-moves --ab-optimizer-pieces --skip-shared --skip-resident --skip-probe --out "$OUT"
+
 CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a reward model):
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
@@ -118,7 +131,7 @@ from ppo_harness import (
     write_prompts,
     write_report,
 )
-from ppo_modes import FIT_MODE, NO_COUNT_MODE, ppo_values, run_mode
+from ppo_modes import FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, NO_COUNT_MODE, ppo_values, run_mode
 from ppo_report import compare, new_report, plot, print_summary
 
 __all__ = ["main", "parse_args", "ppo_values"]
@@ -193,6 +206,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="after the shared mode, the same run with --memory-plan fit (mode shared_fit: the models sleep "
         "only the tags each turn needs room for, from the second step): its step against shared and resident",
+    )
+    parser.add_argument(
+        "--ab-overlap-moves",
+        action="store_true",
+        help="the plan's mode twice (implies --ab-memory-plan): its moves at once where it has room (shared_fit) "
+        "and one after the other (shared_fit_serial, --no-overlap-moves); the report's overlap_moves",
+    )
+    parser.add_argument(
+        "--ab-optimizer-pieces",
+        action="store_true",
+        help="the plan's mode twice (implies --ab-memory-plan): its optimizer tags in quarters (shared_fit) and "
+        "whole (shared_fit_whole_tags, --optimizer-pieces 1); the report's optimizer_pieces",
     )
     parser.add_argument(
         "--reward-model",
@@ -386,8 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.ab_policy_change_count:
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, NO_COUNT_MODE)
-        if args.ab_memory_plan:
+        if args.ab_memory_plan or args.ab_overlap_moves or args.ab_optimizer_pieces:
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, FIT_MODE)
+        if args.ab_overlap_moves:
+            modes.insert(modes.index(FIT_MODE) + 1, FIT_SERIAL_MODE)
+        if args.ab_optimizer_pieces:
+            modes.insert(modes.index(FIT_MODE) + 1, FIT_WHOLE_TAGS_MODE)
         for i, mode in enumerate(modes):
             # Keep time for what follows: another mode (about this one's wall time) and the probe.
             reserve = 0.0 if args.skip_probe else 120.0

@@ -84,8 +84,11 @@ def ppo_values(
         values["rollout_kv_cache_memory_fraction"] = args.resident_kv_fraction
     if mode == NO_COUNT_MODE:
         values["policy_change_count"] = False
-    if mode == FIT_MODE:
+    if mode in FIT_MODES:
         values["memory_plan"] = "fit"
+        values["overlap_moves"] = mode != FIT_SERIAL_MODE
+        if mode == FIT_WHOLE_TAGS_MODE:
+            values["optimizer_pieces"] = 1
         if args.quick:  # no GPU to ask: room for everything, so the plan's moves are the engines' alone
             values.update(gpu_memory_gib=64.0, memory_margin_gib=0.0)
     if reward_model is not None:
@@ -104,7 +107,18 @@ FIT_MODE = "shared_fit"
 """The shared mode with the memory plan (`--memory-plan fit`, `--ab-memory-plan`): from its second step the
 actor and the critic sleep only the tags each turn needs room for."""
 
-SHARED_MODES = ("shared", NO_COUNT_MODE, FIT_MODE)
+FIT_SERIAL_MODE = "shared_fit_serial"
+"""The memory plan's mode with each turn's moves one after the other (`--no-overlap-moves`,
+`--ab-overlap-moves`): the same plan, without its moves at once."""
+
+FIT_WHOLE_TAGS_MODE = "shared_fit_whole_tags"
+"""The memory plan's mode with each optimizer tag whole (`--optimizer-pieces 1`, `--ab-optimizer-pieces`):
+the plan sleeps whole tags where `shared_fit` may sleep quarters of them."""
+
+FIT_MODES = (FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE)
+"""The modes with the memory plan."""
+
+SHARED_MODES = ("shared", NO_COUNT_MODE, *FIT_MODES)
 """The modes whose models time-share the GPU."""
 
 SHARING_PHASES = (
@@ -113,6 +127,7 @@ SHARING_PHASES = (
     "critic_sleep",
     "actor_wake",
     "actor_sleep",
+    "handover",
     "engine_resume_weights",
     "weight_sync",
     "engine_resume_kv_cache",
@@ -149,7 +164,7 @@ def summarize_mode(
     steps = result["steps"]
     # The first step warms up; in the plan's mode the second measures the memory and moves from the
     # whole-role state to the plan's, so the steady steps start after it (where there are more).
-    warm_up = 2 if result.get("mode") == FIT_MODE and len(steps) > 2 else 1
+    warm_up = 2 if result.get("mode") in FIT_MODES and len(steps) > 2 else 1
     steady = steps[warm_up:] if len(steps) > warm_up else steps
     result["steady_steps"] = [s["step"] for s in steady]
     keys = sorted({k for s in steady for k in s if k.startswith("time/")})

@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_harness import fmt, gpu_name
-from ppo_modes import FIT_MODE, NO_COUNT_MODE, PHASES
+from ppo_modes import FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, NO_COUNT_MODE, PHASES
 
 from tandem.ppo.app.plot import plot_run
 
@@ -61,6 +61,9 @@ def compare(report: dict[str, Any]) -> None:
     report["vs_verl"] = {k: {"verl_s": verl[k], "shared_s": ours[k]} for k in ours}
     report["policy_change_count"] = count_cost(shared, report["modes"].get(NO_COUNT_MODE) or {})
     report["memory_plan"] = plan_cost(shared, resident, report["modes"].get(FIT_MODE) or {})
+    fit = report["modes"].get(FIT_MODE) or {}
+    report["overlap_moves"] = overlap_cost(fit, report["modes"].get(FIT_SERIAL_MODE) or {})
+    report["optimizer_pieces"] = pieces_cost(fit, report["modes"].get(FIT_WHOLE_TAGS_MODE) or {})
     probe = report.get("probe") or {}
     peaks = shared.get("gpu_peak_gib") or {}
     overhead = report["overhead_of_sharing"]
@@ -93,6 +96,38 @@ def plan_cost(shared: dict[str, Any], resident: dict[str, Any], fit: dict[str, A
         "fit_over_shared": step / s_step - 1 if s_step else None,
         "moved_gib": fit.get("moved_gib"),
         "gpu_peak_gib": (fit.get("gpu_peak_gib") or {}).get("overall"),
+    }
+
+
+def overlap_cost(at_once: dict[str, Any], serial: dict[str, Any]) -> dict[str, Any] | None:
+    """The memory plan's moves at once against one after the other (`--ab-overlap-moves`): each mode's warm
+    step, the seconds of its tag moves (`handover`, the train roles' sleeps and wakes), and the GiB its
+    steps moved (the same plan: equal); None without both."""
+    if at_once.get("step_s_mean") is None or serial.get("step_s_mean") is None:
+        return None
+    moves = ("handover", "actor_sleep", "actor_wake", "critic_sleep", "critic_wake")
+
+    def moving(mode: dict[str, Any]) -> float:
+        return sum((mode.get("phase_s_mean") or {}).get(p) or 0.0 for p in moves)
+
+    return {
+        "step_s": {"at_once": at_once["step_s_mean"], "serial": serial["step_s_mean"]},
+        "moves_s": {"at_once": moving(at_once), "serial": moving(serial)},
+        "handover_s": (at_once.get("phase_s_mean") or {}).get("handover"),
+        "at_once_over_serial": at_once["step_s_mean"] / serial["step_s_mean"] - 1,
+        "moved_gib": {"at_once": at_once.get("moved_gib"), "serial": serial.get("moved_gib")},
+    }
+
+
+def pieces_cost(pieces: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any] | None:
+    """The memory plan with its optimizer tags in quarters against whole (`--ab-optimizer-pieces`): each mode's
+    warm step, and the GiB each step moved; None without both."""
+    if pieces.get("step_s_mean") is None or whole.get("step_s_mean") is None:
+        return None
+    return {
+        "step_s": {"pieces": pieces["step_s_mean"], "whole_tags": whole["step_s_mean"]},
+        "pieces_over_whole_tags": pieces["step_s_mean"] / whole["step_s_mean"] - 1,
+        "moved_gib": {"pieces": pieces.get("moved_gib"), "whole_tags": whole.get("moved_gib")},
     }
 
 
@@ -221,6 +256,13 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{fmt(cost['engine_weight_update_s']['no_count'], '.4f')} s "
             f"({fmt(cost['engine_count_share_of_sync'], '+.1%')} of the sync)"
         )
+    for label, key in (
+        ("the memory plan (--ab-memory-plan)", "memory_plan"),
+        ("its moves at once against one after the other (--ab-overlap-moves)", "overlap_moves"),
+        ("its optimizer tags in quarters against whole (--ab-optimizer-pieces)", "optimizer_pieces"),
+    ):
+        if report.get(key):
+            print(f"\n{label}: {report[key]}")
     print("\n| vs verl (one GPU) | verl s | ours (shared) s |\n|---|---|---|")
     for k, v in (report.get("vs_verl") or {}).items():
         print(f"| {k} | {fmt(v['verl_s'], '.1f')} | {fmt(v['shared_s'], '.1f')} |")

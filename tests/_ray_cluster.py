@@ -35,9 +35,13 @@ from typing import Any
 
 RAY = str(Path(sys.executable).parent / "ray")
 DEFAULT_ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+"""Where `ray.init()` without an address looks for a cluster to join (Ray's default temp dir)."""
+STOP_GRACE_S = 5.0
+"""How long `LocalCluster.stop` waits after SIGTERM before SIGKILL. `ray start --block` answers SIGTERM
+with Ray's own graceful stop of its daemons, which took 33 s on two cores with nothing left to do; a
+test cluster has nothing to keep (its temp dir goes with it), so it is killed after a few seconds."""
 WORKER_PORTS = 201
 """Ports of a node's worker range (`--min-worker-port` .. `--max-worker-port`)."""
-"""Where `ray.init()` without an address looks for a cluster to join (Ray's default temp dir)."""
 
 
 def free_ports(n: int) -> list[int]:
@@ -190,9 +194,10 @@ class LocalCluster:
         assert ours.is_file() and ours.read_text().strip().endswith(f":{self.port}"), ours
         assert _file_state(DEFAULT_ADDRESS_FILE) == self._default_file_before, DEFAULT_ADDRESS_FILE
 
-    def stop(self) -> None:
-        """SIGTERM to each node's process group (the `ray start` process leads it), then SIGKILL to
-        whatever of its session is left (workers run in process groups of their own, in that session)."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to each node's process group (the `ray start` process leads it), `grace_s` for it to
+        end, then SIGKILL to the groups and to whatever of their sessions is left (workers run in
+        process groups of their own, in that session)."""
         groups = []
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
@@ -200,19 +205,21 @@ class LocalCluster:
         for pgid in groups:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + grace_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        while self.leftover_processes() and time.monotonic() < deadline:
-            time.sleep(1)  # workers leave once their raylet is gone
-        for pid in self.leftover_processes():
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for pgid in groups:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
             proc.wait()
+        deadline = time.monotonic() + 60
+        while (left := self.leftover_processes()) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)  # a killed process leaves the table once reaped
 
     def leftover_processes(self) -> list[int]:
         """Processes still running in the sessions of our `ray start` processes (each started one)."""

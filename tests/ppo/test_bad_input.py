@@ -273,6 +273,17 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
             "drop --no-offload-train, or use --memory-plan whole",
         ),
         (("--memory-plan", "fit"), "--memory-plan: fit on --device cpu needs", "give --gpu-memory-gib"),
+        (("--optimizer-pieces", "0"), "--optimizer-pieces: got 0", "give a whole number from 1 to 64"),
+        (
+            ("--optimizer-pieces", "2", "--offload-backend", "torch_memory_saver", "--device", "cuda"),
+            "--optimizer-pieces: 2 splits the pinned_host backend's optimizer tags",
+            "use offload_backend pinned_host, or leave it unset",
+        ),
+        (
+            ("--no-overlap-moves",),
+            "--no-overlap-moves: set, but --memory-plan whole moves whole roles",
+            "use --memory-plan fit, or drop --no-overlap-moves",
+        ),
         (
             ("--gpu-memory-gib", "8", "--memory-margin-gib", "8"),
             "--memory-margin-gib: 8 GiB leaves nothing of --gpu-memory-gib 8",

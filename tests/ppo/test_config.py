@@ -412,6 +412,26 @@ def test_advantage_whitening_is_on_by_default_and_can_be_turned_off(files: dict[
     assert parse_config(argv).actor_config().normalize_advantages is True  # what the workers get
 
 
+def test_the_fit_plan_splits_the_optimizer_tags_in_quarters_unless_told(files: dict[str, str]) -> None:
+    argv = ["--hf-checkpoint", files["hf_checkpoint"], "--prompt-data", files["prompt_data"]]
+    argv += [
+        "--run-dir",
+        files["run_dir"],
+        "--device",
+        "cpu",
+        "--params-dtype",
+        "float32",
+        "--gpu-memory-gib",
+        "8",
+    ]
+    assert parse_config(argv).actor_config().optimizer_pieces is None  # whole roles: one tag each
+    fit = parse_config([*argv, "--memory-plan", "fit"])
+    critic = fit.critic_config()
+    assert fit.actor_config().optimizer_pieces == 4 and critic is not None and critic.optimizer_pieces == 4
+    told = parse_config([*argv, "--memory-plan", "fit", "--optimizer-pieces", "2"])
+    assert told.actor_config().optimizer_pieces == 2
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_rollout_flags_reach_the_engines_options(fused: bool) -> None:
     """`--rollout-fused-decode` / `--no-rollout-fused-decode` and the other rollout fields become the

@@ -214,6 +214,7 @@ DEPENDENT = (
     "critic_updates_per_step",
     "opd_coef",
     "opd_mode",
+    "optimizer_pieces",
 )
 """Worker fields drawn together in `worker_values`, since their rules tie them to each other."""
 
@@ -268,6 +269,9 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
             draw(_one_of(None, ("q_proj", "linear_fc2"))) if rank else None
         )
     values["lora_base_offload"] = draw(st.booleans())
+    # Pieces of the optimizer's tags are the pinned-host backend's (else refused, naming the flag).
+    pinned = values["offload_backend"] == "pinned_host"
+    values["optimizer_pieces"] = draw(_one_of(None, 1, 3)) if pinned else draw(_one_of(None, 1))
     values["tis_cap_low"] = draw(_one_of(0.0, 0.5)) if values["use_tis"] else 0.0
     values["tis_mode"] = draw(_one_of("token", "seq_mask")) if values["use_tis"] else "token"
     gae = values["advantage_estimator"] == "gae"  # the critic's own algorithms need one

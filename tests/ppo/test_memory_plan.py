@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tandem.megatron.choices import memory_tag_pieces
 from tandem.ppo.loop.memory_model import (
     EVICTION_ORDER,
     GpuBudget,
@@ -39,6 +41,7 @@ from tandem.ppo.loop.memory_plan import (
     shared_plan,
 )
 from tandem.ppo.loop.schedule import (
+    TRAIN_ROLES,
     Role,
     ScheduleError,
     StepFacts,
@@ -84,9 +87,12 @@ class FakeAllocator:
 def replay(
     plan: MemoryPlan, memory: MemoryModel, allocators: dict[str, FakeAllocator], steps: int = 2
 ) -> None:
-    """Carry `plan` out for `steps` steps: before each turn its sleeps (freed) then its wakes (allocated), its
-    phase's transient allocated and freed (the async loop's background generation from `start_next` to
-    `await_next`); every tag the turn touches must be allocated while it works."""
+    """Carry `plan` out for `steps` steps: before each turn its sleeps (freed) then its wakes (allocated), or
+    where the plan moves them at once (`at_once`) a train role's cached transient handed back, then its
+    wakes first; each phase's transient allocated, and held (cached by its process) until the next
+    turn's moves hand it back (the async loop's background
+    generation from `start_next` to `await_next`); every tag the turn touches must be allocated while it
+    works."""
     schedule = plan.schedule
 
     def gpu(role: Role) -> FakeAllocator:
@@ -98,13 +104,36 @@ def replay(
             if (role, tag) not in plan.turns[-1].asleep:
                 gpu(role).malloc((role, tag), nbytes)
     residents = residents_at_each_turn(schedule)
+    cached: list[Role] = []  # the role whose transient its process holds until the next turn's moves
+
+    def hand_back(roles: Collection[Role] | None = None) -> None:
+        for role in [r for r in cached if roles is None or r in roles]:
+            gpu(role).free(("transient", role))
+            cached.remove(role)
+
     for _ in range(steps):
         for index, planned in enumerate(plan.turns):
             sleeps, wakes = plan.moves(index)
-            for role, tag in sorted(sleeps):
-                gpu(role).free((role, tag))
-            for role, tag in sorted(wakes):
-                gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
+            if planned.at_once:
+                # The other roles' sleeps (the turn before's), a train role's cache back, the planned roles'
+                # wakes beside their sleeps, then the other roles' wakes (this turn's own).
+                chosen = plan.planned_roles or set(memory.roles)
+                for role, tag in sorted(ref for ref in sleeps if ref[0] not in chosen):
+                    gpu(role).free((role, tag))
+                hand_back(TRAIN_ROLES)
+                for role, tag in sorted(ref for ref in wakes if ref[0] in chosen):
+                    gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
+                for role, tag in sorted(ref for ref in sleeps if ref[0] in chosen):
+                    gpu(role).free((role, tag))
+                hand_back()
+                for role, tag in sorted(ref for ref in wakes if ref[0] not in chosen):
+                    gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
+            else:
+                hand_back()
+                for role, tag in sorted(sleeps):
+                    gpu(role).free((role, tag))
+                for role, tag in sorted(wakes):
+                    gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
             turn = planned.turn
             for role, tag in planned.needs:
                 assert (role, tag) in gpu(role).blocks, f"{turn.describe()} works without {role}/{tag}"
@@ -114,7 +143,7 @@ def replay(
                 gpu(turn.role).free(("background", turn.role))
             elif turn.work is not None and turn.role in residents[index].computing:
                 gpu(turn.role).malloc(("transient", turn.role), memory.transient(turn.role, turn.work))
-                gpu(turn.role).free(("transient", turn.role))
+                cached.append(turn.role)
 
 
 def run_step(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> dict[str, FakeAllocator]:
@@ -156,7 +185,15 @@ def models(draw: st.DrawFn, schedule: StepSchedule) -> MemoryModel:
     memory = {}
     for role in sorted(roles):
         if role in ("actor", "critic"):
-            names = ["weights", *draw(st.sets(st.sampled_from([t for t in TRAIN_TAGS if t != "weights"])))]
+            kinds = ["weights", *draw(st.sets(st.sampled_from([t for t in TRAIN_TAGS if t != "weights"])))]
+            # The optimizer's tags whole or in pieces (a worker's `optimizer_pieces`).
+            names = [
+                n
+                for kind in kinds
+                for n in memory_tag_pieces(
+                    kind, draw(st.integers(1, 3)) if kind in ("optimizer_moments", "main_params") else 1
+                )
+            ]
         else:
             names = ["weights", "kv_cache"] if role == "engine" else ["weights"]
         fixed = draw(st.integers(2, 20))  # a CUDA context at least
@@ -176,7 +213,8 @@ def cases(draw: st.DrawFn) -> tuple[StepSchedule, MemoryModel]:
 
 
 def _worst(plan: MemoryPlan) -> int:
-    return max(max(t.peaks.values()) for t in plan.turns)
+    """The plan's most: its worst turn, or a turn entered with its moves at once (its `handover`)."""
+    return max(max([*t.peaks.values(), *(t.handover.values() if t.at_once else ())]) for t in plan.turns)
 
 
 def _least(schedule: StepSchedule, memory: MemoryModel) -> int:
@@ -354,6 +392,36 @@ def test_sleeps_the_next_turns_untouched_tags_first_then_moments_before_main_par
         ("actor", "optimizer_moments"),
         ("actor", "main_params"),
     }
+
+
+def _moved_bytes(plan: MemoryPlan, memory: MemoryModel) -> int:
+    """Bytes a steady step of `plan` moves: every tag that sleeps or wakes before each turn."""
+    return sum(memory.nbytes(ref) for i in range(len(plan.turns)) for ref in set().union(*plan.moves(i)))
+
+
+def test_pieces_of_a_tag_let_a_turn_sleep_only_the_part_it_needs_room_for() -> None:
+    whole = _model()
+    quarters = {f"optimizer_moments.{i}": 5 for i in range(4)}  # a worker's `optimizer_pieces` 4
+    train = {**{t: n for t, n in whole.roles["actor"].tags.items() if t != "optimizer_moments"}, **quarters}
+    pieces = MemoryModel(
+        {**whole.roles, "actor": RoleMemory(train, fixed=1), "critic": RoleMemory(dict(train), fixed=1)},
+        whole.phases,
+    )
+    # 107 available: the engines' generate sleeps both models' grads, then the actor's moments: the whole tag,
+    # or one quarter; the actor's train the critic's grads, then its moments: the whole tag, or three quarters.
+    budget = GpuBudget(107)
+    by_tag, by_piece = plan_memory(SHARED, whole, budget), plan_memory(SHARED, pieces, budget)
+    assert {t for r, t in by_tag.turns[0].asleep if r == "actor"} == {"grads", "optimizer_moments"}
+    assert {t for r, t in by_piece.turns[0].asleep if r == "actor"} == {"grads", "optimizer_moments.0"}
+    assert {t for r, t in by_piece.turns[3].asleep if r == "critic"} == {
+        "grads",
+        "optimizer_moments.0",
+        "optimizer_moments.1",
+        "optimizer_moments.2",
+    }
+    # What a step moves (each tag to sleep and back, the engines' as well): a quarter less.
+    assert (_moved_bytes(by_tag, whole), _moved_bytes(by_piece, pieces)) == (160, 120)
+    run_step(by_piece, pieces, budget)  # and it fits, replayed
 
 
 def test_a_tag_asleep_on_both_sides_of_turns_that_do_not_touch_it_stays_asleep() -> None:

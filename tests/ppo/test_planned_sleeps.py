@@ -1,12 +1,15 @@
 """`SharedGpus` carries a memory plan out (`--memory-plan fit`): before each turn the actor's and the critic's
 tags asleep are the plan's, what a turn touches is awake, a save wakes what its role has asleep and puts it
-back, and without a plan every wake and sleep is the schedule's whole-role one.
+back, where the plan has room for it the two roles' moves run at once, and without a plan every wake and
+sleep is the schedule's whole-role one.
 
 The train groups and the engines are fakes that keep each role's tags asleep; no Ray, no torch.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +25,49 @@ from tandem.ppo.run.log import PhaseClock
 TAGS = ["weights", "grads", "main_params", "optimizer_moments"]
 
 
+class Meeting:
+    """Armed for a turn, the first move of each role waits there until the other role's has begun: moves made
+    one after the other never meet, and the wait breaks (`threading.BrokenBarrierError`) after 20 s."""
+
+    def __init__(self) -> None:
+        self.barrier: threading.Barrier | None = None
+        self.waited: set[str] = set()
+        self.met = 0
+        """Turns whose two roles' moves met."""
+
+    def arm(self, armed: bool) -> None:
+        self.barrier, self.waited = (threading.Barrier(2, timeout=20) if armed else None), set()
+
+    def wait(self, role: str) -> None:
+        if self.barrier is None or role in self.waited:
+            return
+        self.waited.add(role)
+        if self.barrier.wait() == 0:
+            self.met += 1
+
+
 class FakeGroup:
     """A train group whose workers keep which tags are asleep and refuse work without the tags it needs."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, meeting: Meeting | None = None) -> None:
         self.role = role
+        self.meeting = meeting
         self.asleep: set[str] = set()
         self.calls: list[tuple[str, list[str] | None]] = []
         self.peaks: dict[str, int] = {}
         """What `phase_peaks` answers: each work's allocator peak so far."""
+        self.fail: str | None = None
+        """A method that raises, once."""
 
     def run(self, method: str, *args: Any) -> list[Any]:
         if method == "phase_peaks":
             return [dict(self.peaks)]
         tags = list(args[0]) if args and args[0] is not None else None
+        if self.meeting is not None and method in ("sleep", "wake_up"):
+            self.meeting.wait(self.role)
+        if method == self.fail:
+            self.fail = None
+            raise RuntimeError(f"{self.role}: {method} failed")
         self.calls.append((method, tags))
         if method == "sleep":
             assert tags is None or not (set(tags) & self.asleep), f"{self.role}: {tags} sleep twice"
@@ -80,8 +112,8 @@ FACTS = StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True)
 MB = 2**20
 
 
-def _gpus() -> tuple[SharedGpus, FakeGroup, FakeGroup, Events]:
-    actor, critic, events = FakeGroup("actor"), FakeGroup("critic"), Events()
+def _gpus(meeting: Meeting | None = None) -> tuple[SharedGpus, FakeGroup, FakeGroup, Events]:
+    actor, critic, events = FakeGroup("actor", meeting), FakeGroup("critic", meeting), Events()
     gpus = SharedGpus(
         engines=FakeEngines(),  # type: ignore[arg-type]
         actor=actor,  # type: ignore[arg-type]
@@ -111,11 +143,17 @@ def _model() -> MemoryModel:
 
 
 def _take(
-    gpus: SharedGpus, schedule: StepSchedule, groups: dict[str, FakeGroup], plan: MemoryPlan | None
+    gpus: SharedGpus,
+    schedule: StepSchedule,
+    groups: dict[str, FakeGroup],
+    plan: MemoryPlan | None,
+    before_enter: Callable[[int], None] | None = None,
 ) -> None:
     """One step's turns as `PPODriver.step` takes them: `enter`, the turn's wake, its work, its sleep."""
     gpus.begin_step(schedule)
     for index, turn in enumerate(schedule.turns):
+        if before_enter is not None:
+            before_enter(index)
         gpus.enter(index)
         gpus.before(turn)
         if plan is not None:
@@ -323,3 +361,80 @@ def test_a_phase_whose_peak_grew_is_planned_again_from_the_new_figure(tmp_path: 
     with pytest.raises(PlanError, match="actor/train"):  # the first plan would run out with the new figure
         check_plan(before, grown.model, grown.budget)
     assert "actor: wake, train, sleep" in (tmp_path / "memory_plan.json").read_text()
+
+
+def _plan_with_moves_at_once() -> tuple[StepSchedule, MemoryModel, MemoryPlan, list[int]]:
+    """A plan whose room lets some turns move the two roles' tags at once (the turn before's holding, less
+    its train role's cache, and what wakes fit), but not every turn's; the turns that do."""
+    schedule, memory = step_schedule(FACTS), _model()
+    plan = plan_memory(schedule, memory, GpuBudget(170 * MB), planned_roles=("actor", "critic"))
+    together = [i for i in range(len(plan.turns)) if plan.together(i)]
+    two_roles = [i for i in range(len(plan.turns)) if len({r for r, _ in set().union(*plan.moves(i))}) > 1]
+    assert together and set(together) < set(two_roles), (together, two_roles)
+    return schedule, memory, plan, together
+
+
+def test_where_the_plan_has_room_two_roles_move_at_once_else_one_after_the_other() -> None:
+    schedule, memory, plan, together = _plan_with_moves_at_once()
+    meeting = Meeting()
+    gpus, actor, critic, events = _gpus(meeting)
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)
+    gpus.use_plans(
+        lambda s: plan, {"actor": TAGS, "critic": TAGS}, {r: memory.nbytes(r) for r in memory.tags()}
+    )
+    # From the whole-role state (every tag asleep), which the plan's room does not count from: one by one.
+    gpus.begin_step(schedule)
+    gpus.enter(together[0])
+    assert "time/handover" not in gpus.clock.values
+    _take(gpus, schedule, groups, plan)  # the first planned step: from there to the plan's tags
+    events.recorded.clear()
+    gpus.clock.reset()
+    _take(gpus, schedule, groups, plan, before_enter=lambda i: meeting.arm(i in together))
+    assert meeting.met == len(together), "each turn with room moved its two roles at once"
+    assert "time/handover" in gpus.clock.values
+    at_once = {(f["role"], e, tuple(f["tags"])) for e, f in events.recorded if f.get("at_once")}
+    expected = {
+        (role, verb, tuple(t for t in TAGS if (role, t) in refs))
+        for i in together
+        for verb, refs in zip(("sleep", "wake"), plan.moves(i), strict=True)
+        for role in ("actor", "critic")
+        if any(r == role for r, _ in refs)
+    }
+    assert at_once == expected
+    assert all(f.get("at_once") for e, f in events.recorded if e in ("sleep", "wake")) is False, (
+        "the turns without room move one after the other"
+    )
+    # --no-overlap-moves: the same tags at every turn (`_take` checks), each move on its own.
+    gpus.overlap_moves = False
+    events.recorded.clear()
+    gpus.clock.reset()
+    _take(gpus, schedule, groups, plan)
+    assert "time/handover" not in gpus.clock.values
+    assert not any(f.get("at_once") for _, f in events.recorded)
+
+
+def test_a_move_that_fails_at_once_keeps_the_others_and_the_next_entry_finishes_the_turn() -> None:
+    schedule, memory, plan, together = _plan_with_moves_at_once()
+    gpus, actor, critic, _ = _gpus()
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)
+    gpus.use_plans(
+        lambda s: plan, {"actor": TAGS, "critic": TAGS}, {r: memory.nbytes(r) for r in memory.tags()}
+    )
+    _take(gpus, schedule, groups, plan)
+    index = together[0]
+    sleeps, wakes = plan.moves(index)
+    waking = sorted({r for r, _ in wakes if r in groups})[0]
+    sleeping = next(r for r, _ in sorted(sleeps) if r in groups and r != waking)
+    gpus.begin_step(schedule)
+    for i in range(index):
+        gpus.enter(i)
+    groups[waking].fail = "wake_up"
+    with pytest.raises(RuntimeError, match=f"{waking}: wake_up failed"):
+        gpus.enter(index)
+    want = {t for r, t in plan.turns[index].asleep if r == sleeping}
+    assert groups[sleeping].asleep == want, "the other role's move completed"
+    gpus.enter(index)  # the fakes refuse a tag put to sleep twice: only the failed wake is made again
+    for role, group in groups.items():
+        assert group.asleep == {t for r, t in plan.turns[index].asleep if r == role}

@@ -64,7 +64,7 @@ def test_the_policys_movement_gets_its_figure_even_when_no_weight_changed(tmp_pa
 
 
 def test_the_lifecycle_is_one_panel_per_role_stacking_sleep_and_wake_by_stage() -> None:
-    stages = ("pause_weights", "pause_optimizer_moments", "clear_caches", "total")
+    stages = ("pause_weights", "pause_optimizer_moments", "pause_main_params.1", "clear_caches", "total")
     row = {f"lifecycle/{role}_sleep/{s}": 0.1 for role in ("actor", "critic") for s in stages}
     row.update({f"lifecycle/{role}_wake/resume_weights": 0.2 for role in ("actor", "critic")})
     (actor, critic) = panels([_series([row, row])])["lifecycle"]
@@ -73,6 +73,7 @@ def test_the_lifecycle_is_one_panel_per_role_stacking_sleep_and_wake_by_stage() 
     assert set(actor.keys) == {
         "lifecycle/actor_sleep/pause_weights",
         "lifecycle/actor_sleep/pause_optimizer_moments",
+        "lifecycle/actor_sleep/pause_main_params.1",  # a piece of a tag (`--optimizer-pieces`)
         "lifecycle/actor_sleep/clear_caches",
         "lifecycle/actor_wake/resume_weights",
     }

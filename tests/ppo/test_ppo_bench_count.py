@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 import ppo_gpu_bench  # noqa: E402
 import ppo_modes  # noqa: E402
 import ppo_report  # noqa: E402
+
+
+def _mode_values(tmp_path: Path, flag: str, *modes: str) -> list[dict[str, Any]]:
+    """The PPOConfig fields of each of `modes` in a `--quick` bench run with the A/B `flag`."""
+    args = ppo_gpu_bench.parse_args(["--quick", "--out", str(tmp_path), flag])
+    args.stop_token_ids = ()  # main's, from the shape and the lengths
+    paths = (tmp_path / "hf", tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "run")
+    return [ppo_modes.ppo_values(args, mode, *paths) for mode in modes]
 
 
 def test_the_no_count_mode_is_the_shared_mode_with_the_count_off(tmp_path: Path) -> None:
@@ -57,7 +66,13 @@ def test_the_fit_mode_is_the_shared_mode_with_the_memory_plan_and_its_cost_again
     paths = (tmp_path / "hf", tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "run")
     shared = ppo_modes.ppo_values(args, "shared", *paths)
     fit = ppo_modes.ppo_values(args, ppo_modes.FIT_MODE, *paths)
-    assert fit == {**shared, "memory_plan": "fit", "gpu_memory_gib": 64.0, "memory_margin_gib": 0.0}
+    assert fit == {
+        **shared,
+        "memory_plan": "fit",
+        "overlap_moves": True,
+        "gpu_memory_gib": 64.0,
+        "memory_margin_gib": 0.0,
+    }
     assert fit["offload_train"], "the plan's mode shares the GPU"
     cost = ppo_report.plan_cost(
         {"step_s_mean": 6.3},
@@ -69,3 +84,41 @@ def test_the_fit_mode_is_the_shared_mode_with_the_memory_plan_and_its_cost_again
     assert cost["fit_over_shared"] == pytest.approx(5.5 / 6.3 - 1)
     assert cost["moved_gib"] == [None, 3.0, 1.5] and cost["gpu_peak_gib"] == 40.0
     assert ppo_report.plan_cost({"step_s_mean": 6.3}, {"step_s_mean": 5.4}, {}) is None
+
+
+def test_the_serial_fit_mode_is_the_fit_mode_with_its_moves_one_after_the_other(tmp_path: Path) -> None:
+    """`--ab-overlap-moves`: shared_fit_serial's config, and the report's figures by hand."""
+    fit, serial = _mode_values(tmp_path, "--ab-overlap-moves", ppo_modes.FIT_MODE, ppo_modes.FIT_SERIAL_MODE)
+    assert serial == {**fit, "overlap_moves": False}
+    assert "handover" in ppo_modes.SHARING_PHASES, "the moves at once count as what sharing adds"
+    at_once = {
+        "step_s_mean": 9.0,
+        "phase_s_mean": {"handover": 0.4, "actor_wake": 0.1, "critic_train": 2.0},
+        "moved_gib": [None, 8.0],
+    }
+    one_by_one = {
+        "step_s_mean": 9.5,
+        "phase_s_mean": {"actor_sleep": 0.3, "actor_wake": 0.3, "critic_sleep": 0.2, "critic_wake": 0.1},
+        "moved_gib": [None, 8.0],
+    }
+    cost = ppo_report.overlap_cost(at_once, one_by_one)
+    assert cost is not None
+    assert cost["moves_s"] == {"at_once": pytest.approx(0.5), "serial": pytest.approx(0.9)}
+    assert cost["at_once_over_serial"] == pytest.approx(9.0 / 9.5 - 1)
+    assert cost["handover_s"] == 0.4 and cost["moved_gib"]["serial"] == [None, 8.0]
+    assert ppo_report.overlap_cost(at_once, {}) is None
+
+
+def test_the_whole_tags_fit_mode_is_the_fit_mode_with_one_piece_a_tag(tmp_path: Path) -> None:
+    """`--ab-optimizer-pieces`: shared_fit_whole_tags' config, and the report's figures by hand."""
+    fit, whole = _mode_values(
+        tmp_path, "--ab-optimizer-pieces", ppo_modes.FIT_MODE, ppo_modes.FIT_WHOLE_TAGS_MODE
+    )
+    assert whole == {**fit, "optimizer_pieces": 1} and "optimizer_pieces" not in fit  # fit's default: 4
+    cost = ppo_report.pieces_cost(
+        {"step_s_mean": 9.0, "moved_gib": [None, 6.0]}, {"step_s_mean": 9.6, "moved_gib": [None, 8.0]}
+    )
+    assert cost is not None
+    assert cost["pieces_over_whole_tags"] == pytest.approx(9.0 / 9.6 - 1)
+    assert cost["moved_gib"] == {"pieces": [None, 6.0], "whole_tags": [None, 8.0]}
+    assert ppo_report.pieces_cost({}, {"step_s_mean": 9.6}) is None

@@ -27,7 +27,7 @@ import pytest
 
 from tandem.ppo._sums import SUMS_DEFAULTS, write_sums_task
 from tandem.ppo.config.file import unvalidated
-from tandem.ppo.loop.driver import train
+from tandem.ppo.loop.training import train
 
 pytestmark = pytest.mark.slow
 

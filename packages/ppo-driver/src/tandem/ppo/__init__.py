@@ -34,7 +34,7 @@ _EXPORTS = {
     "parse_config": "config.file",
     "PPODriver": "loop.driver",
     "RunSummary": "run.log",
-    "train": "loop.driver",
+    "train": "loop.training",
 }
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from .app.cli import main
     from .config.file import parse_config
     from .config.ppo_config import PPOConfig
-    from .loop.driver import PPODriver, train
+    from .loop.driver import PPODriver
+    from .loop.training import train
     from .run.log import RunSummary
 
 

@@ -148,7 +148,7 @@ def _start(config: PPOConfig, dry_run: bool, *, checked_as: PPOConfig | None = N
     if dry_run:
         print(dry_run_report(config), end="")
         return 0
-    from tandem.ppo.loop.driver import train  # torch and Ray: loaded once a run starts, never for --help
+    from tandem.ppo.loop.training import train  # torch and Ray: loaded once a run starts, never for --help
 
     print(train(config).describe())
     return 0

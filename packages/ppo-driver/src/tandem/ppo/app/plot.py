@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.run.metrics import read_metrics
 
 __all__ = ["KEEP_AT_ZERO", "UNITS", "Panel", "panels", "plot_run", "unit_of"]
@@ -59,7 +60,8 @@ KEEP_AT_ZERO = re.compile(r"^policy/")
 """Metrics drawn even when 0 throughout: `policy/changed_fraction` at 0 says the sampling weights never
 changed, which is what a run that does not learn may need to show."""
 
-_LIFECYCLE = re.compile(r"^lifecycle/(?P<role>\w+?)_(?P<phase>sleep|wake)/(?P<stage>\w+)$")
+_LIFECYCLE = re.compile(r"^lifecycle/(?P<role>\w+?)_(?P<phase>sleep|wake)/(?P<stage>[\w.]+)$")
+"""A lifecycle step's seconds; a stage may be one piece of a memory tag (`pause_optimizer_moments.2`)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ def _draw_stages(ax: Any, panel: Panel, series: Series) -> None:
             match = _LIFECYCLE.match(key)
             if match is None or match["phase"] != phase or key not in series:
                 continue
-            stage = match["stage"].removeprefix("pause_").removeprefix("resume_")
+            # The pieces of a tag (`optimizer_moments.0` …) stack in their kind's one colour.
+            stage = memory_tag_kind(match["stage"].removeprefix("pause_").removeprefix("resume_"))
             new_stage = stage not in colors
             color = colors.setdefault(stage, f"C{len(colors) % 10}")
             steps, values = series[key]

@@ -227,6 +227,11 @@ def _check_memory_plan(config: RunFields) -> None:
             f"{config.gpu_memory_gib:g}; give a margin below the GPU's memory"
         )
     if config.memory_plan == "whole":
+        if not config.overlap_moves:
+            raise ValueError(
+                "--no-overlap-moves: set, but --memory-plan whole moves whole roles one after the other "
+                "already; use --memory-plan fit, or drop --no-overlap-moves"
+            )
         return
     if not config.offload_train:
         raise ValueError(

@@ -42,6 +42,10 @@ def flag(name: str) -> str:
     return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
 
 
+FIT_OPTIMIZER_PIECES = 4
+"""`optimizer_pieces` under `--memory-plan fit` when unset: each optimizer tag in quarters, so that a turn
+moves a quarter of a model's moments or main weights, not all of them, where that is the room it needs."""
+
 CPU_THREADS_MIN_HIDDEN_SIZE = 512
 """The hidden size from which a CPU run's workers get the machine's cores (`cpu_threads` None): on two
 cores SmolLM2-135M (hidden 576) trained a forward and backward in 4.1 s on two threads against
@@ -457,6 +461,13 @@ class RunFields(EpisodeFields, MemoryFields, WorkerFields):
         if self.async_mode and self.reuse_old_log_probs is None:
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
+        if (
+            self.optimizer_pieces is None
+            and self.memory_plan == "fit"
+            and self.offload_backend == "pinned_host"
+        ):
+            # The plan may then sleep a part of each optimizer tag: the part a turn needs room for.
+            values["optimizer_pieces"] = FIT_OPTIMIZER_PIECES
         values["cpu_threads"] = self.resolved_cpu_threads()
         if self.loss_norm_tokens is None:
             # Dr.GRPO's constant: the generation budget, the longest response the engines may give.

@@ -31,3 +31,9 @@ class MemoryFields:
     memory_margin_gib: float = 4.0
     """GiB per GPU the `fit` plan keeps free of its figures: fragmentation, the allocator's rounding,
     the phases' peaks on rollouts longer than the first step's."""
+
+    overlap_moves: bool = True
+    """With `fit`: where a turn puts tags of one model to sleep and wakes tags of the other, and the GPU
+    holds both meanwhile (the turn before's peak and what wakes fit the plan's budget), the two run at
+    once: one model's copy to the host beside the other's copy back, timed as `time/handover`.
+    `--no-overlap-moves`: sleeps first, then wakes, one model after the other."""

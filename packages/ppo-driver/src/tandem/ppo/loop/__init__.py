@@ -1,10 +1,12 @@
 """The PPO loop: the driver, one step's schedule and its turns, the weights to the engines, the run's start-up.
 
-A newcomer reads the step here: `driver` (`PPODriver`: setup, one step, save, eval),
+A newcomer reads the step here: `driver` (`PPODriver`: setup, one step, save, eval), `training`
+(`train`: one start of a run as a command runs it),
 `schedule` (a step's turns as data, checked), `memory_model` and `memory_plan` (the
 memory tags asleep at each turn, checked against the GPU), `memory_figures` (the plan's inputs read
 off the run's roles, `--memory-plan fit`), `turns` (each turn's work),
-`shared_gpus` (`SharedGpus`: the roles on the GPUs and who is awake), `weight_sync`,
+`shared_gpus` (`SharedGpus`: the roles on the GPUs and who is awake; `planned_moves`, its memory
+plan's tag sleeps and wakes), `weight_sync`,
 `step_metrics`, `hints` (the run's hints said), `run_loop` (one step per rollout, sync or async, Ctrl-C), `startup`
 (the run's processes coming up), `cluster` (Ray, placement groups, the groups) and
 `node_checks`. It may import every layer below: the run folder, the config, the

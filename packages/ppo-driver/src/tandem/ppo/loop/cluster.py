@@ -65,7 +65,7 @@ def start_ray(
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     # ray.init installs a SIGTERM handler of its own in the driver (exit 15 and a C++ stack dump): the
-    # command keeps its own (`driver.train`, `loop`), which stop the run cleanly.
+    # command keeps its own (`training.train`, `loop`), which stop the run cleanly.
     sigterm = (
         signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     )

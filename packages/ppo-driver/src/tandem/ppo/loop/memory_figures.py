@@ -163,7 +163,8 @@ def planner(
 
 def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPlan]) -> None:
     """The figures and every plan so far as JSON at `path`: {"model", "budget", "tags", "schedules": {schedule:
-    its turns as data, `schedule_from_dict`'s}, "plans": {schedule: turns}}."""
+    its turns as data, `schedule_from_dict`'s}, "plans": {schedule: turns}}; a turn's "moves_at_once" says
+    whether entering it moves two roles' tags at once, "handover_peaks" what each set of GPUs holds then."""
     data: dict[str, Any] = {
         "model": figures.model.to_dict(),
         "budget": {"capacity": figures.budget.capacity, "margin": figures.budget.margin},
@@ -175,8 +176,10 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
                     "turn": t.turn.describe(),
                     "asleep": sorted(f"{r}/{g}" for r, g in t.asleep),
                     "peaks": dict(t.peaks),
+                    "moves_at_once": plan.together(index),
+                    "handover_peaks": dict(t.handover),
                 }
-                for t in plan.turns
+                for index, t in enumerate(plan.turns)
             ]
             for described, plan in plans.items()
         },

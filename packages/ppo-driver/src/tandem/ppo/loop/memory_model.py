@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.schedule import Role, Work
 
 __all__ = [
@@ -43,7 +44,9 @@ EVICTION_ORDER: tuple[str, ...] = (
 does not touch, then among those it does). Gradients (zeroed before every minibatch; copied only with
 `offload_grads`) and the engines' KV cache (empty between rollouts) are dropped, not copied; then the
 optimizer's moments, its fp32 main parameters, the two together (`optimizer`, one tag today), a LoRA model's
-frozen base (copied to the host once, so it only comes back), and the weights last."""
+frozen base (copied to the host once, so it only comes back), and the weights last. A tag may be one piece
+of its kind (`optimizer_moments.2`: a worker's `optimizer_pieces`), which sleeps as its kind does
+(`memory_tag_kind`)."""
 
 WEIGHT_TAGS: frozenset[str] = frozenset({"base", "weights"})
 """The tags a forward pass reads (the actor's log-probs, a weight export)."""
@@ -54,7 +57,7 @@ class RoleMemory:
     """What one role holds on one GPU, in bytes (each figure the largest over the role's ranks).
 
     Attributes:
-        tags: bytes per memory tag (`EVICTION_ORDER`'s names), the part a sleep can hand back: a train
+        tags: bytes per memory tag (`EVICTION_ORDER`'s names, or pieces of them), the part a sleep can hand back: a train
             worker's `state_nbytes()`, an engine's weights and `kv_cache`.
         fixed: bytes that stay while the role sleeps (CUDA context, communicators, the allocator's cache).
     """
@@ -64,8 +67,11 @@ class RoleMemory:
 
     def __post_init__(self) -> None:
         for tag, nbytes in self.tags.items():
-            if tag not in EVICTION_ORDER:
-                raise ValueError(f"memory tag {tag!r}: choose among {list(EVICTION_ORDER)}")
+            if memory_tag_kind(tag) not in EVICTION_ORDER:
+                raise ValueError(
+                    f"memory tag {tag!r}: choose among {list(EVICTION_ORDER)}, or a piece of one "
+                    f"({EVICTION_ORDER[2]}.0 …)"
+                )
             if nbytes < 0:
                 raise ValueError(f"memory tag {tag!r}: {nbytes} bytes; give a count of bytes >= 0")
         if self.fixed < 0:

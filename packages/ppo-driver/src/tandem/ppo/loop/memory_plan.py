@@ -12,12 +12,20 @@ chooses at each turn the tags to have asleep:
 - the fewest, in a fixed order (`eviction_key`): first what the next turn does not touch,
   then by kind (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments
   before fp32 main parameters before weights), then what is used furthest ahead, the
-  larger first: the shortest prefix of that order that lets the turn's peak fit;
+  larger first: the shortest prefix of that order that lets the turn's peak fit. A
+  worker splits its optimizer tags in pieces (`optimizer_pieces`: `optimizer_moments.0`
+  …), so that prefix can end part-way through a kind: only the part a turn needs moves;
 - the rest stays resident, but for a tag asleep on both sides of turns that do not touch
   it, which stays asleep through them (waking it there would move it twice for nothing).
 
 With room for everything the plan moves nothing (resident mode, `resident_plan`); with room
 for each turn's own tags alone it sleeps everything else (shared mode by tag, `shared_plan`).
+
+A turn's sleeps and wakes may also run at once (`PlannedTurn.at_once`), one role's copy to the
+host beside another's copy back, where the GPU holds both for that time: what the turn before
+holds once its train role has handed its cached blocks back, and what wakes for this turn
+(`handover_peaks`), fit the budget. Otherwise the sleeps go first, so that no moment holds more
+than the turn after it.
 
 `check_plan` replays a plan (a computed one, or today's from the schedule's wakes and
 sleeps, `schedule_plan`) and refuses one whose peak at some turn passes the budget, or
@@ -29,9 +37,10 @@ is the PPO step's knowledge, and when to sleep is the driver's plan, not the lif
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.memory_model import (
     EVICTION_ORDER,
     WEIGHT_TAGS,
@@ -40,7 +49,7 @@ from tandem.ppo.loop.memory_model import (
     TagRef,
     format_bytes,
 )
-from tandem.ppo.loop.schedule import Residents, Role, StepSchedule, Turn, residents_at_each_turn
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Residents, Role, StepSchedule, Turn, residents_at_each_turn
 
 __all__ = [
     "MemoryPlan",
@@ -49,6 +58,7 @@ __all__ = [
     "capacity_range",
     "check_plan",
     "eviction_key",
+    "handover_peaks",
     "plan_memory",
     "resident_plan",
     "schedule_plan",
@@ -70,6 +80,12 @@ class PlannedTurn:
     needs: frozenset[TagRef]
     asleep: frozenset[TagRef]
     peaks: Mapping[str, int]
+    at_once: bool = field(default=False, compare=False)
+    """The sleeps and wakes that enter this turn may run at once (`handover_peaks` fits the budget);
+    `plan_memory` decides it, a fixed plan never has it. Two plans are equal when they sleep the same tags
+    at each turn, however they move them."""
+    handover: Mapping[str, int] = field(default_factory=dict, compare=False)
+    """`handover_peaks` for this turn, where `plan_memory` made it (empty for a fixed plan)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,9 @@ class MemoryPlan:
 
     schedule: StepSchedule
     turns: tuple[PlannedTurn, ...]
+    planned_roles: frozenset[Role] | None = field(default=None, compare=False)
+    """The roles whose tags the plan chose (`plan_memory`'s); None: every role's. The others wake and sleep
+    whole, as the schedule says. Two plans are equal when they sleep the same tags at each turn."""
 
     def moves(self, index: int) -> tuple[frozenset[TagRef], frozenset[TagRef]]:
         """What goes to sleep and what wakes before turn `index` (sleeps first, so the peak never passes
@@ -91,14 +110,22 @@ class MemoryPlan:
         """The tags asleep at some turn; the rest stay resident for the whole step."""
         return frozenset().union(*(t.asleep for t in self.turns))
 
+    def together(self, index: int) -> bool:
+        """Whether entering turn `index` moves tags of two planned roles or more, and may move them at once."""
+        sleep, wake = self.moves(index)
+        roles = {role for role, _ in sleep | wake if self.planned_roles is None or role in self.planned_roles}
+        return self.turns[index].at_once and len(roles) > 1
+
     def describe(self) -> str:
         """One line a turn: "critic: wake, train, sleep | asleep actor/optimizer, engine/kv_cache | peak 10.0 GiB"
         (MiB below a GiB)."""
-        lines = []
+        lines: list[str] = []
         for t in self.turns:
             asleep = ", ".join(f"{r}/{g}" for r, g in sorted(t.asleep)) or "nothing"
+            at_once = " | moves at once" if self.together(len(lines)) else ""
             lines.append(
                 f"{t.turn.describe()} | asleep {asleep} | peak {format_bytes(max(t.peaks.values(), default=0))}"
+                f"{at_once}"
             )
         return "\n".join(lines)
 
@@ -112,23 +139,47 @@ def turn_needs(residents: Residents, memory: MemoryModel) -> frozenset[TagRef]:
         roles.add(turn.role)  # a lifecycle-only wake (a warm-up's engines): the role comes back whole
     needs = {(r, tag) for r in roles if r in memory.roles for tag in memory.roles[r].tags}
     if turn.role == "actor" and turn.work == "log_probs":
-        needs = {(r, tag) for r, tag in needs if r != "actor" or tag in WEIGHT_TAGS}
+        needs = {(r, tag) for r, tag in needs if r != "actor" or memory_tag_kind(tag) in WEIGHT_TAGS}
     if turn.work == "weights" and "actor" in memory.roles:
-        needs |= {("actor", tag) for tag in memory.roles["actor"].tags if tag in WEIGHT_TAGS}
+        needs |= {("actor", tag) for tag in memory.roles["actor"].tags if memory_tag_kind(tag) in WEIGHT_TAGS}
     return frozenset(needs)
 
 
 def _peaks(
-    schedule: StepSchedule, residents: Residents, asleep: frozenset[TagRef], memory: MemoryModel
+    schedule: StepSchedule,
+    residents: Residents,
+    asleep: frozenset[TagRef],
+    memory: MemoryModel,
+    *,
+    handed_back: Role | None = None,
 ) -> dict[str, int]:
+    """Each set of GPUs' bytes in `residents`' turn with `asleep` asleep: every role's fixed bytes and tags
+    awake, and the transient of each role computing (but `handed_back`'s, whose cache went back)."""
     peaks: dict[str, int] = {}
     for role, held in memory.roles.items():
         resident = held.fixed + sum(n for tag, n in held.tags.items() if (role, tag) not in asleep)
-        if role in residents.computing:
+        if role in residents.computing and role != handed_back:
             work = residents.turn.work if role == residents.turn.role else "start_next"
             resident += memory.transient(role, work)
         gpus = schedule.gpus(role)
         peaks[gpus] = peaks.get(gpus, 0) + resident
+    return peaks
+
+
+def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[str, int]:
+    """The most each set of GPUs holds while turn `index` is entered with its sleeps and wakes at once: what
+    the turn before holds (what sleeps is still there; a train role that computed in it hands its cached
+    blocks back first, other roles still computing keep their transients) and every tag of the planned
+    roles that wakes for this one. The other roles wake as a whole after (the turn's own wake), once the
+    moves are done."""
+    schedule = plan.schedule
+    before = residents_at_each_turn(schedule)[index - 1]
+    handed_back = before.turn.role if before.turn.role in TRAIN_ROLES else None
+    peaks = _peaks(schedule, before, plan.turns[index - 1].asleep, memory, handed_back=handed_back)
+    for role, tag in plan.moves(index)[1]:
+        if plan.planned_roles is None or role in plan.planned_roles:
+            gpus = schedule.gpus(role)
+            peaks[gpus] = peaks.get(gpus, 0) + memory.nbytes((role, tag))
     return peaks
 
 
@@ -155,7 +206,7 @@ def eviction_key(
     """Where `ref` stands in turn `index`'s order of tags to sleep (smallest first): untouched by the next
     turn first, then by kind (`EVICTION_ORDER`), then the furthest next use, then the larger, then by name."""
     ahead = _next_use(walk, index, ref)
-    return (ahead == 1, EVICTION_ORDER.index(ref[1]), -ahead, -memory.nbytes(ref), ref)
+    return (ahead == 1, EVICTION_ORDER.index(memory_tag_kind(ref[1])), -ahead, -memory.nbytes(ref), ref)
 
 
 def _refusal(
@@ -218,7 +269,17 @@ def plan_memory(
         PlannedTurn(residents.turn, needs, frozenset(a), _peaks(schedule, residents, frozenset(a), memory))
         for (residents, needs), a in zip(walk, asleep, strict=True)
     )
-    return MemoryPlan(schedule, turns)
+    return _with_handovers(MemoryPlan(schedule, turns, frozenset(planned)), memory, budget)
+
+
+def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
+    """`plan` with each turn's `handover_peaks`, and its moves at once where they fit `budget`."""
+    turns = []
+    for index, turn in enumerate(plan.turns):
+        handover = handover_peaks(plan, index, memory)
+        fits = all(peak <= budget.available for peak in handover.values())
+        turns.append(replace(turn, at_once=fits, handover=handover))
+    return replace(plan, turns=tuple(turns))
 
 
 def _stay_asleep(
@@ -266,6 +327,17 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
         )
         if why is not None:
             raise PlanError(why)
+    for index, planned in enumerate(plan.turns):  # after every turn's own peak: a handover holds more
+        handover = handover_peaks(plan, index, memory) if planned.at_once else {}
+        over = [(gpus, peak) for gpus, peak in sorted(handover.items()) if peak > budget.available]
+        if over:
+            gpus, peak = over[0]
+            raise PlanError(
+                f"turn {index} ({planned.turn.describe()!r}) entered with its sleeps and wakes at once needs "
+                f"{peak} bytes ({peak / 2**30:.2f} GiB) on the {gpus} GPUs (the turn before's peak and what "
+                f"wakes); {budget.available} bytes ({budget.available / 2**30:.2f} GiB) available. Plan it for "
+                "this budget, or move them one after the other (at_once=False)"
+            )
     return plan
 
 

@@ -17,11 +17,10 @@ role, `engine_release`, `engine_resume`; the forward-only roles record their own
 reward model `rm_wake` / `rm_sleep`, the teacher `wake` / `sleep` with its role).
 
 With a memory plan (`--memory-plan fit`, `use_plans`), the actor and the critic sleep by
-memory tag instead: before each turn (`enter`) they put to sleep and wake the tags the
-plan has asleep at that turn (`memory_plan.MemoryPlan`), sleeps first, and their own
-turns' wakes and sleeps do nothing; a save between steps wakes what the role has asleep
-and puts it back after. The other roles keep the schedule's whole-role wakes and sleeps,
-which the plan counts as they are.
+memory tag instead (`planned_moves.PlannedMoves`, which this class is): before each turn
+(`enter`) the tags the plan has asleep at that turn, and their own turns' wakes and sleeps do
+nothing; a save between steps wakes what the role has asleep and puts it back after. The other
+roles keep the schedule's whole-role wakes and sleeps, which the plan counts as they are.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from tandem.ppo.loop.memory_plan import MemoryPlan
-from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, asleep_between_steps
+from tandem.ppo.loop.planned_moves import PlannedMoves
+from tandem.ppo.loop.schedule import Role, StepSchedule, Turn, asleep_between_steps
 from tandem.ppo.loop.weight_sync import send_to_restarted, sync_weights
 
 if TYPE_CHECKING:
@@ -67,7 +66,7 @@ SLEEP_ORDER: tuple[Role, ...] = ("critic", "actor", "reward_model", "teacher", "
 so that a reward model or a teacher started after them loads onto a GPU they have left)."""
 
 
-class SharedGpus:
+class SharedGpus(PlannedMoves):
     """The roles of a run on its GPUs, awake or asleep; every wake and sleep goes through here.
 
     All roles start awake, as their processes start. `weights_version` is the step whose
@@ -105,18 +104,8 @@ class SharedGpus:
         if critic is not None:
             self._awake.add("critic")
         engines.on_restart = self._engine_restarted
-        self.plan: MemoryPlan | None = None
-        """The memory plan of the step under way (`begin_step`); None: whole-role wakes and sleeps."""
-        self.moved_bytes = 0
-        """Bytes the plan's tag sleeps and wakes moved since `begin_step` (each tag's model figure)."""
-        self._tag_bytes: dict[tuple[Role, str], int] = {}
-        self._tags: dict[Role, list[str]] = {}
-        """Each train role's memory tags (`use_plans`)."""
-        self._asleep_tags: dict[Role, set[str]] = {}
-        """The tags each train role has asleep now (kept once `use_plans` is called)."""
+        self._init_plans()
         self._woken_for_save: dict[Role, set[str]] = {}
-        self.planning: Callable[[StepSchedule], MemoryPlan] | None = None
-        """The planner `use_plans` gave: each schedule's memory plan."""
         self.keep_engine_stats = False
         """Keep the engines' `memory_stats` as they release their memory (`engine_stats`): their KV cache is
         built then, which the memory plan counts (`--memory-plan fit`)."""
@@ -257,85 +246,6 @@ class SharedGpus:
         for role in SLEEP_ORDER:
             if role in asleep and role in self.roles():
                 self.sleep(role)
-
-    # --- the memory plan ---------------------------------------------------------------------------
-    def use_plans(
-        self,
-        planner: Callable[[StepSchedule], MemoryPlan],
-        tags: dict[Role, list[str]],
-        tag_bytes: dict[tuple[Role, str], int],
-    ) -> None:
-        """From the next `begin_step` on, the train roles sleep by tag as `planner(schedule)` says.
-
-        `tags`: each train role's memory tags (its workers' `memory_tags()`); `tag_bytes`: each tag's bytes
-        (the memory model's, for `moved_bytes`). The roles' tags asleep now follow from who is awake.
-        """
-        self.planning, self._tags, self._tag_bytes = planner, {r: list(t) for r, t in tags.items()}, tag_bytes
-        self._asleep_tags = {r: set() if self.awake(r) else set(t) for r, t in self._tags.items()}
-
-    def begin_step(self, schedule: StepSchedule) -> None:
-        """The step about to run takes `schedule`: its memory plan, where `use_plans` gave a planner."""
-        self.moved_bytes = 0
-        self.plan = self.planning(schedule) if self.planning is not None else None
-
-    def enter(self, index: int) -> None:
-        """Before turn `index` of the step's schedule: the train roles' tags asleep as the plan says, sleeps
-        first (so no moment holds more than the turn after it); nothing without a plan. The moves go from
-        the tags asleep now, so entering a turn twice (the rollout's draw entered a reward model's turn
-        already, another round of sampling enters the generate turn again) moves nothing the second time.
-
-        A train role that computed in the turn before and sleeps nothing now hands its allocator's cached
-        blocks back (`empty_cache`): the next role's process cannot use them.
-        """
-        if self.plan is None:
-            return
-        target = self.plan.turns[index].asleep
-        previous = self.plan.turns[index - 1].turn
-        moves: dict[Role, tuple[set[str], set[str]]] = {}
-        for role, asleep in self._asleep_tags.items():
-            want = {tag for r, tag in target if r == role}
-            moves[role] = (want - asleep, asleep - want)
-        for role, (sleep, _) in moves.items():
-            if sleep:
-                self._move_tags(role, sleep=sleep)
-            elif role == previous.role and previous.work is not None and index > 0:
-                self.group(role).run("empty_cache")
-        for role, (_, wake) in moves.items():
-            self._move_tags(role, wake=wake)
-
-    def _enter_turn_of(self, turn: Turn) -> None:
-        """Enter `turn`'s place in the plan where a plan is under way, the turn is in it and its role works
-        on the train GPUs beside the actor and the critic, so that their tags are as the plan has them for it.
-        Never on GPUs of their own: there the async loop's rollout, drawn on another thread, must not move
-        the train roles' tags, and the plan's turns move them in order."""
-        plan = self.plan
-        if plan is None or not plan.schedule.colocated or turn.role in TRAIN_ROLES:
-            return
-        if turn in plan.schedule.turns:
-            self.enter(plan.schedule.turns.index(turn))
-
-    def _planned(self, role: Role) -> bool:
-        return self.plan is not None and role in TRAIN_ROLES and role in self._asleep_tags
-
-    def _move_tags(self, role: Role, *, sleep: set[str] | None = None, wake: set[str] | None = None) -> None:
-        """Put `sleep` of `role`'s tags to sleep, or wake `wake`, in the role's own tag order."""
-        group, order = self.group(role), self._tags[role]
-        for verb, chosen, method in (("sleep", sleep, "sleep"), ("wake", wake, "wake_up")):
-            tags = [t for t in order if chosen and t in chosen]
-            if not tags:
-                continue
-            with self.clock.phase(f"{role}_{verb}"):
-                self.events.record(verb, role=role, tags=tags)
-                self.clock.record_lifecycle(f"{role}_{verb}", group.run(method, tags))
-            if verb == "sleep":
-                self._asleep_tags[role] |= set(tags)
-            else:
-                self._asleep_tags[role] -= set(tags)
-            self.moved_bytes += sum(self._tag_bytes.get((role, t), 0) for t in tags)
-        if self._asleep_tags[role] == set(order):
-            self._awake.discard(role)
-        else:
-            self._awake.add(role)
 
     # --- the engines' weights -----------------------------------------------------------------------
     def sync_weights(self, weights_version: int | None = None) -> None:

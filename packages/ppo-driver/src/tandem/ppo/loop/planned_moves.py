@@ -1,0 +1,198 @@
+"""The actor's and the critic's memory tags asleep as the step's memory plan says (`--memory-plan fit`).
+
+`PlannedMoves` is the memory-plan side of `shared_gpus.SharedGpus` (a mixin: the roles, who is
+awake and the whole-role lifecycle are SharedGpus's). With plans (`use_plans`), before each turn
+(`enter`) the train roles put to sleep and wake the tags the plan has asleep at that turn
+(`memory_plan.MemoryPlan`), sleeps first, or, where the plan finds room for both
+(`PlannedTurn.at_once`) and `overlap_moves` is on, the moves of different roles at once, each
+role's in its own order, timed together as the phase `handover`: one role's copy to the host
+beside another's copy back (the two directions of the host link), its process groups torn down
+beside the other's reload. Each move is a phase of the step's clock (`time/<role>_sleep`,
+`time/<role>_wake`, or `time/handover`) and an event (`sleep` / `wake` with the role and its tags,
+`at_once` where they ran at once); `moved_bytes` counts what the step moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from tandem.ppo.loop.memory_plan import MemoryPlan
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn
+
+if TYPE_CHECKING:
+    from tandem.megatron.group import TrainGroup
+    from tandem.ppo.run.log import EventLog, PhaseClock
+
+__all__ = ["PlannedMoves"]
+
+
+class PlannedMoves:
+    """The train roles' tags asleep at each turn as the memory plan has them (mixin of `SharedGpus`, which
+    gives `events`, `clock`, who is awake and each role's `group`)."""
+
+    events: EventLog
+    clock: PhaseClock
+    _awake: set[Role]
+
+    def group(self, role: Role) -> TrainGroup:
+        raise NotImplementedError  # SharedGpus's
+
+    def _init_plans(self) -> None:
+        self.plan: MemoryPlan | None = None
+        """The memory plan of the step under way (`begin_step`); None: whole-role wakes and sleeps."""
+        self.moved_bytes = 0
+        """Bytes the plan's tag sleeps and wakes moved since `begin_step` (each tag's model figure)."""
+        self._tag_bytes: dict[tuple[Role, str], int] = {}
+        self._tags: dict[Role, list[str]] = {}
+        """Each train role's memory tags (`use_plans`)."""
+        self._asleep_tags: dict[Role, set[str]] = {}
+        """The tags each train role has asleep now (kept once `use_plans` is called)."""
+        self.planning: Callable[[StepSchedule], MemoryPlan] | None = None
+        """The planner `use_plans` gave: each schedule's memory plan."""
+        self.overlap_moves = True
+        """Under a plan, run a turn's moves of different roles at once where the plan has room for both
+        (`PlannedTurn.at_once`; `--overlap-moves`); False: sleeps first, one role after the other."""
+
+    def use_plans(
+        self,
+        planner: Callable[[StepSchedule], MemoryPlan],
+        tags: dict[Role, list[str]],
+        tag_bytes: dict[tuple[Role, str], int],
+    ) -> None:
+        """From the next `begin_step` on, the train roles sleep by tag as `planner(schedule)` says.
+
+        `tags`: each train role's memory tags (its workers' `memory_tags()`); `tag_bytes`: each tag's bytes
+        (the memory model's, for `moved_bytes`). The roles' tags asleep now follow from who is awake.
+        """
+        self.planning, self._tags, self._tag_bytes = planner, {r: list(t) for r, t in tags.items()}, tag_bytes
+        self._asleep_tags = {r: set() if r in self._awake else set(t) for r, t in self._tags.items()}
+
+    def begin_step(self, schedule: StepSchedule) -> None:
+        """The step about to run takes `schedule`: its memory plan, where `use_plans` gave a planner."""
+        self.moved_bytes = 0
+        self.plan = self.planning(schedule) if self.planning is not None else None
+
+    def enter(self, index: int) -> None:
+        """Before turn `index` of the step's schedule: the train roles' tags asleep as the plan says, sleeps
+        first (so no moment holds more than the turn after it), or the roles' moves at once where the plan
+        has room for that (`_at_once`); nothing without a plan. The moves go from
+        the tags asleep now, so entering a turn twice (the rollout's draw entered a reward model's turn
+        already, another round of sampling enters the generate turn again) moves nothing the second time.
+
+        A train role that computed in the turn before and sleeps nothing now hands its allocator's cached
+        blocks back (`empty_cache`): the next role's process cannot use them.
+        """
+        if self.plan is None:
+            return
+        target = self.plan.turns[index].asleep
+        previous = self.plan.turns[index - 1].turn
+        computed = previous.work is not None and index > 0 and self._planned(previous.role)
+        moves: dict[Role, tuple[list[str], list[str]]] = {}
+        for role, asleep in self._asleep_tags.items():
+            want = {tag for r, tag in target if r == role}
+            moves[role] = (self._ordered(role, want - asleep), self._ordered(role, asleep - want))
+        if self._at_once(index, moves):
+            if computed:  # its cached blocks back before anything wakes: the plan's room counts so
+                self.group(previous.role).run("empty_cache")
+            self._move_at_once(moves)
+            return
+        for role, (sleep, _) in moves.items():
+            if sleep:
+                self._move_tags(role, sleep=set(sleep))
+            elif computed and role == previous.role:
+                self.group(role).run("empty_cache")
+        for role, (_, wake) in moves.items():
+            if wake:
+                self._move_tags(role, wake=set(wake))
+
+    def _at_once(self, index: int, moves: dict[Role, tuple[list[str], list[str]]]) -> bool:
+        """Whether entering turn `index` makes its roles' `moves` (tags to sleep, to wake) at once: the plan
+        has room for it, the roles hold the tags the plan's turn before has asleep (its room is counted
+        from there: not so when the first planned step leaves the whole-role state), and two roles or more
+        move."""
+        assert self.plan is not None
+        if not (self.overlap_moves and self.plan.turns[index].at_once):
+            return False
+        before = {ref for ref in self.plan.turns[index - 1].asleep if ref[0] in self._asleep_tags}
+        now = {(role, tag) for role, tags in self._asleep_tags.items() for tag in tags}
+        return now == before and sum(1 for sleep, wake in moves.values() if sleep or wake) > 1
+
+    def _move_at_once(self, moves: dict[Role, tuple[list[str], list[str]]]) -> None:
+        """Each role's moves (its sleeps, then its wakes), the roles at once (a thread each waits for its
+        role's workers), timed as one phase, `handover`; each move recorded as `_move_tags` records it, with
+        `at_once`. A role's failure is raised once every role's moves have ended, those that completed kept."""
+        calls = {
+            role: [(verb, tags) for verb, tags in (("sleep", sleep), ("wake", wake)) if tags]
+            for role, (sleep, wake) in moves.items()
+            if sleep or wake
+        }
+        for role, mine in calls.items():
+            for verb, tags in mine:
+                self.events.record(verb, role=role, tags=tags, at_once=True)
+
+        def run(role: Role) -> tuple[list[tuple[str, list[str], Any]], BaseException | None]:
+            done = []
+            for verb, tags in calls[role]:
+                method = "sleep" if verb == "sleep" else "wake_up"
+                try:
+                    done.append((verb, tags, self.group(role).run(method, tags)))
+                except BaseException as err:  # the other roles' moves go on; raised below
+                    return done, err
+            return done, None
+
+        pool = ThreadPoolExecutor(len(calls), thread_name_prefix="handover")
+        with self.clock.phase("handover"), pool:
+            results = {role: pool.submit(run, role) for role in calls}
+        failed: BaseException | None = None
+        for role, future in results.items():
+            done, err = future.result()
+            for verb, tags, timings in done:
+                self._moved(role, verb, tags, timings)
+            failed = failed or err
+        if failed is not None:
+            raise failed
+
+    def _enter_turn_of(self, turn: Turn) -> None:
+        """Enter `turn`'s place in the plan where a plan is under way, the turn is in it and its role works
+        on the train GPUs beside the actor and the critic, so that their tags are as the plan has them for it.
+        Never on GPUs of their own: there the async loop's rollout, drawn on another thread, must not move
+        the train roles' tags, and the plan's turns move them in order."""
+        plan = self.plan
+        if plan is None or not plan.schedule.colocated or turn.role in TRAIN_ROLES:
+            return
+        if turn in plan.schedule.turns:
+            self.enter(plan.schedule.turns.index(turn))
+
+    def _planned(self, role: Role) -> bool:
+        return self.plan is not None and role in TRAIN_ROLES and role in self._asleep_tags
+
+    def _ordered(self, role: Role, tags: set[str]) -> list[str]:
+        """`tags` in `role`'s own tag order."""
+        return [t for t in self._tags[role] if t in tags]
+
+    def _move_tags(self, role: Role, *, sleep: set[str] | None = None, wake: set[str] | None = None) -> None:
+        """Put `sleep` of `role`'s tags to sleep, or wake `wake`, in the role's own tag order."""
+        group = self.group(role)
+        for verb, chosen, method in (("sleep", sleep, "sleep"), ("wake", wake, "wake_up")):
+            tags = self._ordered(role, chosen or set())
+            if not tags:
+                continue
+            with self.clock.phase(f"{role}_{verb}"):
+                self.events.record(verb, role=role, tags=tags)
+                self._moved(role, verb, tags, group.run(method, tags))
+
+    def _moved(self, role: Role, verb: str, tags: list[str], timings: list[dict[str, float]]) -> None:
+        """What `role`'s move of `tags` (`verb`: sleep or wake) changed: its tags asleep, whether it is awake,
+        the step's moved bytes, the workers' `timings`."""
+        self.clock.record_lifecycle(f"{role}_{verb}", timings)
+        if verb == "sleep":
+            self._asleep_tags[role] |= set(tags)
+        else:
+            self._asleep_tags[role] -= set(tags)
+        self.moved_bytes += sum(self._tag_bytes.get((role, t), 0) for t in tags)
+        if self._asleep_tags[role] == set(self._tags[role]):
+            self._awake.discard(role)
+        else:
+            self._awake.add(role)

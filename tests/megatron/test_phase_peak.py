@@ -16,11 +16,12 @@ def test_without_cuda_a_phase_reports_no_figure() -> None:
     with PhasePeak() as peak:
         scratch = torch.zeros(1 << 20)
         del scratch
-    assert peak.nbytes is None
+    assert peak.nbytes is None and peak.cached is None
     peaks = PhasePeaks()
     with peaks.measure("train"):
         torch.zeros(1 << 20)
     assert peaks.as_dict() == {}, "no figure is kept where there is none"
+    assert peaks.cached() is None
 
 
 @pytest.mark.gpu
@@ -43,3 +44,19 @@ def test_each_phase_keeps_its_largest_peak() -> None:
             scratch = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             del scratch
     assert peaks.as_dict() == {"train": 4 << 20, "log_probs": 1 << 20}
+
+
+@pytest.mark.gpu
+def test_a_phase_reports_what_its_allocator_keeps_cached_after_it() -> None:
+    torch.cuda.empty_cache()
+    freed = 64 << 20  # a large block: the allocator keeps it cached once freed
+    peaks = PhasePeaks()
+    with peaks.measure("train"):
+        scratch = torch.empty(freed, dtype=torch.uint8, device="cuda")
+        del scratch
+    cached = peaks.cached()
+    assert cached is not None and cached >= freed
+    torch.cuda.empty_cache()
+    with peaks.measure("log_probs"):
+        pass
+    assert peaks.cached() == cached, "the largest so far is kept"

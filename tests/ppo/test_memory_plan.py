@@ -91,8 +91,9 @@ def replay(
     where the plan moves them at once (`at_once`) a train role's cached transient handed back, then its
     wakes first; each phase's transient allocated, and held (cached by its process) until the next
     turn's moves hand it back (the async loop's background
-    generation from `start_next` to `await_next`); every tag the turn touches must be allocated while it
-    works."""
+    generation from `start_next` to `await_next`), but by a role that keeps its cache (`keeps_cache`),
+    which holds it from the start and never hands it back: its transients must fit in it; every tag the
+    turn touches must be allocated while it works."""
     schedule = plan.schedule
 
     def gpu(role: Role) -> FakeAllocator:
@@ -103,6 +104,8 @@ def replay(
         for tag, nbytes in held.tags.items():
             if (role, tag) not in plan.turns[-1].asleep:
                 gpu(role).malloc((role, tag), nbytes)
+    for role in sorted(plan.keeps_cache):  # its cache as the step before left it
+        gpu(role).malloc(("cache", role), memory.kept_cache(role))
     residents = residents_at_each_turn(schedule)
     cached: list[Role] = []  # the role whose transient its process holds until the next turn's moves
 
@@ -141,6 +144,9 @@ def replay(
                 gpu(turn.role).malloc(("background", turn.role), memory.transient(turn.role, turn.work))
             elif turn.work == "await_next":
                 gpu(turn.role).free(("background", turn.role))
+            elif turn.work is not None and turn.role in plan.keeps_cache:
+                transient = memory.transient(turn.role, turn.work)
+                assert transient <= gpu(turn.role).blocks[("cache", turn.role)], "a kept cache holds its work"
             elif turn.work is not None and turn.role in residents[index].computing:
                 gpu(turn.role).malloc(("transient", turn.role), memory.transient(turn.role, turn.work))
                 cached.append(turn.role)
@@ -197,7 +203,8 @@ def models(draw: st.DrawFn, schedule: StepSchedule) -> MemoryModel:
         else:
             names = ["weights", "kv_cache"] if role == "engine" else ["weights"]
         fixed = draw(st.integers(2, 20))  # a CUDA context at least
-        memory[role] = RoleMemory({n: draw(figures) for n in names}, fixed=fixed)
+        cache = draw(st.integers(0, 60)) if role in TRAIN_ROLES else 0  # the allocator's, after its work
+        memory[role] = RoleMemory({n: draw(figures) for n in names}, fixed=fixed, cache=cache)
     phases = {
         (t.role, t.work): draw(st.integers(0, 60))
         for t in schedule.turns
@@ -259,6 +266,33 @@ def test_a_plan_that_passes_its_check_replays_within_the_capacity(
     )
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 400))
+def test_a_role_keeps_its_cache_exactly_where_the_plan_has_room_for_it(
+    case: tuple[StepSchedule, MemoryModel], room: int
+) -> None:
+    schedule, memory = case
+    budget = GpuBudget(capacity_range(schedule, memory, planned_roles=TRAIN_ROLES)[0] + room + 1)
+    plan = plan_memory(schedule, memory, budget, planned_roles=TRAIN_ROLES)
+    run_step(plan, memory, budget)  # the kept caches counted at every turn: still within the budget
+    for role in sorted(set(TRAIN_ROLES) - plan.keeps_cache):
+        if role not in memory.roles:
+            continue
+        greedy = dataclasses.replace(plan, keeps_cache=plan.keeps_cache | {role})
+        with pytest.raises(PlanError, match=r"needs \d+ bytes"):  # one more kept cache would not fit
+            check_plan(greedy, memory, budget)
+    everything = sum(m.fixed + sum(m.tags.values()) + memory.kept_cache(r) for r, m in memory.roles.items())
+    roomy = plan_memory(
+        schedule,
+        memory,
+        GpuBudget(everything + max(memory.phases.values(), default=0) + 1),
+        planned_roles=TRAIN_ROLES,
+    )
+    assert roomy.keeps_cache == {r for r in TRAIN_ROLES if r in memory.roles}, (
+        "with room for all, all keep theirs"
+    )
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.integers(0, 300), st.integers(0, 300))
 def test_more_capacity_never_sleeps_more(
@@ -297,9 +331,13 @@ def test_the_near_full_case_passes_just_above_and_is_refused_before_the_step_jus
 @given(cases())
 def test_resident_and_shared_are_the_plans_two_ends(case: tuple[StepSchedule, MemoryModel]) -> None:
     schedule, memory = case
-    everything = sum(m.fixed + sum(m.tags.values()) for m in memory.roles.values())
+    caches = sum(memory.kept_cache(r) for r in TRAIN_ROLES if r in memory.roles)
+    everything = sum(m.fixed + sum(m.tags.values()) for m in memory.roles.values()) + caches
     roomy = plan_memory(schedule, memory, GpuBudget(everything + max(memory.phases.values(), default=0) + 1))
     assert roomy == resident_plan(schedule, memory), "with room for everything nothing moves"
+    assert [t.peaks for t in roomy.turns] == [t.peaks for t in resident_plan(schedule, memory).turns], (
+        "and every train role keeps its cache, as in resident mode"
+    )
     assert roomy.moved() == frozenset()
     least = _least(schedule, memory)
     tight = plan_memory(schedule, memory, GpuBudget(least))
@@ -349,8 +387,11 @@ def test_the_turns_of_a_shared_step_and_what_each_touches() -> None:
     assert needs[1] == [("actor", "weights")], "the actor's log-probs read its weights alone"
     assert {tag for _, tag in needs[2]} == {"optimizer_moments", "main_params", "weights", "grads"}
     assert needs[4] == [("actor", "weights"), ("engine", "kv_cache"), ("engine", "weights")]
-    # Resident: 3 fixed + 35 engine + 40 a model = 118, plus the critic's train's 8 = 126 at its worst turn.
-    assert _worst(resident_plan(SHARED, _model())) == 126
+    # Resident: 3 fixed + 35 engine + 40 a model = 118, and each model's allocator keeps its largest phase's 8
+    # cached = 134 at every turn, plus the engines' generate's 4 = 138 at its worst turn.
+    resident = resident_plan(SHARED, _model())
+    assert resident.keeps_cache == {"actor", "critic"}
+    assert [max(t.peaks.values()) for t in resident.turns] == [138, 134, 134, 134, 136]
     # The shared plan's critic train: the critic's 40 + 8 of activations + the three fixed 3 = 51.
     assert plan.turns[2].peaks == {"shared": 51}
     assert plan.describe().splitlines()[1] == (
@@ -505,9 +546,16 @@ def test_the_memory_model_from_the_workers_reports_and_as_data() -> None:
     assert actor == RoleMemory({"weights": 12, "grads": 4, "optimizer": 30}, fixed=3), (
         "the largest rank's figures"
     )
-    memory = MemoryModel({"actor": actor}, {("actor", "train"): 7})
+    memory = MemoryModel({"actor": dataclasses.replace(actor, cache=9)}, {("actor", "train"): 7})
     assert MemoryModel.from_dict(memory.to_dict()) == memory
     assert memory.to_dict()["phases"] == {"actor/train": 7}
+    assert memory.kept_cache("actor") == 9, "its cache figure, above its largest phase's 7"
+    assert MemoryModel({"actor": actor}, {("actor", "train"): 7}).kept_cache("actor") == 7, (
+        "a process keeps at least what its largest phase allocated"
+    )
+    assert MemoryModel.from_dict({"roles": {"actor": {"tags": {}}}}).roles["actor"].cache == 0, (
+        "a file written before the cache figure reads as none"
+    )
     engines = RoleMemory.from_engine_stats(
         [
             {"allocated_gib": 3.0, "kv_cache_gib": 2.0, "sessions_gib": 0.25, "reserved_gib": 3.5},

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tandem.megatron.runtime.gpu_memory import CACHED
 from tandem.ppo.loop.memory_figures import MemoryFigures, engine_memory, planner, replan_if_grown, write_plans
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
 from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan, plan_memory
@@ -361,6 +362,12 @@ def test_a_phase_whose_peak_grew_is_planned_again_from_the_new_figure(tmp_path: 
     with pytest.raises(PlanError, match="actor/train"):  # the first plan would run out with the new figure
         check_plan(before, grown.model, grown.budget)
     assert "actor: wake, train, sleep" in (tmp_path / "memory_plan.json").read_text()
+    # The allocator kept more cached than any phase's peak (fragmentation): counted as the actor's cache.
+    actor.peaks = {"train": 60 * MB, CACHED: 70 * MB}
+    cached = replan_if_grown(gpus, grown, tmp_path)
+    assert cached.model.roles["actor"].cache == 70 * MB and cached.model.kept_cache("actor") == 70 * MB
+    assert cached.model.phases == grown.model.phases, "the cache figure is no phase's"
+    assert replan_if_grown(gpus, cached, tmp_path) is cached, "nothing grew since"
 
 
 def _plan_with_moves_at_once() -> tuple[StepSchedule, MemoryModel, MemoryPlan, list[int]]:
@@ -438,3 +445,36 @@ def test_a_move_that_fails_at_once_keeps_the_others_and_the_next_entry_finishes_
     gpus.enter(index)  # the fakes refuse a tag put to sleep twice: only the failed wake is made again
     for role, group in groups.items():
         assert group.asleep == {t for r, t in plan.turns[index].asleep if r == role}
+
+
+@pytest.mark.parametrize("room_mb", [150, 230, 400])
+def test_a_role_with_room_for_its_cache_keeps_it_and_the_others_hand_theirs_back(room_mb: int) -> None:
+    # The step's caches: each train role's largest phase (20 MB). With room for everything both keep theirs
+    # (resident mode's habit: the next train allocates nothing anew); with less, those the plan has no room
+    # for hand theirs back after each turn they compute in, as the plan counts them.
+    schedule = step_schedule(FACTS)
+    memory = _model()
+    plan = plan_memory(schedule, memory, GpuBudget(room_mb * MB), planned_roles=("actor", "critic"))
+    gpus, actor, critic, _ = _gpus()
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)
+    _take(gpus, schedule, groups, None)
+    gpus.use_plans(
+        lambda s: plan, {"actor": TAGS, "critic": TAGS}, {r: memory.nbytes(r) for r in memory.tags()}
+    )
+    _take(gpus, schedule, groups, plan)  # the first planned step leaves the whole-role state
+    for group in groups.values():
+        group.calls.clear()
+    _take(gpus, schedule, groups, plan)
+    emptied = {role for role, group in groups.items() if ("empty_cache", None) in group.calls}
+    expected = {
+        t.turn.role
+        for i, t in enumerate(plan.turns)
+        if t.turn.role in groups
+        and t.turn.work is not None
+        and not any(ref[0] == t.turn.role for ref in plan.moves((i + 1) % len(plan.turns))[0])
+    } - plan.keeps_cache
+    assert emptied == expected, f"keeps {sorted(plan.keeps_cache)}; emptied {sorted(emptied)}"
+    assert plan.keeps_cache == {"400": {"actor", "critic"}, "230": {"actor"}, "150": set()}[str(room_mb)], (
+        plan.describe()
+    )

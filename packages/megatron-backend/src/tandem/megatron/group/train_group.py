@@ -157,7 +157,8 @@ class TrainGroup:
         return self.run("state_nbytes")
 
     def phase_peaks(self) -> list[dict[str, int]]:
-        """Each rank's largest transient bytes by work (`train`, `log_probs`, `weights`); empty on the CPU."""
+        """Each rank's largest transient bytes by work (`train`, `log_probs`, `weights`) and the most its
+        allocator kept cached after one (`gpu_memory.CACHED`); empty on the CPU."""
         return self.run("phase_peaks")
 
     def save_model(self, rollout_id: int) -> None:

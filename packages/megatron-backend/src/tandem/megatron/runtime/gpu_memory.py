@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 __all__ = [
+    "CACHED",
     "AllocatorCalls",
     "PhasePeak",
     "PhasePeaks",
@@ -110,6 +111,11 @@ class AllocatorCalls:
         return dict(self._counts)
 
 
+CACHED = "cached"
+"""The key of a worker's `phase_peaks()` beside its works': `PhasePeaks.cached()`, the most its allocator kept
+cached after one of them."""
+
+
 class PhasePeak:
     """The bytes a block allocates at its peak above what was allocated as it began (a phase's transient).
 
@@ -118,12 +124,15 @@ class PhasePeak:
     `memory_allocated()` on entry: activations, logits, a weight sync's buckets, above the
     tensors that stay resident. None without CUDA (or before this process has touched it):
     the CPU has no allocator figures. The memory plan adds it to a phase's resident tags.
+    `peak.cached`: the bytes the allocator keeps cached as the block ends (reserved, not allocated):
+    what the process goes on holding unless it hands its cache back (`empty_cache`).
     Resets the process's peak statistic: blocks of it do not nest.
     """
 
     def __init__(self) -> None:
         self._start: int | None = None
         self.nbytes: int | None = None
+        self.cached: int | None = None
 
     @staticmethod
     def _cuda() -> Any:
@@ -133,7 +142,7 @@ class PhasePeak:
 
     def __enter__(self) -> PhasePeak:
         cuda = self._cuda()
-        self.nbytes = None
+        self.nbytes = self.cached = None
         self._start = None if cuda is None else int(cuda.memory_allocated())
         if cuda is not None:
             cuda.reset_peak_memory_stats()
@@ -143,14 +152,17 @@ class PhasePeak:
         cuda = self._cuda()
         if self._start is not None and cuda is not None:
             self.nbytes = max(0, int(cuda.max_memory_allocated()) - self._start)
+            self.cached = max(0, int(cuda.memory_reserved()) - int(cuda.memory_allocated()))
 
 
 class PhasePeaks:
     """Each phase's largest transient so far: `with peaks.measure("train"): ...` (a `PhasePeak` each time),
-    then `peaks.as_dict()`, {phase: bytes}; empty without CUDA."""
+    then `peaks.as_dict()`, {phase: bytes}; empty without CUDA. `peaks.cached()`: the most the allocator
+    kept cached at the end of one of them (None without CUDA)."""
 
     def __init__(self) -> None:
         self._largest: dict[str, int] = {}
+        self._cached: int | None = None
 
     @contextlib.contextmanager
     def measure(self, phase: str) -> Iterator[None]:
@@ -159,7 +171,14 @@ class PhasePeaks:
             yield
         if peak.nbytes is not None:
             self._largest[phase] = max(self._largest.get(phase, 0), peak.nbytes)
+        if peak.cached is not None:
+            self._cached = max(self._cached or 0, peak.cached)
 
     def as_dict(self) -> dict[str, int]:
         """{phase: its largest transient bytes so far}."""
         return dict(self._largest)
+
+    def cached(self) -> int | None:
+        """The most bytes the allocator kept cached (reserved, not allocated) as one of the blocks ended:
+        what the process holds beside its tensors between phases while it keeps its cache."""
+        return self._cached

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from tandem.lifecycle import Lifecycle, reloadable_process_groups
-from tandem.megatron.runtime.gpu_memory import PhasePeaks
+from tandem.megatron.runtime.gpu_memory import CACHED, PhasePeaks
 
 __all__ = ["WorkerMemory", "process_group_counts", "storage_piece"]
 
@@ -124,8 +124,13 @@ class WorkerMemory:
             yield
 
     def phase_peaks(self) -> dict[str, int]:
-        """Each work's largest transient bytes so far (`measure`); empty on the CPU."""
-        return self._peaks.as_dict()
+        """Each work's largest transient bytes so far (`measure`), and under `CACHED` the most the allocator
+        kept cached after one of them; empty on the CPU."""
+        peaks = self._peaks.as_dict()
+        cached = self._peaks.cached()
+        if cached is not None:
+            peaks[CACHED] = cached
+        return peaks
 
     def record_state(self) -> None:
         """Measure the state's bytes now (awake), for `state_nbytes` to answer while asleep."""

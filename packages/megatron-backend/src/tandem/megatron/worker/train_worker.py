@@ -376,7 +376,9 @@ class TrainWorker:
     def phase_peaks(self) -> dict[str, int]:
         """Each work's transient bytes on CUDA, the largest seen so far: the allocator's peak in the work
         less what was allocated as it began (after any wake), by work (`train`, `log_probs`, `weights`,
-        once each has run). Empty on the CPU, which has no allocator figures."""
+        once each has run), and under `gpu_memory.CACHED` the most the allocator kept cached as one of them
+        ended (what the process holds between phases unless `empty_cache` hands it back). Empty on the CPU,
+        which has no allocator figures."""
         self._require_init()
         return self._require_memory().phase_peaks()
 

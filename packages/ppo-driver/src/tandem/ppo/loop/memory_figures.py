@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
+from tandem.megatron.runtime.gpu_memory import CACHED
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, fixed_from_gpu_memory
 from tandem.ppo.loop.memory_plan import MemoryPlan, plan_memory
 from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, Work
@@ -32,6 +34,7 @@ __all__ = [
     "measure_memory",
     "measure_phases",
     "planner",
+    "read_peaks",
     "replan_if_grown",
     "write_plans",
 ]
@@ -89,16 +92,17 @@ def measure_memory(
     stats = list(engine_stats) if engine_stats is not None else gpus.engines.all("memory_stats")
     roles: dict[Role, RoleMemory] = {"engine": engine_memory(stats)}
     tags: dict[Role, list[str]] = {}
+    phases, caches = read_peaks(gpus)
     for group in gpus.models():
         role: Role = group.role
         tags[role] = list(group.run("memory_tags")[0])
         nbytes = group.run("state_nbytes")
         fixed = fixed_from_gpu_memory(group.run("gpu_memory"))
-        roles[role] = RoleMemory.from_ranks(({t: r.get(t, 0) for t in tags[role]} for r in nbytes), fixed)
+        held = RoleMemory.from_ranks(({t: r.get(t, 0) for t in tags[role]} for r in nbytes), fixed)
+        roles[role] = replace(held, cache=caches.get(role, 0))
     for role, present in _forward_roles(gpus).items():
         weights = max(int(n) for n in present.group.run("weight_bytes"))
         roles[role] = RoleMemory({"weights": weights}, fixed_from_gpu_memory(present.group.run("gpu_memory")))
-    phases = measure_phases(gpus)
     # A phase no worker measured (a CPU run, the engines' own work) holds nothing above its tags.
     for role in roles:
         for work in get_args(Work):
@@ -128,13 +132,22 @@ def _forward_roles(gpus: SharedGpus) -> dict[Role, Any]:
 
 
 def measure_phases(gpus: SharedGpus) -> dict[tuple[Role, Work], int]:
-    """Each measured phase's allocator peak above what was allocated as it began, the largest rank's and the
-    largest so far: the train workers' `phase_peaks()` and a reward model's or a teacher's `phase_peak()`
-    (nothing on a CPU)."""
+    """Each measured phase's allocator peak above what was allocated as it began (`read_peaks`)."""
+    return read_peaks(gpus)[0]
+
+
+def read_peaks(gpus: SharedGpus) -> tuple[dict[tuple[Role, Work], int], dict[Role, int]]:
+    """(each measured phase's allocator peak above what was allocated as it began, each train role's bytes its
+    allocator kept cached after a phase), the largest rank's and the largest so far: the train workers'
+    `phase_peaks()` (one call a role) and a reward model's or a teacher's `phase_peak()` (nothing on a CPU)."""
     phases: dict[tuple[Role, Work], int] = {}
+    caches: dict[Role, int] = {}
     for group in gpus.models():
         for per_rank in group.run("phase_peaks"):
             for phase, peak in per_rank.items():
+                if phase == CACHED:
+                    caches[group.role] = max(caches.get(group.role, 0), int(peak))
+                    continue
                 owner, work = PHASE_OF_WORKER[phase]
                 key: tuple[Role, Work] = (owner or group.role, work)
                 phases[key] = max(phases.get(key, 0), int(peak))
@@ -142,7 +155,7 @@ def measure_phases(gpus: SharedGpus) -> dict[tuple[Role, Work], int]:
         peaks = [p for p in present.group.run("phase_peak") if p is not None]
         if peaks:
             phases[(role, FORWARD_WORK[role])] = max(int(p) for p in peaks)
-    return phases
+    return phases, caches
 
 
 def planner(
@@ -164,7 +177,8 @@ def planner(
 def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPlan]) -> None:
     """The figures and every plan so far as JSON at `path`: {"model", "budget", "tags", "schedules": {schedule:
     its turns as data, `schedule_from_dict`'s}, "plans": {schedule: turns}}; a turn's "moves_at_once" says
-    whether entering it moves two roles' tags at once, "handover_peaks" what each set of GPUs holds then."""
+    whether entering it moves two roles' tags at once, "handover_peaks" what each set of GPUs holds then;
+    "caches_kept": {schedule: the train roles that keep their allocator's cache (`MemoryPlan.keeps_cache`)}."""
     data: dict[str, Any] = {
         "model": figures.model.to_dict(),
         "budget": {"capacity": figures.budget.capacity, "margin": figures.budget.margin},
@@ -183,6 +197,7 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
             ]
             for described, plan in plans.items()
         },
+        "caches_kept": {described: sorted(plan.keeps_cache) for described, plan in plans.items()},
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -207,15 +222,25 @@ def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> 
     micro-batch), the figures with the new peaks and every schedule planned again from them, said once in
     the log; `figures` as they are otherwise. The next step's plan, checked before it moves anything, then
     counts what this step needed."""
-    grown = {k: v for k, v in measure_phases(gpus).items() if v > figures.model.phases.get(k, 0)}
-    if not grown:
+    phases, caches = read_peaks(gpus)
+    roles = figures.model.roles
+    grown = {k: v for k, v in phases.items() if v > figures.model.phases.get(k, 0)}
+    grown_caches = {r: v for r, v in caches.items() if r in roles and v > roles[r].cache}
+    if not grown and not grown_caches:
         return figures
     said = ", ".join(
-        f"{role}/{work} {figures.model.phases.get((role, work), 0) / 2**30:.2f} -> {v / 2**30:.2f} GiB"
-        for (role, work), v in sorted(grown.items())
+        [
+            f"{role}/{work} {figures.model.phases.get((role, work), 0) / 2**30:.2f} -> {v / 2**30:.2f} GiB"
+            for (role, work), v in sorted(grown.items())
+        ]
+        + [
+            f"{r}'s cache {roles[r].cache / 2**30:.2f} -> {v / 2**30:.2f} GiB"
+            for r, v in sorted(grown_caches.items())
+        ]
     )
     logger.info("memory plan: phase peaks grew (%s); planning again", said)
-    model = MemoryModel(figures.model.roles, {**figures.model.phases, **grown})
+    roles = {r: replace(m, cache=grown_caches.get(r, m.cache)) for r, m in roles.items()}
+    model = MemoryModel(roles, {**figures.model.phases, **grown})
     figures = MemoryFigures(model, figures.budget, figures.tags)
     _use(gpus, figures, run_dir)
     return figures

@@ -59,11 +59,16 @@ class RoleMemory:
     Attributes:
         tags: bytes per memory tag (`EVICTION_ORDER`'s names, or pieces of them), the part a sleep can hand back: a train
             worker's `state_nbytes()`, an engine's weights and `kv_cache`.
-        fixed: bytes that stay while the role sleeps (CUDA context, communicators, the allocator's cache).
+        fixed: bytes that stay while the role sleeps (CUDA context, communicators).
+        cache: bytes its allocator keeps cached after its work (reserved, not allocated: a train worker's
+            `phase_peaks()[CACHED]`), which the process goes on holding unless it hands them back
+            (`empty_cache`); a plan counts them at every turn for a role it lets keep them
+            (`MemoryPlan.keeps_cache`).
     """
 
     tags: Mapping[str, int]
     fixed: int = 0
+    cache: int = 0
 
     def __post_init__(self) -> None:
         for tag, nbytes in self.tags.items():
@@ -74,8 +79,9 @@ class RoleMemory:
                 )
             if nbytes < 0:
                 raise ValueError(f"memory tag {tag!r}: {nbytes} bytes; give a count of bytes >= 0")
-        if self.fixed < 0:
-            raise ValueError(f"fixed={self.fixed}: give a count of bytes >= 0")
+        for name, nbytes in (("fixed", self.fixed), ("cache", self.cache)):
+            if nbytes < 0:
+                raise ValueError(f"{name}={nbytes}: give a count of bytes >= 0")
 
     @classmethod
     def from_ranks(cls, per_rank: Iterable[Mapping[str, int]], fixed: int = 0) -> RoleMemory:
@@ -147,19 +153,31 @@ class MemoryModel:
             raise ValueError(f"phases: no figure for {key[0]}/{key[1]}; measure its peak in the first step")
         return self.phases[key]
 
+    def kept_cache(self, role: Role) -> int:
+        """What `role`'s process holds beside its tags when it keeps its allocator's cache: its `cache` figure,
+        or its largest phase's transient where that is larger (the allocator keeps what a phase allocated)."""
+        largest = max((n for (r, _), n in self.phases.items() if r == role), default=0)
+        return max(self.roles[role].cache, largest)
+
     def to_dict(self) -> dict[str, Any]:
         """The model as JSON-ready data (`from_dict` reads it back)."""
         return {
-            "roles": {role: {"tags": dict(m.tags), "fixed": m.fixed} for role, m in self.roles.items()},
+            "roles": {
+                role: {"tags": dict(m.tags), "fixed": m.fixed, "cache": m.cache}
+                for role, m in self.roles.items()
+            },
             "phases": {f"{role}/{work}": nbytes for (role, work), nbytes in self.phases.items()},
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
-        """The model from `to_dict`'s data: {"roles": {role: {"tags": {...}, "fixed": n}}, "phases": {"role/work": n}}."""
+        """The model from `to_dict`'s data: {"roles": {role: {"tags": {...}, "fixed": n, "cache": n}}, "phases":
+        {"role/work": n}} (a role without "cache" keeps none)."""
         roles: dict[Role, RoleMemory] = {}
         for role, entry in data.get("roles", {}).items():
-            roles[_role(role)] = RoleMemory(dict(entry.get("tags", {})), int(entry.get("fixed", 0)))
+            roles[_role(role)] = RoleMemory(
+                dict(entry.get("tags", {})), int(entry.get("fixed", 0)), int(entry.get("cache", 0))
+            )
         phases: dict[tuple[Role, Work], int] = {}
         for key, nbytes in data.get("phases", {}).items():
             role, _, work = key.partition("/")

@@ -27,6 +27,11 @@ holds once its train role has handed its cached blocks back, and what wakes for 
 (`handover_peaks`), fit the budget. Otherwise the sleeps go first, so that no moment holds more
 than the turn after it.
 
+A train role hands its allocator's cached blocks back after each turn it computes in, so that the next
+role's process can use them; where the plan has room for its cache at every turn
+(`RoleMemory.cache`, `MemoryPlan.keeps_cache`), it keeps them, and its next phase allocates nothing anew,
+as in resident mode.
+
 `check_plan` replays a plan (a computed one, or today's from the schedule's wakes and
 sleeps, `schedule_plan`) and refuses one whose peak at some turn passes the budget, or
 that sleeps what a turn touches, with the numbers, before the step runs. Pure: no Ray,
@@ -98,6 +103,11 @@ class MemoryPlan:
     planned_roles: frozenset[Role] | None = field(default=None, compare=False)
     """The roles whose tags the plan chose (`plan_memory`'s); None: every role's. The others wake and sleep
     whole, as the schedule says. Two plans are equal when they sleep the same tags at each turn."""
+    keeps_cache: frozenset[Role] = field(default=frozenset(), compare=False)
+    """The train roles that keep their allocator's cache after their work (no `empty_cache`), where the plan has
+    room for it at every turn (`RoleMemory.cache` counted at each, `plan_memory`'s choice): the next phase
+    of theirs then allocates nothing anew, as in resident mode. The others hand it back after each turn
+    they compute in, and the plan counts only their transients."""
 
     def moves(self, index: int) -> tuple[frozenset[TagRef], frozenset[TagRef]]:
         """What goes to sleep and what wakes before turn `index` (sleeps first, so the peak never passes
@@ -127,6 +137,8 @@ class MemoryPlan:
                 f"{t.turn.describe()} | asleep {asleep} | peak {format_bytes(max(t.peaks.values(), default=0))}"
                 f"{at_once}"
             )
+        if self.keeps_cache:
+            lines.append(f"caches kept: {', '.join(sorted(self.keeps_cache))}")
         return "\n".join(lines)
 
 
@@ -152,15 +164,19 @@ def _peaks(
     memory: MemoryModel,
     *,
     handed_back: Role | None = None,
+    cached: Collection[Role] = (),
 ) -> dict[str, int]:
     """Each set of GPUs' bytes in `residents`' turn with `asleep` asleep: every role's fixed bytes and tags
-    awake, and the transient of each role computing (but `handed_back`'s, whose cache went back)."""
+    awake, and the transient of each role computing (but `handed_back`'s, whose cache went back); a role of
+    `cached` holds its kept cache at every turn instead (`MemoryModel.kept_cache`: its transients fit in it)."""
     peaks: dict[str, int] = {}
     for role, held in memory.roles.items():
         resident = held.fixed + sum(n for tag, n in held.tags.items() if (role, tag) not in asleep)
-        if role in residents.computing and role != handed_back:
+        transient = 0
+        if role in residents.computing and role != handed_back and role not in cached:
             work = residents.turn.work if role == residents.turn.role else "start_next"
-            resident += memory.transient(role, work)
+            transient = memory.transient(role, work)
+        resident += memory.kept_cache(role) if role in cached else transient
         gpus = schedule.gpus(role)
         peaks[gpus] = peaks.get(gpus, 0) + resident
     return peaks
@@ -174,8 +190,16 @@ def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[st
     moves are done."""
     schedule = plan.schedule
     before = residents_at_each_turn(schedule)[index - 1]
-    handed_back = before.turn.role if before.turn.role in TRAIN_ROLES else None
-    peaks = _peaks(schedule, before, plan.turns[index - 1].asleep, memory, handed_back=handed_back)
+    role = before.turn.role
+    handed_back = role if role in TRAIN_ROLES and role not in plan.keeps_cache else None
+    peaks = _peaks(
+        schedule,
+        before,
+        plan.turns[index - 1].asleep,
+        memory,
+        handed_back=handed_back,
+        cached=plan.keeps_cache,
+    )
     for role, tag in plan.moves(index)[1]:
         if plan.planned_roles is None or role in plan.planned_roles:
             gpus = schedule.gpus(role)
@@ -269,7 +293,8 @@ def plan_memory(
         PlannedTurn(residents.turn, needs, frozenset(a), _peaks(schedule, residents, frozenset(a), memory))
         for (residents, needs), a in zip(walk, asleep, strict=True)
     )
-    return _with_handovers(MemoryPlan(schedule, turns, frozenset(planned)), memory, budget)
+    plan = _with_handovers(MemoryPlan(schedule, turns, frozenset(planned)), memory, budget)
+    return _keep_caches(plan, memory, budget)
 
 
 def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
@@ -280,6 +305,46 @@ def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) ->
         fits = all(peak <= budget.available for peak in handover.values())
         turns.append(replace(turn, at_once=fits, handover=handover))
     return replace(plan, turns=tuple(turns))
+
+
+def _keep_caches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
+    """`plan` with the planned train roles that may keep their allocator's cache (`MemoryPlan.keeps_cache`),
+    the smallest cache first (then by name): each role whose cache, counted at every turn, leaves every turn's peak and every
+    handover the plan makes at once within `budget`; the turns' peaks and handovers then count the caches.
+    The tags asleep and the moves at once stay the plan's."""
+    roles = plan.planned_roles if plan.planned_roles is not None else frozenset(memory.roles)
+    candidates = sorted(
+        (r for r in roles if r in TRAIN_ROLES and r in memory.roles), key=lambda r: (memory.kept_cache(r), r)
+    )
+    kept: frozenset[Role] = frozenset()
+    for role in candidates:
+        trial = _counting_caches(replace(plan, keeps_cache=kept | {role}), memory)
+        if _fits(trial, budget):
+            kept, plan = trial.keeps_cache, trial
+    return plan
+
+
+def _counting_caches(plan: MemoryPlan, memory: MemoryModel) -> MemoryPlan:
+    """`plan`'s turns' peaks and handovers recounted with its `keeps_cache`."""
+    steps = residents_at_each_turn(plan.schedule)
+    turns = tuple(
+        replace(
+            t,
+            peaks=_peaks(plan.schedule, steps[i], t.asleep, memory, cached=plan.keeps_cache),
+            handover=handover_peaks(plan, i, memory),
+        )
+        for i, t in enumerate(plan.turns)
+    )
+    return replace(plan, turns=turns)
+
+
+def _fits(plan: MemoryPlan, budget: GpuBudget) -> bool:
+    """Whether every turn's peak, and every handover made at once, is within `budget`."""
+    return all(
+        peak <= budget.available
+        for t in plan.turns
+        for peak in (*t.peaks.values(), *(t.handover.values() if t.at_once else ()))
+    )
 
 
 def _stay_asleep(
@@ -321,7 +386,7 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
         why = _refusal(
             plan.schedule,
             index,
-            _peaks(plan.schedule, residents, planned.asleep, memory),
+            _peaks(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
             planned.asleep,
             budget,
         )
@@ -342,8 +407,10 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
 
 
 def resident_plan(schedule: StepSchedule, memory: MemoryModel) -> MemoryPlan:
-    """The plan that moves nothing (resident mode)."""
-    return _fixed_plan(schedule, memory, lambda residents, needs: frozenset())
+    """The plan that moves nothing (resident mode): every train role keeps its allocator's cache."""
+    plan = _fixed_plan(schedule, memory, lambda residents, needs: frozenset())
+    kept = frozenset(r for r in TRAIN_ROLES if r in memory.roles)
+    return _counting_caches(replace(plan, keeps_cache=kept), memory)
 
 
 def shared_plan(schedule: StepSchedule, memory: MemoryModel) -> MemoryPlan:
@@ -369,21 +436,26 @@ def capacity_range(
     schedule: StepSchedule, memory: MemoryModel, *, planned_roles: Collection[Role] | None = None
 ) -> tuple[int, int]:
     """The bytes a GPU needs, less its margin, for `plan_memory` to fit: (the least, with every tag of the
-    planned roles that a turn does not touch asleep; the most it can use, with none of them asleep). The
-    other roles sleep as the schedule says at both ends."""
+    planned roles that a turn does not touch asleep and their caches handed back; the most it can use, with
+    none of them asleep and every planned train role's cache kept). The other roles sleep as the schedule
+    says at both ends."""
     planned = set(memory.roles) if planned_roles is None else set(planned_roles)
     whole, every = schedule_plan(schedule, memory), shared_plan(schedule, memory)
 
-    def worst(keep_planned: Callable[[PlannedTurn, PlannedTurn], frozenset[TagRef]]) -> int:
+    def worst(
+        keep_planned: Callable[[PlannedTurn, PlannedTurn], frozenset[TagRef]], cached: Collection[Role] = ()
+    ) -> int:
         def asleep(index: int) -> frozenset[TagRef]:
             others = frozenset(r for r in whole.turns[index].asleep if r[0] not in planned)
             return others | keep_planned(whole.turns[index], every.turns[index])
 
         steps = residents_at_each_turn(schedule)
-        return max(max(_peaks(schedule, r, asleep(i), memory).values()) for i, r in enumerate(steps))
+        return max(
+            max(_peaks(schedule, r, asleep(i), memory, cached=cached).values()) for i, r in enumerate(steps)
+        )
 
     least = worst(lambda w, e: frozenset(r for r in e.asleep if r[0] in planned))
-    most = worst(lambda w, e: frozenset())
+    most = worst(lambda w, e: frozenset(), [r for r in TRAIN_ROLES if r in planned and r in memory.roles])
     return least, most
 
 

@@ -82,13 +82,19 @@ class PlannedMoves:
         already, another round of sampling enters the generate turn again) moves nothing the second time.
 
         A train role that computed in the turn before and sleeps nothing now hands its allocator's cached
-        blocks back (`empty_cache`): the next role's process cannot use them.
+        blocks back (`empty_cache`): the next role's process cannot use them; but not where the plan has
+        room for them (`MemoryPlan.keeps_cache`): then its next phase allocates nothing anew.
         """
         if self.plan is None:
             return
         target = self.plan.turns[index].asleep
         previous = self.plan.turns[index - 1].turn
-        computed = previous.work is not None and index > 0 and self._planned(previous.role)
+        computed = (
+            previous.work is not None
+            and index > 0
+            and self._planned(previous.role)
+            and previous.role not in self.plan.keeps_cache
+        )
         moves: dict[Role, tuple[list[str], list[str]]] = {}
         for role, asleep in self._asleep_tags.items():
             want = {tag for r, tag in target if r == role}

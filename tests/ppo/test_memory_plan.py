@@ -424,12 +424,14 @@ def test_sleeps_the_next_turns_untouched_tags_first_then_moments_before_main_par
     plan = plan_memory(SHARED, memory, GpuBudget(60))
     assert ("actor", "main_params") in plan.turns[2].asleep
     assert ("actor", "weights") not in plan.turns[2].asleep
-    # The actor's log-probs (60 available, 124 resident: free 64) keep the actor's weights and the critic's
-    # tags, which the next turn trains; among the rest by kind: the actor's grads (5), the KV cache (30), the
-    # actor's moments (20), its main parameters (10): 65 >= 64, the engine's weights stay.
+    # The actor's log-probs (60 available, 124 resident: free 64) keep the actor's weights. What a sleep drops
+    # goes first: the KV cache (30) and the actor's grads (5), untouched by the next turn, then the critic's
+    # grads (5), which the next turn trains with but cost no copy; then the actor's moments (20) and main
+    # parameters (10): 70 >= 64; the engine's weights and the critic's copied tags stay.
     assert plan.turns[1].asleep == {
         ("actor", "grads"),
         ("engine", "kv_cache"),
+        ("critic", "grads"),
         ("actor", "optimizer_moments"),
         ("actor", "main_params"),
     }
@@ -449,19 +451,14 @@ def test_pieces_of_a_tag_let_a_turn_sleep_only_the_part_it_needs_room_for() -> N
         whole.phases,
     )
     # 107 available: the engines' generate sleeps both models' grads, then the actor's moments: the whole tag,
-    # or one quarter; the actor's train the critic's grads, then its moments: the whole tag, or three quarters.
+    # or one quarter; the actor's train drops the critic's grads and the engines' KV cache (nothing to copy).
     budget = GpuBudget(107)
     by_tag, by_piece = plan_memory(SHARED, whole, budget), plan_memory(SHARED, pieces, budget)
     assert {t for r, t in by_tag.turns[0].asleep if r == "actor"} == {"grads", "optimizer_moments"}
     assert {t for r, t in by_piece.turns[0].asleep if r == "actor"} == {"grads", "optimizer_moments.0"}
-    assert {t for r, t in by_piece.turns[3].asleep if r == "critic"} == {
-        "grads",
-        "optimizer_moments.0",
-        "optimizer_moments.1",
-        "optimizer_moments.2",
-    }
-    # What a step moves (each tag to sleep and back, the engines' as well): a quarter less.
-    assert (_moved_bytes(by_tag, whole), _moved_bytes(by_piece, pieces)) == (160, 120)
+    assert by_piece.turns[3].asleep == {("critic", "grads"), ("engine", "kv_cache")}
+    # What a step moves (each tag to sleep and back, the engines' as well): the moments' 15 less each way.
+    assert (_moved_bytes(by_tag, whole), _moved_bytes(by_piece, pieces)) == (120, 90)
     run_step(by_piece, pieces, budget)  # and it fits, replayed
 
 
@@ -491,13 +488,13 @@ def test_a_tag_asleep_on_both_sides_of_turns_that_do_not_touch_it_stays_asleep()
     plan = plan_memory(schedule, memory, GpuBudget(100))
     rm = ("reward_model", "weights")
     # 84 resident. The teacher's turn (134) frees 40: the KV cache (30), then the reward model's weights (10,
-    # next used furthest ahead). The actor's train (104) frees 4: the teacher's weights (10) alone would do.
-    # The weight sync (134, touching the engines' memory and the actor's weights) frees 40: the actor's
-    # optimizer (20, untouched by the next turn), the teacher's weights, the reward model's.
+    # next used furthest ahead). The actor's train (104) frees 4: the KV cache (30, dropped, not copied),
+    # which stays asleep. The weight sync (134, touching the engines' memory and the actor's weights) frees
+    # 40: the actor's optimizer (20, untouched by the next turn), the teacher's weights, the reward model's.
     assert [rm in t.asleep for t in plan.turns] == [False, False, True, True, True]
     # The actor's train would fit with the reward model awake: it stays asleep there, between two sleeps,
     # rather than coming back for a turn that does not use it.
-    assert plan.turns[3].asleep == {("teacher", "weights"), rm}
+    assert plan.turns[3].asleep == {("engine", "kv_cache"), rm}
     # The next step's generate (85) fits everything: what the sync put away comes back before it.
     assert plan.moves(0) == (frozenset(), {rm, ("teacher", "weights"), ("actor", "optimizer")})
     run_step(plan, memory, GpuBudget(100))

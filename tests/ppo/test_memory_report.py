@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from tandem.ppo.app.cli import run as cli
-from tandem.ppo.loop.memory_figures import MemoryFigures, schedule_from_dict, schedule_to_dict, write_plans
+from tandem.ppo.loop.memory_figures import (
+    MemoryFigures,
+    planned_roles,
+    schedule_from_dict,
+    schedule_to_dict,
+    write_plans,
+)
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
 from tandem.ppo.loop.memory_plan import capacity_range, plan_memory
 from tandem.ppo.loop.schedule import TRAIN_ROLES, StepFacts, save_schedule, step_schedule
@@ -69,14 +75,14 @@ def test_the_runs_own_gpu_another_size_and_one_too_small(
 ) -> None:
     run_dir, figures = _run_dir(tmp_path)
     step = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True))
-    least, most = capacity_range(step, figures.model, planned_roles=TRAIN_ROLES)
+    least, most = capacity_range(step, figures.model, planned_roles=planned_roles(step))
     margin = figures.budget.margin
 
     assert cli(["memory-plan", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "planned for 60.0 GiB less a margin of 4.0 GiB" in out
     assert step.describe() in out
-    assert f"from {(most + margin) / GIB:.1f} GiB the actor and the critic stay resident" in out
+    assert f"from {(most + margin) / GIB:.1f} GiB the actor, the critic and the engines stay resident" in out
     assert "moves 0.0 MiB a step" not in out, "60 GiB is too small for all of it: the plan moves"
 
     # Room for everything: nothing of the actor's and the critic's moves.

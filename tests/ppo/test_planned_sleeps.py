@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from tandem.megatron.runtime.gpu_memory import CACHED
-from tandem.ppo.loop.memory_figures import MemoryFigures, engine_memory, planner, replan_if_grown, write_plans
+from tandem.ppo.loop.memory_figures import (
+    MemoryFigures,
+    engine_memory,
+    planned_roles,
+    planner,
+    replan_if_grown,
+    write_plans,
+)
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
 from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan, plan_memory
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, save_schedule, step_schedule
@@ -86,16 +93,25 @@ class FakeGroup:
 
 
 class FakeEngines:
+    """The engines' memory tags released, and each release and resume asked for."""
+
     on_restart: Any = None
 
     def __init__(self) -> None:
-        self.released = False
+        self.released_tags: set[str] = set()
+        self.calls: list[tuple[str, list[str]]] = []
 
-    def release_memory(self) -> None:
-        self.released = True
+    @property
+    def released(self) -> bool:
+        return bool(self.released_tags)
 
-    def resume_memory(self) -> None:
-        self.released = False
+    def release_memory(self, tags: Any = ("weights", "kv_cache")) -> None:
+        self.calls.append(("release_memory", list(tags)))
+        self.released_tags |= set(tags)
+
+    def resume_memory(self, tags: Any = ("weights", "kv_cache")) -> None:
+        self.calls.append(("resume_memory", list(tags)))
+        self.released_tags -= set(tags)
 
     def all(self, method: str) -> list[dict[str, float]]:
         return [{"kv_cache_gib": 1.0, "sessions_gib": 0.0}]
@@ -478,3 +494,46 @@ def test_a_role_with_room_for_its_cache_keeps_it_and_the_others_hand_theirs_back
     assert plan.keeps_cache == {"400": {"actor", "critic"}, "230": {"actor"}, "150": set()}[str(room_mb)], (
         plan.describe()
     )
+
+
+@pytest.mark.parametrize("room_mb", [150, 400])
+def test_on_shared_gpus_the_plan_keeps_the_engines_memory_where_it_has_room(room_mb: int) -> None:
+    # The engines' tags are the plan's too (`planned_roles`): with room for everything they release nothing
+    # (resident mode: their CUDA graphs stay); with less, they release what the plan says, the KV cache
+    # first, and hold both tags whenever they generate or take the weights.
+    schedule = step_schedule(FACTS)
+    memory = _model()
+    roles = planned_roles(schedule)
+    assert roles == {"actor", "critic", "engine"}
+    plan = plan_memory(schedule, memory, GpuBudget(room_mb * MB), planned_roles=roles)
+    gpus, actor, critic, _ = _gpus()
+    engines = gpus.engines
+    assert isinstance(engines, FakeEngines)
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)
+    _take(gpus, schedule, groups, None)  # the first step runs whole: the engines release and resume
+    assert ("release_memory", ["weights", "kv_cache"]) in engines.calls
+    engines.resume_memory()  # the weight sync's resume, which `_take` does not run
+    tags = {"actor": TAGS, "critic": TAGS, "engine": ["weights", "kv_cache"]}
+    gpus.use_plans(lambda s: plan, tags, {r: memory.nbytes(r) for r in memory.tags()})
+    for step in range(2):
+        engines.calls.clear()
+        gpus.begin_step(schedule)
+        for index, turn in enumerate(schedule.turns):
+            gpus.enter(index)
+            gpus.before(turn)
+            want = {tag for role, tag in plan.turns[index].asleep if role == "engine"}
+            assert engines.released_tags == want, (
+                f"step {step} {turn.describe()}: {sorted(engines.released_tags)}"
+            )
+            if turn.role == "engine":
+                assert gpus.awake("engine") and not engines.released_tags, (
+                    "the engines work with all their memory"
+                )
+            gpus.after(turn)
+    if room_mb == 400:
+        assert engines.calls == [], "with room for everything the engines release nothing"
+        assert plan.moved() == frozenset()
+    else:
+        released = [tags for verb, tags in engines.calls if verb == "release_memory"]
+        assert released and "kv_cache" in released[0], f"the KV cache goes first: {engines.calls}"

@@ -18,10 +18,9 @@ from typing import Annotated, Any
 
 import tyro
 
-from tandem.ppo.loop.memory_figures import schedule_from_dict
+from tandem.ppo.loop.memory_figures import planned_roles, schedule_from_dict
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, format_bytes
 from tandem.ppo.loop.memory_plan import MemoryPlan, capacity_range, plan_memory
-from tandem.ppo.loop.schedule import TRAIN_ROLES
 
 __all__ = ["MemoryPlanArgs", "memory_report"]
 
@@ -72,23 +71,25 @@ def memory_report(args: MemoryPlanArgs) -> str:
     budget = GpuBudget(capacity, margin)
     lines = [f"{path}: planned for {format_bytes(capacity)} less a margin of {format_bytes(margin)}"]
     for schedule in schedules:
-        least, most = capacity_range(schedule, model, planned_roles=TRAIN_ROLES)
+        roles = planned_roles(schedule)
+        least, most = capacity_range(schedule, model, planned_roles=roles)
         lines += ["", schedule.describe()]
-        plan = plan_memory(schedule, model, budget, planned_roles=TRAIN_ROLES)  # PlanError with the numbers
+        plan = plan_memory(schedule, model, budget, planned_roles=roles)  # PlanError with the numbers
         lines += [f"  {line}" for line in plan.describe().splitlines()]
         lines.append(f"  moves {format_bytes(_moved(plan, model))} a step")
         lines.append(
-            f"  fits from {format_bytes(least + margin)}; from {format_bytes(most + margin)} the actor and the "
-            "critic stay resident"
+            f"  fits from {format_bytes(least + margin)}; from {format_bytes(most + margin)} "
+            f"{'the actor, the critic and the engines' if 'engine' in roles else 'the actor and the critic'} "
+            "stay resident"
         )
     return "\n".join(lines)
 
 
 def _moved(plan: MemoryPlan, model: MemoryModel) -> int:
-    """Bytes the actor's and the critic's tags move in a step of `plan` once it repeats (sleeps and wakes)."""
+    """Bytes the planned roles' tags move in a step of `plan` once it repeats (sleeps and wakes)."""
     return sum(
         model.nbytes(ref)
         for index in range(len(plan.turns))
         for ref in set().union(*plan.moves(index))
-        if ref[0] in TRAIN_ROLES
+        if plan.planned_roles is None or ref[0] in plan.planned_roles
     )

@@ -33,6 +33,7 @@ __all__ = [
     "adopt_plans",
     "measure_memory",
     "measure_phases",
+    "planned_roles",
     "planner",
     "read_peaks",
     "replan_if_grown",
@@ -158,16 +159,25 @@ def read_peaks(gpus: SharedGpus) -> tuple[dict[tuple[Role, Work], int], dict[Rol
     return phases, caches
 
 
+def planned_roles(schedule: StepSchedule) -> frozenset[Role]:
+    """The roles whose tags a run's plan of `schedule` chooses: the actor's and the critic's, and on shared
+    GPUs the engines' (the turns move them in order there; on GPUs of their own the async loop's rollout,
+    drawn on another thread, keeps them as the schedule has them)."""
+    return TRAIN_ROLES | {"engine"} if schedule.colocated else TRAIN_ROLES
+
+
 def planner(
     figures: MemoryFigures, record: Callable[[StepSchedule, MemoryPlan], None]
 ) -> Callable[[StepSchedule], MemoryPlan]:
-    """Each schedule's plan of the actor's and the critic's tags, made once (`record` told of it); PlanError
-    with the numbers for a schedule that does not fit, before its step moves anything."""
+    """Each schedule's plan of the actor's and the critic's tags, and on shared GPUs the engines'
+    (`planned_roles`), made once (`record` told of it); PlanError with the numbers for a schedule that does
+    not fit, before its step moves anything."""
     plans: dict[StepSchedule, MemoryPlan] = {}
 
     def plan_of(schedule: StepSchedule) -> MemoryPlan:
         if schedule not in plans:
-            plans[schedule] = plan_memory(schedule, figures.model, figures.budget, planned_roles=TRAIN_ROLES)
+            planned = planned_roles(schedule)
+            plans[schedule] = plan_memory(schedule, figures.model, figures.budget, planned_roles=planned)
             record(schedule, plans[schedule])
         return plans[schedule]
 
@@ -255,7 +265,8 @@ def _use(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> None:
         logger.info("memory plan for %s: moves %s\n%s", schedule.describe(), moved, plan.describe())
         write_plans(run_dir / "memory_plan.json", figures, made)
 
-    gpus.use_plans(planner(figures, record), figures.tags, figures.tag_bytes())
+    tags = {**figures.tags, "engine": list(figures.model.roles["engine"].tags)}
+    gpus.use_plans(planner(figures, record), tags, figures.tag_bytes())
 
 
 def schedule_to_dict(schedule: StepSchedule) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.schedule import Role, Work
 
 __all__ = [
+    "DROPPED_TAGS",
     "EVICTION_ORDER",
     "WEIGHT_TAGS",
     "GpuBudget",
@@ -47,6 +48,10 @@ optimizer's moments, its fp32 main parameters, the two together (`optimizer`, on
 frozen base (copied to the host once, so it only comes back), and the weights last. A tag may be one piece
 of its kind (`optimizer_moments.2`: a worker's `optimizer_pieces`), which sleeps as its kind does
 (`memory_tag_kind`)."""
+
+DROPPED_TAGS: frozenset[str] = frozenset({"grads", "kv_cache"})
+"""The tags a sleep drops instead of copying (`EVICTION_ORDER`): they cost no copy either way, so the plan
+sleeps them before any other, even where the next turn needs them back."""
 
 WEIGHT_TAGS: frozenset[str] = frozenset({"base", "weights"})
 """The tags a forward pass reads (the actor's log-probs, a weight export)."""

@@ -9,8 +9,8 @@ chooses at each turn the tags to have asleep:
 - never a tag the turn itself touches (`turn_needs`: a train touches its model's every
   tag, the actor's log-probs its weights alone, the engines their weights and KV cache,
   a weight sync the engines' memory and the actor's weights);
-- the fewest, in a fixed order (`eviction_key`): first what the next turn does not touch,
-  then by kind (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments
+- the fewest, in a fixed order (`eviction_key`): first what a sleep drops rather than copies
+  (the engines' KV cache, gradients), then what the next turn does not touch, then by kind (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments
   before fp32 main parameters before weights), then what is used furthest ahead, the
   larger first: the shortest prefix of that order that lets the turn's peak fit. A
   worker splits its optimizer tags in pieces (`optimizer_pieces`: `optimizer_moments.0`
@@ -47,6 +47,7 @@ from typing import Any
 
 from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.memory_model import (
+    DROPPED_TAGS,
     EVICTION_ORDER,
     WEIGHT_TAGS,
     GpuBudget,
@@ -121,9 +122,13 @@ class MemoryPlan:
         return frozenset().union(*(t.asleep for t in self.turns))
 
     def together(self, index: int) -> bool:
-        """Whether entering turn `index` moves tags of two planned roles or more, and may move them at once."""
+        """Whether entering turn `index` moves tags of two planned train roles, and may move them at once (the
+        engines' moves, where the plan chooses them, go one after the other)."""
         sleep, wake = self.moves(index)
-        roles = {role for role, _ in sleep | wake if self.planned_roles is None or role in self.planned_roles}
+        planned = self.planned_roles
+        roles = {
+            role for role, _ in sleep | wake if role in TRAIN_ROLES and (planned is None or role in planned)
+        }
         return self.turns[index].at_once and len(roles) > 1
 
     def describe(self) -> str:
@@ -227,10 +232,19 @@ def _next_use(walk: list[tuple[Residents, frozenset[TagRef]]], index: int, ref: 
 def eviction_key(
     walk: list[tuple[Residents, frozenset[TagRef]]], index: int, ref: TagRef, memory: MemoryModel
 ) -> tuple[Any, ...]:
-    """Where `ref` stands in turn `index`'s order of tags to sleep (smallest first): untouched by the next
-    turn first, then by kind (`EVICTION_ORDER`), then the furthest next use, then the larger, then by name."""
+    """Where `ref` stands in turn `index`'s order of tags to sleep (smallest first): what a sleep drops rather
+    than copies first (`DROPPED_TAGS`: the engines' KV cache, gradients), then untouched by the next turn,
+    then by kind (`EVICTION_ORDER`), then the furthest next use, then the larger, then by name."""
     ahead = _next_use(walk, index, ref)
-    return (ahead == 1, EVICTION_ORDER.index(memory_tag_kind(ref[1])), -ahead, -memory.nbytes(ref), ref)
+    kind = memory_tag_kind(ref[1])
+    return (
+        kind not in DROPPED_TAGS,
+        ahead == 1,
+        EVICTION_ORDER.index(kind),
+        -ahead,
+        -memory.nbytes(ref),
+        ref,
+    )
 
 
 def _refusal(

@@ -10,6 +10,12 @@ beside another's copy back (the two directions of the host link), its process gr
 beside the other's reload. Each move is a phase of the step's clock (`time/<role>_sleep`,
 `time/<role>_wake`, or `time/handover`) and an event (`sleep` / `wake` with the role and its tags,
 `at_once` where they ran at once); `moved_bytes` counts what the step moved.
+
+On shared GPUs the plan also chooses the engines' memory tags (`weights`, `kv_cache`; `planned_roles`):
+where it has room they stay on the GPU, so the engines release nothing and keep their CUDA graphs, as in
+resident mode; otherwise they release what the plan says (`time/engine_release`, `time/engine_resume`, the
+events `engine_release` / `engine_resume` with the tags), one after the other: their sleeps before the
+train roles' moves, their wakes after.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn
 
 if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
+    from tandem.ppo.engines import EngineGroup
     from tandem.ppo.run.log import EventLog, PhaseClock
 
 __all__ = ["PlannedMoves"]
@@ -34,6 +41,7 @@ class PlannedMoves:
 
     events: EventLog
     clock: PhaseClock
+    engines: EngineGroup
     _awake: set[Role]
 
     def group(self, role: Role) -> TrainGroup:
@@ -46,9 +54,9 @@ class PlannedMoves:
         """Bytes the plan's tag sleeps and wakes moved since `begin_step` (each tag's model figure)."""
         self._tag_bytes: dict[tuple[Role, str], int] = {}
         self._tags: dict[Role, list[str]] = {}
-        """Each train role's memory tags (`use_plans`)."""
+        """Each planned role's memory tags (`use_plans`): the train roles', and the engines'."""
         self._asleep_tags: dict[Role, set[str]] = {}
-        """The tags each train role has asleep now (kept once `use_plans` is called)."""
+        """The tags each of those roles has asleep now (kept once `use_plans` is called)."""
         self.planning: Callable[[StepSchedule], MemoryPlan] | None = None
         """The planner `use_plans` gave: each schedule's memory plan."""
         self.overlap_moves = True
@@ -61,10 +69,12 @@ class PlannedMoves:
         tags: dict[Role, list[str]],
         tag_bytes: dict[tuple[Role, str], int],
     ) -> None:
-        """From the next `begin_step` on, the train roles sleep by tag as `planner(schedule)` says.
+        """From the next `begin_step` on, the roles the plans choose for (`MemoryPlan.planned_roles`: the train
+        roles, and on shared GPUs the engines) sleep by tag as `planner(schedule)` says.
 
-        `tags`: each train role's memory tags (its workers' `memory_tags()`); `tag_bytes`: each tag's bytes
-        (the memory model's, for `moved_bytes`). The roles' tags asleep now follow from who is awake.
+        `tags`: each such role's memory tags (a train role's workers' `memory_tags()`, the engines'
+        `weights` and `kv_cache`); `tag_bytes`: each tag's bytes (the memory model's, for `moved_bytes`). The
+        roles' tags asleep now follow from who is awake.
         """
         self.planning, self._tags, self._tag_bytes = planner, {r: list(t) for r, t in tags.items()}, tag_bytes
         self._asleep_tags = {r: set() if r in self._awake else set(t) for r, t in self._tags.items()}
@@ -92,22 +102,37 @@ class PlannedMoves:
         computed = (
             previous.work is not None
             and index > 0
+            and previous.role in TRAIN_ROLES
             and self._planned(previous.role)
             and previous.role not in self.plan.keeps_cache
         )
         moves: dict[Role, tuple[list[str], list[str]]] = {}
         for role, asleep in self._asleep_tags.items():
-            want = {tag for r, tag in target if r == role}
-            moves[role] = (self._ordered(role, want - asleep), self._ordered(role, asleep - want))
+            if self._planned(role):
+                want = {tag for r, tag in target if r == role}
+                moves[role] = (self._ordered(role, want - asleep), self._ordered(role, asleep - want))
+        engine_sleep, engine_wake = moves.pop("engine", ([], []))
+        if engine_sleep:  # the engines' sleeps first, their wakes last: one after the other, never at once
+            self._move_engine_tags(sleep=engine_sleep)
+        self._move_train_tags(index, moves, computed, previous.role)
+        if engine_wake:
+            self._move_engine_tags(wake=engine_wake)
+
+    def _move_train_tags(
+        self, index: int, moves: dict[Role, tuple[list[str], list[str]]], computed: bool, previous: Role
+    ) -> None:
+        """The train roles' `moves` (tags to sleep, to wake) into turn `index`: at once where the plan has room
+        for it, else sleeps first; the cache of `previous`, the turn before's role, handed back where it
+        `computed` there and does not keep it."""
         if self._at_once(index, moves):
             if computed:  # its cached blocks back before anything wakes: the plan's room counts so
-                self.group(previous.role).run("empty_cache")
+                self.group(previous).run("empty_cache")
             self._move_at_once(moves)
             return
         for role, (sleep, _) in moves.items():
             if sleep:
                 self._move_tags(role, sleep=set(sleep))
-            elif computed and role == previous.role:
+            elif computed and role == previous:
                 self.group(role).run("empty_cache")
         for role, (_, wake) in moves.items():
             if wake:
@@ -121,8 +146,8 @@ class PlannedMoves:
         assert self.plan is not None
         if not (self.overlap_moves and self.plan.turns[index].at_once):
             return False
-        before = {ref for ref in self.plan.turns[index - 1].asleep if ref[0] in self._asleep_tags}
-        now = {(role, tag) for role, tags in self._asleep_tags.items() for tag in tags}
+        before = {ref for ref in self.plan.turns[index - 1].asleep if ref[0] in moves}
+        now = {(role, tag) for role, tags in self._asleep_tags.items() if role in moves for tag in tags}
         return now == before and sum(1 for sleep, wake in moves.values() if sleep or wake) > 1
 
     def _move_at_once(self, moves: dict[Role, tuple[list[str], list[str]]]) -> None:
@@ -172,7 +197,39 @@ class PlannedMoves:
             self.enter(plan.schedule.turns.index(turn))
 
     def _planned(self, role: Role) -> bool:
-        return self.plan is not None and role in TRAIN_ROLES and role in self._asleep_tags
+        """Whether the step's plan chooses `role`'s tags (`MemoryPlan.planned_roles`)."""
+        plan = self.plan
+        return (
+            plan is not None
+            and role in self._asleep_tags
+            and (plan.planned_roles is None or role in plan.planned_roles)
+        )
+
+    def plans(self, role: Role) -> bool:
+        """Whether the memory plan under way chooses `role`'s tags: its own turns' wakes and sleeps do nothing
+        then, `enter` moves them."""
+        return self._planned(role)
+
+    def _move_engine_tags(self, *, sleep: list[str] | None = None, wake: list[str] | None = None) -> None:
+        """The engines release `sleep` of their memory tags, or resume `wake`, as the plan says."""
+        for verb, tags in (("sleep", sleep), ("wake", wake)):
+            if not tags:
+                continue
+            if verb == "sleep":
+                with self.clock.phase("engine_release"):
+                    self.engines.release_memory(tags)  # type: ignore[arg-type]
+                self.events.record("engine_release", tags=tags)
+                self._asleep_tags["engine"] |= set(tags)
+            else:
+                self.events.record("engine_resume", tags=tags)
+                with self.clock.phase("engine_resume"):
+                    self.engines.resume_memory(tags)  # type: ignore[arg-type]
+                self._asleep_tags["engine"] -= set(tags)
+            self.moved_bytes += sum(self._tag_bytes.get(("engine", t), 0) for t in tags)
+        if self._asleep_tags["engine"]:
+            self._awake.discard("engine")
+        else:
+            self._awake.add("engine")
 
     def _ordered(self, role: Role, tags: set[str]) -> list[str]:
         """`tags` in `role`'s own tag order."""

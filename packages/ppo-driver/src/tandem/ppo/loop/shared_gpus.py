@@ -16,11 +16,11 @@ own timings (`lifecycle/...`) and an event in events.jsonl (`wake` / `sleep` wit
 role, `engine_release`, `engine_resume`; the forward-only roles record their own: the
 reward model `rm_wake` / `rm_sleep`, the teacher `wake` / `sleep` with its role).
 
-With a memory plan (`--memory-plan fit`, `use_plans`), the actor and the critic sleep by
-memory tag instead (`planned_moves.PlannedMoves`, which this class is): before each turn
-(`enter`) the tags the plan has asleep at that turn, and their own turns' wakes and sleeps do
-nothing; a save between steps wakes what the role has asleep and puts it back after. The other
-roles keep the schedule's whole-role wakes and sleeps, which the plan counts as they are.
+With a memory plan (`--memory-plan fit`, `use_plans`), the actor and the critic, and on shared
+GPUs the engines, sleep by memory tag instead (`planned_moves.PlannedMoves`, which this class is):
+before each turn (`enter`) the tags the plan has asleep at that turn, and their own turns' wakes and
+sleeps do nothing; a save between steps wakes what a train role has asleep and puts it back after.
+The other roles keep the schedule's whole-role wakes and sleeps, which the plan counts as they are.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tandem.ppo.loop.planned_moves import PlannedMoves
-from tandem.ppo.loop.schedule import Role, StepSchedule, Turn, asleep_between_steps
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, asleep_between_steps
 from tandem.ppo.loop.weight_sync import send_to_restarted, sync_weights
 
 if TYPE_CHECKING:
@@ -158,6 +158,8 @@ class SharedGpus(PlannedMoves):
         first enters its own turn of the plan (`enter`)."""
         self._enter_turn_of(turn)
         if self._planned(turn.role):
+            if turn.role not in TRAIN_ROLES:  # the engines: `enter` moved their tags
+                return
             if turn.work == "save" or (turn.work is None and turn.wake_before):
                 woken = set(self._asleep_tags[turn.role])
                 self._move_tags(turn.role, wake=woken)
@@ -171,7 +173,8 @@ class SharedGpus(PlannedMoves):
         in the step asks nothing (the next turn's `enter` sleeps what the plan says); a save puts back
         to sleep what its `before` woke."""
         if self._planned(turn.role):
-            self._move_tags(turn.role, sleep=self._woken_for_save.pop(turn.role, set()))
+            if turn.role in TRAIN_ROLES:
+                self._move_tags(turn.role, sleep=self._woken_for_save.pop(turn.role, set()))
             return
         if turn.sleep_after:
             self.sleep(turn.role)
@@ -192,9 +195,12 @@ class SharedGpus(PlannedMoves):
         awake already, as its turn's wake saw to."""
         if role == "engine":
             generate = self.plan.schedule.turn("engine", "generate") if self.plan is not None else None
-            if generate is not None:  # the train roles' tags as the plan has them while the engines generate
+            if (
+                generate is not None
+            ):  # the planned roles' tags as the plan has them while the engines generate
                 self._enter_turn_of(generate)
-            self.wake("engine")
+            if not self._planned("engine"):
+                self.wake("engine")
         assert self.awake(role), f"{role} works while asleep"
 
     def wake(self, role: Role) -> None:

@@ -145,7 +145,7 @@ class StepTurns:
     # 5. weights to the engines: their weights back -> sync -> their KV cache back (the turn's wake, in
     #    two parts around the sync)
     def _weights(self, turn: Turn) -> None:
-        assert turn.wake_before == (not self.gpus.awake("engine")), turn
+        assert self.gpus.plans("engine") or turn.wake_before == (not self.gpus.awake("engine")), turn
         self.gpus.sync_weights(weights_version=self.rollout_id + 1)
         self.metrics.update(policy_metrics(self.gpus.weight_changes))
 

@@ -128,7 +128,10 @@ MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("shared data", ("choices", "batch")),
     ("algorithms", ("algorithms.",)),
     ("models", ("models.",)),
-    ("the seam", ("config", "_config_fields", "_config_checks", "_field_error", "payloads")),
+    (
+        "the seam",
+        ("config", "_config_fields", "_config_checks", "_algorithm_checks", "_field_error", "payloads"),
+    ),
     ("worker", ("worker.",)),
     ("group", ("group.",)),
 )

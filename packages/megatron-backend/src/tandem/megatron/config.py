@@ -21,15 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem.megatron._algorithm_checks import check_estimator, check_ppo
 from tandem.megatron._config_checks import (
     check_batches,
     check_choices,
-    check_estimator,
     check_folders,
     check_lora,
     check_model_layout,
     check_positive_ints,
-    check_ppo,
 )
 from tandem.megatron._config_fields import WorkerFields
 from tandem.megatron._field_error import FieldError

@@ -97,6 +97,13 @@ each one's step and the GiB each moved (`optimizer_pieces`); both A/Bs go in one
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-3b --response-len 2048 --ab-overlap-moves --ab-optimizer-pieces --skip-shared --skip-resident --skip-probe --out "$OUT"
 
+A model's copied wakes in the background of the turn before (`--prefetch-wakes`, on by default with
+`fit`): `--ab-prefetch` runs the plan's mode with them (`shared_fit`) and with each wake at its turn
+(`shared_fit_no_prefetch`), and reports each one's step and the seconds its steps waited for the wakes
+(`prefetch_wakes`):
+
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-3b --response-len 2048 --prompts 64 --global-batch-size 64 --ab-prefetch --skip-shared --skip-resident --skip-probe --steps 3 --out "$OUT"
+
 CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a reward model):
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
@@ -131,7 +138,15 @@ from ppo_harness import (
     write_prompts,
     write_report,
 )
-from ppo_modes import FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, NO_COUNT_MODE, ppo_values, run_mode
+from ppo_modes import (
+    FIT_MODE,
+    FIT_NO_PREFETCH_MODE,
+    FIT_SERIAL_MODE,
+    FIT_WHOLE_TAGS_MODE,
+    NO_COUNT_MODE,
+    ppo_values,
+    run_mode,
+)
 from ppo_report import compare, new_report, plot, print_summary
 
 __all__ = ["main", "parse_args", "ppo_values"]
@@ -218,6 +233,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the plan's mode twice (implies --ab-memory-plan): its optimizer tags in quarters (shared_fit) and "
         "whole (shared_fit_whole_tags, --optimizer-pieces 1); the report's optimizer_pieces",
+    )
+    parser.add_argument(
+        "--ab-prefetch",
+        action="store_true",
+        help="the plan's mode twice (implies --ab-memory-plan): its copied wakes in the background of the turn "
+        "before (shared_fit) and each at its turn (shared_fit_no_prefetch, --no-prefetch-wakes); the report's "
+        "prefetch_wakes",
     )
     parser.add_argument(
         "--reward-model",
@@ -411,8 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.ab_policy_change_count:
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, NO_COUNT_MODE)
-        if args.ab_memory_plan or args.ab_overlap_moves or args.ab_optimizer_pieces:
+        if args.ab_memory_plan or args.ab_overlap_moves or args.ab_optimizer_pieces or args.ab_prefetch:
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, FIT_MODE)
+        if args.ab_prefetch:
+            modes.insert(modes.index(FIT_MODE) + 1, FIT_NO_PREFETCH_MODE)
         if args.ab_overlap_moves:
             modes.insert(modes.index(FIT_MODE) + 1, FIT_SERIAL_MODE)
         if args.ab_optimizer_pieces:

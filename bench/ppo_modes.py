@@ -87,6 +87,8 @@ def ppo_values(
     if mode in FIT_MODES:
         values["memory_plan"] = "fit"
         values["overlap_moves"] = mode != FIT_SERIAL_MODE
+        if mode == FIT_NO_PREFETCH_MODE:
+            values["prefetch_wakes"] = False
         if mode == FIT_WHOLE_TAGS_MODE:
             values["optimizer_pieces"] = 1
         if args.quick:  # no GPU to ask: room for everything, so the plan's moves are the engines' alone
@@ -115,7 +117,11 @@ FIT_WHOLE_TAGS_MODE = "shared_fit_whole_tags"
 """The memory plan's mode with each optimizer tag whole (`--optimizer-pieces 1`, `--ab-optimizer-pieces`):
 the plan sleeps whole tags where `shared_fit` may sleep quarters of them."""
 
-FIT_MODES = (FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE)
+FIT_NO_PREFETCH_MODE = "shared_fit_no_prefetch"
+"""The memory plan's mode with each wake made as its turn is entered (`--no-prefetch-wakes`, `--ab-prefetch`),
+where `shared_fit` starts a model's copied wakes in the background of the turn before."""
+
+FIT_MODES = (FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, FIT_NO_PREFETCH_MODE)
 """The modes with the memory plan."""
 
 SHARED_MODES = ("shared", NO_COUNT_MODE, *FIT_MODES)

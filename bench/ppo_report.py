@@ -18,7 +18,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_harness import fmt, gpu_name
-from ppo_modes import FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, NO_COUNT_MODE, PHASES
+from ppo_modes import (
+    FIT_MODE,
+    FIT_NO_PREFETCH_MODE,
+    FIT_SERIAL_MODE,
+    FIT_WHOLE_TAGS_MODE,
+    NO_COUNT_MODE,
+    PHASES,
+)
 
 from tandem.ppo.app.plot import plot_run
 
@@ -64,6 +71,7 @@ def compare(report: dict[str, Any]) -> None:
     fit = report["modes"].get(FIT_MODE) or {}
     report["overlap_moves"] = overlap_cost(fit, report["modes"].get(FIT_SERIAL_MODE) or {})
     report["optimizer_pieces"] = pieces_cost(fit, report["modes"].get(FIT_WHOLE_TAGS_MODE) or {})
+    report["prefetch_wakes"] = prefetch_cost(fit, report["modes"].get(FIT_NO_PREFETCH_MODE) or {})
     probe = report.get("probe") or {}
     peaks = shared.get("gpu_peak_gib") or {}
     overhead = report["overhead_of_sharing"]
@@ -116,6 +124,25 @@ def overlap_cost(at_once: dict[str, Any], serial: dict[str, Any]) -> dict[str, A
         "handover_s": (at_once.get("phase_s_mean") or {}).get("handover"),
         "at_once_over_serial": at_once["step_s_mean"] / serial["step_s_mean"] - 1,
         "moved_gib": {"at_once": at_once.get("moved_gib"), "serial": serial.get("moved_gib")},
+    }
+
+
+def prefetch_cost(ahead: dict[str, Any], at_turn: dict[str, Any]) -> dict[str, Any] | None:
+    """The memory plan with its copied wakes in the background of the turn before against each wake as its
+    turn is entered (`--ab-prefetch`): each mode's warm step, the seconds its steps waited for the train roles'
+    wakes (`actor_wake`, `critic_wake`: in the background, only what the turn before left), and the GiB
+    its steps moved; None without both."""
+    if ahead.get("step_s_mean") is None or at_turn.get("step_s_mean") is None:
+        return None
+
+    def waking(mode: dict[str, Any]) -> float:
+        return sum((mode.get("phase_s_mean") or {}).get(p) or 0.0 for p in ("actor_wake", "critic_wake"))
+
+    return {
+        "step_s": {"prefetch": ahead["step_s_mean"], "at_turn": at_turn["step_s_mean"]},
+        "wakes_s": {"prefetch": waking(ahead), "at_turn": waking(at_turn)},
+        "prefetch_over_at_turn": ahead["step_s_mean"] / at_turn["step_s_mean"] - 1,
+        "moved_gib": {"prefetch": ahead.get("moved_gib"), "at_turn": at_turn.get("moved_gib")},
     }
 
 
@@ -260,6 +287,10 @@ def print_summary(report: dict[str, Any]) -> None:
         ("the memory plan (--ab-memory-plan)", "memory_plan"),
         ("its moves at once against one after the other (--ab-overlap-moves)", "overlap_moves"),
         ("its optimizer tags in quarters against whole (--ab-optimizer-pieces)", "optimizer_pieces"),
+        (
+            "its wakes in the background of the turn before against at their turn (--ab-prefetch)",
+            "prefetch_wakes",
+        ),
     ):
         if report.get(key):
             print(f"\n{label}: {report[key]}")

@@ -285,6 +285,11 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
             "use --memory-plan fit, or drop --no-overlap-moves",
         ),
         (
+            ("--no-prefetch-wakes",),
+            "--no-prefetch-wakes: set, but --memory-plan whole wakes each role as its turn begins",
+            "use --memory-plan fit, or drop --no-prefetch-wakes",
+        ),
+        (
             ("--gpu-memory-gib", "8", "--memory-margin-gib", "8"),
             "--memory-margin-gib: 8 GiB leaves nothing of --gpu-memory-gib 8",
             "give a margin below the GPU's memory",

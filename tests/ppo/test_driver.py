@@ -185,9 +185,13 @@ def test_resume_continues_exactly(
     # nothing to copy) and keep their weights, where the whole-role steps release both.
     engine_asleep = {tag for turn in turns for tag in turn["asleep"] if tag.startswith("engine/")}
     assert engine_asleep == {"engine/kv_cache"}, turns
-    releases = [
-        e for e in read_jsonl(tmp_path / "resumed" / "events.jsonl") if e["event"] == "engine_release"
-    ]
+    # The actor's moments wake in the background of the critic's train (`--prefetch-wakes`): its workers'
+    # copy beside the critic's work; the actor's train waits for what is left of it.
+    critic_train = next(t for t in turns if t["turn"] == "critic: wake, train, sleep")
+    assert critic_train["prefetch"] and all(tag.startswith("actor/") for tag in critic_train["prefetch"])
+    events = read_jsonl(tmp_path / "resumed" / "events.jsonl")
+    assert [e["role"] for e in events if e.get("prefetch")] == ["actor", "actor"], "steps 1 and 3"
+    releases = [e for e in events if e["event"] == "engine_release"]
     assert {tuple(e.get("tags", ("weights", "kv_cache"))) for e in releases} == {
         ("weights", "kv_cache"),  # each start's first step, whole
         ("kv_cache",),  # the planned steps

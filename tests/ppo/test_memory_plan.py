@@ -89,7 +89,8 @@ def replay(
 ) -> None:
     """Carry `plan` out for `steps` steps: before each turn its sleeps (freed) then its wakes (allocated), or
     where the plan moves them at once (`at_once`) a train role's cached transient handed back, then its
-    wakes first; each phase's transient allocated, and held (cached by its process) until the next
+    wakes first, then the wakes the plan makes in the turn's background (`prefetch`); each phase's
+    transient allocated, and held (cached by its process) until the next
     turn's moves hand it back (the async loop's background
     generation from `start_next` to `await_next`), but by a role that keeps its cache (`keeps_cache`),
     which holds it from the start and never hands it back: its transients must fit in it; every tag the
@@ -124,7 +125,7 @@ def replay(
                 for role, tag in sorted(ref for ref in sleeps if ref[0] not in chosen):
                     gpu(role).free((role, tag))
                 hand_back(TRAIN_ROLES)
-                for role, tag in sorted(ref for ref in wakes if ref[0] in chosen):
+                for role, tag in sorted(ref for ref in wakes - planned.prefetch if ref[0] in chosen):
                     gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
                 for role, tag in sorted(ref for ref in sleeps if ref[0] in chosen):
                     gpu(role).free((role, tag))
@@ -135,7 +136,11 @@ def replay(
                 hand_back()
                 for role, tag in sorted(sleeps):
                     gpu(role).free((role, tag))
-                for role, tag in sorted(wakes):
+                for role, tag in sorted(wakes - planned.prefetch):
+                    gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
+            # The background wakes (`prefetch`) last: they run while the turn works.
+            for role, tag in sorted(planned.prefetch):
+                if (role, tag) not in gpu(role).blocks:
                     gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
             turn = planned.turn
             for role, tag in planned.needs:
@@ -242,18 +247,23 @@ def _used_before_it_sleeps(plan: MemoryPlan, index: int, ref: TagRef) -> bool:
 
 # --- properties -----------------------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(), st.integers(0, 400), st.integers(0, 10))
+@given(cases(), st.integers(0, 400), st.integers(0, 10), st.booleans())
 def test_a_plan_that_passes_its_check_replays_within_the_capacity(
-    case: tuple[StepSchedule, MemoryModel], room: int, margin: int
+    case: tuple[StepSchedule, MemoryModel], room: int, margin: int, prefetch: bool
 ) -> None:
     schedule, memory = case
     budget = GpuBudget(room + margin + 1, margin)
     least = _least(schedule, memory)
     if least > budget.available:
         with pytest.raises(PlanError, match=r"turn \d+ .* needs \d+ bytes"):
-            plan_memory(schedule, memory, budget)
+            plan_memory(schedule, memory, budget, prefetch=prefetch)
         return
-    plan = plan_memory(schedule, memory, budget)
+    plan = plan_memory(schedule, memory, budget, prefetch=prefetch)
+    residents = residents_at_each_turn(schedule)
+    for index, planned in enumerate(plan.turns):  # a background wake is a train role's, for a later turn
+        for role, tag in planned.prefetch:
+            assert prefetch and (role, tag) in plan.moves(index)[1] and role in TRAIN_ROLES
+            assert role not in residents[index].computing and (role, tag) not in planned.needs
     for planned in plan.turns:
         assert not planned.asleep & planned.needs, f"{planned.turn.describe()} sleeps what it touches"
     for index in range(len(plan.turns)):
@@ -609,3 +619,41 @@ def test_a_plan_of_the_train_roles_alone_leaves_the_others_as_the_schedule_has_t
         plan_memory(schedule, memory, GpuBudget(least), planned_roles=planned)
         with pytest.raises(PlanError):  # a margin of one byte: `least - 1` available
             plan_memory(schedule, memory, GpuBudget(least, 1), planned_roles=planned)
+
+
+def test_a_models_wake_for_its_train_runs_in_the_background_of_the_turn_before() -> None:
+    train = {"weights": 5, "grads": 5, "main_params": 10, "optimizer_moments": 30}
+    memory = MemoryModel(
+        {
+            "engine": RoleMemory({"weights": 5, "kv_cache": 40}, fixed=1),
+            "actor": RoleMemory(train, fixed=1),
+            "critic": RoleMemory(dict(train), fixed=1),
+        },
+        {
+            ("engine", "generate"): 4,
+            ("actor", "log_probs"): 2,
+            ("critic", "train"): 8,
+            ("actor", "train"): 8,
+            ("engine", "weights"): 2,
+        },
+    )
+    budget = GpuBudget(100)
+    plain, ahead = plan_memory(SHARED, memory, budget), plan_memory(SHARED, memory, budget, prefetch=True)
+    # The engines' generate has no room for the models' moments (98 of 100 with both asleep); the actor's
+    # log-probs, the KV cache dropped, has room for the critic's (84 with them), which it does not touch:
+    # they wake entering it, in its background, ready for the critic's train after it.
+    assert [t.prefetch for t in ahead.turns] == [
+        set(),
+        {("critic", "optimizer_moments")},
+        set(),
+        set(),
+        set(),
+    ]
+    assert [t.asleep for t in ahead.turns] == [t.asleep for t in plain.turns], "the same tags, moved sooner"
+    assert ahead.describe().splitlines()[1].endswith("wakes in the background critic/optimizer_moments")
+    run_step(ahead, memory, budget)
+    # A plan that claims a background wake for what its turn touches is refused before the step.
+    turns = list(ahead.turns)
+    turns[2] = dataclasses.replace(turns[2], prefetch=frozenset({("critic", "optimizer_moments")}))
+    with pytest.raises(PlanError, match=r"turn 2 .* in the background"):
+        check_plan(dataclasses.replace(ahead, turns=tuple(turns)), memory, budget)

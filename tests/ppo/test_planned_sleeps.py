@@ -537,3 +537,53 @@ def test_on_shared_gpus_the_plan_keeps_the_engines_memory_where_it_has_room(room
     else:
         released = [tags for verb, tags in engines.calls if verb == "release_memory"]
         assert released and "kv_cache" in released[0], f"the KV cache goes first: {engines.calls}"
+
+
+def test_a_wake_in_the_background_runs_beside_the_turns_work_and_the_next_turn_waits_for_it() -> None:
+    # The critic's moments wake in the background of the actor's log-probs (the plan's `prefetch`): its
+    # workers' wake and the turn's work meet at a barrier, which a wake made before the work never would.
+    train = {"weights": 5 * MB, "grads": 5 * MB, "main_params": 10 * MB, "optimizer_moments": 30 * MB}
+    memory = MemoryModel(
+        {
+            "engine": RoleMemory({"weights": 5 * MB, "kv_cache": 40 * MB}, fixed=MB),
+            "actor": RoleMemory(train, fixed=MB),
+            "critic": RoleMemory(dict(train), fixed=MB),
+        },
+        {
+            ("engine", "generate"): 4 * MB,
+            ("actor", "log_probs"): 2 * MB,
+            ("critic", "train"): 8 * MB,
+            ("actor", "train"): 8 * MB,
+            ("engine", "weights"): 2 * MB,
+        },
+    )
+    schedule = step_schedule(FACTS)
+    plan = plan_memory(
+        schedule, memory, GpuBudget(100 * MB), planned_roles=planned_roles(schedule), prefetch=True
+    )
+    log_probs = next(i for i, t in enumerate(plan.turns) if t.turn.work == "log_probs")
+    assert plan.turns[log_probs].prefetch == {("critic", "optimizer_moments")}
+    meeting = Meeting()
+    gpus, actor, critic, events = _gpus(meeting)
+    actor.meeting = None  # its own moves go on; the turn's work stands for it at the barrier
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)
+    _take(gpus, schedule, groups, None)
+    tags = {"actor": TAGS, "critic": TAGS, "engine": ["weights", "kv_cache"]}
+    gpus.use_plans(lambda s: plan, tags, {r: memory.nbytes(r) for r in memory.tags()})
+    _take(gpus, schedule, groups, plan)  # the first planned step leaves the whole-role state
+    gpus.begin_step(schedule)
+    for index, turn in enumerate(schedule.turns):
+        meeting.arm(index == log_probs)
+        gpus.enter(index)
+        gpus.before(turn)
+        if index == log_probs:
+            meeting.wait("actor")  # the turn's work, while the critic's moments wake
+        for role, group in groups.items():  # a tag waking in the background may not be awake yet
+            background = {t for r, t in plan.turns[index].prefetch if r == role}
+            want = {t for r, t in plan.turns[index].asleep if r == role}
+            assert group.asleep - background == want, f"{turn.describe()}: {role} has {sorted(group.asleep)}"
+        gpus.after(turn)
+    assert meeting.met == 1, "the background wake met the turn's work"
+    assert ("wake", {"role": "critic", "tags": ["optimizer_moments"], "prefetch": True}) in events.recorded
+    assert "time/critic_wake" in gpus.clock.values, "what was left to wait for, timed as the role's wake"

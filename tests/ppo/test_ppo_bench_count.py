@@ -122,3 +122,26 @@ def test_the_whole_tags_fit_mode_is_the_fit_mode_with_one_piece_a_tag(tmp_path: 
     assert cost["pieces_over_whole_tags"] == pytest.approx(9.0 / 9.6 - 1)
     assert cost["moved_gib"] == {"pieces": [None, 6.0], "whole_tags": [None, 8.0]}
     assert ppo_report.pieces_cost({}, {"step_s_mean": 9.6}) is None
+
+
+def test_the_no_prefetch_fit_mode_is_the_fit_mode_with_each_wake_at_its_turn(tmp_path: Path) -> None:
+    """`--ab-prefetch`: shared_fit_no_prefetch's config, and the report's figures by hand."""
+    fit, at_turn = _mode_values(tmp_path, "--ab-prefetch", ppo_modes.FIT_MODE, ppo_modes.FIT_NO_PREFETCH_MODE)
+    assert at_turn == {**fit, "prefetch_wakes": False} and "prefetch_wakes" not in fit  # fit's default: on
+    cost = ppo_report.prefetch_cost(
+        {
+            "step_s_mean": 9.0,
+            "phase_s_mean": {"actor_wake": 0.1, "critic_wake": 0.05},
+            "moved_gib": [None, 6.0],
+        },
+        {
+            "step_s_mean": 9.8,
+            "phase_s_mean": {"actor_wake": 0.6, "critic_wake": 0.3},
+            "moved_gib": [None, 6.0],
+        },
+    )
+    assert cost is not None
+    assert cost["wakes_s"] == {"prefetch": pytest.approx(0.15), "at_turn": pytest.approx(0.9)}
+    assert cost["prefetch_over_at_turn"] == pytest.approx(9.0 / 9.8 - 1)
+    assert cost["moved_gib"] == {"prefetch": [None, 6.0], "at_turn": [None, 6.0]}
+    assert ppo_report.prefetch_cost({"step_s_mean": 9.0}, {}) is None

@@ -74,7 +74,9 @@ def memory_report(args: MemoryPlanArgs) -> str:
         roles = planned_roles(schedule)
         least, most = capacity_range(schedule, model, planned_roles=roles)
         lines += ["", schedule.describe()]
-        plan = plan_memory(schedule, model, budget, planned_roles=roles)  # PlanError with the numbers
+        plan = plan_memory(  # PlanError with the numbers
+            schedule, model, budget, planned_roles=roles, prefetch=bool(data.get("prefetch_wakes", False))
+        )
         lines += [f"  {line}" for line in plan.describe().splitlines()]
         lines.append(f"  moves {format_bytes(_moved(plan, model))} a step")
         lines.append(

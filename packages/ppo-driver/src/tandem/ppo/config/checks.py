@@ -232,6 +232,11 @@ def _check_memory_plan(config: RunFields) -> None:
                 "--no-overlap-moves: set, but --memory-plan whole moves whole roles one after the other "
                 "already; use --memory-plan fit, or drop --no-overlap-moves"
             )
+        if not config.prefetch_wakes:
+            raise ValueError(
+                "--no-prefetch-wakes: set, but --memory-plan whole wakes each role as its turn begins "
+                "already; use --memory-plan fit, or drop --no-prefetch-wakes"
+            )
         return
     if not config.offload_train:
         raise ValueError(

@@ -90,7 +90,7 @@ _GROUP_MEMBERS: dict[str, str] = {
         "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus colocate offload_train offload_backend "
         "actor_gpu_share critic_gpu_share engine_gpu_share device local_gpus ray_address offload_grads "
         "background_optimizer_wake max_engine_restarts memory_plan gpu_memory_gib memory_margin_gib overlap_moves "
-        "optimizer_pieces"
+        "prefetch_wakes optimizer_pieces"
     ),
     "logging": "tensorboard gpu_memory_metrics progress policy_change_count hints",
 }

@@ -37,3 +37,9 @@ class MemoryFields:
     holds both meanwhile (the turn before's peak and what wakes fit the plan's budget), the two run at
     once: one model's copy to the host beside the other's copy back, timed as `time/handover`.
     `--no-overlap-moves`: sleeps first, then wakes, one model after the other."""
+
+    prefetch_wakes: bool = True
+    """With `fit`: a model's wakes for a turn start a turn early, in the background, where the turn before
+    has room for them and the model does not compute in it: its copy back to the GPU runs beside the other
+    model's work (the plan's `prefetch`; what is left to wait for is `time/<role>_wake`).
+    `--no-prefetch-wakes`: each wake as its turn is entered."""

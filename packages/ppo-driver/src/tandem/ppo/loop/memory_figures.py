@@ -57,10 +57,14 @@ FORWARD_WORK: Mapping[Role, Work] = {"reward_model": "score", "teacher": "log_pr
 
 
 class MemoryFigures:
-    """What `measure_memory` read: the model, the budget and each train role's memory tags in order."""
+    """What `measure_memory` read: the model, the budget and each train role's memory tags in order; and
+    whether the plans bring wakes forward into the background of the turn before (`prefetch`,
+    `--prefetch-wakes`)."""
 
-    def __init__(self, model: MemoryModel, budget: GpuBudget, tags: dict[Role, list[str]]) -> None:
-        self.model, self.budget, self.tags = model, budget, tags
+    def __init__(
+        self, model: MemoryModel, budget: GpuBudget, tags: dict[Role, list[str]], *, prefetch: bool = True
+    ) -> None:
+        self.model, self.budget, self.tags, self.prefetch = model, budget, tags, prefetch
 
     def tag_bytes(self) -> dict[tuple[Role, str], int]:
         """Each (role, tag)'s bytes."""
@@ -177,7 +181,9 @@ def planner(
     def plan_of(schedule: StepSchedule) -> MemoryPlan:
         if schedule not in plans:
             planned = planned_roles(schedule)
-            plans[schedule] = plan_memory(schedule, figures.model, figures.budget, planned_roles=planned)
+            plans[schedule] = plan_memory(
+                schedule, figures.model, figures.budget, planned_roles=planned, prefetch=figures.prefetch
+            )
             record(schedule, plans[schedule])
         return plans[schedule]
 
@@ -187,7 +193,8 @@ def planner(
 def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPlan]) -> None:
     """The figures and every plan so far as JSON at `path`: {"model", "budget", "tags", "schedules": {schedule:
     its turns as data, `schedule_from_dict`'s}, "plans": {schedule: turns}}; a turn's "moves_at_once" says
-    whether entering it moves two roles' tags at once, "handover_peaks" what each set of GPUs holds then;
+    whether entering it moves two roles' tags at once, "handover_peaks" what each set of GPUs holds then,
+    "prefetch" what wakes in its background for the next turn;
     "caches_kept": {schedule: the train roles that keep their allocator's cache (`MemoryPlan.keeps_cache`)}."""
     data: dict[str, Any] = {
         "model": figures.model.to_dict(),
@@ -202,12 +209,14 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
                     "peaks": dict(t.peaks),
                     "moves_at_once": plan.together(index),
                     "handover_peaks": dict(t.handover),
+                    "prefetch": sorted(f"{r}/{g}" for r, g in t.prefetch),
                 }
                 for index, t in enumerate(plan.turns)
             ]
             for described, plan in plans.items()
         },
         "caches_kept": {described: sorted(plan.keeps_cache) for described, plan in plans.items()},
+        "prefetch_wakes": figures.prefetch,
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -223,6 +232,7 @@ def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
         gpu_memory_gib=config.gpu_memory_gib,
         margin_gib=config.memory_margin_gib,
     )
+    figures.prefetch = config.prefetch_wakes
     _use(gpus, figures, run_dir)
     return figures
 
@@ -251,7 +261,7 @@ def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> 
     logger.info("memory plan: phase peaks grew (%s); planning again", said)
     roles = {r: replace(m, cache=grown_caches.get(r, m.cache)) for r, m in roles.items()}
     model = MemoryModel(roles, {**figures.model.phases, **grown})
-    figures = MemoryFigures(model, figures.budget, figures.tags)
+    figures = MemoryFigures(model, figures.budget, figures.tags, prefetch=figures.prefetch)
     _use(gpus, figures, run_dir)
     return figures
 

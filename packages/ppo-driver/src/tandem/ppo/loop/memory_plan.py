@@ -27,6 +27,10 @@ holds once its train role has handed its cached blocks back, and what wakes for 
 (`handover_peaks`), fit the budget. Otherwise the sleeps go first, so that no moment holds more
 than the turn after it.
 
+A train role's wakes for a turn may also start a turn early, in the background (`PlannedTurn.prefetch`),
+where the turn before has room for them and the role does not compute in it: its host-to-device copy
+then runs beside the turn before's work instead of before the next turn's.
+
 A train role hands its allocator's cached blocks back after each turn it computes in, so that the next
 role's process can use them; where the plan has room for its cache at every turn
 (`RoleMemory.cache`, `MemoryPlan.keeps_cache`), it keeps them, and its next phase allocates nothing anew,
@@ -92,6 +96,11 @@ class PlannedTurn:
     at each turn, however they move them."""
     handover: Mapping[str, int] = field(default_factory=dict, compare=False)
     """`handover_peaks` for this turn, where `plan_memory` made it (empty for a fixed plan)."""
+    prefetch: frozenset[TagRef] = field(default=frozenset(), compare=False)
+    """Tags that wake entering this turn in the background: a train role that does not compute in it
+    wakes them while the turn works, for the next turn, which needs them (`plan_memory(prefetch=True)`
+    brings a wake forward so where this turn has room for it). They are awake in `asleep`'s sense here,
+    counted in this turn's peak, and waited for as the next turn is entered."""
 
 
 @dataclass(frozen=True)
@@ -126,9 +135,8 @@ class MemoryPlan:
         engines' moves, where the plan chooses them, go one after the other)."""
         sleep, wake = self.moves(index)
         planned = self.planned_roles
-        roles = {
-            role for role, _ in sleep | wake if role in TRAIN_ROLES and (planned is None or role in planned)
-        }
+        moved = sleep | (wake - self.turns[index].prefetch)
+        roles = {role for role, _ in moved if role in TRAIN_ROLES and (planned is None or role in planned)}
         return self.turns[index].at_once and len(roles) > 1
 
     def describe(self) -> str:
@@ -138,9 +146,11 @@ class MemoryPlan:
         for t in self.turns:
             asleep = ", ".join(f"{r}/{g}" for r, g in sorted(t.asleep)) or "nothing"
             at_once = " | moves at once" if self.together(len(lines)) else ""
+            background = ", ".join(f"{r}/{g}" for r, g in sorted(t.prefetch))
+            prefetch = f" | wakes in the background {background}" if background else ""
             lines.append(
                 f"{t.turn.describe()} | asleep {asleep} | peak {format_bytes(max(t.peaks.values(), default=0))}"
-                f"{at_once}"
+                f"{at_once}{prefetch}"
             )
         if self.keeps_cache:
             lines.append(f"caches kept: {', '.join(sorted(self.keeps_cache))}")
@@ -205,7 +215,7 @@ def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[st
         handed_back=handed_back,
         cached=plan.keeps_cache,
     )
-    for role, tag in plan.moves(index)[1]:
+    for role, tag in plan.moves(index)[1] - plan.turns[index].prefetch:  # the background wakes come after
         if plan.planned_roles is None or role in plan.planned_roles:
             gpus = schedule.gpus(role)
             peaks[gpus] = peaks.get(gpus, 0) + memory.nbytes((role, tag))
@@ -270,6 +280,7 @@ def plan_memory(
     budget: GpuBudget,
     *,
     planned_roles: Collection[Role] | None = None,
+    prefetch: bool = False,
 ) -> MemoryPlan:
     """The plan that sleeps, at each turn, the shortest prefix of `eviction_key`'s order that lets the turn fit,
     and keeps a tag asleep through turns that do not touch it between two turns that sleep it (waking it there
@@ -277,6 +288,8 @@ def plan_memory(
 
     `planned_roles`: the roles whose tags the plan chooses (None: every role); the others sleep as the
     schedule's wakes and sleeps say (`schedule_plan`), and their bytes count in every turn's peak.
+    `prefetch`: bring a train role's wakes a turn forward, into the background of the turn before, where
+    that turn has room for them (`PlannedTurn.prefetch`).
 
     PlanError, naming the turn and its numbers, when a turn does not fit even with every tag it does not
     touch asleep (before the step: nothing has moved).
@@ -307,8 +320,68 @@ def plan_memory(
         PlannedTurn(residents.turn, needs, frozenset(a), _peaks(schedule, residents, frozenset(a), memory))
         for (residents, needs), a in zip(walk, asleep, strict=True)
     )
-    plan = _with_handovers(MemoryPlan(schedule, turns, frozenset(planned)), memory, budget)
+    plan = MemoryPlan(schedule, turns, frozenset(planned))
+    if prefetch:
+        plan = _with_prefetches(plan, memory, budget)
+    plan = _with_handovers(plan, memory, budget)
     return _keep_caches(plan, memory, budget)
+
+
+def _with_prefetches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
+    """`plan` with its train roles' copied wakes in the background (`PlannedTurn.prefetch`): each turn's wakes
+    of planned train roles that do not compute in the turn before are brought into it (the largest first,
+    each where that turn's peak stays within `budget`; a tag that turn put to sleep stays awake instead: no
+    move at all), and every copied wake entering a turn that neither touches the tag nor computes with its
+    role runs in that turn's background. A dropped tag (`DROPPED_TAGS`) wakes at no cost, as its turn is
+    entered."""
+    turns = list(plan.turns)
+    count = len(turns)
+    if count < 2:
+        return plan
+    steps = residents_at_each_turn(plan.schedule)
+    planned = plan.planned_roles
+    for later in range(count):
+        index = (later - 1) % count
+        turn = turns[index]
+        wakes = sorted(  # copied tags only (a dropped one wakes at no cost), the largest first
+            (
+                ref
+                for ref in turn.asleep - turns[later].asleep
+                if ref[0] in TRAIN_ROLES
+                and (planned is None or ref[0] in planned)
+                and ref[0] not in steps[index].computing
+                and memory_tag_kind(ref[1]) not in DROPPED_TAGS
+            ),
+            key=lambda ref: (-memory.nbytes(ref), ref),
+        )
+        asleep = set(turn.asleep)
+        for ref in wakes:
+            trial = frozenset(asleep - {ref})
+            peaks = _peaks(plan.schedule, steps[index], trial, memory)
+            if all(peak <= budget.available for peak in peaks.values()):
+                asleep.discard(ref)
+        turns[index] = replace(
+            turn,
+            asleep=frozenset(asleep),
+            peaks=_peaks(plan.schedule, steps[index], frozenset(asleep), memory),
+        )
+    # Every copied tag of a train role that wakes entering a turn which neither touches it nor computes with
+    # its role wakes in the background of that turn (the plan's own early wakes, and those brought forward).
+    for index, turn in enumerate(turns):
+        woken = turns[index - 1].asleep - turn.asleep
+        turns[index] = replace(
+            turn,
+            prefetch=frozenset(
+                ref
+                for ref in woken
+                if ref[0] in TRAIN_ROLES
+                and (planned is None or ref[0] in planned)
+                and ref[0] not in steps[index].computing
+                and ref not in turn.needs
+                and memory_tag_kind(ref[1]) not in DROPPED_TAGS
+            ),
+        )
+    return replace(plan, turns=tuple(turns))
 
 
 def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
@@ -397,6 +470,19 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
         clash = sorted(planned.asleep & needs)
         if clash:
             raise PlanError(f"turn {index} ({residents.turn.describe()!r}) sleeps {clash}, which it touches")
+        wrong = sorted(
+            ref
+            for ref in planned.prefetch
+            if ref not in plan.moves(index)[1]
+            or ref[0] not in TRAIN_ROLES
+            or ref[0] in residents.computing
+            or ref in needs
+        )
+        if wrong:
+            raise PlanError(
+                f"turn {index} ({residents.turn.describe()!r}) wakes {wrong} in the background, which are not "
+                "a train role's wakes entering it, or which it touches, or whose role computes in it"
+            )
         why = _refusal(
             plan.schedule,
             index,

@@ -21,7 +21,7 @@ train roles' moves, their wakes after.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tandem.ppo.loop.memory_plan import MemoryPlan
@@ -62,6 +62,12 @@ class PlannedMoves:
         self.overlap_moves = True
         """Under a plan, run a turn's moves of different roles at once where the plan has room for both
         (`PlannedTurn.at_once`; `--overlap-moves`); False: sleeps first, one role after the other."""
+        self._pending: dict[Role, tuple[list[str], Future[list[dict[str, float]]]]] = {}
+        """Each train role's wakes under way in the background (`PlannedTurn.prefetch`), waited for by the
+        next move (`_settle`)."""
+        self._background: ThreadPoolExecutor | None = None
+        self._entered: int | None = None
+        """The turn of the step's plan entered last (`enter`); None before the step's first."""
 
     def use_plans(
         self,
@@ -82,6 +88,7 @@ class PlannedMoves:
     def begin_step(self, schedule: StepSchedule) -> None:
         """The step about to run takes `schedule`: its memory plan, where `use_plans` gave a planner."""
         self.moved_bytes = 0
+        self._entered = None
         self.plan = self.planning(schedule) if self.planning is not None else None
 
     def enter(self, index: int) -> None:
@@ -95,9 +102,11 @@ class PlannedMoves:
         blocks back (`empty_cache`): the next role's process cannot use them; but not where the plan has
         room for them (`MemoryPlan.keeps_cache`): then its next phase allocates nothing anew.
         """
-        if self.plan is None:
-            return
+        if self.plan is None or index == self._entered:
+            return  # entered already (the draw enters the generate turn the step entered): nothing to move
+        self._settle()
         target = self.plan.turns[index].asleep
+        background = self.plan.turns[index].prefetch
         previous = self.plan.turns[index - 1].turn
         computed = (
             previous.work is not None
@@ -109,7 +118,10 @@ class PlannedMoves:
         moves: dict[Role, tuple[list[str], list[str]]] = {}
         for role, asleep in self._asleep_tags.items():
             if self._planned(role):
-                want = {tag for r, tag in target if r == role}
+                later = {
+                    tag for r, tag in background if r == role and tag in asleep
+                }  # woken after, in the background
+                want = {tag for r, tag in target if r == role} | later
                 moves[role] = (self._ordered(role, want - asleep), self._ordered(role, asleep - want))
         engine_sleep, engine_wake = moves.pop("engine", ([], []))
         if engine_sleep:  # the engines' sleeps first, their wakes last: one after the other, never at once
@@ -117,6 +129,36 @@ class PlannedMoves:
         self._move_train_tags(index, moves, computed, previous.role)
         if engine_wake:
             self._move_engine_tags(wake=engine_wake)
+        for role in {r for r, _ in background}:
+            tags = self._ordered(role, {t for r, t in background if r == role} & self._asleep_tags[role])
+            if tags:
+                self._prefetch(role, tags)
+        self._entered = index  # its moves made: entering it again moves nothing
+
+    def _prefetch(self, role: Role, tags: list[str]) -> None:
+        """Start waking `role`'s `tags` in the background (its workers copy them back while the turn under way
+        works on the others'); the next move waits for them (`_settle`)."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(2, thread_name_prefix="prefetch")
+        self.events.record("wake", role=role, tags=tags, prefetch=True)
+        self._pending[role] = (tags, self._background.submit(self.group(role).run, "wake_up", tags))
+
+    def _settle(self) -> None:
+        """Wait for the wakes under way in the background, each timed as `time/<role>_wake` (what their
+        overlap with the turn before left to wait for), and count them; a failed one is raised once every
+        other has ended."""
+        failed: BaseException | None = None
+        while self._pending:
+            role, (tags, future) = self._pending.popitem()
+            try:
+                with self.clock.phase(f"{role}_wake"):
+                    timings = future.result()
+            except BaseException as err:  # the others are waited for; raised below
+                failed = failed or err
+                continue
+            self._moved(role, "wake", tags, timings)
+        if failed is not None:
+            raise failed
 
     def _move_train_tags(
         self, index: int, moves: dict[Role, tuple[list[str], list[str]]], computed: bool, previous: Role
@@ -236,7 +278,9 @@ class PlannedMoves:
         return [t for t in self._tags[role] if t in tags]
 
     def _move_tags(self, role: Role, *, sleep: set[str] | None = None, wake: set[str] | None = None) -> None:
-        """Put `sleep` of `role`'s tags to sleep, or wake `wake`, in the role's own tag order."""
+        """Put `sleep` of `role`'s tags to sleep, or wake `wake`, in the role's own tag order (once the wakes
+        under way in the background are done)."""
+        self._settle()
         group = self.group(role)
         for verb, chosen, method in (("sleep", sleep, "sleep"), ("wake", wake, "wake_up")):
             tags = self._ordered(role, chosen or set())

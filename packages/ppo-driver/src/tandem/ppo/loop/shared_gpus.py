@@ -300,6 +300,8 @@ class SharedGpus(PlannedMoves):
         """
         if graceful:
             with contextlib.suppress(Exception):
+                self._settle()  # the wakes under way in the background
+            with contextlib.suppress(Exception):
                 self.engines.shutdown()
             for forward in (self.reward_model, self.teacher):
                 if forward is not None:

@@ -101,8 +101,10 @@ class RoleMemory:
     def from_engine_stats(cls, per_engine: Iterable[Mapping[str, float]], fixed: int = 0) -> RoleMemory:
         """The engines' figures from each engine's `memory_stats()` (GiB), taken once a rollout has built the
         KV cache: `kv_cache` the cache and the kept sessions' KV (released together), `weights` the rest of
-        what the engine's allocator holds; the largest engine's of each."""
-        kv_cache = weights = 0
+        what the engine's allocator holds; the largest engine's of each. What its allocator keeps cached
+        beside them (`reserved_gib` less `allocated_gib`: a generation's temporaries) adds to `fixed`: an
+        engine that keeps its memory keeps it too."""
+        kv_cache = weights = cached = 0
         for stats in per_engine:
             if "allocated_gib" not in stats:
                 raise ValueError(
@@ -112,7 +114,9 @@ class RoleMemory:
             kv = (stats.get("kv_cache_gib", 0.0) + stats.get("sessions_gib", 0.0)) * 2**30
             kv_cache = max(kv_cache, round(kv))
             weights = max(weights, round(stats["allocated_gib"] * 2**30 - kv))
-        return cls({"weights": weights, "kv_cache": kv_cache}, fixed)
+            reserved = stats.get("reserved_gib", stats["allocated_gib"])
+            cached = max(cached, round((reserved - stats["allocated_gib"]) * 2**30))
+        return cls({"weights": weights, "kv_cache": kv_cache}, fixed + cached)
 
 
 def fixed_from_gpu_memory(per_rank: Iterable[Mapping[str, int | None]]) -> int:

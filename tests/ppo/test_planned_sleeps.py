@@ -587,3 +587,44 @@ def test_a_wake_in_the_background_runs_beside_the_turns_work_and_the_next_turn_w
     assert meeting.met == 1, "the background wake met the turn's work"
     assert ("wake", {"role": "critic", "tags": ["optimizer_moments"], "prefetch": True}) in events.recorded
     assert "time/critic_wake" in gpus.clock.values, "what was left to wait for, timed as the role's wake"
+
+
+def test_a_background_wake_that_fails_is_raised_at_the_next_entry_and_made_again_there() -> None:
+    # The critic's moments fail to wake in the log-probs turn's background: entering the critic's train
+    # raises the workers' error (nothing of the turn's own moves made yet), the tags are as they were (asleep),
+    # and entering again makes the wake, so the train finds them awake.
+    train = {"weights": 5 * MB, "grads": 5 * MB, "main_params": 10 * MB, "optimizer_moments": 30 * MB}
+    memory = MemoryModel(
+        {
+            "engine": RoleMemory({"weights": 5 * MB, "kv_cache": 40 * MB}, fixed=MB),
+            "actor": RoleMemory(train, fixed=MB),
+            "critic": RoleMemory(dict(train), fixed=MB),
+        },
+        {
+            ("engine", "generate"): 4 * MB,
+            ("actor", "log_probs"): 2 * MB,
+            ("critic", "train"): 8 * MB,
+            ("actor", "train"): 8 * MB,
+            ("engine", "weights"): 2 * MB,
+        },
+    )
+    schedule = step_schedule(FACTS)
+    plan = plan_memory(
+        schedule, memory, GpuBudget(100 * MB), planned_roles=planned_roles(schedule), prefetch=True
+    )
+    log_probs = next(i for i, t in enumerate(plan.turns) if t.prefetch)
+    gpus, actor, critic, _ = _gpus()
+    gpus.start_asleep(schedule)
+    _take(gpus, schedule, {"actor": actor, "critic": critic}, None)
+    tags = {"actor": TAGS, "critic": TAGS, "engine": ["weights", "kv_cache"]}
+    gpus.use_plans(lambda s: plan, tags, {r: memory.nbytes(r) for r in memory.tags()})
+    gpus.begin_step(schedule)
+    for index in range(log_probs):
+        gpus.enter(index)
+    critic.fail = "wake_up"
+    gpus.enter(log_probs)  # the wake goes to the background: the turn itself goes on
+    with pytest.raises(RuntimeError, match="critic: wake_up failed"):
+        gpus.enter(log_probs + 1)
+    assert "optimizer_moments" in critic.asleep, "the failed wake changed nothing"
+    gpus.enter(log_probs + 1)
+    assert not critic.asleep & {t for r, t in plan.turns[log_probs + 1].needs if r == "critic"}

@@ -349,7 +349,7 @@ def _with_prefetches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -
                 for ref in turn.asleep - turns[later].asleep
                 if ref[0] in TRAIN_ROLES
                 and (planned is None or ref[0] in planned)
-                and ref[0] not in steps[index].computing
+                and _idle(ref[0], steps[index], turn.needs)
                 and memory_tag_kind(ref[1]) not in DROPPED_TAGS
             ),
             key=lambda ref: (-memory.nbytes(ref), ref),
@@ -376,12 +376,18 @@ def _with_prefetches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -
                 for ref in woken
                 if ref[0] in TRAIN_ROLES
                 and (planned is None or ref[0] in planned)
-                and ref[0] not in steps[index].computing
-                and ref not in turn.needs
+                and _idle(ref[0], steps[index], turn.needs)
                 and memory_tag_kind(ref[1]) not in DROPPED_TAGS
             ),
         )
     return replace(plan, turns=tuple(turns))
+
+
+def _idle(role: Role, residents: Residents, needs: frozenset[TagRef]) -> bool:
+    """Whether `role`'s workers are free in `residents`' turn: it computes nothing there and the turn touches
+    none of its tags (a weight sync reads the actor's weights), so a wake sent to them runs beside the turn's
+    work rather than queued with it."""
+    return role not in residents.computing and not any(r == role for r, _ in needs)
 
 
 def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
@@ -475,13 +481,12 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
             for ref in planned.prefetch
             if ref not in plan.moves(index)[1]
             or ref[0] not in TRAIN_ROLES
-            or ref[0] in residents.computing
-            or ref in needs
+            or not _idle(ref[0], residents, needs)
         )
         if wrong:
             raise PlanError(
                 f"turn {index} ({residents.turn.describe()!r}) wakes {wrong} in the background, which are not "
-                "a train role's wakes entering it, or which it touches, or whose role computes in it"
+                "a train role's wakes entering it, or whose role computes in it or has tags it touches"
             )
         why = _refusal(
             plan.schedule,

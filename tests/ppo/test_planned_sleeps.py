@@ -539,9 +539,9 @@ def test_on_shared_gpus_the_plan_keeps_the_engines_memory_where_it_has_room(room
         assert released and "kv_cache" in released[0], f"the KV cache goes first: {engines.calls}"
 
 
-def test_a_wake_in_the_background_runs_beside_the_turns_work_and_the_next_turn_waits_for_it() -> None:
-    # The critic's moments wake in the background of the actor's log-probs (the plan's `prefetch`): its
-    # workers' wake and the turn's work meet at a barrier, which a wake made before the work never would.
+def _plan_with_a_background_wake() -> tuple[StepSchedule, MemoryModel, MemoryPlan]:
+    """A plan of 100 MB (the engines' tags planned too) whose actor's log-probs turn wakes the critic's
+    moments in its background, for the critic's train after it."""
     train = {"weights": 5 * MB, "grads": 5 * MB, "main_params": 10 * MB, "optimizer_moments": 30 * MB}
     memory = MemoryModel(
         {
@@ -561,6 +561,13 @@ def test_a_wake_in_the_background_runs_beside_the_turns_work_and_the_next_turn_w
     plan = plan_memory(
         schedule, memory, GpuBudget(100 * MB), planned_roles=planned_roles(schedule), prefetch=True
     )
+    return schedule, memory, plan
+
+
+def test_a_wake_in_the_background_runs_beside_the_turns_work_and_the_next_turn_waits_for_it() -> None:
+    # The critic's moments wake in the background of the actor's log-probs (the plan's `prefetch`): its
+    # workers' wake and the turn's work meet at a barrier, which a wake made before the work never would.
+    schedule, memory, plan = _plan_with_a_background_wake()
     log_probs = next(i for i, t in enumerate(plan.turns) if t.turn.work == "log_probs")
     assert plan.turns[log_probs].prefetch == {("critic", "optimizer_moments")}
     meeting = Meeting()
@@ -593,25 +600,7 @@ def test_a_background_wake_that_fails_is_raised_at_the_next_entry_and_made_again
     # The critic's moments fail to wake in the log-probs turn's background: entering the critic's train
     # raises the workers' error (nothing of the turn's own moves made yet), the tags are as they were (asleep),
     # and entering again makes the wake, so the train finds them awake.
-    train = {"weights": 5 * MB, "grads": 5 * MB, "main_params": 10 * MB, "optimizer_moments": 30 * MB}
-    memory = MemoryModel(
-        {
-            "engine": RoleMemory({"weights": 5 * MB, "kv_cache": 40 * MB}, fixed=MB),
-            "actor": RoleMemory(train, fixed=MB),
-            "critic": RoleMemory(dict(train), fixed=MB),
-        },
-        {
-            ("engine", "generate"): 4 * MB,
-            ("actor", "log_probs"): 2 * MB,
-            ("critic", "train"): 8 * MB,
-            ("actor", "train"): 8 * MB,
-            ("engine", "weights"): 2 * MB,
-        },
-    )
-    schedule = step_schedule(FACTS)
-    plan = plan_memory(
-        schedule, memory, GpuBudget(100 * MB), planned_roles=planned_roles(schedule), prefetch=True
-    )
+    schedule, memory, plan = _plan_with_a_background_wake()
     log_probs = next(i for i, t in enumerate(plan.turns) if t.prefetch)
     gpus, actor, critic, _ = _gpus()
     gpus.start_asleep(schedule)

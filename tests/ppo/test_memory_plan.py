@@ -35,11 +35,11 @@ from tandem.ppo.loop.memory_plan import (
     PlanError,
     capacity_range,
     check_plan,
-    plan_memory,
     resident_plan,
     schedule_plan,
     shared_plan,
 )
+from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import (
     TRAIN_ROLES,
     Role,

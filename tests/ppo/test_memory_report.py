@@ -20,7 +20,8 @@ from tandem.ppo.loop.memory_figures import (
     write_plans,
 )
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
-from tandem.ppo.loop.memory_plan import capacity_range, plan_memory
+from tandem.ppo.loop.memory_plan import capacity_range
+from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import TRAIN_ROLES, StepFacts, save_schedule, step_schedule
 
 GIB = 2**30

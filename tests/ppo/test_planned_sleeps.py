@@ -25,7 +25,8 @@ from tandem.ppo.loop.memory_figures import (
     write_plans,
 )
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
-from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan, plan_memory
+from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan
+from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, save_schedule, step_schedule
 from tandem.ppo.loop.shared_gpus import SharedGpus
 from tandem.ppo.run.log import PhaseClock

@@ -20,7 +20,8 @@ import tyro
 
 from tandem.ppo.loop.memory_figures import planned_roles, schedule_from_dict
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, format_bytes
-from tandem.ppo.loop.memory_plan import MemoryPlan, capacity_range, plan_memory
+from tandem.ppo.loop.memory_plan import MemoryPlan, capacity_range
+from tandem.ppo.loop.memory_planner import plan_memory
 
 __all__ = ["MemoryPlanArgs", "memory_report"]
 

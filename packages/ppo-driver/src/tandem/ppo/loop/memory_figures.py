@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from tandem.megatron.runtime.gpu_memory import CACHED
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, fixed_from_gpu_memory
-from tandem.ppo.loop.memory_plan import MemoryPlan, plan_memory
+from tandem.ppo.loop.memory_plan import MemoryPlan
+from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, Work
 
 if TYPE_CHECKING:

@@ -1,58 +1,38 @@
-"""The step's memory plan: which memory tags sleep at each turn of the schedule, and the check that it fits.
+"""The step's memory plan: which memory tags sleep at each turn of the schedule, the peaks it gives, and its check.
 
 Today's shared mode puts whole roles to sleep at each turn (`schedule.Turn`'s wake and
-sleep); resident mode moves nothing. The plan sits between them: from a `MemoryModel`
-(per role and memory tag, the bytes it holds on one GPU; per phase, its transient peak
-above them) and a `GpuBudget` (the GPU's capacity less a stated margin), `plan_memory`
-chooses at each turn the tags to have asleep:
+sleep); resident mode moves nothing. A plan sits between them: a `MemoryPlan` says, at
+each turn of one step, which tags of a `MemoryModel` (per role and memory tag, the bytes
+it holds on one GPU; per phase, its transient peak above them) are asleep. This module
+holds what a plan is and what it costs; `memory_planner.plan_memory` chooses one.
 
-- never a tag the turn itself touches (`turn_needs`: a train touches its model's every
-  tag, the actor's log-probs its weights alone, the engines their weights and KV cache,
-  a weight sync the engines' memory and the actor's weights);
-- the fewest, in a fixed order (`eviction_key`): first what a sleep drops rather than copies
-  (the engines' KV cache, gradients), then what the next turn does not touch, then by kind (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments
-  before fp32 main parameters before weights), then what is used furthest ahead, the
-  larger first: the shortest prefix of that order that lets the turn's peak fit. A
-  worker splits its optimizer tags in pieces (`optimizer_pieces`: `optimizer_moments.0`
-  …), so that prefix can end part-way through a kind: only the part a turn needs moves;
-- the rest stays resident, but for a tag asleep on both sides of turns that do not touch
-  it, which stays asleep through them (waking it there would move it twice for nothing).
+- `turn_needs`: the tags a turn touches, which no plan may sleep (a train touches its
+  model's every tag, the actor's log-probs its weights alone, the engines their weights and
+  KV cache, a weight sync the engines' memory and the actor's weights);
+- `turn_peaks`: each set of GPUs' bytes at a turn with some tags asleep;
+- `handover_peaks`: the most a turn's entry holds when its sleeps and wakes run at once
+  (`PlannedTurn.at_once`), one role's copy to the host beside another's copy back: what
+  the turn before holds once its train role has handed its cached blocks back, and what
+  wakes for this turn;
+- the fixed plans: `resident_plan` (nothing moves; every train role keeps its allocator's
+  cache, `MemoryPlan.keeps_cache`), `shared_plan` (everything a turn does not touch sleeps:
+  shared mode by tag) and `schedule_plan` (today's, from the schedule's wakes and sleeps);
+  `capacity_range`, the least and the most memory a plan can use.
 
-With room for everything the plan moves nothing (resident mode, `resident_plan`); with room
-for each turn's own tags alone it sleeps everything else (shared mode by tag, `shared_plan`).
-
-A turn's sleeps and wakes may also run at once (`PlannedTurn.at_once`), one role's copy to the
-host beside another's copy back, where the GPU holds both for that time: what the turn before
-holds once its train role has handed its cached blocks back, and what wakes for this turn
-(`handover_peaks`), fit the budget. Otherwise the sleeps go first, so that no moment holds more
-than the turn after it.
-
-A train role's wakes for a turn may also start a turn early, in the background (`PlannedTurn.prefetch`),
-where the turn before has room for them and the role does not compute in it: its host-to-device copy
-then runs beside the turn before's work instead of before the next turn's.
-
-A train role hands its allocator's cached blocks back after each turn it computes in, so that the next
-role's process can use them; where the plan has room for its cache at every turn
-(`RoleMemory.cache`, `MemoryPlan.keeps_cache`), it keeps them, and its next phase allocates nothing anew,
-as in resident mode.
-
-`check_plan` replays a plan (a computed one, or today's from the schedule's wakes and
-sleeps, `schedule_plan`) and refuses one whose peak at some turn passes the budget, or
-that sleeps what a turn touches, with the numbers, before the step runs. Pure: no Ray,
-no torch. It lives beside the schedule, not in tandem.lifecycle: which tags a turn touches
-is the PPO step's knowledge, and when to sleep is the driver's plan, not the lifecycle's.
+`check_plan` replays a plan (a computed one or a fixed one) and refuses one whose peak at
+some turn passes the budget, that sleeps what a turn touches, or that wakes in the
+background what it may not, with the numbers, before the step runs. Pure: no Ray, no
+torch. It lives beside the schedule, not in tandem.lifecycle: which tags a turn touches is
+the PPO step's knowledge, and when to sleep is the driver's plan, not the lifecycle's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.memory_model import (
-    DROPPED_TAGS,
-    EVICTION_ORDER,
     WEIGHT_TAGS,
     GpuBudget,
     MemoryModel,
@@ -67,13 +47,16 @@ __all__ = [
     "PlannedTurn",
     "capacity_range",
     "check_plan",
-    "eviction_key",
+    "counting_caches",
+    "fit_refusal",
     "handover_peaks",
-    "plan_memory",
     "resident_plan",
+    "role_idle",
     "schedule_plan",
     "shared_plan",
     "turn_needs",
+    "turn_peaks",
+    "walk_schedule",
 ]
 
 
@@ -172,7 +155,7 @@ def turn_needs(residents: Residents, memory: MemoryModel) -> frozenset[TagRef]:
     return frozenset(needs)
 
 
-def _peaks(
+def turn_peaks(
     schedule: StepSchedule,
     residents: Residents,
     asleep: frozenset[TagRef],
@@ -207,7 +190,7 @@ def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[st
     before = residents_at_each_turn(schedule)[index - 1]
     role = before.turn.role
     handed_back = role if role in TRAIN_ROLES and role not in plan.keeps_cache else None
-    peaks = _peaks(
+    peaks = turn_peaks(
         schedule,
         before,
         plan.turns[index - 1].asleep,
@@ -222,7 +205,7 @@ def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[st
     return peaks
 
 
-def _walk(schedule: StepSchedule, memory: MemoryModel) -> list[tuple[Residents, frozenset[TagRef]]]:
+def walk_schedule(schedule: StepSchedule, memory: MemoryModel) -> list[tuple[Residents, frozenset[TagRef]]]:
     missing = sorted({t.role for t in schedule.turns} - set(memory.roles))
     if missing:
         raise ValueError(f"memory model: no figures for {missing}, which the schedule's turns use")
@@ -230,34 +213,7 @@ def _walk(schedule: StepSchedule, memory: MemoryModel) -> list[tuple[Residents, 
     return [(r, turn_needs(r, memory)) for r in steps]
 
 
-def _next_use(walk: list[tuple[Residents, frozenset[TagRef]]], index: int, ref: TagRef) -> int:
-    """Turns from `index` to the next that touches `ref` (cyclically: the next step's first turns follow)."""
-    count = len(walk)
-    for ahead in range(1, count + 1):
-        if ref in walk[(index + ahead) % count][1]:
-            return ahead
-    return count + 1  # never touched in the step
-
-
-def eviction_key(
-    walk: list[tuple[Residents, frozenset[TagRef]]], index: int, ref: TagRef, memory: MemoryModel
-) -> tuple[Any, ...]:
-    """Where `ref` stands in turn `index`'s order of tags to sleep (smallest first): what a sleep drops rather
-    than copies first (`DROPPED_TAGS`: the engines' KV cache, gradients), then untouched by the next turn,
-    then by kind (`EVICTION_ORDER`), then the furthest next use, then the larger, then by name."""
-    ahead = _next_use(walk, index, ref)
-    kind = memory_tag_kind(ref[1])
-    return (
-        kind not in DROPPED_TAGS,
-        ahead == 1,
-        EVICTION_ORDER.index(kind),
-        -ahead,
-        -memory.nbytes(ref),
-        ref,
-    )
-
-
-def _refusal(
+def fit_refusal(
     schedule: StepSchedule, index: int, peaks: Mapping[str, int], asleep: frozenset[TagRef], budget: GpuBudget
 ) -> str | None:
     turn = schedule.turns[index]
@@ -274,156 +230,20 @@ def _refusal(
     return None
 
 
-def plan_memory(
-    schedule: StepSchedule,
-    memory: MemoryModel,
-    budget: GpuBudget,
-    *,
-    planned_roles: Collection[Role] | None = None,
-    prefetch: bool = False,
-) -> MemoryPlan:
-    """The plan that sleeps, at each turn, the shortest prefix of `eviction_key`'s order that lets the turn fit,
-    and keeps a tag asleep through turns that do not touch it between two turns that sleep it (waking it there
-    would move it twice for nothing).
-
-    `planned_roles`: the roles whose tags the plan chooses (None: every role); the others sleep as the
-    schedule's wakes and sleeps say (`schedule_plan`), and their bytes count in every turn's peak.
-    `prefetch`: bring a train role's wakes a turn forward, into the background of the turn before, where
-    that turn has room for them (`PlannedTurn.prefetch`).
-
-    PlanError, naming the turn and its numbers, when a turn does not fit even with every tag it does not
-    touch asleep (before the step: nothing has moved).
-    """
-    walk = _walk(schedule, memory)
-    planned = set(memory.roles) if planned_roles is None else set(planned_roles)
-    fixed = schedule_plan(schedule, memory)
-    asleep: list[set[TagRef]] = []
-    for index, (residents, needs) in enumerate(walk):
-        candidates = sorted(
-            (ref for ref in memory.tags() if ref not in needs and ref[0] in planned),
-            key=lambda ref: eviction_key(walk, index, ref, memory),
-        )
-        chosen: set[TagRef] = {ref for ref in fixed.turns[index].asleep if ref[0] not in planned}
-        peaks = _peaks(schedule, residents, frozenset(chosen), memory)
-        for ref in candidates:
-            gpus = schedule.gpus(ref[0])
-            if peaks[gpus] <= budget.available:
-                continue  # this tag's GPUs fit already: sleeping it frees nothing the turn lacks
-            chosen.add(ref)
-            peaks[gpus] -= memory.nbytes(ref)
-        why = _refusal(schedule, index, peaks, frozenset(chosen), budget)
-        if why is not None:
-            raise PlanError(f"{why}. Schedule: {schedule.describe()!r}")
-        asleep.append(chosen)
-    _stay_asleep(walk, asleep, planned)
-    turns = tuple(
-        PlannedTurn(residents.turn, needs, frozenset(a), _peaks(schedule, residents, frozenset(a), memory))
-        for (residents, needs), a in zip(walk, asleep, strict=True)
-    )
-    plan = MemoryPlan(schedule, turns, frozenset(planned))
-    if prefetch:
-        plan = _with_prefetches(plan, memory, budget)
-    plan = _with_handovers(plan, memory, budget)
-    return _keep_caches(plan, memory, budget)
-
-
-def _with_prefetches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
-    """`plan` with its train roles' copied wakes in the background (`PlannedTurn.prefetch`): each turn's wakes
-    of planned train roles that do not compute in the turn before are brought into it (the largest first,
-    each where that turn's peak stays within `budget`; a tag that turn put to sleep stays awake instead: no
-    move at all), and every copied wake entering a turn that neither touches the tag nor computes with its
-    role runs in that turn's background. A dropped tag (`DROPPED_TAGS`) wakes at no cost, as its turn is
-    entered."""
-    turns = list(plan.turns)
-    count = len(turns)
-    if count < 2:
-        return plan
-    steps = residents_at_each_turn(plan.schedule)
-    planned = plan.planned_roles
-    for later in range(count):
-        index = (later - 1) % count
-        turn = turns[index]
-        wakes = sorted(  # copied tags only (a dropped one wakes at no cost), the largest first
-            (
-                ref
-                for ref in turn.asleep - turns[later].asleep
-                if ref[0] in TRAIN_ROLES
-                and (planned is None or ref[0] in planned)
-                and _idle(ref[0], steps[index], turn.needs)
-                and memory_tag_kind(ref[1]) not in DROPPED_TAGS
-            ),
-            key=lambda ref: (-memory.nbytes(ref), ref),
-        )
-        asleep = set(turn.asleep)
-        for ref in wakes:
-            trial = frozenset(asleep - {ref})
-            peaks = _peaks(plan.schedule, steps[index], trial, memory)
-            if all(peak <= budget.available for peak in peaks.values()):
-                asleep.discard(ref)
-        turns[index] = replace(
-            turn,
-            asleep=frozenset(asleep),
-            peaks=_peaks(plan.schedule, steps[index], frozenset(asleep), memory),
-        )
-    # Every copied tag of a train role that wakes entering a turn which neither touches it nor computes with
-    # its role wakes in the background of that turn (the plan's own early wakes, and those brought forward).
-    for index, turn in enumerate(turns):
-        woken = turns[index - 1].asleep - turn.asleep
-        turns[index] = replace(
-            turn,
-            prefetch=frozenset(
-                ref
-                for ref in woken
-                if ref[0] in TRAIN_ROLES
-                and (planned is None or ref[0] in planned)
-                and _idle(ref[0], steps[index], turn.needs)
-                and memory_tag_kind(ref[1]) not in DROPPED_TAGS
-            ),
-        )
-    return replace(plan, turns=tuple(turns))
-
-
-def _idle(role: Role, residents: Residents, needs: frozenset[TagRef]) -> bool:
+def role_idle(role: Role, residents: Residents, needs: frozenset[TagRef]) -> bool:
     """Whether `role`'s workers are free in `residents`' turn: it computes nothing there and the turn touches
     none of its tags (a weight sync reads the actor's weights), so a wake sent to them runs beside the turn's
     work rather than queued with it."""
     return role not in residents.computing and not any(r == role for r, _ in needs)
 
 
-def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
-    """`plan` with each turn's `handover_peaks`, and its moves at once where they fit `budget`."""
-    turns = []
-    for index, turn in enumerate(plan.turns):
-        handover = handover_peaks(plan, index, memory)
-        fits = all(peak <= budget.available for peak in handover.values())
-        turns.append(replace(turn, at_once=fits, handover=handover))
-    return replace(plan, turns=tuple(turns))
-
-
-def _keep_caches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
-    """`plan` with the planned train roles that may keep their allocator's cache (`MemoryPlan.keeps_cache`),
-    the smallest cache first (then by name): each role whose cache, counted at every turn, leaves every turn's peak and every
-    handover the plan makes at once within `budget`; the turns' peaks and handovers then count the caches.
-    The tags asleep and the moves at once stay the plan's."""
-    roles = plan.planned_roles if plan.planned_roles is not None else frozenset(memory.roles)
-    candidates = sorted(
-        (r for r in roles if r in TRAIN_ROLES and r in memory.roles), key=lambda r: (memory.kept_cache(r), r)
-    )
-    kept: frozenset[Role] = frozenset()
-    for role in candidates:
-        trial = _counting_caches(replace(plan, keeps_cache=kept | {role}), memory)
-        if _fits(trial, budget):
-            kept, plan = trial.keeps_cache, trial
-    return plan
-
-
-def _counting_caches(plan: MemoryPlan, memory: MemoryModel) -> MemoryPlan:
+def counting_caches(plan: MemoryPlan, memory: MemoryModel) -> MemoryPlan:
     """`plan`'s turns' peaks and handovers recounted with its `keeps_cache`."""
     steps = residents_at_each_turn(plan.schedule)
     turns = tuple(
         replace(
             t,
-            peaks=_peaks(plan.schedule, steps[i], t.asleep, memory, cached=plan.keeps_cache),
+            peaks=turn_peaks(plan.schedule, steps[i], t.asleep, memory, cached=plan.keeps_cache),
             handover=handover_peaks(plan, i, memory),
         )
         for i, t in enumerate(plan.turns)
@@ -431,40 +251,10 @@ def _counting_caches(plan: MemoryPlan, memory: MemoryModel) -> MemoryPlan:
     return replace(plan, turns=turns)
 
 
-def _fits(plan: MemoryPlan, budget: GpuBudget) -> bool:
-    """Whether every turn's peak, and every handover made at once, is within `budget`."""
-    return all(
-        peak <= budget.available
-        for t in plan.turns
-        for peak in (*t.peaks.values(), *(t.handover.values() if t.at_once else ()))
-    )
-
-
-def _stay_asleep(
-    walk: list[tuple[Residents, frozenset[TagRef]]], asleep: list[set[TagRef]], planned: Collection[Role]
-) -> None:
-    """Fill each run of turns (cyclically) in which a planned role's tag is awake between two in which it
-    sleeps, where no turn of the run touches it. It only adds sleepers, so every turn still fits, and no turn
-    sleeps what it needs."""
-    count = len(walk)
-    for ref in {r for r in set().union(*asleep) if r[0] in planned}:
-        sleeping = [ref in a for a in asleep]
-        for start in range(count):
-            if not sleeping[start] or sleeping[(start + 1) % count]:
-                continue
-            run, at = [], (start + 1) % count
-            while not sleeping[at]:
-                run.append(at)
-                at = (at + 1) % count
-            if not any(ref in walk[k][1] for k in run):
-                for k in run:
-                    asleep[k].add(ref)
-
-
 def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
     """`plan` once every turn's peak fits `budget` and no turn sleeps a tag it touches; PlanError with the
     numbers (which turn, which phase, bytes needed and available, what is asleep) otherwise."""
-    walk = _walk(plan.schedule, memory)
+    walk = walk_schedule(plan.schedule, memory)
     if len(walk) != len(plan.turns):
         raise PlanError(f"the plan has {len(plan.turns)} turns, its schedule {len(walk)}")
     for index, ((residents, needs), planned) in enumerate(zip(walk, plan.turns, strict=True)):
@@ -481,17 +271,17 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
             for ref in planned.prefetch
             if ref not in plan.moves(index)[1]
             or ref[0] not in TRAIN_ROLES
-            or not _idle(ref[0], residents, needs)
+            or not role_idle(ref[0], residents, needs)
         )
         if wrong:
             raise PlanError(
                 f"turn {index} ({residents.turn.describe()!r}) wakes {wrong} in the background, which are not "
                 "a train role's wakes entering it, or whose role computes in it or has tags it touches"
             )
-        why = _refusal(
+        why = fit_refusal(
             plan.schedule,
             index,
-            _peaks(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
+            turn_peaks(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
             planned.asleep,
             budget,
         )
@@ -515,7 +305,7 @@ def resident_plan(schedule: StepSchedule, memory: MemoryModel) -> MemoryPlan:
     """The plan that moves nothing (resident mode): every train role keeps its allocator's cache."""
     plan = _fixed_plan(schedule, memory, lambda residents, needs: frozenset())
     kept = frozenset(r for r in TRAIN_ROLES if r in memory.roles)
-    return _counting_caches(replace(plan, keeps_cache=kept), memory)
+    return counting_caches(replace(plan, keeps_cache=kept), memory)
 
 
 def shared_plan(schedule: StepSchedule, memory: MemoryModel) -> MemoryPlan:
@@ -556,7 +346,8 @@ def capacity_range(
 
         steps = residents_at_each_turn(schedule)
         return max(
-            max(_peaks(schedule, r, asleep(i), memory, cached=cached).values()) for i, r in enumerate(steps)
+            max(turn_peaks(schedule, r, asleep(i), memory, cached=cached).values())
+            for i, r in enumerate(steps)
         )
 
     least = worst(lambda w, e: frozenset(r for r in e.asleep if r[0] in planned))
@@ -570,7 +361,9 @@ def _fixed_plan(
     asleep_at: Callable[[Residents, frozenset[TagRef]], frozenset[TagRef]],
 ) -> MemoryPlan:
     turns = []
-    for residents, needs in _walk(schedule, memory):
+    for residents, needs in walk_schedule(schedule, memory):
         asleep = asleep_at(residents, needs)
-        turns.append(PlannedTurn(residents.turn, needs, asleep, _peaks(schedule, residents, asleep, memory)))
+        turns.append(
+            PlannedTurn(residents.turn, needs, asleep, turn_peaks(schedule, residents, asleep, memory))
+        )
     return MemoryPlan(schedule, tuple(turns))

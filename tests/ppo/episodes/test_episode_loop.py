@@ -19,7 +19,7 @@ from tandem.ppo.rollout.episodes.environment import EnvFailure, checked_messages
 from tandem.ppo.rollout.episodes.failures import EnvFailures, TooManyEnvFailures
 from tandem.ppo.rollout.episodes.generation import EpisodeSetup, generate_episodes
 from tandem.ppo.rollout.episodes.runner import EpisodeLimits
-from tandem.ppo.rollout.samples import to_train_batches, training_rewards
+from tandem.ppo.rollout.train_batches import to_train_batches, training_rewards
 
 from ._stub import LOG_PROB, ScriptedEngine, text_reply, tiny_tokenizer
 

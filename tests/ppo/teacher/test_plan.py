@@ -22,8 +22,8 @@ from tandem.ppo.loop.schedule import StepFacts
 from tandem.ppo.loop.shared_gpus import SharedGpus
 from tandem.ppo.rollout.data import PromptRecord, PromptSample
 from tandem.ppo.rollout.rewards import exact_match
-from tandem.ppo.rollout.samples import to_train_batches
 from tandem.ppo.rollout.teacher import TeacherRole
+from tandem.ppo.rollout.train_batches import to_train_batches
 from tandem.ppo.run.log import PhaseClock
 
 

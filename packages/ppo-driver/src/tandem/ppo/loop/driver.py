@@ -48,10 +48,9 @@ from tandem.ppo.rollout.samples import (
     sampling_params,
     score_requests,
     score_rollout,
-    shard_per_role,
-    training_rewards,
 )
 from tandem.ppo.rollout.teacher import uses_teacher
+from tandem.ppo.rollout.train_batches import shard_per_role, training_rewards
 from tandem.ppo.run.checkpoint import check_free_space, prune_checkpoints, save_run_checkpoint
 from tandem.ppo.run.export import export_actor
 from tandem.ppo.run.folder import model_folders

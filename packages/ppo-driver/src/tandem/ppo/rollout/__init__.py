@@ -3,7 +3,7 @@
 `data` (prompt files and the data cursor; `prompt_tables`: Parquet and `datasets` folders), `rewards` (the rule rewards and user
 functions), `reward_mix` (the reward as a weighted sum of terms), `reward_model/`
 (a reward model on the shared GPUs), `samples` (a round of sampling, its scores,
-dynamic sampling, the per-rank batches), `episodes/` (multi-turn rollouts with an
+dynamic sampling), `train_batches` (the rewards trained on, the per-rank batches), `episodes/` (multi-turn rollouts with an
 environment, tools and a chat endpoint), `preflight` (the run's inputs checked
 before Ray starts) and `model_folder` (the "folder missing" error of every model
 flag). It may import the engines, torch, transformers, Ray and
@@ -30,7 +30,9 @@ _NAMES = (
     "to_train_batches",
     "training_rewards",
 )
-_EXPORTS = dict.fromkeys(_NAMES, "samples")
+_EXPORTS = dict.fromkeys(_NAMES, "samples") | dict.fromkeys(
+    ("shard_per_role", "to_train_batches", "training_rewards"), "train_batches"
+)
 
 if TYPE_CHECKING:
     from .samples import (
@@ -40,10 +42,8 @@ if TYPE_CHECKING:
         generate_rollout,
         has_signal,
         sampling_params,
-        shard_per_role,
-        to_train_batches,
-        training_rewards,
     )
+    from .train_batches import shard_per_role, to_train_batches, training_rewards
 
 
 def __getattr__(name: str) -> Any:

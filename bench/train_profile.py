@@ -27,10 +27,14 @@ A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of our
 compiled one (`tandem.megatron.models.rope`; on by default with CUDA); the JSON records
 `fused_rope` (what the model ran) and `fused_rope_flag` (null: the default).
 `--sdpa-cudnn` lets the attention use cuDNN's kernel, which `models/attention.py`
-leaves out by default. `--varied-lengths` draws every response's length anew for
+leaves out by default. `--no-head-at-responses` runs the actor's vocabulary head over every
+position (prompts and padding too) instead of the response positions alone
+(`models/head_rows.py`). `--varied-lengths` draws every response's length anew for
 each call, as PPO's steps bring them, and `--packed` packs them: for example
 `--shape qwen2.5-0.5b --seq-len 640 --prompt-len 128 --samples 256
---micro-batch-size 16 --varied-lengths --packed`, the PPO bench's realistic step.
+--micro-batch-size 16 --varied-lengths --packed`, the PPO bench's realistic step;
+`--packed-attention varlen` runs its attention as one varlen flash call a layer instead of
+a call per sample.
 
 CPU smoke run (tiny model, fp32, gloo; the profile then lists CPU operators):
 
@@ -176,9 +180,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lr=1e-6,
         seed=args.seed,
         use_sequence_packing=args.packed,
+        packed_attention=args.packed_attention,
         fused_rope=args.fused_rope,
         log_probs_chunk_tokens=args.log_probs_chunk_tokens,
         fused_log_probs=args.fused_log_probs,
+        head_at_responses=args.head_at_responses,
         jit_fusions=args.jit_fusions,
     )
     report: dict[str, Any] = {
@@ -191,9 +197,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "samples_per_train": args.samples,
         "micro_batch_size": args.micro_batch_size,
         "packed": args.packed,
+        "packed_attention": args.packed_attention,
         "varied_lengths": args.varied_lengths,
         "log_probs_chunk_tokens": args.log_probs_chunk_tokens,
         "fused_log_probs_flag": args.fused_log_probs,
+        "head_at_responses": args.head_at_responses,
         "jit_fusions": args.jit_fusions,
         "fused_rope_flag": args.fused_rope,
     }
@@ -402,6 +410,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--packed", action="store_true", help="use_sequence_packing")
     p.add_argument(
+        "--packed-attention",
+        choices=["blocks", "varlen"],
+        default="blocks",
+        help="WorkerConfig.packed_attention with --packed: a call per sample, or one varlen flash call a layer",
+    )
+    p.add_argument(
         "--log-probs-chunk-tokens",
         type=int,
         default=0,
@@ -412,6 +426,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="WorkerConfig.fused_log_probs (the Triton log-prob kernels); default: on with CUDA",
+    )
+    p.add_argument(
+        "--head-at-responses",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="WorkerConfig.head_at_responses: the actor's vocabulary head at the response positions "
+        "alone (--no-head-at-responses: over every position, the A/B's reference)",
     )
     p.add_argument(
         "--jit-fusions",

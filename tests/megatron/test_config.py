@@ -110,6 +110,12 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"opd_coef": -1.0}, "opd_coef"),
         ({"opd_coef": float("nan")}, "opd_coef"),
         ({"opd_coef": 1.0, "opd_mode": "advantage"}, "opd_mode"),
+        ({"packed_attention": "flash"}, "packed_attention"),
+        ({"packed_attention": "varlen"}, r"^packed_attention: .*`use_sequence_packing` is off"),
+        (
+            {"packed_attention": "varlen", "use_sequence_packing": True},
+            r"^packed_attention: .*CUDA with bfloat16",
+        ),
     ],
 )
 def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:

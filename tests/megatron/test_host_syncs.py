@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _waits(tmp_path: Path, samples: int) -> dict:
+def _waits(tmp_path: Path, samples: int, packed: bool = False) -> dict:
     """The host's waits for the GPU in one profiled train() of `samples` samples, micro batch 1 (one optimizer step)."""
-    out = tmp_path / f"profile_{samples}.json"
+    out = tmp_path / f"profile_{samples}_{packed}.json"
     cmd = [
         sys.executable,
         "bench/train_profile.py",
@@ -40,6 +40,7 @@ def _waits(tmp_path: Path, samples: int) -> dict:
         str(out),
         "--workdir",
         str(tmp_path),
+        *(["--packed", "--varied-lengths"] if packed else []),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,8 +51,11 @@ def _waits(tmp_path: Path, samples: int) -> dict:
     return syncs
 
 
-def test_a_train_step_does_not_wait_for_the_gpu_per_micro_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_train_step_does_not_wait_for_the_gpu_per_micro_batch(tmp_path: Path, packed: bool) -> None:
     # 16 and 48 samples: 32 and 96 micro-batch passes (forward-only and training). A wait per
     # micro-batch would add at least 64 waits; what an optimizer step waits for stays the same.
-    few, many = _waits(tmp_path, 16), _waits(tmp_path, 48)
+    # Packed: each attention layer reads its samples' boundaries from the host (`packing.segments_of`),
+    # not back from the GPU, which would be a wait a layer and micro-batch.
+    few, many = _waits(tmp_path, 16, packed), _waits(tmp_path, 48, packed)
     assert many["waits"] - few["waits"] < 48 - 16, (few, many)

@@ -4,7 +4,9 @@
 core attention (SDPA, Megatron's local one), in fresh processes: one process,
 then two under tensor parallel 2 and under pipeline parallel 2. Model outputs,
 `forward_only`'s log-probs / values, each micro-batch's loss metrics and every
-gradient of a backward pass must agree to fp32 rounding.
+gradient of a backward pass must agree to fp32 rounding; so must the actor's, in
+each layout, with its vocabulary head over every position and at the response
+positions alone (`head_at_responses`).
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def test_packed_micro_batches_give_the_padded_outputs_losses_and_gradients(
     assert biggest_grad > 1e-4
     assert "forward_only" in kinds
     assert ("pg_loss" if role == "actor" else "value_loss") in kinds
+    if role == "actor":
+        heads = {name.split(":")[0] for saved in _saved(out_dir, phase, attention, role) for name in saved}
+        assert {"head0", "head1"} <= heads, heads
     if phase != "1x2":
         assert {"output", "filled"} <= kinds
 

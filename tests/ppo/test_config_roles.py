@@ -130,6 +130,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "critic_tensor_model_parallel_size": _one_of(None, 1, 2),
     "shuffle_minibatches": st.booleans(),
     "use_sequence_packing": st.booleans(),
+    "packed_attention": _one_of("blocks"),  # varlen: CUDA only (tests/megatron/test_config.py)
     "log_probs_max_tokens_per_gpu": _one_of(None, 512),
     "log_probs_chunk_tokens": _one_of(0, 4096),
     "ppo_epochs": _one_of(1, 2),
@@ -170,6 +171,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "fused_rope": _one_of(None, False),
     "cpu_threads": _one_of(None, 1, 2),
     "fused_log_probs": _one_of(None, False),
+    "head_at_responses": st.booleans(),
     "jit_fusions": st.booleans(),
     "offload_backend": _one_of("pinned_host", "none"),
     "offload_grads": st.booleans(),

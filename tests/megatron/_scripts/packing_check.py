@@ -12,7 +12,11 @@ padded and with packed micro-batches (uneven: 2, 3 and 1 samples of uneven lengt
 - `forward_only`'s response log-probs (actor) or values (critic);
 - one optimizer step's backward (`run_micro_batches` with `role_losses.actor_loss`
   with KL loss and entropy / `role_losses.critic_loss`, Megatron DDP): the metrics
-  of each micro-batch and every gradient.
+  of each micro-batch and every gradient;
+- the actor's, in both layouts, with its vocabulary head over every position
+  (`head_at_responses=False`) against the head at the response positions alone
+  (the default; `head...` names), after checking that the head then saw only
+  those rows.
 
 Writes `WORK_DIR/out/<phase>-<attention>-<role>-rank<r>.pt`: `{name: (padded, packed)}`.
 
@@ -112,7 +116,14 @@ def raw_outputs(model: Any, mb: RolloutBatch) -> dict[str, tuple[torch.Tensor, t
     return out
 
 
-def step(ddp: Any, config: WorkerConfig, role: str, mbs: list[RolloutBatch], packed: bool) -> dict[str, Any]:
+def step(
+    ddp: Any,
+    config: WorkerConfig,
+    role: str,
+    mbs: list[RolloutBatch],
+    packed: bool,
+    head_at_responses: bool = True,
+) -> dict[str, Any]:
     """Metrics of each micro-batch and the gradients of one backward over `mbs`."""
     ddp.zero_grad_buffer()
     loss = role_losses.critic_loss if role == "critic" else role_losses.actor_loss
@@ -124,6 +135,7 @@ def step(ddp: Any, config: WorkerConfig, role: str, mbs: list[RolloutBatch], pac
         loss_fn=partial(loss, config),
         with_entropy=role == "actor",
         packed=packed,
+        head_at_responses=head_at_responses,
     )
     out: dict[str, Any] = {
         f"grad:{name}": p.main_grad.detach().clone() for name, p in ddp.module.named_parameters()
@@ -166,9 +178,21 @@ def check(work: Path, phase: str, attention: str, role: str) -> None:
     if last:
         assert both[0] is not None and both[1] is not None
         saved["forward_only"] = (both[0], both[1])
+    head = unwrap_model(ddp).output_layer if last and role == "actor" else None
+    seen: list[int] = []
+    hook = None if head is None else head.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))
     padded, packed = (step(ddp, config, role, mbs, packed=p) for p in (False, True))
     assert padded.keys() == packed.keys()
     saved |= {k: (padded[k], packed[k]) for k in padded}
+    if hook is not None:
+        # The head saw each micro-batch's response positions alone, in both layouts.
+        hook.remove()
+        assert seen == [sum(mb.response_lengths) for mb in mbs] * 2, seen
+    if role == "actor":
+        for layout in (False, True):
+            whole = step(ddp, config, role, mbs, packed=layout, head_at_responses=False)
+            default = padded if not layout else packed
+            saved |= {f"head{int(layout)}:{k}": (whole[k], default[k]) for k in whole}
     out = work / "out"
     out.mkdir(exist_ok=True)
     torch.save(saved, out / f"{phase}-{attention}-{role}-rank{dist.get_rank()}.pt")

@@ -24,6 +24,7 @@ from tandem.megatron.choices import (
     LR_DECAY_STYLES,
     OFFLOAD_BACKENDS,
     OPD_MODES,
+    PACKED_ATTENTIONS,
     PARAMS_DTYPES,
     TIS_MODES,
 )
@@ -97,6 +98,7 @@ def check_choices(config: Any) -> None:
         "loss_type": LOSS_TYPES,
         "tis_mode": TIS_MODES,
         "opd_mode": OPD_MODES,
+        "packed_attention": PACKED_ATTENTIONS,
     }
     for name, allowed in choices.items():
         value = getattr(config, name)
@@ -135,6 +137,22 @@ def check_choices(config: Any) -> None:
                 f"{pieces} splits the pinned_host backend's optimizer tags, but offload_backend is "
                 f"{config.offload_backend!r} (torch_memory_saver keeps the optimizer in one region); use "
                 "offload_backend pinned_host, or leave it unset",
+            )
+    if config.packed_attention == "varlen":
+        if not config.use_sequence_packing:
+            raise FieldError(
+                "packed_attention",
+                "'varlen' runs packed rows, but `use_sequence_packing` is off; turn it on, or leave "
+                "packed_attention at 'blocks'",
+                "use_sequence_packing",
+            )
+        if config.device == "cpu" or config.params_dtype == "float32":
+            raise FieldError(
+                "packed_attention",
+                f"'varlen' is flash attention, CUDA with bfloat16 or float16 only (`device` {config.device!r}, "
+                f"`params_dtype` {config.params_dtype!r}); use 'blocks' there",
+                "device",
+                "params_dtype",
             )
     if config.device == "cpu" and config.offload_backend == "torch_memory_saver":
         raise FieldError(

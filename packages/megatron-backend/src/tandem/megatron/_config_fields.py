@@ -27,6 +27,7 @@ from tandem.megatron.choices import (
     LrDecayStyle,
     OffloadBackend,
     OpdMode,
+    PackedAttention,
     ParamsDtype,
     Role,
     TisMode,
@@ -129,6 +130,12 @@ class WorkerFields:
     for every forward and backward pass of both roles, instead of padding every
     sample to the micro-batch's longest one. Same outputs and losses, fewer tokens."""
 
+    packed_attention: PackedAttention = "blocks"
+    """How a packed row's attention runs (with `use_sequence_packing`): `blocks`, one causal SDPA call
+    per sample (flash or memory-efficient on CUDA, the exact math kernel on CPU); `varlen`, one call a
+    layer over the whole row, PyTorch's varlen flash attention (`torch.nn.attention.varlen`, torch 2.10
+    on), CUDA and bfloat16/float16 only (`models/attention.py`). The same attention either way."""
+
     use_dynamic_batch_size: bool = False
     """Cut micro-batches by tokens instead of samples (slime's flag): consecutive samples
     go into one micro-batch while it holds at most `max_tokens_per_gpu` tokens (the
@@ -161,6 +168,13 @@ class WorkerFields:
     backward, no fp32 copy of them, instead of plain autograd's ~eight fp32 passes each way.
     The same values to fp32 rounding. None: on where the model is on CUDA and Triton is
     installed (it comes with PyTorch's CUDA builds), else off; True needs both."""
+
+    head_at_responses: bool = True
+    """The actor's vocabulary head computes logits only at the positions that predict a response
+    token, not over the prompts and the padding (`models/head_rows.py`): the same log-probs,
+    entropies and gradients, for `2 · hidden · vocabulary` FLOPs less each way at every other
+    position and a logits tensor of the responses alone. False: the whole micro-batch's logits
+    (the A/B's reference)."""
 
     # --- optimizer and learning-rate schedule --------------------------------------
     lr: float = 1e-6

@@ -44,6 +44,9 @@ TisMode = Literal["token", "seq_mask"]
 """Truncated importance sampling per token, or with whole sequences masked out (`importance`)."""
 
 OpdMode = Literal["reward", "loss"]
+
+PackedAttention = Literal["blocks", "varlen"]
+"""How the SDPA core attention runs a packed row: a call per sample, or one varlen flash call a layer."""
 """How on-policy distillation's per-token reverse KL to the teacher trains the student (`distillation`):
 folded into the token rewards, or a term of the policy loss."""
 
@@ -105,6 +108,7 @@ ESTIMATORS: dict[str, Estimator] = {
 
 TIS_MODES: tuple[str, ...] = get_args(TisMode)
 OPD_MODES: tuple[str, ...] = get_args(OpdMode)
+PACKED_ATTENTIONS: tuple[str, ...] = get_args(PackedAttention)
 CRITIC_FREE_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if not e.needs_critic)
 """The estimators whose baseline is not a learned value: a run with one of them trains no critic."""
 GROUP_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in ESTIMATORS.items() if e.groups)

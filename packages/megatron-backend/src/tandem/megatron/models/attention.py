@@ -17,6 +17,14 @@ same `PackedSeqParams` interface with either choice of `models.Attention`:
 - "local" (`local_attention`): Megatron's unfused attention over one packed row
   with an explicit block-diagonal causal mask (`packing.block_causal_mask`).
 
+With "sdpa", packed rows may instead take one varlen flash-attention call a layer
+(`WorkerConfig.packed_attention="varlen"`, `varlen_packed_attention`): PyTorch's
+`torch.nn.attention.varlen.varlen_attn` over the row's `cu_seqlens`, causal through
+flash attention's window `(-1, 0)`, in place of a call (and its copies) per sample:
+256 samples x 24 layers of calls a pass in the 0.5B bench's packed step
+(docs/benchmarks.md, "Realistic lengths"). CUDA, bf16 or fp16 only: elsewhere the
+model refuses to build with it (`check_varlen`).
+
 The GPU kernels of "sdpa" (`sdpa_backends`): flash, then memory-efficient
 attention, never cuDNN's. cuDNN builds an execution graph for every new shape
 of its inputs (tens to hundreds of milliseconds on the host each), and PPO's
@@ -33,9 +41,10 @@ lever of `bench/train_profile.py --sdpa-cudnn`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -65,6 +74,89 @@ def sdpa_backends(device: torch.device) -> Iterator[None]:
         yield
 
 
+VarlenFn = Callable[..., torch.Tensor]
+"""`torch.nn.attention.varlen.varlen_attn`'s calling convention (or a stand-in of it in tests)."""
+
+
+@cache
+def varlen_function() -> VarlenFn | None:
+    """PyTorch's `varlen_attn` where this torch has it (2.10 and later), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return cast(VarlenFn, varlen_attn)  # returns a tuple only when asked for `return_aux`
+
+
+def _takes_gqa(fn: VarlenFn) -> bool:
+    """Whether `fn` groups query heads over fewer key/value heads itself (`enable_gqa`: torch 2.12 on; the
+    H200 host's 2.11 has no such argument, docs/benchmarks.md)."""
+    try:
+        return "enable_gqa" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_varlen(device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError, naming the field, where `packed_attention="varlen"` cannot run: no CUDA, not half precision,
+    or a torch without `varlen_attn`."""
+    why = None
+    if device.type != "cuda":
+        why = f"the model is on {device.type}; varlen flash attention runs on CUDA only"
+    elif dtype not in (torch.bfloat16, torch.float16):
+        why = f"params_dtype is {dtype}; flash attention takes bfloat16 or float16"
+    elif varlen_function() is None:
+        why = f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later do)"
+    if why is not None:
+        raise ValueError(f"packed_attention='varlen': {why}; use packed_attention='blocks'")
+
+
+def varlen_packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None,
+    fn: VarlenFn | None = None,
+) -> torch.Tensor:
+    """Causal attention of every block of one packed row in one call: `[t, heads, d]` query, `[t, kv_heads, d]`
+    key and value, `cu_seqlens` the blocks' int32 boundaries (`[blocks + 1]`, on the device); `[t, heads, d]`.
+
+    `fn`: `varlen_function()` unless given. Where it cannot group query heads over fewer key/value
+    heads itself, the key and value heads are repeated to the query's first (grouped-query models).
+    """
+    fn = fn if fn is not None else varlen_function()
+    if fn is None:
+        raise ValueError(
+            f"packed_attention='varlen': torch {torch.__version__} has no torch.nn.attention.varlen"
+        )
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"varlen attention: {heads} query heads over {kv_heads} key/value heads")
+    extra: dict[str, Any] = {}
+    if heads != kv_heads:
+        if _takes_gqa(fn):
+            extra["enable_gqa"] = True
+        else:
+            key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+    cu = cu_seqlens.to(torch.int32)
+    # window (-1, 0): every earlier key of the block, none after the query (flash attention's causal window).
+    return fn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **extra)
+
+
+def _one_boundary_list(params: Any) -> bool:
+    """Whether a THD `PackedSeqParams` has one unpadded boundary tensor for queries and keys, as
+    `packing.packed_seq_params` builds it (checked without reading the tensors back from the GPU;
+    anything else goes the blocks' way, which checks it)."""
+    return (
+        getattr(params, "qkv_format", None) == "thd"
+        and params.cu_seqlens_kv is params.cu_seqlens_q
+        and params.cu_seqlens_q_padded is None
+    )
+
+
 @cache
 def sdpa_attention() -> type:
     """Megatron's local core attention with the causal case on `torch.nn.functional.scaled_dot_product_attention`.
@@ -79,6 +171,10 @@ def sdpa_attention() -> type:
     from megatron.core.transformer.enums import AttnMaskType
 
     class SdpaDotProductAttention(DotProductAttention):
+        varlen: bool = False
+        """Packed rows through `varlen_packed_attention` (one call a layer) instead of a call per block;
+        `networks.build_model` sets it per model (`packed_attention="varlen"`)."""
+
         def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             """Causal attention of `[b, heads, s, d]` tensors (within `forward`'s `sdpa_backends`)."""
             return torch.nn.functional.scaled_dot_product_attention(
@@ -110,6 +206,16 @@ def sdpa_attention() -> type:
                         "use_sequence_packing: packed samples need plain causal attention "
                         "(no mask or bias of the caller's, no attention dropout, no softmax offset)"
                     )
+                if self.varlen and _one_boundary_list(packed_seq_params):
+                    context = varlen_packed_attention(
+                        query,
+                        key,
+                        value,
+                        packed_seq_params.cu_seqlens_q,
+                        int(packed_seq_params.max_seqlen_q),
+                        scale=self.softmax_scale,
+                    )
+                    return context.reshape(query.shape[0], self.hidden_size_per_partition)
                 # THD: query [t, heads, d]; each block is one sample, attending causally to itself.
                 # The kernels are chosen once for all the blocks (`sdpa_backends`).
                 blocks = []

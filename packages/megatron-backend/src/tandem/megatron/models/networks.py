@@ -17,15 +17,16 @@ exported weights allocates that dtype.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
 
-from tandem.megatron.choices import ROLES, Role
+from tandem.megatron.choices import ROLES, PackedAttention, Role
 from tandem.megatron.models import rope
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
-from tandem.megatron.models.attention import local_attention, sdpa_attention
+from tandem.megatron.models.attention import check_varlen, local_attention, sdpa_attention
+from tandem.megatron.models.head_rows import HeadRows
 from tandem.megatron.models.hf_config import ModelSpec
 
 Attention = Literal["sdpa", "local"]
@@ -112,6 +113,7 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     attention: Attention = "sdpa",
+    packed_attention: PackedAttention = "blocks",
     fused_rope: bool | None = None,
     variable_shapes: bool = False,
     vocab_multiple: int = 128,
@@ -131,6 +133,8 @@ def build_model(
         attention: "sdpa" (torch's fused causal attention) or "local" (Megatron's
             unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores); both
             also run packed micro-batches (`attention.py`).
+        packed_attention: how "sdpa" runs a packed row: "blocks" (a call per sample) or
+            "varlen" (one varlen flash call a layer; CUDA, bf16/fp16: `attention.check_varlen`).
         fused_rope: apply RoPE with our compiled kernels (`rope.py`: a cos/sin table and one
             fused kernel instead of Megatron's unfused chain of multiplies and copies, with
             the same bf16 results) through Megatron's `apply_rope_fusion`; None: on when
@@ -151,6 +155,13 @@ def build_model(
         raise ValueError(f"build_model: attention {attention!r} is not one of {_ATTENTIONS}")
     if not (fused_rope is None or isinstance(fused_rope, bool)):
         raise ValueError(f"build_model: fused_rope {fused_rope!r} must be True, False or None (auto)")
+    if packed_attention not in ("blocks", "varlen"):
+        raise ValueError(f"build_model: packed_attention {packed_attention!r}; choose 'blocks' or 'varlen'")
+    if packed_attention == "varlen":
+        if attention != "sdpa":
+            raise ValueError("build_model: packed_attention='varlen' needs attention='sdpa'")
+        on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        check_varlen(on, params_dtype)
     if "apply_rope_fusion" in config_overrides:
         raise ValueError(
             "build_model: set RoPE fusion with fused_rope=True/False, not apply_rope_fusion "
@@ -219,6 +230,13 @@ def build_model(
         model.output_layer = ValueHead(
             spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype
         )
+    if packed_attention == "varlen":
+        for module in model.modules():
+            if isinstance(module, core_attention):
+                cast(Any, module).varlen = True
+    if role == "actor" and model.post_process:
+        # The vocabulary head at the positions a forward asks for (`head_rows.py`).
+        model.tandem_head_rows = HeadRows(model.output_layer)
     # torch's norms are created in the default dtype whatever the config says.
     with torch.no_grad():
         for param in model.parameters():

@@ -119,13 +119,17 @@ def packed_seq_params(row: PackedRow, device: torch.device | str | None = None) 
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = to_device(torch.tensor(row.cu_seqlens, dtype=torch.int32), device)
-    return PackedSeqParams(
+    params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=row.max_seqlen,
         max_seqlen_kv=row.max_seqlen,
     )
+    # The blocks' lengths as the host knows them: `segments_of` reads them here rather than copying
+    # `cu_seqlens` back from the GPU, which would make the host wait for the GPU at every layer.
+    params.tandem_segments = tuple(row.segments)
+    return params
 
 
 def segments_of(params: Any) -> list[int]:
@@ -133,6 +137,9 @@ def segments_of(params: Any) -> list[int]:
     if getattr(params, "qkv_format", None) != "thd":
         raise ValueError(f"packed attention: qkv_format {getattr(params, 'qkv_format', None)!r}; only 'thd'")
     q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
+    known = getattr(params, "tandem_segments", None)
+    if known is not None and q is kv and params.cu_seqlens_q_padded is None:
+        return list(known)  # `packed_seq_params`' own: no copy back from the device
     same = q is kv or torch.equal(q, kv)
     if params.cu_seqlens_q_padded is not None or not same:
         raise ValueError("packed attention: self-attention needs the same unpadded cu_seqlens for q and kv")

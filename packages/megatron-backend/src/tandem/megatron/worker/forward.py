@@ -25,6 +25,7 @@ response (the same in both layouts):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 from tandem.megatron.batch import RolloutBatch, pad_responses, to_device
 from tandem.megatron.choices import ROLES, Role
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
+from tandem.megatron.models.head_rows import head_rows
 from tandem.megatron.models.packing import (
     PackedRow,
     pack_lengths,
@@ -42,7 +44,12 @@ from tandem.megatron.models.packing import (
     position_ids,
 )
 from tandem.megatron.worker.fused_log_probs import fused_log_probs_available
-from tandem.megatron.worker.response_outputs import ResponseOutputs, response_outputs
+from tandem.megatron.worker.response_outputs import (
+    ResponseIndex,
+    ResponseOutputs,
+    response_outputs,
+    response_rows,
+)
 
 LossFn = Callable[[RolloutBatch, ResponseOutputs], tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]
 """`loss_fn(micro_batch, outputs) -> (loss_sum, count, metrics)`: Megatron's per-token-loss form."""
@@ -113,6 +120,7 @@ def run_micro_batches(
     packed: bool = False,
     log_probs_chunk_tokens: int = 0,
     fused_log_probs: bool | None = None,
+    head_at_responses: bool = True,
 ) -> list[Mapping[str, Any]]:
     """Run Megatron's forward(-backward) schedule over the micro-batches `batches`; return each one's metrics.
 
@@ -145,6 +153,9 @@ def run_micro_batches(
         fused_log_probs: the actor's log-probs through the Triton kernels of
             `fused_log_probs.fused_log_probs` (which then replace the two above); None: where
             the model is on CUDA and Triton is installed; True there only.
+        head_at_responses: the actor's output layer computes logits only at the positions that
+            predict a response token (`head_rows.HeadRows`), not over prompts and padding; the
+            same log-probs, entropies and gradients for less work and memory.
     """
     if role not in ROLES:
         raise ValueError(f"run_micro_batches: role {role!r} is not one of {ROLES}")
@@ -186,7 +197,11 @@ def run_micro_batches(
     multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
 
     def loss_func(
-        mb: RolloutBatch, tokens: torch.Tensor, row: PackedRow | None, output: torch.Tensor
+        mb: RolloutBatch,
+        tokens: torch.Tensor,
+        row: PackedRow | None,
+        index: ResponseIndex | None,
+        output: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         outputs = response_outputs(
             mb,
@@ -199,6 +214,8 @@ def run_micro_batches(
             vocab_size=vocab_size,
             log_probs_chunk_tokens=log_probs_chunk_tokens,
             fused=fused,
+            index=index,
+            head_at_responses=index is not None,
         )
         if loss_fn is None:
             return output.new_zeros(()), torch.zeros((), dtype=torch.int64), {}
@@ -206,20 +223,32 @@ def run_micro_batches(
         # The schedule adds the counts up in an int32 tensor of its own.
         return loss_sum, count.to(torch.int64), metrics
 
+    # The actor's last stage: its vocabulary head only where a response token is predicted.
+    head = head_rows(gpt) if role == "actor" and head_at_responses else None
+
     def forward_step(data_iterator: Iterator[RolloutBatch], stage: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data_iterator)
+        row: PackedRow | None = None
+        extra: dict[str, Any] = {}
         if packed:
             # One row [1, t]; RoPE positions restart per sample from cu_seqlens (the attention
             # layer's THD path), the position ids say the same for any other reader.
             row = _packed_row(mb, multiple)
             tokens = to_device(pack_tokens(mb.tokens, row).long(), device).unsqueeze(0)
             positions = to_device(position_ids(row), device).unsqueeze(0)
-            output = stage(tokens, positions, None, packed_seq_params=packed_seq_params(row, device))
-            return output, partial(loss_func, mb, tokens, row)
-        tokens = _padded_tokens(mb, device)
-        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-        output = stage(tokens, positions, None)
-        return output, partial(loss_func, mb, tokens, None)
+            extra["packed_seq_params"] = packed_seq_params(row, device)
+        else:
+            tokens = _padded_tokens(mb, device)
+            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        index = None if head is None else ResponseIndex.of(response_rows(mb, row), tokens.shape[1], device)
+        picking = (
+            head.only(index.hidden_rows(*tokens.shape))
+            if head is not None and index is not None
+            else contextlib.nullcontext()
+        )
+        with picking:
+            output = stage(tokens, positions, None, **extra)
+        return output, partial(loss_func, mb, tokens, row, index)
 
     # Stages exchange each activation's shape first (variable_seq_lengths, see hf_config), so
     # rows of any length pass; these two only bound them.
@@ -253,6 +282,7 @@ def forward_only(
     max_tokens: int | None = None,
     log_probs_chunk_tokens: int = 0,
     fused_log_probs: bool | None = None,
+    head_at_responses: bool = True,
 ) -> torch.Tensor | None:
     """Response log-probs (actor) or values (critic) of every sample of `batch`, without gradients.
 
@@ -262,7 +292,7 @@ def forward_only(
     and None on other stages. Every rank of the model must call it. `packed`:
     each micro-batch as one packed row (`run_micro_batches`); `max_tokens`: micro-batches
     cut by tokens instead of by `micro_batch_size` (`plan_micro_batches`); `log_probs_chunk_tokens`,
-    `fused_log_probs`: how the actor's log-probs are computed (`run_micro_batches`).
+    `fused_log_probs`, `head_at_responses`: how the actor's log-probs are computed (`run_micro_batches`).
     """
     from megatron.core import parallel_state as mpu
 
@@ -288,6 +318,7 @@ def forward_only(
             packed=packed,
             log_probs_chunk_tokens=log_probs_chunk_tokens,
             fused_log_probs=fused_log_probs,
+            head_at_responses=head_at_responses,
         )
     if not mpu.is_pipeline_last_stage():
         return None

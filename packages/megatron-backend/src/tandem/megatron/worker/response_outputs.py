@@ -90,6 +90,12 @@ class ResponseIndex:
         dest = torch.cat([torch.arange(i * longest, i * longest + n) for i, n in enumerate(lengths)])
         return cls(to_device(source, device), to_device(dest, device), len(rows), longest)
 
+    def hidden_rows(self, rows: int, seq_len: int) -> torch.Tensor:
+        """The same positions in Megatron's hidden states `(seq, rows, ...)` flattened: `position * rows + row`.
+
+        What `head_rows.HeadRows.only` takes, so that the output layer computes these positions alone."""
+        return (self.source % seq_len) * rows + torch.div(self.source, seq_len, rounding_mode="floor")
+
     def gather(self, output: torch.Tensor) -> torch.Tensor:
         """The response positions of `output` (`(rows, seq, ...)`) as `(positions, ...)`."""
         return output.reshape(-1, *output.shape[2:]).index_select(0, self.source)
@@ -160,18 +166,32 @@ def response_outputs(
     vocab_size: int | None = None,
     log_probs_chunk_tokens: int = 0,
     fused: bool = False,
+    index: ResponseIndex | None = None,
+    head_at_responses: bool = False,
 ) -> ResponseOutputs:
     """The response tensors of a micro-batch from the model `output` (`(rows, seq, vocab / tp)` or
     `(rows, seq, 1)`) of `tokens` (`(rows, seq)`): padded rows, or one `packed` row.
 
     `fused`: the actor's log-probs through `fused_log_probs` (Triton, CUDA); else
     `log_probs_chunk_tokens`: rows of the actor's logits at a time through `chunked_log_probs`;
-    0: all of them through `vocab_parallel_log_probs` (plain autograd, fp32 copies of them all)."""
-    index = ResponseIndex.of(response_rows(mb, packed), tokens.shape[1], output.device)
+    0: all of them through `vocab_parallel_log_probs` (plain autograd, fp32 copies of them all).
+    `index`: the micro-batch's `ResponseIndex` where the caller has it; `head_at_responses`: the
+    actor's `output` is already the response positions' logits alone, `(1, positions, vocab / tp)`
+    in `index`'s order (the model's head ran within `HeadRows.only(index.hidden_rows(...))`)."""
+    if index is None:
+        index = ResponseIndex.of(response_rows(mb, packed), tokens.shape[1], output.device)
     if role == "critic":
         return ResponseOutputs(values=index.padded(index.gather(output[..., 0]).float()))
     # Only the positions that predict response tokens: prompts never reach the softmax.
-    logits = index.gather(output)
+    if head_at_responses:
+        if output.shape[:2] != (1, index.source.numel()):
+            raise ValueError(
+                f"response_outputs: head_at_responses expects logits of shape (1, {index.source.numel()}, "
+                f"vocab), one row a response position; got {tuple(output.shape)}"
+            )
+        logits = output[0]
+    else:
+        logits = index.gather(output)
     targets = index.targets(tokens)
     if fused:
         log_probs, entropy = fused_log_probs(

@@ -74,6 +74,7 @@ def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | No
         max_tokens=config.micro_batch_tokens(forward_only=True),
         log_probs_chunk_tokens=config.log_probs_chunk_tokens,
         fused_log_probs=config.fused_log_probs,
+        head_at_responses=config.head_at_responses,
     )
 
 

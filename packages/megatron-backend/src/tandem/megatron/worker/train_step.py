@@ -147,6 +147,7 @@ def train_step(
                 packed=config.use_sequence_packing,
                 log_probs_chunk_tokens=config.log_probs_chunk_tokens,
                 fused_log_probs=config.fused_log_probs,
+                head_at_responses=config.head_at_responses,
             )
             # 4. the optimizer step
             norm, sums.lr = trainee.optimizer_step()

@@ -130,7 +130,16 @@ MEGATRON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("models.",)),
     (
         "the seam",
-        ("config", "_config_fields", "_config_checks", "_algorithm_checks", "_field_error", "payloads"),
+        (
+            "config",
+            "_config_fields",
+            "_training_fields",
+            "_algorithm_fields",
+            "_config_checks",
+            "_algorithm_checks",
+            "_field_error",
+            "payloads",
+        ),
     ),
     ("worker", ("worker.",)),
     ("group", ("group.",)),

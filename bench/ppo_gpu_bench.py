@@ -104,6 +104,15 @@ A model's copied wakes in the background of the turn before (`--prefetch-wakes`,
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-3b --response-len 2048 --prompts 64 --global-batch-size 64 --ab-prefetch --skip-shared --skip-resident --skip-probe --steps 3 --out "$OUT"
 
+The engine's KV cache at fixed addresses (`--rollout-kv-cache-backend torch_memory_saver`, off by
+default): `--ab-kv-saver` runs the plan's mode with the KV cache on torch's allocator (`shared_fit`) and in
+a torch_memory_saver region (`shared_fit_kv_saver`), and reports each one's step and the phases the lever
+changes (`kv_saver`: the engines' release and resume, and the generation, which captures the decode's
+CUDA graphs again after each release on torch's allocator). It shows where the plan releases the KV cache
+alone, as at 1.5B in 96 GiB:
+
+    source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-1.5b --set gpu_memory_gib=96 --ab-kv-saver --skip-shared --skip-resident --skip-probe --steps 3 --out "$OUT"
+
 CPU smoke run (tiny model, 2 steps a mode, a tiny probe; the second with a reward model):
 
     ./uvw run python bench/ppo_gpu_bench.py --quick --out /tmp/ppo-bench
@@ -139,6 +148,7 @@ from ppo_harness import (
     write_report,
 )
 from ppo_modes import (
+    FIT_KV_SAVER_MODE,
     FIT_MODE,
     FIT_NO_PREFETCH_MODE,
     FIT_SERIAL_MODE,
@@ -240,6 +250,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the plan's mode twice (implies --ab-memory-plan): its copied wakes in the background of the turn "
         "before (shared_fit) and each at its turn (shared_fit_no_prefetch, --no-prefetch-wakes); the report's "
         "prefetch_wakes",
+    )
+    parser.add_argument(
+        "--ab-kv-saver",
+        action="store_true",
+        help="the plan's mode twice (implies --ab-memory-plan): the engine's KV cache on torch's allocator "
+        "(shared_fit) and in a torch_memory_saver region, its CUDA graphs kept through a KV release "
+        "(shared_fit_kv_saver, --rollout-kv-cache-backend torch_memory_saver); the report's kv_saver",
     )
     parser.add_argument(
         "--reward-model",
@@ -433,8 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.ab_policy_change_count:
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, NO_COUNT_MODE)
-        if args.ab_memory_plan or args.ab_overlap_moves or args.ab_optimizer_pieces or args.ab_prefetch:
+        fit_ab = (args.ab_overlap_moves, args.ab_optimizer_pieces, args.ab_prefetch, args.ab_kv_saver)
+        if args.ab_memory_plan or any(fit_ab):
             modes.insert(modes.index("shared") + 1 if "shared" in modes else 0, FIT_MODE)
+        if args.ab_kv_saver:
+            modes.insert(modes.index(FIT_MODE) + 1, FIT_KV_SAVER_MODE)
         if args.ab_prefetch:
             modes.insert(modes.index(FIT_MODE) + 1, FIT_NO_PREFETCH_MODE)
         if args.ab_overlap_moves:

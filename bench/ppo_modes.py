@@ -91,6 +91,8 @@ def ppo_values(
             values["prefetch_wakes"] = False
         if mode == FIT_WHOLE_TAGS_MODE:
             values["optimizer_pieces"] = 1
+        if mode == FIT_KV_SAVER_MODE:
+            values["rollout_kv_cache_backend"] = "torch_memory_saver"
         if args.quick:  # no GPU to ask: room for everything, so the plan's moves are the engines' alone
             values.update(gpu_memory_gib=64.0, memory_margin_gib=0.0)
     if reward_model is not None:
@@ -121,7 +123,12 @@ FIT_NO_PREFETCH_MODE = "shared_fit_no_prefetch"
 """The memory plan's mode with each wake made as its turn is entered (`--no-prefetch-wakes`, `--ab-prefetch`),
 where `shared_fit` starts a model's copied wakes in the background of the turn before."""
 
-FIT_MODES = (FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, FIT_NO_PREFETCH_MODE)
+FIT_KV_SAVER_MODE = "shared_fit_kv_saver"
+"""The memory plan's mode with the embedded engine's KV cache in a torch_memory_saver region
+(`--rollout-kv-cache-backend torch_memory_saver`, `--ab-kv-saver`): a release of the KV cache alone keeps its
+addresses and the decode's CUDA graphs, where `shared_fit` frees it and captures the graphs again."""
+
+FIT_MODES = (FIT_MODE, FIT_SERIAL_MODE, FIT_WHOLE_TAGS_MODE, FIT_NO_PREFETCH_MODE, FIT_KV_SAVER_MODE)
 """The modes with the memory plan."""
 
 SHARED_MODES = ("shared", NO_COUNT_MODE, *FIT_MODES)

@@ -19,6 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_harness import fmt, gpu_name
 from ppo_modes import (
+    FIT_KV_SAVER_MODE,
     FIT_MODE,
     FIT_NO_PREFETCH_MODE,
     FIT_SERIAL_MODE,
@@ -72,6 +73,7 @@ def compare(report: dict[str, Any]) -> None:
     report["overlap_moves"] = overlap_cost(fit, report["modes"].get(FIT_SERIAL_MODE) or {})
     report["optimizer_pieces"] = pieces_cost(fit, report["modes"].get(FIT_WHOLE_TAGS_MODE) or {})
     report["prefetch_wakes"] = prefetch_cost(fit, report["modes"].get(FIT_NO_PREFETCH_MODE) or {})
+    report["kv_saver"] = kv_saver_cost(fit, report["modes"].get(FIT_KV_SAVER_MODE) or {})
     probe = report.get("probe") or {}
     peaks = shared.get("gpu_peak_gib") or {}
     overhead = report["overhead_of_sharing"]
@@ -124,6 +126,29 @@ def overlap_cost(at_once: dict[str, Any], serial: dict[str, Any]) -> dict[str, A
         "handover_s": (at_once.get("phase_s_mean") or {}).get("handover"),
         "at_once_over_serial": at_once["step_s_mean"] / serial["step_s_mean"] - 1,
         "moved_gib": {"at_once": at_once.get("moved_gib"), "serial": serial.get("moved_gib")},
+    }
+
+
+KV_SAVER_PHASES = ("engine_release", "engine_resume", "engine_resume_kv_cache", "generate")
+"""The phases a KV cache at fixed addresses changes: its release and resume, and the generation that
+captured the decode's CUDA graphs again after each release."""
+
+
+def kv_saver_cost(torch_kv: dict[str, Any], saver_kv: dict[str, Any]) -> dict[str, Any] | None:
+    """The memory plan with the engine's KV cache on torch's allocator against in a torch_memory_saver region
+    (`--ab-kv-saver`): each mode's warm step and the phases the lever changes (`KV_SAVER_PHASES`); None
+    without both."""
+    if torch_kv.get("step_s_mean") is None or saver_kv.get("step_s_mean") is None:
+        return None
+
+    def phases(mode: dict[str, Any]) -> dict[str, float | None]:
+        means = mode.get("phase_s_mean") or {}
+        return {p: means.get(p) for p in KV_SAVER_PHASES}
+
+    return {
+        "step_s": {"torch": torch_kv["step_s_mean"], "torch_memory_saver": saver_kv["step_s_mean"]},
+        "phase_s": {"torch": phases(torch_kv), "torch_memory_saver": phases(saver_kv)},
+        "saver_over_torch": saver_kv["step_s_mean"] / torch_kv["step_s_mean"] - 1,
     }
 
 
@@ -291,6 +316,7 @@ def print_summary(report: dict[str, Any]) -> None:
             "its wakes in the background of the turn before against at their turn (--ab-prefetch)",
             "prefetch_wakes",
         ),
+        ("the engine's KV cache in a torch_memory_saver region against torch's (--ab-kv-saver)", "kv_saver"),
     ):
         if report.get(key):
             print(f"\n{label}: {report[key]}")

@@ -295,6 +295,16 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
             "give a margin below the GPU's memory",
         ),
         (("--gpu-memory-gib", "-1"), "--gpu-memory-gib: -1.0", "give a number of GiB >= 0"),
+        (
+            ("--rollout-kv-cache-backend", "torch_memory_saver"),
+            "--rollout-kv-cache-backend: torch_memory_saver is the embedded engine's on CUDA",
+            "--device cpu); use torch",
+        ),
+        (
+            ("--use-sequence-packing", "--packed-attention", "varlen"),
+            "--packed-attention: 'varlen' is flash attention, CUDA with bfloat16 or float16 only",
+            "use 'blocks' there",
+        ),
     ],
 )
 def test_the_algorithms_flags_are_refused_before_ray_naming_the_flag_and_the_fix(

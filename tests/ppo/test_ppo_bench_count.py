@@ -145,3 +145,22 @@ def test_the_no_prefetch_fit_mode_is_the_fit_mode_with_each_wake_at_its_turn(tmp
     assert cost["prefetch_over_at_turn"] == pytest.approx(9.0 / 9.8 - 1)
     assert cost["moved_gib"] == {"prefetch": [None, 6.0], "at_turn": [None, 6.0]}
     assert ppo_report.prefetch_cost({"step_s_mean": 9.0}, {}) is None
+
+
+def test_the_kv_saver_fit_mode_is_the_fit_mode_with_the_kv_cache_in_a_saver_region(tmp_path: Path) -> None:
+    """`--ab-kv-saver`: shared_fit_kv_saver's config, and the report's figures by hand."""
+    fit, saver = _mode_values(tmp_path, "--ab-kv-saver", ppo_modes.FIT_MODE, ppo_modes.FIT_KV_SAVER_MODE)
+    assert saver == {**fit, "rollout_kv_cache_backend": "torch_memory_saver"}
+    assert "rollout_kv_cache_backend" not in fit  # the default: torch's allocator
+    cost = ppo_report.kv_saver_cost(
+        {"step_s_mean": 9.0, "phase_s_mean": {"engine_release": 0.05, "generate": 2.1}},
+        {"step_s_mean": 8.8, "phase_s_mean": {"engine_release": 0.01, "generate": 2.0}},
+    )
+    assert cost is not None
+    assert cost["saver_over_torch"] == pytest.approx(8.8 / 9.0 - 1)
+    assert (
+        cost["phase_s"]["torch"]["engine_release"] == 0.05
+        and cost["phase_s"]["torch"]["engine_resume"] is None
+    )
+    assert cost["phase_s"]["torch_memory_saver"]["generate"] == 2.0
+    assert ppo_report.kv_saver_cost({"step_s_mean": 9.0}, {}) is None

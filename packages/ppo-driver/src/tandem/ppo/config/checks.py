@@ -190,6 +190,13 @@ def _check_plan(config: RunFields) -> None:
             "--lora-sync: adapters needs the embedded engine (it merges them into its base); SGLang servers "
             "get the merged weights: use --lora-sync merged or auto"
         )
+    if config.rollout_kv_cache_backend == "torch_memory_saver" and (
+        config.rollout_engine != "embedded" or config.device == "cpu"
+    ):
+        raise ValueError(
+            "--rollout-kv-cache-backend: torch_memory_saver is the embedded engine's on CUDA (SGLang servers "
+            f"manage their own; got --rollout-engine {config.rollout_engine}, --device {config.device}); use torch"
+        )
     if config.weight_sync == "ipc" and not (config.colocate and config.num_engines == config.actor_num_gpus):
         raise ValueError(
             "--weight-sync: ipc needs each engine on an actor rank's GPU (--colocate, one engine per "

@@ -53,7 +53,7 @@ _GROUP_MEMBERS: dict[str, str] = {
     "rollout": (
         "rollout_batch_size n_samples_per_prompt rollout_max_response_len temperature rollout_top_p "
         "rollout_top_k rollout_stop_token_ids rollout_ignore_eos rollout_engine rollout_dtype rollout_fused_decode "
-        "rollout_kv_cache_memory_fraction weight_sync update_weights_chunk_bytes sglang_urls "
+        "rollout_kv_cache_memory_fraction rollout_kv_cache_backend weight_sync update_weights_chunk_bytes sglang_urls "
         "dynamic_sampling dynamic_sampling_max_rounds async_mode"
     ),
     "PPO algorithm": (

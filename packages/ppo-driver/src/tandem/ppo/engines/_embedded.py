@@ -13,7 +13,9 @@ The model code is transformers' own; the engine owns the loop around it:
   `sync_every` steps, to stop when all sequences are done and to pack the
   unfinished ones into a smaller batch bucket (finished sequences are dropped);
 - release/resume: the weights go to retained host buffers through tandem.lifecycle
-  (`PinnedHostBackend`) and the KV cache, CUDA graphs and their memory pool are freed.
+  (`PinnedHostBackend`) and the KV cache, CUDA graphs and their memory pool are freed; with
+  `kv_cache_backend="torch_memory_saver"` a release of the KV cache alone unmaps its memory
+  and keeps its addresses, and the CUDA graphs with them.
 
 A batch's generation, wave by wave, is in `_decode_loop.py`, the forward passes, the
 cache and the CUDA graphs in `_forward.py`, the weight updates in `_weight_updates.py`
@@ -63,6 +65,9 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
             (tests pass one that fails on demand).
         decode_ops: None: the fused decode where `options.fused_decode` applies (CUDA, Triton);
             "reference" (tests): the fused decode on any device with its pure-torch operations.
+        kv_backend: with `options.kv_cache_backend="torch_memory_saver"`, what holds the KV cache;
+            None: tandem.lifecycle's `TorchMemorySaverBackend` without host copies (tests pass a
+            stand-in with its `region`, `pause` and `resume`).
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
         *,
         memory_backend: Any = None,
         decode_ops: DecodeOpsKind | None = None,
+        kv_backend: Any = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -143,6 +149,15 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
         self._adapters: dict[str, Any] = {}
         self._merged: set[str] = set()
         self._lifecycle = Lifecycle(memory_backend, tags=self._weight_tags)
+        self._kv_saver = None
+        if options.kv_cache_backend == "torch_memory_saver":
+            if kv_backend is None and self.device.type != "cuda":
+                raise ValueError(
+                    f"EngineOptions.kv_cache_backend='torch_memory_saver' needs CUDA; this engine runs on "
+                    f"{self.device.type}; use 'torch'"
+                )
+            self._kv_saver = kv_backend if kv_backend is not None else _kv_saver()
+        self._kv_paused = False  # the KV cache's memory unmapped, its addresses kept (`_kv_saver`)
         self._kv_released = False
         self._lock = threading.RLock()
         self._generate_calls = 0  # this process's, for `fault_points` (a test kills the n-th)
@@ -204,7 +219,12 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
         with self._lock:
             if "kv_cache" in chosen and not self._kv_released:
                 self._sessions.end()
-                self._drop_cache()
+                if self._kv_saver is None:
+                    self._drop_cache()
+                elif self._cache is not None:
+                    # Its physical memory goes, its addresses stay: the CUDA graphs over it stay valid.
+                    self._kv_saver.pause("kv_cache")
+                    self._kv_paused = True
                 self._kv_released = True
             if "weights" in chosen and not self._lifecycle.asleep:
                 self._drop_graphs()  # they point at the weights' storages, which move
@@ -222,7 +242,12 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
                 self._lifecycle.wake_up(self._weight_tags)
             if "kv_cache" in chosen and self._kv_released:
                 self._kv_released = False
-                if self._last_cache_shape is not None:
+                if self._kv_paused:
+                    assert self._kv_saver is not None and self._cache is not None
+                    self._kv_saver.resume("kv_cache")
+                    self._kv_paused = False
+                    self._cache.zero()  # memory mapped afresh: anything, NaN included
+                elif self._last_cache_shape is not None:
                     rows, length = self._last_cache_shape
                     self._ensure_cache(rows, length)
 
@@ -240,6 +265,10 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
         """Free the KV cache and CUDA graphs before the actor goes away."""
         with self._lock:
             self._sessions.end()
+            if self._kv_paused:  # mapped again before its tensors are freed
+                assert self._kv_saver is not None
+                self._kv_saver.resume("kv_cache")
+                self._kv_paused = False
             self._drop_cache()
             if self._fused is not None:
                 self._fused.release()
@@ -289,15 +318,6 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
 
     # -- device memory -------------------------------------------------------------------------------
 
-    def _empty_device_cache(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            # cuBLAS workspaces (one per stream used) live in torch's allocator too; they come back on use.
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:
-                clear_workspaces()
-            torch.cuda.empty_cache()
-
     def _weight_tensors(self) -> list[torch.Tensor]:
         # The change counter's bitmask goes to the host and back with the weights it describes (in a tag
         # of its own beside a frozen base).
@@ -306,6 +326,13 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
 
     def _counter_tensors(self) -> list[torch.Tensor]:
         return self._changes.tensors() if self._changes is not None else []
+
+
+def _kv_saver() -> Any:
+    """torch_memory_saver's backend for the KV cache: no host copy (a released cache's contents are dropped)."""
+    from tandem.lifecycle import TorchMemorySaverBackend
+
+    return TorchMemorySaverBackend(enable_cpu_backup=False)
 
 
 def _own_storages(model: torch.nn.Module) -> None:

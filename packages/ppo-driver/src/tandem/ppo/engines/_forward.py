@@ -13,6 +13,7 @@ that read it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,8 @@ class ForwardPasses:
     _side_stream: Any
     _decode_fn: Callable[[int, int], torch.Tensor]
     _fused: FusedDecoder | None
+    _kv_saver: Any
+    """torch_memory_saver's backend holding the KV cache (`EngineOptions.kv_cache_backend`), else None."""
     _vocab: int
     # Static inputs of the decode step (CUDA graphs read these very tensors).
     _ids: torch.Tensor
@@ -217,15 +220,22 @@ class ForwardPasses:
         if cache is not None:
             rows, length = max(rows, cache.rows), max(length, cache.length)
             self._drop_cache()
-        self._cache = StaticKVCache(
-            num_layers=self._num_layers,
-            rows=rows,
-            kv_heads=self._kv_heads,
-            length=length,
-            head_dim=self._head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        saver = self._kv_saver
+        if saver is not None:
+            # The old buffer's segment goes back to the driver, and the new one is a cudaMalloc of its own
+            # inside the region (not a cached block from outside it, nor a region block other tensors get).
+            self._empty_device_cache()
+        with saver.region("kv_cache") if saver is not None else contextlib.nullcontext():
+            self._cache = StaticKVCache(
+                num_layers=self._num_layers,
+                rows=rows,
+                kv_heads=self._kv_heads,
+                length=length,
+                head_dim=self._head_dim,
+                dtype=self.dtype,
+                device=self.device,
+                one_buffer=saver is not None,
+            )
         self._last_cache_shape = (rows, length)
         self._ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         self._start = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -235,6 +245,15 @@ class ForwardPasses:
     def _drop_graphs(self) -> None:
         self._graphs.clear()
         self._graph_pool = None
+
+    def _empty_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # cuBLAS workspaces (one per stream used) live in torch's allocator too; they come back on use.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
+            torch.cuda.empty_cache()
 
     def _drop_cache(self) -> None:
         self._drop_graphs()

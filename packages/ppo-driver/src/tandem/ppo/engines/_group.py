@@ -351,6 +351,10 @@ def create_engine_group(
             "num_cpus": num_cpus_per_engine,
             "scheduling_strategy": strategy,
         }
+        if engine == "embedded" and options.kv_cache_backend == "torch_memory_saver":
+            from tandem.lifecycle import torch_memory_saver_env  # its LD_PRELOAD hook, from the start
+
+            actor_options["runtime_env"] = {"env_vars": torch_memory_saver_env()}
         if engine == "embedded":
             return remote_cls.options(**actor_options).remote(hf_dir, options)
         return remote_cls.options(**actor_options).remote(hf_dir, options, rank=rank)

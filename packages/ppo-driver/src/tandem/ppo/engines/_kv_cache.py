@@ -22,6 +22,12 @@ import torch.nn.functional as F
 
 ATTENTION_NAME = "tandem_gqa_decode"
 
+ONE_BUFFER_ALIGN = 2 * 1024**2
+"""torch's CUDA allocator rounds a large segment up to 2 MiB (`kRoundLarge`)."""
+
+ONE_BUFFER_MIN_BYTES = 10 * 1024**2
+"""Below this (`kMinLargeAlloc`) torch's CUDA allocator takes a 20 MiB segment and splits the rest off."""
+
 
 class StaticKVCache:
     """Preallocated keys and values of every layer, `(rows, kv_heads, length, head_dim)` per layer.
@@ -29,6 +35,11 @@ class StaticKVCache:
     `bind` says which rows and key positions the next forward pass sees and where it
     writes: a CUDA graph captured after `bind` keeps reading the same views, so the
     buffers must never be re-allocated while graphs over them live.
+
+    `one_buffer`: every layer's keys and values are views of one buffer of at least
+    `ONE_BUFFER_MIN_BYTES`, a whole number of `ONE_BUFFER_ALIGN` bytes, so that torch's
+    allocator gives it a segment of its own with no free remainder that another tensor
+    could take (what a torch_memory_saver region unmaps must hold this cache alone).
     """
 
     is_compileable = True
@@ -43,10 +54,21 @@ class StaticKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        one_buffer: bool = False,
     ) -> None:
         shape = (rows, kv_heads, length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.buffer: torch.Tensor | None = None
+        if one_buffer:
+            count = 2 * num_layers * rows * kv_heads * length * head_dim
+            size = torch.empty(0, dtype=dtype).element_size()
+            nbytes = max(count * size, ONE_BUFFER_MIN_BYTES)
+            padded = -(-nbytes // ONE_BUFFER_ALIGN) * ONE_BUFFER_ALIGN
+            self.buffer = torch.zeros(padded // size, dtype=dtype, device=device)
+            views = self.buffer[:count].view(2 * num_layers, *shape).unbind(0)
+            self.keys, self.values = list(views[:num_layers]), list(views[num_layers:])
+        else:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.rows = rows
         self.length = length
         self._view_rows = rows
@@ -61,8 +83,16 @@ class StaticKVCache:
         return 2 * num_layers * kv_heads * length * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def nbytes(self) -> int:
-        """Bytes the cache holds."""
+        """Bytes the cache holds (its one buffer's whole size where it has one)."""
+        if self.buffer is not None:
+            return self.buffer.numel() * self.buffer.element_size()
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def zero(self) -> None:
+        """Set every key and value to 0 (memory mapped afresh holds anything, NaN included, which a masked
+        position's score would still carry through the softmax)."""
+        for buf in (self.buffer,) if self.buffer is not None else (*self.keys, *self.values):
+            buf.zero_()
 
     def bind(self, *, rows: int, kv_len: int, write_pos: torch.Tensor) -> None:
         """Let the next forward pass read rows `[:rows]`, positions `[:kv_len]`, and write at `write_pos` (1D)."""

@@ -8,6 +8,7 @@ from typing import Literal
 EngineDtype = Literal["auto", "float32", "bfloat16"]
 EngineDevice = Literal["auto", "cpu", "cuda"]
 EngineOffload = Literal["pinned_host", "none"]
+KvCacheBackend = Literal["torch", "torch_memory_saver"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,15 @@ class EngineOptions:
     kv_cache_memory_fraction: float = 0.3
     """At most this fraction of the device's total memory holds the KV cache; a batch that needs more
     is generated in successive waves. CUDA only (on CPU a batch is one wave)."""
+
+    kv_cache_backend: KvCacheBackend = "torch"
+    """Where the embedded engine's KV cache lives. `torch`: torch's allocator; a release frees it and drops
+    the decode's CUDA graphs (they read its addresses), and the next generate captures them again.
+    `torch_memory_saver`: one buffer in a torch_memory_saver region (tag `kv_cache`, no host copy); a
+    release unmaps its physical memory and keeps its virtual addresses, a resume maps fresh memory at
+    them, so the CUDA graphs stay valid and nothing is captured again. CUDA only; the engine's process
+    starts with the saver's LD_PRELOAD hook (`create_engine_group` passes it). A released KV cache's
+    contents are gone either way (sessions' kept KV included)."""
 
     kv_block: int = 128
     """The KV cache's length is a multiple of this many positions; transformers' decode step attends
@@ -113,6 +123,14 @@ class EngineOptions:
             raise ValueError(
                 f"EngineOptions.offload_backend={self.offload_backend!r}: choose 'pinned_host' or 'none' "
                 "(torch_memory_saver is not supported by the embedded engine)"
+            )
+        if self.kv_cache_backend not in ("torch", "torch_memory_saver"):
+            raise ValueError(
+                f"EngineOptions.kv_cache_backend={self.kv_cache_backend!r}: choose 'torch' or 'torch_memory_saver'"
+            )
+        if self.kv_cache_backend == "torch_memory_saver" and self.device == "cpu":
+            raise ValueError(
+                "EngineOptions.kv_cache_backend='torch_memory_saver' needs CUDA but device is 'cpu'; use 'torch'"
             )
         if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError(

@@ -251,6 +251,7 @@ def engine_options_of(config: PPOConfig) -> Any:
         "fused_decode": config.rollout_fused_decode,
         "cpu_threads": config.resolved_cpu_threads(),
         "count_weight_changes": config.policy_change_count,
+        "kv_cache_backend": config.rollout_kv_cache_backend,
     }
     if config.rollout_kv_cache_memory_fraction is not None:
         engine_kwargs["kv_cache_memory_fraction"] = config.rollout_kv_cache_memory_fraction

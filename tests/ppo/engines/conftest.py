@@ -47,6 +47,40 @@ def save_model(model: Any, path: Path) -> str:
     return str(path)
 
 
+def gpu_engines() -> Any:
+    """`tandem.ppo.engines`, also on the GPU host, which may lack the driver's CLI packages (then the engines
+    subpackage alone, as bench/engine_bench.py imports it)."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[3] / "bench" / "engine_bench.py"
+    spec = importlib.util.spec_from_file_location("engine_bench", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("engine_bench", module)
+    spec.loader.exec_module(module)
+    return module.import_engines()
+
+
+def medium_model(folder: Path) -> str:
+    """A ~0.2 B Qwen2-shaped random model (big enough that its memory shows), bf16, saved under `folder`/medium."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=1,
+    )
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return save_model(model, Path(folder) / "medium")
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     """(HF folder, the same model in memory) of a tiny random Llama or Qwen2."""

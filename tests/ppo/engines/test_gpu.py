@@ -8,47 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import make_tiny_model, random_prompts, save_model
+from .conftest import gpu_engines, make_tiny_model, medium_model, random_prompts, save_model
 
 pytestmark = pytest.mark.gpu
 
 
-def _engines() -> Any:
-    # The GPU host may lack the driver's CLI packages: import the engines subpackage alone if needed.
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parents[3] / "bench" / "engine_bench.py"
-    spec = importlib.util.spec_from_file_location("engine_bench", bench)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("engine_bench", module)
-    spec.loader.exec_module(module)
-    return module.import_engines()
-
-
-def _medium_model(tmp_path: Any) -> str:
-    """A ~0.2 B Qwen2-shaped random model (big enough that its memory shows), bf16."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=1,
-    )
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    return save_model(model, tmp_path / "medium")
-
-
 def test_cuda_graph_decode_matches_eager_and_the_argmax(tmp_path: Any) -> None:
-    engines = _engines()
+    engines = gpu_engines()
     model = make_tiny_model("llama")
     folder = save_model(model, tmp_path / "tiny")
     model = model.cuda()
@@ -72,8 +38,8 @@ def test_cuda_graph_decode_matches_eager_and_the_argmax(tmp_path: Any) -> None:
 
 
 def test_release_hands_the_memory_back_and_resume_restores_it(tmp_path: Any) -> None:
-    engines = _engines()
-    folder = _medium_model(tmp_path)
+    engines = gpu_engines()
+    folder = medium_model(tmp_path)
     torch.cuda.init()
     torch.ones(1, device="cuda")
     torch.cuda.synchronize()
@@ -120,7 +86,7 @@ def test_weights_arrive_through_cuda_ipc_handles(tmp_path: Any) -> None:
     import time
     from pathlib import Path
 
-    engines = _engines()
+    engines = gpu_engines()
     target = save_model(make_tiny_model("llama", seed=0), tmp_path / "target")
     source_model = make_tiny_model("llama", seed=51)
     source = save_model(source_model, tmp_path / "source")
@@ -196,7 +162,7 @@ def _assert_same_greedy(fused: list[Any], plain: list[Any], *, exact: bool) -> N
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_greedy_equals_the_transformers_path(tmp_path: Any, dtype: str) -> None:
-    engines = _engines()
+    engines = gpu_engines()
     folder, _ = _small_qwen2(tmp_path, getattr(torch, dtype))
     prompts = random_prompts(48, seed=60, min_len=3, max_len=40)
     params = engines.SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -212,8 +178,8 @@ def test_fused_decode_greedy_equals_the_transformers_path(tmp_path: Any, dtype: 
 
 
 def test_fused_decode_captures_one_graph_per_batch_bucket(tmp_path: Any) -> None:
-    engines = _engines()
-    folder = _medium_model(tmp_path)
+    engines = gpu_engines()
+    folder = medium_model(tmp_path)
     prompts = random_prompts(64, seed=61, min_len=60, max_len=100)
     params = engines.SamplingParams(max_new_tokens=300, temperature=1.0, seed=2, ignore_eos=True)
     fused = engines.EmbeddedEngine(folder)
@@ -243,7 +209,7 @@ def test_fused_decode_captures_one_graph_per_batch_bucket(tmp_path: Any) -> None
 
 
 def test_fused_decode_survives_release_resume_and_weight_updates(tmp_path: Any) -> None:
-    engines = _engines()
+    engines = gpu_engines()
     folder, _ = _small_qwen2(tmp_path, torch.float32)
     source_folder, source = _small_qwen2(tmp_path, torch.float32, seed=1)
     prompts = random_prompts(16, seed=62, min_len=3, max_len=30)
@@ -265,7 +231,7 @@ def test_fused_decode_survives_release_resume_and_weight_updates(tmp_path: Any) 
 
 
 def test_an_unsupported_model_decodes_with_transformers(tmp_path: Any) -> None:
-    engines = _engines()
+    engines = gpu_engines()
     folder = save_model(make_tiny_model("llama", hidden_act="gelu"), tmp_path / "gelu")
     engine = engines.EmbeddedEngine(folder)
     assert engine._fused is None

@@ -11,7 +11,6 @@ engine on torch's allocator through the same release (its graphs are captured ag
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -19,34 +18,9 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[4]
-
-
-def _engines() -> Any:
-    spec = importlib.util.spec_from_file_location("engine_bench", REPO / "bench" / "engine_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("engine_bench", module)
-    spec.loader.exec_module(module)
-    return module.import_engines()
-
-
-def _model(folder: Path) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=1,
-    )
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return str(folder)
+# The engine tests' helpers (tests/ppo/engines/conftest.py), imported as a plain module in this process.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import gpu_engines, medium_model
 
 
 def _free() -> int:
@@ -64,8 +38,8 @@ def _same(now: dict[Any, Any], then: dict[Any, Any]) -> bool:
 
 
 def main() -> None:
-    engines = _engines()
-    folder = _model(Path(sys.argv[1]) / "medium")
+    engines = gpu_engines()
+    folder = medium_model(Path(sys.argv[1]))
     generator = torch.Generator().manual_seed(3)
     prompts = [
         torch.randint(2, 32000, (int(n),), generator=generator).tolist()

@@ -88,6 +88,7 @@ def varlen_function() -> VarlenFn | None:
     return cast(VarlenFn, varlen_attn)  # returns a tuple only when asked for `return_aux`
 
 
+@cache
 def _takes_gqa(fn: VarlenFn) -> bool:
     """Whether `fn` groups query heads over fewer key/value heads itself (`enable_gqa`: torch 2.12 on; the
     H200 host's 2.11 has no such argument, docs/benchmarks.md)."""

@@ -16,8 +16,24 @@ __all__ = [
     "PhasePeaks",
     "all_devices_used_bytes",
     "device_used_bytes",
+    "empty_device_cache",
     "process_gpu_bytes",
 ]
+
+
+def empty_device_cache(device: Any) -> None:
+    """Hand this process's unused cached device memory back to the driver, cuBLAS's workspaces included (one per
+    stream used; they live in torch's allocator too and come back on use). Waits for the device first; nothing
+    off CUDA."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 def _nvidia_smi(*args: str) -> list[str] | None:

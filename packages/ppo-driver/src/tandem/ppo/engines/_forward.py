@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tandem.megatron.runtime.gpu_memory import empty_device_cache
+
 from ._fused_decode import FusedDecoder
 from ._kv_cache import StaticKVCache, cache_keyword
 from ._options import EngineOptions
@@ -247,13 +249,7 @@ class ForwardPasses:
         self._graph_pool = None
 
     def _empty_device_cache(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            # cuBLAS workspaces (one per stream used) live in torch's allocator too; they come back on use.
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:
-                clear_workspaces()
-            torch.cuda.empty_cache()
+        empty_device_cache(self.device)
 
     def _drop_cache(self) -> None:
         self._drop_graphs()

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 
 from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
-from tandem.megatron.runtime.gpu_memory import PhasePeaks, device_used_bytes, process_gpu_bytes
+from tandem.megatron.runtime.gpu_memory import (
+    PhasePeaks,
+    device_used_bytes,
+    empty_device_cache,
+    process_gpu_bytes,
+)
 
 from ._options import ForwardOptions
 
@@ -136,13 +141,7 @@ class ForwardWorker:
         self._empty_device_cache()
 
     def _empty_device_cache(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            # cuBLAS workspaces (one per stream used) live in torch's allocator too; they come back on use.
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:
-                clear_workspaces()
-            torch.cuda.empty_cache()
+        empty_device_cache(self.device)
 
 
 def right_padded(rows: list[list[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -289,8 +290,11 @@ def run_values(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     # The GPU bench's own shared mode; with --quick its CPU smoke shape (the same path, tested on a CPU).
     bench = ppo_gpu_bench.parse_args(
-        ["--out", str(work), "--shape", args.shape, *(["--quick"] if args.quick else [])]
-    )
+        [
+            "--out", str(work), "--shape", args.shape, *(["--quick"] if args.quick else []),
+            *shlex.split(args.bench_args),
+        ]
+    )  # fmt: skip
     hf_dir, data, reward = work / "policy", work / "prompts.jsonl", work / "bench_reward.py"
     shape, dtype = (QUICK_MODEL, "float32") if args.quick else (SHAPES[args.shape], "bfloat16")
     bench.stop_token_ids = ()  # the bench's fixed lengths (as its main sets them)
@@ -301,7 +305,7 @@ def run_values(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {**values, **common}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the report (JSON); the samples go beside it")
     parser.add_argument(
@@ -333,18 +337,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", type=Path, default=None, help="the run's folder (default: a temp dir)")
     parser.add_argument(
+        "--bench-args",
+        default="",
+        help="with --shape: the GPU bench's own flags for the soaked work, e.g. '--prompts 64 "
+        "--global-batch-size 64 --response-len 128' (a leak is a slope per step, whatever the step's size)",
+    )
+    parser.add_argument(
         "--trace-python",
         action="store_true",
         help="trace Python's allocations (tracemalloc) in the driver and each worker after the warm-up, and "
         "report the lines that grew most by each start's end (slower: a diagnosis, not a measurement)",
     )
     parser.add_argument("--start", default=None, help=argparse.SUPPRESS)  # internal: one start's JSON
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if args.start is not None:
         spec = json.loads(args.start)
         return run_start(spec)
+    if args.bench_args and args.shape is None:
+        parser.error("--bench-args: the GPU bench's flags need --shape (the demo has its own work)")
     if args.quick:
         args.steps, args.save_interval, args.resumes, args.warmup = 12, 2, 1, 2
     started = time.time()
@@ -401,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.time() - started,
         "run": {
             k: values[k]
-            for k in ("num_rollout", "save_interval", "rollout_batch_size", "device")
+            for k in ("num_rollout", "save_interval", "rollout_batch_size", "rollout_max_response_len", "device")
             if k in values
         },
         "shape": args.shape or "demo",

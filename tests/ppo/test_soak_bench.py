@@ -84,3 +84,26 @@ def test_the_sampler_sees_a_process_and_its_descendants(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "c").write_bytes(bytes(24))
     assert soak.folder_bytes(tmp_path) == 1024
+
+
+def test_the_gpu_soak_takes_the_benchs_own_flags_for_its_work(tmp_path: Path) -> None:
+    import soak as soak_main
+
+    parser_args = [
+        "--out", str(tmp_path / "r.json"), "--shape", "qwen2.5-0.5b", "--quick",
+        "--bench-args", "--prompts 8 --global-batch-size 8 --response-len 24",
+    ]  # fmt: skip
+    args = soak_main.build_parser().parse_args(parser_args)
+    values = soak_main.run_values(args, tmp_path)
+    assert (values["rollout_batch_size"], values["global_batch_size"]) == (8, 8)
+    assert values["rollout_max_response_len"] == 24
+    assert values["offload_train"] is True  # the bench's shared mode
+
+
+def test_bench_flags_without_a_gpu_shape_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    import soak as soak_main
+
+    with pytest.raises(SystemExit):
+        soak_main.main(["--out", "/tmp/unused.json", "--bench-args", "--prompts 8"])
+    assert "--bench-args" in capsys.readouterr().err
+

@@ -418,7 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.time() - started,
         "run": {
             k: values[k]
-            for k in ("num_rollout", "save_interval", "rollout_batch_size", "rollout_max_response_len", "device")
+            for k in (
+                "num_rollout",
+                "save_interval",
+                "rollout_batch_size",
+                "rollout_max_response_len",
+                "device",
+            )
             if k in values
         },
         "shape": args.shape or "demo",

@@ -106,4 +106,3 @@ def test_bench_flags_without_a_gpu_shape_are_refused(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         soak_main.main(["--out", "/tmp/unused.json", "--bench-args", "--prompts 8"])
     assert "--bench-args" in capsys.readouterr().err
-

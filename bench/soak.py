@@ -280,6 +280,9 @@ def run_values(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "save_interval": args.save_interval,
         "keep_checkpoints": args.keep_checkpoints,
         "progress": False,
+        # Each start stops itself by SIGTERM, a preemption with no SIGKILL behind it: the step's save finishes
+        # however long it takes (a 0.5B actor and critic write 14 GB), not within the default grace period.
+        "sigterm_grace_s": None,
     }
     if args.shape is None:
         from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo

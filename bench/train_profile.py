@@ -33,8 +33,8 @@ position (prompts and padding too) instead of the response positions alone
 each call, as PPO's steps bring them, and `--packed` packs them: for example
 `--shape qwen2.5-0.5b --seq-len 640 --prompt-len 128 --samples 256
 --micro-batch-size 16 --varied-lengths --packed`, the PPO bench's realistic step;
-`--packed-attention varlen` runs its attention as one varlen flash call a layer instead of
-a call per sample.
+`--packed-attention blocks` runs its attention as a call per sample instead of one varlen
+flash call a layer (the default's choice on a GPU).
 
 CPU smoke run (tiny model, fp32, gloo; the profile then lists CPU operators):
 
@@ -411,9 +411,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--packed", action="store_true", help="use_sequence_packing")
     p.add_argument(
         "--packed-attention",
-        choices=["blocks", "varlen"],
-        default="blocks",
-        help="WorkerConfig.packed_attention with --packed: a call per sample, or one varlen flash call a layer",
+        choices=["auto", "blocks", "varlen"],
+        default="auto",
+        help="WorkerConfig.packed_attention with --packed: a call per sample, one varlen flash call a layer, or "
+        "auto (varlen where it runs: CUDA, bf16/fp16)",
     )
     p.add_argument(
         "--log-probs-chunk-tokens",

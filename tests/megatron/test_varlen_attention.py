@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.models.attention import check_varlen, varlen_function, varlen_packed_attention
+from tandem.megatron.models.attention import (
+    VARLEN_MAX_HEAD_DIM,
+    check_varlen,
+    resolve_packed_attention,
+    varlen_function,
+    varlen_packed_attention,
+)
 
 
 def _by_definition(
@@ -136,9 +142,31 @@ def test_uneven_head_groups_and_hosts_that_cannot_run_it_are_refused() -> None:
             fn=fn,
         )
     with pytest.raises(ValueError, match=r"packed_attention='varlen': the model is on cpu.*'blocks'"):
-        check_varlen(torch.device("cpu"), torch.bfloat16)
+        check_varlen(torch.device("cpu"), torch.bfloat16, 64)
     with pytest.raises(ValueError, match=r"params_dtype is torch.float32.*'blocks'"):
-        check_varlen(torch.device("cuda", 0), torch.float32)
+        check_varlen(torch.device("cuda", 0), torch.float32, 64)
+    with pytest.raises(ValueError, match=r"heads are 512 wide.*at most 256.*'blocks'"):
+        check_varlen(torch.device("cuda", 0), torch.bfloat16, 512)
+
+
+@given(
+    device=st.sampled_from(["cpu", "cuda"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    head_dim=st.sampled_from([64, 128, 256, 512]),
+    available=st.booleans(),
+)
+def test_auto_is_varlen_exactly_where_varlen_can_run(
+    device: str, dtype: torch.dtype, head_dim: int, available: bool
+) -> None:
+    runs = device == "cuda" and dtype != torch.float32 and head_dim <= VARLEN_MAX_HEAD_DIM and available
+    on = torch.device(device)
+    assert resolve_packed_attention("auto", on, dtype, head_dim, available=available) == (
+        "varlen" if runs else "blocks"
+    )
+    for given_choice in ("blocks", "varlen"):  # a choice given stands (check_varlen refuses what cannot run)
+        assert (
+            resolve_packed_attention(given_choice, on, dtype, head_dim, available=available) == given_choice
+        )
 
 
 @pytest.mark.gpu
@@ -147,7 +175,7 @@ def test_the_real_kernel_gives_the_blocks_attention_and_gradients(groups: int) -
     fn = varlen_function()
     if fn is None:
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
-    check_varlen(torch.device("cuda"), torch.bfloat16)
+    check_varlen(torch.device("cuda"), torch.bfloat16, 64)
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [130, 1, 517, 64, 283, 7]
     t, kv_heads, d = sum(lengths), 2, 64

@@ -6,8 +6,8 @@ handed over in Boxes, sleeping in between (the cudaMalloc calls of a train after
 wake bounded by a cold first train's); while both sleep each holds at most
 1 GiB of GPU memory beyond its CUDA context; a sleep/wake cycle brings back
 every byte of weights and optimizer state; a checkpoint saved and loaded in
-place restores the state exactly (distributed optimizer); the weight export
-works while asleep.
+place restores the state exactly (distributed optimizer), and so does one
+loaded by a fresh worker (a resumed run); the weight export works while asleep.
 
     source .gpu-kit/setup.sh && python3 -m pytest tests/megatron/test_worker_gpu.py -m gpu -q
 """
@@ -96,7 +96,7 @@ def groups(
     ray.get(pg.ready())
     critic = create_train_group(config, "critic", pg, [0], num_gpus_per_worker=0.4)
     actor = create_train_group(config, "actor", pg, [0], num_gpus_per_worker=0.4)
-    yield {"critic": critic, "actor": actor, "config": config, "backend": backend}
+    yield {"critic": critic, "actor": actor, "config": config, "backend": backend, "pg": pg}
     ray.shutdown()
 
 
@@ -202,6 +202,31 @@ def test_checkpoint_restores_the_distributed_optimizer_state(groups: dict[str, A
         loaded = group.run("state_snapshot")
         for x, y in zip(saved[name], loaded, strict=True):
             assert all(torch.equal(x[k], y[k]) for k in x), [k for k in x if not torch.equal(x[k], y[k])][:5]
+
+
+def test_a_fresh_worker_resumes_the_distributed_optimizer_from_a_checkpoint(groups: dict[str, Any]) -> None:
+    """A new process (a resumed run) has taken no optimizer step: the checkpoint's optimizer state loads into
+    it all the same (megatron-core's DistributedOptimizer built its loading template from state it did not
+    have yet), and it holds the saved weights, fp32 main weights and Adam's moments."""
+    import ray
+
+    from tandem.megatron.group import create_train_group
+
+    critic = groups["critic"]
+    critic.run("wake_up")
+    ray.get(critic.train(9, [ray.put(make_batch(16, seed=9))]))
+    critic.run("save_model", 9)
+    (saved,) = critic.run("state_snapshot")
+    critic.shutdown()
+    critic.kill()
+    fresh = create_train_group(groups["config"], "critic", groups["pg"], [0], num_gpus_per_worker=0.4)
+    groups["critic"] = fresh
+    (loaded,) = fresh.run("state_snapshot")
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved), [
+        k for k in saved if not torch.equal(saved[k], loaded[k])
+    ][:5]
+    ray.get(fresh.train(10, [ray.put(make_batch(16, seed=10))]))  # and it trains on
 
 
 def test_update_weights_while_asleep(groups: dict[str, Any]) -> None:

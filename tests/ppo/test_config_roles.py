@@ -130,7 +130,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "critic_tensor_model_parallel_size": _one_of(None, 1, 2),
     "shuffle_minibatches": st.booleans(),
     "use_sequence_packing": st.booleans(),
-    "packed_attention": _one_of("blocks"),  # varlen: CUDA only (tests/megatron/test_config.py)
+    "packed_attention": _one_of("auto", "blocks"),  # varlen: CUDA only (tests/megatron/test_config.py)
     "log_probs_max_tokens_per_gpu": _one_of(None, 512),
     "log_probs_chunk_tokens": _one_of(0, 4096),
     "ppo_epochs": _one_of(1, 2),

@@ -98,6 +98,7 @@ def test_the_gpu_soak_takes_the_benchs_own_flags_for_its_work(tmp_path: Path) ->
     assert (values["rollout_batch_size"], values["global_batch_size"]) == (8, 8)
     assert values["rollout_max_response_len"] == 24
     assert values["offload_train"] is True  # the bench's shared mode
+    assert values["sigterm_grace_s"] is None  # its own SIGTERM: the step's save finishes, however long
 
 
 def test_bench_flags_without_a_gpu_shape_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,7 @@ TisMode = Literal["token", "seq_mask"]
 
 OpdMode = Literal["reward", "loss"]
 
-PackedAttention = Literal["blocks", "varlen"]
+PackedAttention = Literal["auto", "blocks", "varlen"]
 """How the SDPA core attention runs a packed row: a call per sample, or one varlen flash call a layer."""
 """How on-policy distillation's per-token reverse KL to the teacher trains the student (`distillation`):
 folded into the token rewards, or a term of the policy loss."""

@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import torch
 
+from tandem.megatron.choices import PackedAttention
 from tandem.megatron.models.packing import PackedRow, block_causal_mask, segments_of
 
 _ALLOW_CUDNN = False
@@ -98,18 +99,48 @@ def _takes_gqa(fn: VarlenFn) -> bool:
         return False
 
 
-def check_varlen(device: torch.device, dtype: torch.dtype) -> None:
-    """ValueError, naming the field, where `packed_attention="varlen"` cannot run: no CUDA, not half precision,
-    or a torch without `varlen_attn`."""
-    why = None
+VARLEN_MAX_HEAD_DIM = 256
+"""The widest head flash attention takes (FlashAttention-2's limit, which PyTorch's varlen kernel shares)."""
+
+
+def varlen_unavailable(
+    device: torch.device, dtype: torch.dtype, head_dim: int, *, available: bool | None = None
+) -> str | None:
+    """Why `packed_attention="varlen"` cannot run here (no CUDA, not half precision, a head too wide, a
+    torch without `varlen_attn`), or None where it can. `available`: whether this torch has the
+    function (None: ask `varlen_function`)."""
     if device.type != "cuda":
-        why = f"the model is on {device.type}; varlen flash attention runs on CUDA only"
-    elif dtype not in (torch.bfloat16, torch.float16):
-        why = f"params_dtype is {dtype}; flash attention takes bfloat16 or float16"
-    elif varlen_function() is None:
-        why = f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later do)"
+        return f"the model is on {device.type}; varlen flash attention runs on CUDA only"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"params_dtype is {dtype}; flash attention takes bfloat16 or float16"
+    if head_dim > VARLEN_MAX_HEAD_DIM:
+        return f"the model's heads are {head_dim} wide; flash attention takes at most {VARLEN_MAX_HEAD_DIM}"
+    if not (varlen_function() is not None if available is None else available):
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later do)"
+    return None
+
+
+def check_varlen(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """ValueError, naming the field, where `packed_attention="varlen"` cannot run (`varlen_unavailable`)."""
+    why = varlen_unavailable(device, dtype, head_dim)
     if why is not None:
         raise ValueError(f"packed_attention='varlen': {why}; use packed_attention='blocks'")
+
+
+def resolve_packed_attention(
+    packed_attention: PackedAttention,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    available: bool | None = None,
+) -> PackedAttention:
+    """`packed_attention` as the model runs it: "auto" is "varlen" wherever that can run, else "blocks"
+    (the realistic-length 0.5B step on one H200: 11.90 s with blocks, 8.24 s with varlen,
+    docs/benchmarks.md); "blocks" and "varlen" as given (`check_varlen` refuses "varlen" where it cannot)."""
+    if packed_attention != "auto":
+        return packed_attention
+    return "blocks" if varlen_unavailable(device, dtype, head_dim, available=available) else "varlen"
 
 
 def varlen_packed_attention(

@@ -25,7 +25,12 @@ from torch import nn
 from tandem.megatron.choices import ROLES, PackedAttention, Role
 from tandem.megatron.models import rope
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
-from tandem.megatron.models.attention import check_varlen, local_attention, sdpa_attention
+from tandem.megatron.models.attention import (
+    check_varlen,
+    local_attention,
+    resolve_packed_attention,
+    sdpa_attention,
+)
 from tandem.megatron.models.head_rows import HeadRows
 from tandem.megatron.models.hf_config import ModelSpec
 
@@ -113,7 +118,7 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     attention: Attention = "sdpa",
-    packed_attention: PackedAttention = "blocks",
+    packed_attention: PackedAttention = "auto",
     fused_rope: bool | None = None,
     variable_shapes: bool = False,
     vocab_multiple: int = 128,
@@ -133,8 +138,9 @@ def build_model(
         attention: "sdpa" (torch's fused causal attention) or "local" (Megatron's
             unfused `DotProductAttention`, which keeps `[b, heads, s, s]` scores); both
             also run packed micro-batches (`attention.py`).
-        packed_attention: how "sdpa" runs a packed row: "blocks" (a call per sample) or
-            "varlen" (one varlen flash call a layer; CUDA, bf16/fp16: `attention.check_varlen`).
+        packed_attention: how "sdpa" runs a packed row: "blocks" (a call per sample),
+            "varlen" (one varlen flash call a layer; CUDA, bf16/fp16: `attention.check_varlen`), or
+            "auto", varlen wherever it can run, else blocks (`attention.resolve_packed_attention`).
         fused_rope: apply RoPE with our compiled kernels (`rope.py`: a cos/sin table and one
             fused kernel instead of Megatron's unfused chain of multiplies and copies, with
             the same bf16 results) through Megatron's `apply_rope_fusion`; None: on when
@@ -155,13 +161,21 @@ def build_model(
         raise ValueError(f"build_model: attention {attention!r} is not one of {_ATTENTIONS}")
     if not (fused_rope is None or isinstance(fused_rope, bool)):
         raise ValueError(f"build_model: fused_rope {fused_rope!r} must be True, False or None (auto)")
-    if packed_attention not in ("blocks", "varlen"):
-        raise ValueError(f"build_model: packed_attention {packed_attention!r}; choose 'blocks' or 'varlen'")
+    if packed_attention not in ("auto", "blocks", "varlen"):
+        raise ValueError(
+            f"build_model: packed_attention {packed_attention!r}; choose 'auto', 'blocks' or 'varlen'"
+        )
+    on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if packed_attention == "auto":
+        packed_attention = (
+            resolve_packed_attention("auto", on, params_dtype, spec.head_dim)
+            if attention == "sdpa"
+            else "blocks"
+        )
     if packed_attention == "varlen":
         if attention != "sdpa":
             raise ValueError("build_model: packed_attention='varlen' needs attention='sdpa'")
-        on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        check_varlen(on, params_dtype)
+        check_varlen(on, params_dtype, spec.head_dim)
     if "apply_rope_fusion" in config_overrides:
         raise ValueError(
             "build_model: set RoPE fusion with fused_rope=True/False, not apply_rope_fusion "

@@ -37,6 +37,7 @@ from tandem.megatron.runtime.checkpoint_folder import (
     save_folder,
 )
 from tandem.megatron.runtime.checkpoint_manifest import verify_checkpoint
+from tandem.megatron.worker.optimizer import inner_torch_optimizers
 
 __all__ = [
     "MARKER",
@@ -195,11 +196,44 @@ def save_checkpoint(
 
     in_process_write_results()
 
+    # A model that has taken no optimizer step yet (the actor in the critic-only warm-up) has no optimizer
+    # state to save; megatron-core's distributed optimizer cannot even describe it (its state_dict()
+    # asserts one step count over its parameters' states).
+    stepped = optimizer_has_state(state.optimizer)
+
     def write(staging: Path) -> None:
-        sharded = _sharded_state_dict(state, is_loading=False, rollout_id=rollout_id)
+        sharded = _sharded_state_dict(state, is_loading=False, rollout_id=rollout_id, with_optimizer=stepped)
         dist_checkpointing.save(sharded, str(staging))
 
     return save_folder(root, rollout_id, write, rank=torch.distributed.get_rank(), barrier=barrier)
+
+
+def optimizer_has_state(optimizer: Any) -> bool:
+    """Whether `optimizer` (a Megatron optimizer, chained or not) holds per-parameter state: it has stepped."""
+    return any(len(inner.state) > 0 for inner in inner_torch_optimizers(optimizer))
+
+
+def allocate_optimizer_state(optimizer: Any) -> None:
+    """Give each distributed optimizer of `optimizer` that holds no state yet its per-parameter state
+    (zeros, step 0), for a checkpoint's optimizer state to load into.
+
+    A process that has taken no step (a run resumed from its checkpoint) holds none, and megatron-core's
+    `DistributedOptimizer.sharded_state_dict(is_loading=True)` builds its template from its own
+    `state_dict()`, which without Apex or Transformer Engine reads the one step count of the torch
+    optimizer's per-parameter states and asserts there is exactly one. The moments come from the
+    optimizer's own `init_state_fn` (Adam's `exp_avg`, `exp_avg_sq`), the step count as torch's Adam keeps
+    it; the load then overwrites all of them in place. The plain optimizer (the CPU's) initialises its state
+    itself when it loads.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(part, DistributedOptimizer) or len(part.optimizer.state) > 0:
+            continue
+        part.init_state_fn(part.optimizer, part.config)
+        for group in part.optimizer.param_groups:
+            for param in group["params"]:
+                part.optimizer.state[param].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
 def _holds_optimizer_state(folder: Path) -> bool:
@@ -242,6 +276,8 @@ def load_checkpoint(
         # optimizer state to restore: its optimizer starts fresh, as it was. (Building the loading
         # template would create Adam's moments without their step count.)
         stepped = _holds_optimizer_state(folder)
+        if stepped:
+            allocate_optimizer_state(state.optimizer)
         template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id, with_optimizer=stepped)
         loaded = dist_checkpointing.load(template, str(folder))
     except Exception as exc:

@@ -117,7 +117,7 @@ class OptimizerBundle:
         return _distinct(self._tensors(params=False, state=True))
 
     def _tensors(self, *, params: bool, state: bool) -> Iterator[Any]:
-        for inner in _inner_torch_optimizers(self.optimizer):
+        for inner in inner_torch_optimizers(self.optimizer):
             for group in inner.param_groups:
                 for param in group["params"]:
                     if params:
@@ -136,7 +136,8 @@ def _distinct(tensors: Iterator[Any]) -> Iterator[torch.Tensor]:
             yield tensor
 
 
-def _inner_torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
+def inner_torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (each part of a chained one), which hold the state."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if inner is not None:

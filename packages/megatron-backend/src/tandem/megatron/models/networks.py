@@ -165,6 +165,13 @@ def build_model(
         raise ValueError(
             f"build_model: packed_attention {packed_attention!r}; choose 'auto', 'blocks' or 'varlen'"
         )
+    if packed_attention == "varlen" and attention != "sdpa":
+        raise ValueError("build_model: packed_attention='varlen' needs attention='sdpa'")
+    if "apply_rope_fusion" in config_overrides:
+        raise ValueError(
+            "build_model: set RoPE fusion with fused_rope=True/False, not apply_rope_fusion "
+            "(Megatron's fused path needs Transformer Engine; fused_rope installs ours)"
+        )
     on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if packed_attention == "auto":
         packed_attention = (
@@ -173,14 +180,7 @@ def build_model(
             else "blocks"
         )
     if packed_attention == "varlen":
-        if attention != "sdpa":
-            raise ValueError("build_model: packed_attention='varlen' needs attention='sdpa'")
         check_varlen(on, params_dtype, spec.head_dim)
-    if "apply_rope_fusion" in config_overrides:
-        raise ValueError(
-            "build_model: set RoPE fusion with fused_rope=True/False, not apply_rope_fusion "
-            "(Megatron's fused path needs Transformer Engine; fused_rope installs ours)"
-        )
     enable_cpu_compat()
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel

@@ -227,6 +227,12 @@ def test_a_fresh_worker_resumes_the_distributed_optimizer_from_a_checkpoint(grou
         k for k in saved if not torch.equal(saved[k], loaded[k])
     ][:5]
     ray.get(fresh.train(10, [ray.put(make_batch(16, seed=10))]))  # and it trains on
+    # The state the load created lies where a sleep moves or releases it (the backend's optimizer region).
+    fresh.run("sleep")
+    (report,) = fresh.run("gpu_memory")
+    if report["process"] is not None and report["process_baseline"] is not None:
+        assert report["process"] - report["process_baseline"] <= MAX_ASLEEP_EXTRA, report
+    fresh.run("wake_up")
 
 
 def test_update_weights_while_asleep(groups: dict[str, Any]) -> None:

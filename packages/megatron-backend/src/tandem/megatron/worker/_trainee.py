@@ -277,6 +277,7 @@ class Trainee:
             self.optim.scheduler,
             metadata,
             trained_only=self.lora is not None,
+            optimizer_region=lambda: self.backend.region(OPTIMIZER),
         )
 
     @torch.no_grad()

@@ -13,11 +13,13 @@ Saves are synchronous, written by threads of the saving process
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import random
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,8 @@ class TrainState:
         trained_only: the model's part of a checkpoint holds only the parameters that train (a
             LoRA model: its adapters and the critic's value head); the frozen base is the Hugging
             Face folder's, loaded at start-up, and never saved.
+        optimizer_region: the memory region the optimizer's state is created in (the worker's
+            backend's, so that a sleep moves or releases it), entered where a load creates that state.
     """
 
     model: Sequence[torch.nn.Module]
@@ -81,6 +85,7 @@ class TrainState:
     scheduler: Any
     sharding_metadata: dict[str, Any]
     trained_only: bool = False
+    optimizer_region: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 def _rng_state() -> dict[str, Any]:
@@ -277,7 +282,8 @@ def load_checkpoint(
         # template would create Adam's moments without their step count.)
         stepped = _holds_optimizer_state(folder)
         if stepped:
-            allocate_optimizer_state(state.optimizer)
+            with state.optimizer_region():
+                allocate_optimizer_state(state.optimizer)
         template = _sharded_state_dict(state, is_loading=True, rollout_id=rollout_id, with_optimizer=stepped)
         loaded = dist_checkpointing.load(template, str(folder))
     except Exception as exc:

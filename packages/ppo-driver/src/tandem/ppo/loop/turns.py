@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import ray
 
@@ -57,20 +57,24 @@ class StepTurns:
         self.metrics: dict[str, Any] = {} if kl_coef is None else {KL_COEF: kl_coef}
         self.critic_out: list[TrainResult] | None = None
         self.log_probs: list[ActorLogProbs | None] | None = None
-        self._work: dict[Work | None, Callable[[Turn], None]] = {
-            "generate": self._generate,
-            "score": self._score,
-            "log_probs": self._log_probs,
-            "train": self._train,
-            "start_next": self._start_next,
-            "await_next": self._await_next,
-            "weights": self._weights,
-            None: self._lifecycle,
-        }
+
+    # Each turn's work by name; looked up at each turn rather than held as bound methods, which would
+    # make every step's turns a reference cycle that keeps the step's rollout (its token ids,
+    # log-probs and batches in Ray's object store) alive until the cyclic collector runs.
+    _WORK: ClassVar[dict[Work | None, str]] = {
+        "generate": "_generate",
+        "score": "_score",
+        "log_probs": "_log_probs",
+        "train": "_train",
+        "start_next": "_start_next",
+        "await_next": "_await_next",
+        "weights": "_weights",
+        None: "_lifecycle",
+    }
 
     def take(self, turn: Turn) -> None:
         """Take `turn`: its wake, its work, its sleep."""
-        self._work[turn.work](turn)
+        getattr(self, self._WORK[turn.work])(turn)
 
     @property
     def rollout(self) -> Sampled:

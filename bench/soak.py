@@ -308,18 +308,38 @@ def run_values(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {**values, **common}
 
 
+COUNTS = {"steps": (500, 12), "save_interval": (10, 2), "resumes": (2, 1), "warmup": (10, 2)}
+"""Each count's default, and --quick's: the flags given keep their values, with --quick or not."""
+
+
+def resolve_counts(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the counts not given with the defaults of `COUNTS` (--quick's where set)."""
+    for name, (full, quick) in COUNTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the report (JSON); the samples go beside it")
     parser.add_argument(
         "--shape", default=None, help="a ppo_harness shape on the GPU (default: the CPU demo)"
     )
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=None, help="default 500 (--quick: 12)")
+    parser.add_argument("--save-interval", type=int, default=None, help="default 10 (--quick: 2)")
     parser.add_argument(
-        "--resumes", type=int, default=2, help="starts after the first, each from a checkpoint"
+        "--resumes",
+        type=int,
+        default=None,
+        help="starts after the first, each from a checkpoint; default 2 (--quick: 1)",
     )
-    parser.add_argument("--warmup", type=int, default=10, help="steps of each start left out of its fit")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps of each start left out of its fit; default 10 (--quick: 2)",
+    )
     parser.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -336,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="12 steps, a save every 2, one resume (with --shape: its CPU smoke model)",
+        help="12 steps, a save every 2, one resume, unless given (with --shape: its CPU smoke model)",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="the run's folder (default: a temp dir)")
     parser.add_argument(
@@ -365,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_start(spec)
     if args.bench_args and args.shape is None:
         parser.error("--bench-args: the GPU bench's flags need --shape (the demo has its own work)")
-    if args.quick:
-        args.steps, args.save_interval, args.resumes, args.warmup = 12, 2, 1, 2
+    resolve_counts(args)
     started = time.time()
     bounds = [round(args.steps * (i + 1) / (args.resumes + 1)) - 1 for i in range(args.resumes + 1)]
     only = args.only_start

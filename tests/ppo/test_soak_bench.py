@@ -107,3 +107,16 @@ def test_bench_flags_without_a_gpu_shape_are_refused(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         soak_main.main(["--out", "/tmp/unused.json", "--bench-args", "--prompts 8"])
     assert "--bench-args" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_counts_given_are_kept_and_the_others_are_the_defaults(quick: bool) -> None:
+    import soak as soak_main
+
+    given = ["--steps", "80", "--warmup", "5"]
+    args = soak_main.build_parser().parse_args(["--out", "r.json", *given, *(["--quick"] if quick else [])])
+    soak_main.resolve_counts(args)
+    assert (args.steps, args.warmup) == (80, 5)
+    column = 1 if quick else 0
+    assert args.save_interval == soak_main.COUNTS["save_interval"][column]
+    assert args.resumes == soak_main.COUNTS["resumes"][column]

@@ -44,11 +44,12 @@ TisMode = Literal["token", "seq_mask"]
 """Truncated importance sampling per token, or with whole sequences masked out (`importance`)."""
 
 OpdMode = Literal["reward", "loss"]
-
-PackedAttention = Literal["auto", "blocks", "varlen"]
-"""How the SDPA core attention runs a packed row: a call per sample, or one varlen flash call a layer."""
 """How on-policy distillation's per-token reverse KL to the teacher trains the student (`distillation`):
 folded into the token rewards, or a term of the policy loss."""
+
+PackedAttention = Literal["auto", "blocks", "varlen"]
+"""How the SDPA core attention runs a packed row: a call per sample, one varlen flash call a layer, or
+varlen wherever it can run (`models.attention.resolve_packed_attention`)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 KL_KINDS: tuple[str, ...] = get_args(KlKind)

@@ -115,7 +115,9 @@ def varlen_unavailable(
         return f"params_dtype is {dtype}; flash attention takes bfloat16 or float16"
     if head_dim > VARLEN_MAX_HEAD_DIM:
         return f"the model's heads are {head_dim} wide; flash attention takes at most {VARLEN_MAX_HEAD_DIM}"
-    if not (varlen_function() is not None if available is None else available):
+    if available is None:
+        available = varlen_function() is not None
+    if not available:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later do)"
     return None
 

@@ -39,7 +39,7 @@ from tandem.megatron.runtime.checkpoint_folder import (
     save_folder,
 )
 from tandem.megatron.runtime.checkpoint_manifest import verify_checkpoint
-from tandem.megatron.worker.optimizer import inner_torch_optimizers
+from tandem.megatron.worker.optimizer import inner_torch_optimizers, optimizer_parts
 
 __all__ = [
     "MARKER",
@@ -232,7 +232,7 @@ def allocate_optimizer_state(optimizer: Any) -> None:
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in optimizer_parts(optimizer):
         if not isinstance(part, DistributedOptimizer) or len(part.optimizer.state) > 0:
             continue
         part.init_state_fn(part.optimizer, part.config)

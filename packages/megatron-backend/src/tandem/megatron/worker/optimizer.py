@@ -136,9 +136,14 @@ def _distinct(tensors: Iterator[Any]) -> Iterator[torch.Tensor]:
             yield tensor
 
 
+def optimizer_parts(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers that make up `optimizer`: each part of a chained one, else itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def inner_torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
     """The torch optimizers inside a Megatron optimizer (each part of a chained one), which hold the state."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in optimizer_parts(optimizer):
         inner = getattr(part, "optimizer", None)
         if inner is not None:
             yield inner

@@ -1,5 +1,5 @@
-"""`PhasePeak`: a phase's transient bytes from the CUDA allocator's peak, and nothing without CUDA;
-`PhasePeaks`: each phase's largest."""
+"""`PhasePeak`: a phase's transient bytes from the CUDA allocator's peaks (allocated and reserved), and
+nothing without CUDA; `PhasePeaks`: each phase's largest."""
 
 from __future__ import annotations
 
@@ -7,6 +7,73 @@ import pytest
 import torch
 
 from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks
+
+
+class FakeAllocator:
+    """torch.cuda's allocator figures for `PhasePeak`: tensors (`allocated`) in segments taken from the driver
+    (`reserved`), with the peak statistics `reset_peak_memory_stats` starts again."""
+
+    def __init__(self, allocated: int, reserved: int) -> None:
+        self.allocated, self.reserved = allocated, reserved
+        self.reset_peak_memory_stats()
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def take(self, nbytes: int, *, new_segment: int = 0) -> None:
+        """A tensor of `nbytes`, in the cache's free blocks or in a `new_segment` from the driver."""
+        self.allocated += nbytes
+        self.reserved += new_segment
+        assert self.allocated <= self.reserved, "the fake's tensors outgrow its segments"
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def give(self, nbytes: int) -> None:
+        self.allocated -= nbytes  # the block stays cached: reserved unchanged
+
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+    def max_memory_allocated(self) -> int:
+        return self.peak_allocated
+
+    def max_memory_reserved(self) -> int:
+        return self.peak_reserved
+
+
+MIB = 2**20
+
+
+def test_a_phase_counts_the_segments_it_took_where_they_exceed_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fragmented phase: 40 MiB of tensors at its peak took 64 MiB of new segments from the driver. The
+    # GPU held the 64, so the plan must count them: the allocated peak alone would leave 24 MiB unplanned.
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=100 * MIB)
+    monkeypatch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+    with PhasePeak() as peak:
+        cuda.take(30 * MIB, new_segment=32 * MIB)
+        cuda.take(10 * MIB, new_segment=32 * MIB)
+        cuda.give(40 * MIB)
+    assert peak.nbytes == 64 * MIB
+    assert peak.cached == 64 * MIB, "what the phase leaves cached"
+
+
+def test_a_phase_in_a_kept_cache_counts_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A phase that reuses 48 MiB its process kept cached takes no new segment: its transient is its tensors'
+    # rise (the plan counts the kept cache beside it, as `cache`).
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=148 * MIB)
+    monkeypatch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+    peaks = PhasePeaks()
+    with peaks.measure("train"):
+        cuda.take(40 * MIB)
+        cuda.give(40 * MIB)
+    with peaks.measure("log_probs"):
+        cuda.take(40 * MIB)
+        cuda.take(20 * MIB, new_segment=20 * MIB)  # past the cache: 12 MiB more than it held
+        cuda.give(60 * MIB)
+    assert peaks.as_dict() == {"train": 40 * MIB, "log_probs": 60 * MIB}
 
 
 def test_without_cuda_a_phase_reports_no_figure() -> None:

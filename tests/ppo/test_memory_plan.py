@@ -572,6 +572,12 @@ def test_the_memory_model_from_the_workers_reports_and_as_data() -> None:
     # kv_cache: the largest cache with its sessions (2.25 GiB); weights: the largest rest (0.75 GiB, then 0.5);
     # fixed: what the first engine's allocator keeps cached beside them (0.5 GiB reserved, not allocated).
     assert engines == RoleMemory({"weights": 3 * 2**28, "kv_cache": 9 * 2**28}, fixed=2**29)
+    # What the engine's process holds outside its allocator (its CUDA context, libraries' buffers: the
+    # driver's figure less the allocator's reserved) stays whatever the engine releases: it adds to `fixed`.
+    with_context = RoleMemory.from_engine_stats(
+        [{"allocated_gib": 3.0, "kv_cache_gib": 2.0, "reserved_gib": 3.5, "process_gib": 4.25}]
+    )
+    assert with_context == RoleMemory({"weights": 2**30, "kv_cache": 2**31}, fixed=2**29 + 3 * 2**28)
     with pytest.raises(ValueError, match="no allocated_gib; measure the engines on a GPU"):
         RoleMemory.from_engine_stats([{"kv_cache_gib": 1.0}])
     assert fixed_from_gpu_memory([{"context": 500, "process": 9}, {"context": None}, {"context": 600}]) == 600

@@ -133,13 +133,15 @@ cached after one of them."""
 
 
 class PhasePeak:
-    """The bytes a block allocates at its peak above what was allocated as it began (a phase's transient).
+    """The GPU memory a block takes at its peak above what it began with (a phase's transient).
 
-    `with PhasePeak() as peak: ...`, then `peak.nbytes`: the CUDA caching allocator's
-    `max_memory_allocated()` in the block (its peak statistic reset on entry) less
-    `memory_allocated()` on entry: activations, logits, a weight sync's buckets, above the
-    tensors that stay resident. None without CUDA (or before this process has touched it):
-    the CPU has no allocator figures. The memory plan adds it to a phase's resident tags.
+    `with PhasePeak() as peak: ...`, then `peak.nbytes`: the larger of two rises in the block (the
+    allocator's peak statistics reset on entry): `max_memory_allocated()` less `memory_allocated()` on
+    entry (activations, logits, a weight sync's buckets, above the tensors that stay resident), and
+    `max_memory_reserved()` less `memory_reserved()` on entry (the segments the allocator took from the
+    driver for them: the same bytes and what rounding and fragmentation add, which the GPU must hold
+    too). None without CUDA (or before this process has touched it): the CPU has no allocator figures.
+    The memory plan adds it to a phase's resident tags (and a kept cache, `cached`, beside them).
     `peak.cached`: the bytes the allocator keeps cached as the block ends (reserved, not allocated):
     what the process goes on holding unless it hands its cache back (`empty_cache`).
     Resets the process's peak statistic: blocks of it do not nest.
@@ -147,6 +149,7 @@ class PhasePeak:
 
     def __init__(self) -> None:
         self._start: int | None = None
+        self._reserved_start: int | None = None
         self.nbytes: int | None = None
         self.cached: int | None = None
 
@@ -159,15 +162,18 @@ class PhasePeak:
     def __enter__(self) -> PhasePeak:
         cuda = self._cuda()
         self.nbytes = self.cached = None
-        self._start = None if cuda is None else int(cuda.memory_allocated())
+        self._start = self._reserved_start = None
         if cuda is not None:
+            self._start, self._reserved_start = int(cuda.memory_allocated()), int(cuda.memory_reserved())
             cuda.reset_peak_memory_stats()
         return self
 
     def __exit__(self, *exc: object) -> None:
         cuda = self._cuda()
-        if self._start is not None and cuda is not None:
-            self.nbytes = max(0, int(cuda.max_memory_allocated()) - self._start)
+        if self._start is not None and self._reserved_start is not None and cuda is not None:
+            allocated_rise = int(cuda.max_memory_allocated()) - self._start
+            reserved_rise = int(cuda.max_memory_reserved()) - self._reserved_start
+            self.nbytes = max(0, allocated_rise, reserved_rise)
             self.cached = max(0, int(cuda.memory_reserved()) - int(cuda.memory_allocated()))
 
 

@@ -35,6 +35,7 @@ import torch
 
 from tandem.lifecycle import Lifecycle, NoopBackend, PinnedHostBackend
 from tandem.megatron.runtime.fault_points import fault_point
+from tandem.megatron.runtime.gpu_memory import process_gpu_bytes
 
 from ._adapter_updates import AdapterUpdates
 from ._decode_loop import DecodeLoop, check_params
@@ -199,8 +200,9 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
         return tags
 
     def memory_stats(self) -> dict[str, float]:
-        """GiB held on the device by this process's torch allocator, the KV cache's size, and the GPU's whole
-        memory (`total_gib`)."""
+        """GiB held on the device by this process's torch allocator, the KV cache's size, the GPU's whole
+        memory (`total_gib`), and what the driver attributes to the process (`process_gib`, context
+        included; absent where nvidia-smi does not list the process, as in some containers)."""
         stats = {
             "kv_cache_gib": (self._cache.nbytes() if self._cache is not None else 0) / 2**30,
             "sessions_gib": self._sessions.nbytes() / 2**30,
@@ -209,6 +211,9 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
             stats["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
             stats["reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
             stats["total_gib"] = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+            process = process_gpu_bytes()
+            if process is not None:
+                stats["process_gib"] = process / 2**30
         return stats
 
     # -- memory ------------------------------------------------------------------------------------

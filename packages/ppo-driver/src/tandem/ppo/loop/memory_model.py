@@ -103,8 +103,10 @@ class RoleMemory:
         KV cache: `kv_cache` the cache and the kept sessions' KV (released together), `weights` the rest of
         what the engine's allocator holds; the largest engine's of each. What its allocator keeps cached
         beside them (`reserved_gib` less `allocated_gib`: a generation's temporaries) adds to `fixed`: an
-        engine that keeps its memory keeps it too."""
-        kv_cache = weights = cached = 0
+        engine that keeps its memory keeps it too. So does what its process holds outside its allocator
+        (`process_gib`, the driver's figure for the process, less `reserved_gib`: the CUDA context, the
+        libraries' own buffers), which no release gives back."""
+        kv_cache = weights = cached = outside = 0
         for stats in per_engine:
             if "allocated_gib" not in stats:
                 raise ValueError(
@@ -116,7 +118,9 @@ class RoleMemory:
             weights = max(weights, round(stats["allocated_gib"] * 2**30 - kv))
             reserved = stats.get("reserved_gib", stats["allocated_gib"])
             cached = max(cached, round((reserved - stats["allocated_gib"]) * 2**30))
-        return cls({"weights": weights, "kv_cache": kv_cache}, fixed + cached)
+            if stats.get("process_gib") is not None:
+                outside = max(outside, round((stats["process_gib"] - reserved) * 2**30))
+        return cls({"weights": weights, "kv_cache": kv_cache}, fixed + cached + outside)
 
 
 def fixed_from_gpu_memory(per_rank: Iterable[Mapping[str, int | None]]) -> int:

@@ -19,10 +19,14 @@ stands alone for a shape too big to try. The terms, per model of P parameters:
 - training activations of one micro batch, without recomputation: 34·s·b·h bytes a layer
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", eq. 2 without the attention scores, which flash attention never stores) and
-  the fp32 logits with their log-softmax and gradient, 12·s·b·V bytes.
+  the actor's fp32 logits with their log-softmax and gradient, 12·s·b·V bytes (the
+  critic's value head has one output a token).
 
 Shared: one role is awake at a time, the peak is the largest turn; resident: everything
-at once. Limits: the H200's 140 GiB, the host's 128 GiB and the 64 GiB disk of the lent
+at once, each train role's activations included (a resident process keeps its allocator's
+cache, so the actor's and the critic's processes each hold their largest micro batch's: on one
+H100 the 1.5B LoRA resident row's two train processes held 36 and 34 GiB, bases and activations,
+when it ran out of memory). Limits: the H200's 140 GiB, the host's 128 GiB and the 64 GiB disk of the lent
 H200 host (`GPU_GIB`, `HOST_GIB`, `DISK_GIB`).
 """
 
@@ -102,11 +106,12 @@ class Estimate:
         return asdict(self)
 
 
-def activations_gib(shape: dict[str, Any], work: Work) -> float:
-    """One micro batch's training activations: 34·s·b·h bytes a layer and 12·s·b·V for the logits."""
+def activations_gib(shape: dict[str, Any], work: Work, *, logits: bool = True) -> float:
+    """One micro batch's training activations: 34·s·b·h bytes a layer and, for the actor (`logits`), 12·s·b·V
+    for the logits; the critic's value head makes one figure a token."""
     tokens = work.seq_len * work.micro_batch
     layers = 34 * tokens * shape["hidden_size"] * shape["num_hidden_layers"]
-    return (layers + 12 * tokens * shape["vocab_size"]) / GIB
+    return (layers + (12 * tokens * shape["vocab_size"] if logits else 0)) / GIB
 
 
 def estimate(
@@ -123,7 +128,7 @@ def estimate(
     work = work or Work()
     p_actor, p_critic = policy_params(shape), critic_params(shape)
     kv = work.kv_fraction * GPU_GIB
-    act = activations_gib(shape, work)
+    act, critic_act = activations_gib(shape, work), activations_gib(shape, work, logits=False)
     engine = BF16 * p_actor / GIB
     if finetune == "full":
         trained = p_actor + p_critic
@@ -152,13 +157,14 @@ def estimate(
         else:
             stays = bases
     if mode == "resident":
-        gpu = {**stays, **awake, "engine weights": engine, "KV cache": kv, "activations": act}
+        gpu = {**stays, **awake, "engine weights": engine, "KV cache": kv}
+        gpu |= {"actor activations": act, "critic activations": critic_act}
     else:
         # One turn at a time beside what stays: the engine's (weights and KV cache) or a model's training.
         turns = {
             "engine weights + KV cache": engine + kv,
             "actor training": awake["actor"] + act,
-            "critic training": awake["critic"] + act,
+            "critic training": awake["critic"] + critic_act,
         }
         largest = max(turns, key=lambda k: turns[k])
         gpu = {**stays, largest: turns[largest]}

@@ -64,6 +64,20 @@ def test_the_memory_arithmetic_by_hand() -> None:
     assert full.why_not.startswith("GPU: ") and "host: " in full.why_not
 
 
+def test_resident_holds_each_train_roles_activations() -> None:
+    """Qwen2.5-1.5B with LoRA, resident, the bases on the GPU: everything at once, and both train processes'
+    activations, since a resident process keeps its allocator's cache at its largest micro batch (the
+    actor's with the vocabulary's logits, the critic's without)."""
+    shape, work = SHAPES["qwen2.5-1.5b"], Work(micro_batch=16, seq_len=640, kv_fraction=0.1)
+    p, c, a = policy_params(shape), critic_params(shape), lora_params(shape, 16)
+    est = estimate("qwen2.5-1.5b", shape, "lora", "resident", rank=16, work=work)
+    layers, logits = 34 * 16 * 640 * 1536 * 28 / GIB, 12 * 16 * 640 * 151936 / GIB  # the critic has no logits
+    bases, adapters, engine = (2 * p + 2 * c) / GIB, 2 * 18 * a / GIB, 2 * p / GIB
+    assert est.gpu_peak_gib == pytest.approx(bases + adapters + engine + 14.0 + 2 * layers + logits)
+    assert est.gpu_terms["actor activations"] == pytest.approx(layers + logits)
+    assert est.gpu_terms["critic activations"] == pytest.approx(layers)
+
+
 @pytest.mark.parametrize("name", QWEN)
 def test_lora_never_needs_more_than_full_nor_shared_more_gpu_than_resident(name: str) -> None:
     work = Work(micro_batch=4)

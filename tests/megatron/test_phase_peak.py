@@ -47,7 +47,9 @@ class FakeAllocator:
 MIB = 2**20
 
 
-def test_a_phase_counts_the_segments_it_took_where_they_exceed_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_phase_counts_the_segments_it_took_where_they_exceed_its_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A fragmented phase: 40 MiB of tensors at its peak took 64 MiB of new segments from the driver. The
     # GPU held the 64, so the plan must count them: the allocated peak alone would leave 24 MiB unplanned.
     cuda = FakeAllocator(allocated=100 * MIB, reserved=100 * MIB)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, ClassVar
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "all_devices_used_bytes",
     "device_used_bytes",
     "empty_device_cache",
+    "foreign_gpu_bytes",
     "process_gpu_bytes",
 ]
 
@@ -57,6 +58,32 @@ def process_gpu_bytes() -> int | None:
         if pid.strip() == str(os.getpid()):
             return int(used.strip()) * 1024**2
     return None
+
+
+def foreign_gpu_bytes(own_pids: Collection[int]) -> int | None:
+    """The most GPU memory that processes outside `own_pids` hold on one of the GPUs this process sees (another
+    job, a notebook, a process that touched CUDA once), from nvidia-smi's list of compute processes.
+
+    None where it cannot tell: no nvidia-smi, or none of `own_pids` in its list (a container's own pid
+    namespace, where its pids are not the host's), since then nothing tells ours from the others'.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    uuids = _nvidia_smi("--query-gpu=uuid", *(["-i", visible] if visible else []))
+    apps = _nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory")
+    if uuids is None or apps is None:
+        return None
+    held = {uuid.strip(): 0 for uuid in uuids if uuid.strip()}
+    ours = False
+    for line in apps:
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3 or not fields[0].isdigit():
+            continue
+        pid, uuid, used = int(fields[0]), fields[1], fields[2]
+        if pid in own_pids:
+            ours = True
+        elif uuid in held and used.isdigit():
+            held[uuid] += int(used) * 1024**2
+    return max(held.values(), default=0) if ours else None
 
 
 def device_used_bytes() -> int | None:

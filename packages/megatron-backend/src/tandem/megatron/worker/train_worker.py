@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,12 @@ from tandem.megatron.models._cpu_compat import enable_cpu_compat
 from tandem.megatron.models._megatron_core import import_megatron_core
 from tandem.megatron.payloads import ActorLogProbs, CriticValues, TrainResult
 from tandem.megatron.runtime.fault_points import set_context as set_fault_context
-from tandem.megatron.runtime.gpu_memory import AllocatorCalls, device_used_bytes, process_gpu_bytes
+from tandem.megatron.runtime.gpu_memory import (
+    AllocatorCalls,
+    device_used_bytes,
+    foreign_gpu_bytes,
+    process_gpu_bytes,
+)
 from tandem.megatron.worker import roles
 from tandem.megatron.worker._trainee import BASE, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
@@ -405,12 +411,20 @@ class TrainWorker:
         the model; `device_used` / `device_before_context` / `context`: the whole
         GPU now, before this worker's CUDA context, and that context's size. None
         where nvidia-smi cannot tell (no such pid in a container's view); all 0 on CPU.
+        `pid`: this process's (the memory plan tells the run's processes from others' by it).
         """
         if not torch.cuda.is_available():
-            return dict.fromkeys(
+            zeros: dict[str, int | None] = dict.fromkeys(
                 ("process", "process_baseline", "device_used", "device_before_context", "context"), 0
             )
-        return {"process": process_gpu_bytes(), "device_used": device_used_bytes(), **self._gpu_start}
+            return {**zeros, "pid": os.getpid()}
+        current = {"process": process_gpu_bytes(), "device_used": device_used_bytes(), "pid": os.getpid()}
+        return {**current, **self._gpu_start}
+
+    def foreign_gpu_bytes(self, own_pids: list[int]) -> int | None:
+        """The most memory that processes outside `own_pids` (the run's) hold on one of this worker's GPUs;
+        None on a CPU or where nvidia-smi cannot tell (`gpu_memory.foreign_gpu_bytes`)."""
+        return foreign_gpu_bytes(own_pids) if torch.cuda.is_available() else None
 
     def shutdown(self) -> None:
         """Leave the process groups (before the actor is killed)."""

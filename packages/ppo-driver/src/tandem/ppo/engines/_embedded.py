@@ -26,6 +26,7 @@ and LoRA adapters merged into the base in `_adapter_updates.py` (mixins of
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -201,8 +202,9 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
 
     def memory_stats(self) -> dict[str, float]:
         """GiB held on the device by this process's torch allocator, the KV cache's size, the GPU's whole
-        memory (`total_gib`), and what the driver attributes to the process (`process_gib`, context
-        included; absent where nvidia-smi does not list the process, as in some containers)."""
+        memory (`total_gib`), what the driver attributes to the process (`process_gib`, context
+        included; absent where nvidia-smi does not list the process, as in some containers), and on a GPU
+        the process's `pid` (the memory plan tells the run's processes from others' by it)."""
         stats = {
             "kv_cache_gib": (self._cache.nbytes() if self._cache is not None else 0) / 2**30,
             "sessions_gib": self._sessions.nbytes() / 2**30,
@@ -211,6 +213,7 @@ class EmbeddedEngine(AdapterUpdates, DecodeLoop):
             stats["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
             stats["reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
             stats["total_gib"] = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+            stats["pid"] = os.getpid()
             process = process_gpu_bytes()
             if process is not None:
                 stats["process_gib"] = process / 2**30

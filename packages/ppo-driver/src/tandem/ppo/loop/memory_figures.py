@@ -6,7 +6,8 @@ by their last train), their CUDA context (`gpu_memory`) and each phase's allocat
 their weights (`weight_bytes`), context and forward peak (`phase_peak`), and takes the engines'
 `memory_stats` as
 `SharedGpus` kept them when they released their memory after the first rollout (their KV
-cache built). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
+cache built), and takes from the GPU's capacity what processes outside the run hold on it
+(`foreign_bytes`). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
 and the critic's tags), `write_plans` keeps the figures and every plan as JSON in the run
 folder, and after each step `replan_if_grown` plans again where a phase's peak grew. docs/design.md, "The memory plan".
 """
@@ -93,7 +94,8 @@ def measure_memory(
     """The memory model of the run's roles on one GPU (each figure its largest rank's), the budget, the tags.
 
     `engine_stats`: the engines' `memory_stats` taken while their KV cache was built (None: ask them now).
-    `gpu_memory_gib`: the capacity (None: the GPU's whole memory, as the engines report it).
+    `gpu_memory_gib`: the capacity (None: the GPU's whole memory, as the engines report it); either way at
+    most the GPU's memory less what processes outside the run hold on it (`foreign_bytes`), where known.
     """
     stats = list(engine_stats) if engine_stats is not None else gpus.engines.all("memory_stats")
     roles: dict[Role, RoleMemory] = {"engine": engine_memory(stats)}
@@ -113,16 +115,36 @@ def measure_memory(
     for role in roles:
         for work in get_args(Work):
             phases.setdefault((role, work), 0)
-    if gpu_memory_gib is not None:
-        capacity = round(gpu_memory_gib * 2**30)
+    totals = [s["total_gib"] for s in stats if "total_gib" in s]
+    if gpu_memory_gib is None and not totals:
+        raise ValueError(
+            "--memory-plan: fit needs the GPU's memory, and the engines report none (a CPU run, or "
+            "SGLang servers); give --gpu-memory-gib"
+        )
+    # What the run may use of the GPU: its whole memory less what processes outside the run hold there.
+    foreign = foreign_bytes(gpus, stats)
+    room = round(min(totals) * 2**30) - foreign if totals else None
+    if room is not None and room <= 0:
+        raise ValueError(
+            f"--memory-plan fit: other processes hold {foreign / 2**30:.1f} GiB, the GPU's whole memory; "
+            "free the GPU for the run"
+        )
+    if foreign:
+        logger.info("memory plan: processes outside the run hold %.2f GiB of the GPU", foreign / 2**30)
+    if gpu_memory_gib is None:
+        assert room is not None
+        capacity = room
     else:
-        totals = [s["total_gib"] for s in stats if "total_gib" in s]
-        if not totals:
-            raise ValueError(
-                "--memory-plan: fit needs the GPU's memory, and the engines report none (a CPU run, or "
-                "SGLang servers); give --gpu-memory-gib"
+        capacity = round(gpu_memory_gib * 2**30)
+        if room is not None and capacity > room:
+            logger.warning(
+                "memory plan: --gpu-memory-gib %g is more than the %.1f GiB the run has of the GPU; planning "
+                "for %.1f GiB",
+                gpu_memory_gib,
+                room / 2**30,
+                room / 2**30,
             )
-        capacity = round(min(totals) * 2**30)
+            capacity = room
     margin = round(margin_gib * 2**30)
     if margin >= capacity:
         raise ValueError(
@@ -130,6 +152,34 @@ def measure_memory(
             "give a smaller margin"
         )
     return MemoryFigures(MemoryModel(roles, phases), GpuBudget(capacity, margin), tags)
+
+
+def run_pids(gpus: SharedGpus, engine_stats: Sequence[Mapping[str, float]]) -> list[int] | None:
+    """The pids of the run's processes on the GPUs: the engines' (`memory_stats`), every train and forward
+    worker's (`gpu_memory`); None where one of them reports none (a CPU engine, SGLang servers)."""
+    pids = []
+    for stats in engine_stats:
+        if "pid" not in stats:
+            return None
+        pids.append(int(stats["pid"]))
+    groups = [*gpus.models(), *(present.group for present in _forward_roles(gpus).values())]
+    for group in groups:
+        for report in group.run("gpu_memory"):
+            if report.get("pid") is None:
+                return None
+            pids.append(int(report["pid"]))
+    return pids
+
+
+def foreign_bytes(gpus: SharedGpus, engine_stats: Sequence[Mapping[str, float]]) -> int:
+    """The most memory that processes outside the run hold on one of its GPUs, as its train workers see it
+    (`foreign_gpu_bytes`): the plan's capacity less it; 0 where nothing can tell (a CPU run, a container's
+    pid namespace, engines that report no pid)."""
+    pids = run_pids(gpus, engine_stats)
+    if pids is None:
+        return 0
+    answers = [n for group in gpus.models() for n in group.run("foreign_gpu_bytes", pids) if n is not None]
+    return max(answers, default=0)
 
 
 def _forward_roles(gpus: SharedGpus) -> dict[Role, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Any
 
@@ -87,13 +88,15 @@ class ForwardWorker:
 
         The keys of the train worker's `gpu_memory`: `process` (now, CUDA context included),
         `process_baseline` (once the context existed, before the model), `device_used`,
-        `device_before_context`, `context`; None where nvidia-smi cannot tell; all 0 on CPU.
+        `device_before_context`, `context`; None where nvidia-smi cannot tell; all 0 on CPU; and `pid`.
         """
         if self.device.type != "cuda":
-            return dict.fromkeys(
+            zeros: dict[str, int | None] = dict.fromkeys(
                 ("process", "process_baseline", "device_used", "device_before_context", "context"), 0
             )
-        return {"process": process_gpu_bytes(), "device_used": device_used_bytes(), **self._gpu_start}
+            return {**zeros, "pid": os.getpid()}
+        current = {"process": process_gpu_bytes(), "device_used": device_used_bytes(), "pid": os.getpid()}
+        return {**current, **self._gpu_start}
 
     def phase_peak(self) -> int | None:
         """The largest allocator peak of a forward call so far, above what was allocated as it began (the

@@ -63,7 +63,7 @@ under `OUT/ppo_gpu_bench_runs/<mode>/` (where the host lacks matplotlib:
 DIR` redraws the curves anywhere). A markdown summary is printed.
 
 GPU host, from the repo root (one device call; `--time-budget-s`, 500 by default, ends a
-mode's steps early, after at least 2, so that the whole bench fits in about that):
+mode's steps early, after at least `--min-steps` (2 by default), so that the whole bench fits in about that):
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --out "$OUT"
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --reward-model --skip-probe --out "$OUT"
@@ -212,6 +212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--set max_tokens_per_gpu=16384); repeatable: the A/B of one lever",
     )
     parser.add_argument("--steps", type=int, default=None, help="PPO steps per mode (default 5; --quick 2)")
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=2,
+        help="steps a mode takes before --time-budget-s may end it (the first is the warm-up: 3 keeps two to "
+        "average)",
+    )
     parser.add_argument("--skip-resident", action="store_true", help="run only the shared mode")
     parser.add_argument("--skip-shared", action="store_true", help="run only the resident mode")
     parser.add_argument("--skip-probe", action="store_true", help="no training-speed probe")
@@ -309,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--time-budget-s",
         type=float,
         default=500.0,
-        help="stop a mode's steps early (after 2) so that the whole bench ends within this many seconds",
+        help="stop a mode's steps early (after --min-steps) so that the whole bench ends within this many seconds",
     )
     parser.add_argument(
         "--workdir", type=Path, default=None, help="models, data and run dirs (default: a temp dir)"
@@ -333,6 +340,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, (small, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if quick else work.get(name, full))
+    if args.min_steps < 2:
+        parser.error(f"--min-steps {args.min_steps}: give at least 2 (the first step is the warm-up)")
+    if not args.scaling and args.min_steps > args.steps:
+        parser.error(f"--min-steps {args.min_steps}: more than --steps {args.steps}; give at most that")
     args.scaling = (
         [tuple(int(x) for x in cell.split("x")) for cell in args.scaling.split(",")] if args.scaling else []
     )

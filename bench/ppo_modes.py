@@ -341,7 +341,7 @@ def run_mode(
                 continue  # the cell failed: its other steps are skipped
             last = result["steps"][-1]["time/step"] if result["steps"] else None
             if (
-                len(result["steps"]) >= 2
+                len(result["steps"]) >= max(2, args.min_steps)
                 and last is not None
                 and time.time() + 1.3 * last > deadline - reserve_s
             ):

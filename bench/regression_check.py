@@ -14,9 +14,10 @@ tolerance, or where a mode that ran in the baseline fails now:
     ... --update-baseline                           # record this run as the new baseline
 
 The baseline (`bench/regression_baseline.json`) names the commit and GPU it was measured on; a
-row measured on another GPU is reported and not judged. Every figure is the bench's own
-`step_s_mean` (the mean `time/step` of the steps after the warm-up, the wall clock of each
-`PPODriver.step()`).
+row measured on another GPU is reported and not judged, and so is a mode whose mean is of one
+step after the warm-up (the bench takes three a mode, which its time budget does not cut:
+`--min-steps 3`). Every figure is the bench's own `step_s_mean` (the mean `time/step` of the
+steps after the warm-up, the wall clock of each `PPODriver.step()`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ ROWS: dict[str, tuple[str, ...]] = {
 }
 """Each row's arguments to bench/ppo_gpu_bench.py beyond the ones every row shares (`COMMON`)."""
 
-COMMON = ("--steps", "3", "--skip-probe")
-"""A warm-up step and two measured ones a mode; no training-speed probe."""
+COMMON = ("--steps", "3", "--min-steps", "3", "--skip-probe")
+"""A warm-up step and two measured ones a mode, which the time budget does not cut; no training-speed probe."""
+
+MIN_STEADY = 2
+"""Steps after the warm-up a mode's mean needs to be judged: one step alone varied by 12 % between two calls
+of the realistic row on one H100 (8.06 and 9.13 s resident, docs/benchmarks.md)."""
 
 TOLERANCE = 0.15
 """How much slower than the baseline a step may be before the check fails: the bench's own spread
@@ -62,6 +67,8 @@ class Verdict:
     measured_s: float | None
     error: str | None
     judged: bool
+    steady: int | None = None
+    """The steps after the warm-up that the mean is of (None: the bench did not say)."""
 
     @property
     def ratio(self) -> float | None:
@@ -86,6 +93,8 @@ def judge(baseline: dict[str, Any], measured: dict[str, dict[str, Any]], gpu: st
     for row, modes in measured.items():
         for mode, result in modes.items():
             recorded = rows.get(row, {}).get(mode)
+            steady = result.get("steady")
+            enough = steady is None or steady >= MIN_STEADY or result.get("error") is not None
             verdicts.append(
                 Verdict(
                     row=row,
@@ -93,20 +102,26 @@ def judge(baseline: dict[str, Any], measured: dict[str, dict[str, Any]], gpu: st
                     baseline_s=None if recorded is None else float(recorded),
                     measured_s=result.get("step_s"),
                     error=result.get("error"),
-                    judged=same_gpu and recorded is not None,
+                    judged=same_gpu and recorded is not None and enough,
+                    steady=steady,
                 )
             )
     return verdicts
 
 
 def read_bench(path: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
-    """(mode -> {"step_s", "error"}, the GPU's name) from one bench JSON."""
+    """(mode -> {"step_s", "error", "steady"}, the GPU's name) from one bench JSON."""
     if not path.is_file():
         return {m: {"step_s": None, "error": f"no {path.name} written"} for m in MODES}, None
     report = json.loads(path.read_text())
     out = {}
     for mode, result in report.get("modes", {}).items():
-        out[mode] = {"step_s": result.get("step_s_mean"), "error": result.get("error")}
+        steady = result.get("steady_steps")
+        out[mode] = {
+            "step_s": result.get("step_s_mean"),
+            "error": result.get("error"),
+            "steady": None if steady is None else len(steady),
+        }
     if report.get("error"):
         for mode in MODES:
             out.setdefault(mode, {"step_s": None, "error": report["error"]})
@@ -119,6 +134,8 @@ def table(verdicts: list[Verdict], tolerance: float) -> str:
         ratio = v.ratio
         if v.error:
             verdict = f"error: {v.error[:80]}"
+        elif v.steady is not None and v.steady < MIN_STEADY:
+            verdict = f"not judged ({v.steady} step after the warm-up; {MIN_STEADY} needed)"
         elif not v.judged:
             verdict = "not judged (no baseline for this GPU)"
         else:
@@ -203,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_baseline:
         rows = baseline.get("rows", {}) if baseline.get("gpu") == gpu else {}
         for row, modes in measured.items():
-            rows[row] = {m: r["step_s"] for m, r in modes.items() if r["error"] is None and r["step_s"]}
+            rows[row] = {
+                m: r["step_s"]
+                for m, r in modes.items()
+                if r["error"] is None
+                and r["step_s"]
+                and (r.get("steady") is None or r["steady"] >= MIN_STEADY)
+            }
         new = {
             "gpu": gpu,
             "commit": args.commit,

@@ -1,6 +1,7 @@
 """bench/regression_check.py: a row slower than its baseline beyond the tolerance fails the check, a
-faster or equal one passes, one measured on another GPU is not judged, and a mode that ran in the
-baseline and errors now fails (over a stand-in for the PPO bench; the real rows run on an H200)."""
+faster or equal one passes, one measured on another GPU or on a single step after the warm-up is not
+judged, and a mode that ran in the baseline and errors now fails (over a stand-in for the PPO bench; the
+real rows run on an H200)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import ppo_gpu_bench  # noqa: E402
 import regression_check  # noqa: E402
 
 GPU = "NVIDIA H200"
@@ -66,6 +68,31 @@ def test_a_mode_that_ran_in_the_baseline_and_errors_now_fails() -> None:
     assert verdict.failed(0.15)
 
 
+def test_a_mean_of_one_step_after_the_warm_up_is_not_judged() -> None:
+    # One steady step varied by 12 % between two calls on one GPU: too few to judge a 15 % tolerance by.
+    measured = {
+        "realistic": {
+            "shared": {"step_s": 20.0, "error": None, "steady": 1},
+            "resident": {"step_s": 20.0, "error": None, "steady": 2},
+        }
+    }
+    shared, resident = regression_check.judge(
+        baseline({"realistic": {"shared": 10.0, "resident": 10.0}}), measured, GPU
+    )
+    assert not shared.judged and not shared.failed(0.15)
+    assert resident.judged and resident.failed(0.15)
+    assert "not judged (1 step after the warm-up; 2 needed)" in regression_check.table([shared], 0.15)
+
+
+def test_the_benchs_time_budget_keeps_the_steps_asked_for(tmp_path: Path) -> None:
+    out = ["--quick", "--out", str(tmp_path)]
+    assert ppo_gpu_bench.parse_args(out).min_steps == 2
+    assert ppo_gpu_bench.parse_args([*out, "--steps", "3", "--min-steps", "3"]).min_steps == 3
+    for bad in (["--min-steps", "1"], ["--steps", "3", "--min-steps", "4"]):
+        with pytest.raises(SystemExit):
+            ppo_gpu_bench.parse_args([*out, *bad])
+
+
 STAND_IN = """
 import json, sys
 from pathlib import Path
@@ -74,7 +101,10 @@ out = Path(args[args.index("--out") + 1])
 packed = "realistic" in args
 sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
 slow = 2.0 if packed and "fused_rope=false" in sets else 1.0
-modes = {m: {"step_s_mean": s * slow, "error": None} for m, s in (("shared", 10.0), ("resident", 9.5))}
+steady = list(range(1, int(args[args.index("--min-steps") + 1]))) if "--min-steps" in args else [1]
+modes = {
+    m: {"step_s_mean": s * slow, "error": None, "steady_steps": steady} for m, s in (("shared", 10.0), ("resident", 9.5))
+}
 out.write_text(json.dumps({"gpu": "NVIDIA H200", "modes": modes}))
 """
 

@@ -14,6 +14,7 @@ import pytest
 
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.engines import Generation
+from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.driver import PPODriver
 from tandem.ppo.loop.schedule import StepFacts
 from tandem.ppo.loop.shared_gpus import SharedGpus
@@ -102,6 +103,18 @@ def driver_with(calls: Calls, *, sleeps: bool) -> PPODriver:
     calls.log.clear()
     driver.reward_fn = RewardMix({"model": 1.0, "exact_match": 1.0}, {"exact_match": exact_match})
     driver.episodes = None  # single-turn samples
+    driver.drawing = RolloutDrawing(
+        lambda: driver.config,
+        driver.gpus,
+        events=calls,  # type: ignore[arg-type]
+        clock=driver.clock,
+        dataset=None,  # type: ignore[arg-type]  # rounds of sampling only: prompts given
+        tokenizer=driver.tokenizer,
+        reward_fn=driver.reward_fn,
+        episodes=None,
+        data_parallel_sizes={"actor": 1},
+        schedule=driver.between_steps,
+    )
     return driver
 
 
@@ -111,8 +124,8 @@ PROMPT = PromptSample(PromptRecord(0, "q", None, "7"), [5, 6], "q")
 def test_shared_each_generation_is_followed_by_release_wake_score_sleep() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=True)
-    first = driver.sample([PROMPT], seed=0)  # e.g. dynamic sampling's first round
-    second = driver.sample([PROMPT], seed=1)  # its second round: the engines come back first
+    first = driver.drawing.sample([PROMPT], seed=0)  # e.g. dynamic sampling's first round
+    second = driver.drawing.sample([PROMPT], seed=1)  # its second round: the engines come back first
     turn = [
         "release",
         "event:engine_release",
@@ -141,8 +154,8 @@ def test_shared_each_generation_is_followed_by_release_wake_score_sleep() -> Non
 def test_resident_the_reward_model_scores_in_place() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=False)
-    driver.sample([PROMPT], seed=0)
-    driver.sample([PROMPT], seed=1)
+    driver.drawing.sample([PROMPT], seed=0)
+    driver.drawing.sample([PROMPT], seed=1)
     score = ["event:score_begin", "rm.score:[[5, 6, 7, 2], [5, 6, 7, 2]]", "event:score_end"]
     assert calls.log == ["generate", *score, "generate", *score]
 
@@ -156,7 +169,7 @@ def test_a_failed_score_still_puts_the_reward_model_to_sleep() -> None:
 
     driver.reward_model.group.score = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="rank 0"):
-        driver.sample([PROMPT], seed=0)
+        driver.drawing.sample([PROMPT], seed=0)
     assert calls.log[-2:] == ["rm.sleep", "event:rm_sleep"]
 
 

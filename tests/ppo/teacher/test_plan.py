@@ -17,6 +17,7 @@ import torch
 
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.engines import Generation
+from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.driver import PPODriver
 from tandem.ppo.loop.schedule import StepFacts
 from tandem.ppo.loop.shared_gpus import SharedGpus
@@ -114,6 +115,18 @@ def driver_with(calls: Calls, *, sleeps: bool) -> PPODriver:
     teacher = TeacherRole(Group(calls), temperature=driver.config.temperature, events=calls)  # type: ignore[arg-type]
     driver.gpus.add_teacher(teacher)
     driver.gpus.start_asleep(driver.between_steps())  # as a run's start does
+    driver.drawing = RolloutDrawing(
+        lambda: driver.config,
+        driver.gpus,
+        events=calls,  # type: ignore[arg-type]
+        clock=driver.clock,
+        dataset=None,  # type: ignore[arg-type]  # rounds of sampling only: prompts given
+        tokenizer=driver.tokenizer,
+        reward_fn=driver.reward_fn,
+        episodes=None,
+        data_parallel_sizes={"actor": 1},
+        schedule=driver.between_steps,
+    )
     calls.log.clear()
     return driver
 
@@ -127,7 +140,7 @@ and the sampling temperature."""
 def test_shared_the_drawn_rollout_is_followed_by_release_wake_log_probs_sleep() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=True)
-    rollout = driver.teach(driver.sample(PROMPTS, seed=0))
+    rollout = driver.drawing.teach(driver.drawing.sample(PROMPTS, seed=0))
     assert calls.log == [
         "generate",
         "release",
@@ -161,7 +174,7 @@ def test_shared_the_drawn_rollout_is_followed_by_release_wake_log_probs_sleep() 
 def test_resident_the_teacher_gives_its_log_probs_in_place() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=False)
-    driver.teach(driver.sample(PROMPTS, seed=0))
+    driver.drawing.teach(driver.drawing.sample(PROMPTS, seed=0))
     assert calls.log == ["generate", "event:log_probs_begin", LOG_PROBS, "event:log_probs_end"]
     assert driver.gpus.awake("teacher")
 
@@ -170,8 +183,8 @@ def test_without_a_teacher_the_rollout_is_as_drawn() -> None:
     calls = Calls()
     driver = driver_with(calls, sleeps=True)
     driver.facts = StepFacts(colocate=True, offload_train=True, critic=False)
-    rollout = driver.sample(PROMPTS, seed=0)
-    assert driver.teach(rollout) is rollout and rollout.teacher_log_probs is None
+    rollout = driver.drawing.sample(PROMPTS, seed=0)
+    assert driver.drawing.teach(rollout) is rollout and rollout.teacher_log_probs is None
     assert to_train_batches(rollout, 1)[0].teacher_log_probs is None
 
 
@@ -185,7 +198,7 @@ def test_a_failed_turn_still_puts_the_teacher_to_sleep() -> None:
     assert driver.teacher is not None
     driver.teacher.group.log_probs = broken  # type: ignore[method-assign,assignment]
     with pytest.raises(RuntimeError, match="rank 0"):
-        driver.teach(driver.sample(PROMPTS, seed=0))
+        driver.drawing.teach(driver.drawing.sample(PROMPTS, seed=0))
     assert calls.log[-2:] == ["teacher.sleep", "event:sleep"]
 
 
@@ -195,4 +208,4 @@ def test_log_probs_of_other_lengths_than_the_responses_are_refused() -> None:
     assert driver.teacher is not None
     driver.teacher.group.log_probs = lambda *args: [torch.zeros(1)] * 4  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="other lengths than their responses"):
-        driver.teach(driver.sample(PROMPTS, seed=0))
+        driver.drawing.teach(driver.drawing.sample(PROMPTS, seed=0))

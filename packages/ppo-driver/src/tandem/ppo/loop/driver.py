@@ -4,8 +4,8 @@ One step is its schedule (`schedule.step_schedule`, docs/design.md's "The step's
 schedule"), e.g. on shared GPUs: engine: generate, release → critic: wake, train,
 sleep → actor: wake, train, sleep → engine: resume, weights. `PPODriver.step`
 takes the turns in order (`turns.StepTurns`) on the roles on the GPUs
-(`shared_gpus.SharedGpus`, the one owner of who is awake): the rollout (each round
-of sampling takes the engines' `generate` turn and a reward model's `score` turn,
+(`shared_gpus.SharedGpus`, the one owner of who is awake): the rollout
+(`drawing.RolloutDrawing`: each round of sampling takes the engines' `generate` turn and a reward model's `score` turn,
 then the rule rewards; the drawn rollout takes a teacher's `log_probs` turn; the
 rollout is split per data-parallel rank), the KL-first
 log-probs, the critic, the actor (not in the critic-only warm-up), the weights to
@@ -31,26 +31,19 @@ from typing import TYPE_CHECKING, Any
 from tandem.ppo.config.hub import resolve_checkpoints
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
+from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.hints import RunHints
 from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, replan_if_grown
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
 from tandem.ppo.loop.turns import StepTurns
-from tandem.ppo.rollout.episodes.generation import generate_episodes
 from tandem.ppo.rollout.preflight import read_inputs
 from tandem.ppo.rollout.reward_model import uses_reward_model
 from tandem.ppo.rollout.samples import (
-    Rollout,
     Sampled,
-    dynamic_sample,
-    generate_samples,
-    sampling_params,
-    score_requests,
-    score_rollout,
 )
 from tandem.ppo.rollout.teacher import uses_teacher
-from tandem.ppo.rollout.train_batches import shard_per_role, training_rewards
 from tandem.ppo.run.checkpoint import check_free_space, prune_checkpoints, save_run_checkpoint
 from tandem.ppo.run.export import export_actor
 from tandem.ppo.run.folder import model_folders
@@ -64,7 +57,7 @@ if TYPE_CHECKING:
     from tandem.placement import Placements
     from tandem.ppo.engines import EngineGroup
     from tandem.ppo.loop.shared_gpus import SharedGpus
-    from tandem.ppo.rollout.data import PromptDataset, PromptSample
+    from tandem.ppo.rollout.data import PromptDataset
     from tandem.ppo.rollout.episodes.generation import EpisodeSetup
     from tandem.ppo.rollout.reward_mix import RewardMix
     from tandem.ppo.rollout.reward_model import RewardModelRole
@@ -95,6 +88,8 @@ class PPODriver:
     start_rollout_id: int
     logger: MetricsLogger
     hints: RunHints
+    drawing: RolloutDrawing
+    """How the run draws its rollouts (step 1's turns, and an eval's sampling)."""
 
     def __init__(self, config: PPOConfig) -> None:
         config = resolve_checkpoints(config)  # hub ids -> local folders, before the checks read them
@@ -184,6 +179,18 @@ class PPODriver:
         if self.facts.teacher:
             startup.start_teacher(config, self.placements, self.gpus, events=self.events)
             self.gpus.start_asleep(self.between_steps())
+        self.drawing = RolloutDrawing(
+            lambda: self.config,
+            self.gpus,
+            events=self.events,
+            clock=self.clock,
+            dataset=self.dataset,
+            tokenizer=self.tokenizer,
+            reward_fn=self.reward_fn,
+            episodes=self.episodes,
+            data_parallel_sizes=self.data_parallel_sizes,
+            schedule=self.between_steps,
+        )
         # 5. The resumed rollout: data cursor, RNG, metrics; the engines get the resumed actor's weights.
         self.start_rollout_id, self.metrics_so_far = startup.resume(self.folder, self.gpus, self.dataset)
         self.hints = RunHints(
@@ -257,117 +264,10 @@ class PPODriver:
         return run_loop(self)
 
     def draw(self, rollout_id: int, background: bool = False) -> Sampled:
-        """Step 1, the rollout: sample, score, the teacher's log-probs, and split rollout `rollout_id` per
-        data-parallel rank.
-
-        `background`: drawn on the async loop's generation thread, outside any step's clock.
-        """
-        config = self.config
-        start = time.perf_counter()
-        version = self.gpus.weights_version
-        if not background:
-            self.clock.announce("generate")
-        self.events.record("generate_begin", rollout_id=rollout_id, weights_version=version)
-        seed = config.seed * 1_000_003 + rollout_id
-        counts: dict[str, float] = {}
-        if config.dynamic_sampling:
-            rounds = iter(range(config.dynamic_sampling_max_rounds))
-            rollout, counts = dynamic_sample(
-                lambda n: self.sample(
-                    self.dataset.next_batch(n), seed=seed + 7919 * next(rounds), label=f"rollout{rollout_id}"
-                ),
-                num_prompts=config.rollout_batch_size,
-                n_samples_per_prompt=config.n_samples_per_prompt,
-                max_rounds=config.dynamic_sampling_max_rounds,
-            )
-        else:
-            rollout = self.sample(
-                self.dataset.next_batch(config.rollout_batch_size), seed=seed, label=f"rollout{rollout_id}"
-            )
-        rollout = self.teach(rollout)
-        data_state = self.dataset.state_dict()
-        rewards, shaping = training_rewards(rollout, config)
-        counts.update(shaping)
-        data_refs, sample_indices = shard_per_role(
-            rollout, self.data_parallel_sizes, rewards=rewards, filter_truncated=config.filter_truncated
-        )
-        self.events.record("generate_end", rollout_id=rollout_id)
-        seconds = {f"time/{k}": v for k, v in rollout.seconds.items()}
-        seconds["time/rollout"] = time.perf_counter() - start
-        return Sampled(
-            rollout_id, rollout, data_refs, sample_indices, data_state, version, counts, seconds, background
-        )
-
-    def sample(
-        self, prompts: list[PromptSample], *, seed: int, eval_mode: bool = False, label: str = "rollout"
-    ) -> Rollout:
-        """One round of sampling: the engines' `generate` turn, the reward model's `score` turn, the rules.
-
-        A run of episodes plays them in the generate turn, and their environments score them
-        (`label` names the rollout in failed episodes' logs). On shared GPUs the reward model scores once the engines have released their memory (the
-        generate turn's release, brought forward), and engines that generate again take it back
-        first (another round of dynamic sampling, an eval).
-        """
-        config = self.config
-        schedule = self.between_steps()
-        generate, score = schedule.turn("engine", "generate"), schedule.turn("reward_model", "score")
-        assert generate is not None
-        self.gpus.ready("engine")
-        params = sampling_params(
-            config, eos_token_id=self.tokenizer.eos_token_id, seed=seed, eval_mode=eval_mode
-        )
-        n = config.n_samples_per_eval_prompt if eval_mode else config.n_samples_per_prompt
-        if self.episodes is not None:
-            return generate_episodes(
-                self.gpus.engines,
-                prompts,
-                n_samples_per_prompt=n,
-                params=params,
-                tokenizer=self.tokenizer,
-                setup=self.episodes,
-                label=label,
-            )
-        rollout = generate_samples(
-            self.gpus.engines, prompts, n_samples_per_prompt=n, params=params, tokenizer=self.tokenizer
-        )
-        if score is None:
-            return score_rollout(rollout, self.reward_fn)
-        reward_model = self.gpus.reward_model
-        assert reward_model is not None
-        start = time.perf_counter()
-        if score.wake_before:
-            self.gpus.after(generate)  # the engines make room for the reward model
-        with self.gpus.turn(score), self.gpus.phase("reward_model_score"):
-            scores = reward_model.score(score_requests(rollout))
-        rollout.seconds["reward_model"] = time.perf_counter() - start
-        return score_rollout(rollout, self.reward_fn, scores)
-
-    def teach(self, rollout: Rollout) -> Rollout:
-        """The teacher's `log_probs` turn: `rollout` with the teacher's log-probs of its samples (as it is
-        without a teacher).
-
-        Taken once a rollout is drawn (dynamic sampling's rounds done), before it is split into
-        the per-rank batches that carry the log-probs. On shared GPUs the teacher wakes once the
-        engines have released their memory (the generate turn's release, brought forward).
-        """
-        schedule = self.between_steps()
-        turn = schedule.turn("teacher", "log_probs")
-        if turn is None:
-            return rollout
-        teacher = self.gpus.teacher
-        assert teacher is not None
-        start = time.perf_counter()
-        if turn.wake_before:
-            generate = schedule.turn("engine", "generate")
-            assert generate is not None
-            self.gpus.after(generate)  # the engines make room for the teacher
-        with self.gpus.turn(turn), self.gpus.phase("teacher_log_probs"):
-            log_probs = teacher.log_probs(score_requests(rollout))
-        return dataclasses.replace(
-            rollout,
-            teacher_log_probs=log_probs,
-            seconds={**rollout.seconds, "teacher": time.perf_counter() - start},
-        )
+        """Step 1, the rollout `rollout_id`: sampled, scored, the teacher's log-probs, split per data-parallel
+        rank (`drawing.RolloutDrawing.draw`). `background`: drawn on the async loop's generation thread,
+        outside any step's clock."""
+        return self.drawing.draw(rollout_id, background)
 
     def step(
         self,
@@ -470,7 +370,7 @@ class PPODriver:
         assert self.eval_dataset is not None
         with self.gpus.phase("eval"):
             prompts = self.eval_dataset.next_batch(len(self.eval_dataset))
-            rollout = self.sample(prompts, seed=self.config.seed, eval_mode=True, label="eval")
+            rollout = self.drawing.sample(prompts, seed=self.config.seed, eval_mode=True, label="eval")
         return rollout.metrics(
             accuracy_threshold=self.config.accuracy_threshold,
             prefix="eval",

@@ -87,7 +87,7 @@ class Rollout:
             value per sample, by term name; empty for a plain reward function.
         params: what the responses were sampled with (whether a stop token could end them: `truncated`).
         teacher_log_probs: with a distillation teacher, its log-prob of each response token, one
-            tensor per sample (`PPODriver.teach`); None without one.
+            tensor per sample (`RolloutDrawing.teach`); None without one.
     """
 
     prompts: list[PromptSample]

@@ -27,7 +27,7 @@ at once, each train role's activations included (a resident process keeps its al
 cache, so the actor's and the critic's processes each hold their largest micro batch's: on one
 H100 the 1.5B LoRA resident row's two train processes held 36 and 34 GiB, bases and activations,
 when it ran out of memory). Limits: the H200's 140 GiB, the host's 128 GiB and the 64 GiB disk of the lent
-H200 host (`GPU_GIB`, `HOST_GIB`, `DISK_GIB`).
+H200 host (`GPU_GIB`, `HOST_GIB`, `DISK_GIB`); another GPU's memory as `Work.gpu_gib`.
 """
 
 from __future__ import annotations
@@ -79,11 +79,13 @@ def lora_params(shape: dict[str, Any], rank: int) -> int:
 
 @dataclass(frozen=True)
 class Work:
-    """The bench's step: micro batches of `micro_batch` sequences of `seq_len` tokens."""
+    """The bench's step: micro batches of `micro_batch` sequences of `seq_len` tokens, on a GPU of `gpu_gib`
+    (the engine's KV cache takes `kv_fraction` of it)."""
 
     micro_batch: int = 16
     seq_len: int = 640
     kv_fraction: float = 0.1
+    gpu_gib: float = GPU_GIB
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def estimate(
     """The GPU's peak, the host's and the disk's GiB of one run (see the module docstring)."""
     work = work or Work()
     p_actor, p_critic = policy_params(shape), critic_params(shape)
-    kv = work.kv_fraction * GPU_GIB
+    kv = work.kv_fraction * work.gpu_gib
     act, critic_act = activations_gib(shape, work), activations_gib(shape, work, logits=False)
     engine = BF16 * p_actor / GIB
     if finetune == "full":
@@ -172,8 +174,8 @@ def estimate(
     gpu_peak, host_total = sum(gpu.values()), sum(host.values())
     disk = BF16 * p_actor / GIB
     why = []
-    if gpu_peak > GPU_GIB:
-        why.append(f"GPU: {gpu_peak:.0f} GiB of {GPU_GIB:.0f} ({_largest(gpu)})")
+    if gpu_peak > work.gpu_gib:
+        why.append(f"GPU: {gpu_peak:.0f} GiB of {work.gpu_gib:.0f} ({_largest(gpu)})")
     if host_total > HOST_GIB - HOST_RESERVED_GIB:
         why.append(f"host: {host_total:.0f} GiB of {HOST_GIB - HOST_RESERVED_GIB:.0f} ({_largest(host)})")
     if disk > DISK_GIB / 2:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capacity_arithmetic import Work, estimate
+from capacity_arithmetic import GPU_GIB, Work, estimate
 from ppo_harness import SHAPES, fmt, write_report
 
 BENCH = Path(__file__).resolve().parent / "ppo_gpu_bench.py"
@@ -121,9 +121,25 @@ def run_one(
     return row
 
 
+def first_gpu_gib() -> float | None:
+    """The first GPU's memory in GiB, from nvidia-smi (no CUDA context in this process: the runs need the
+    GPU); None without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out[0]) / 1024 if out and out[0].isdigit() else None
+
+
 def estimates(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any]]:
     """The arithmetic of every (shape, fine-tuning, mode) of the run and of `--estimate`."""
-    work = Work(micro_batch=args.micro_batch_size or Work.micro_batch)
+    work = Work(micro_batch=args.micro_batch_size or Work.micro_batch, gpu_gib=args.gpu_gib)
     rows = []
     for shape in shapes:
         for finetune in args.finetune.split(","):
@@ -205,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: adapters, merged; each LoRA row once for each (the weight sync's A/B)",
     )
     parser.add_argument("--micro-batch-size", type=int, default=None, help="the runs' and the arithmetic's")
+    parser.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=None,
+        help="the arithmetic's GPU memory (default: the first GPU's, from nvidia-smi; without one the H200's 140)",
+    )
     parser.add_argument("--steps", type=int, default=2, help="steps a run (the first is its warm-up)")
     parser.add_argument("--time-budget-s", type=float, default=240.0, help="each run's --time-budget-s")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: the bench's tiny model")
@@ -218,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{bad[0]!r}: --finetune takes full, lora; --modes resident, shared, fit; --lora-sync adapters, merged"
         )
+    if args.gpu_gib is None:
+        args.gpu_gib = first_gpu_gib() or GPU_GIB
+    elif args.gpu_gib <= 0:
+        parser.error(f"--gpu-gib {args.gpu_gib}: give the GPU's memory in GiB, e.g. 80 for an H100")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     json_path = args.out if args.out.suffix == ".json" else args.out / "capacity_bench.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "_started": time.time(),
         "bench": "capacity_bench",
         "command": "python3 bench/capacity_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "gpu_gib": args.gpu_gib,
         "estimates": estimates(args, [s for s in dict.fromkeys([*estimated, *shapes]) if s in SHAPES]),
         "runs": [],
     }

@@ -78,6 +78,20 @@ def test_resident_holds_each_train_roles_activations() -> None:
     assert est.gpu_terms["critic activations"] == pytest.approx(layers)
 
 
+def test_the_arithmetic_judges_on_the_gpu_it_is_given() -> None:
+    """An 80 GB card (as the H100 rows ran on): its KV cache is a tenth of 80 GiB, and 3B with LoRA resident
+    passes it (that run ran out of memory there) where 1.5B's resident arithmetic fits."""
+    shape, h100 = SHAPES["qwen2.5-3b"], Work(gpu_gib=80.0)
+    on_h200 = estimate("qwen2.5-3b", shape, "lora", "resident", work=Work())
+    on_h100 = estimate("qwen2.5-3b", shape, "lora", "resident", work=h100)
+    assert on_h100.gpu_terms["KV cache"] == pytest.approx(8.0) and on_h200.gpu_terms[
+        "KV cache"
+    ] == pytest.approx(14.0)
+    assert on_h100.gpu_peak_gib == pytest.approx(on_h200.gpu_peak_gib - 6.0)
+    assert on_h200.why_not == "" and on_h100.why_not.startswith("GPU: 91 GiB of 80 (")
+    assert estimate("qwen2.5-1.5b", SHAPES["qwen2.5-1.5b"], "lora", "resident", work=h100).why_not == ""
+
+
 @pytest.mark.parametrize("name", QWEN)
 def test_lora_never_needs_more_than_full_nor_shared_more_gpu_than_resident(name: str) -> None:
     work = Work(micro_batch=4)

@@ -7,7 +7,10 @@ or calls `init_from_env` here),
 and `LAUNCH_PORTS`: more free ports, comma-separated, for scripts that
 re-initialise torch.distributed several times (one port per initialisation).
 Exits non-zero if any process does; a process that hangs is killed after
-`LAUNCH_TIMEOUT_S` seconds (default 600).
+`LAUNCH_TIMEOUT_S` seconds (default 600). A port is free when chosen and bound by rank 0
+later, and another process on the machine (a Ray worker of the session's cluster) can take
+it between the two: a launch whose ranks failed with the address in use is run again on new
+ports, up to `ATTEMPTS` times. Each rank's stderr is written out once its launch ends.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+ATTEMPTS = 3
+ADDRESS_IN_USE = "EADDRINUSE"
 
 
 def _free_ports(n: int) -> list[int]:
@@ -44,22 +52,23 @@ def init_from_env(**parallel: int) -> int:
     return rank
 
 
-def main() -> int:
-    nproc, script, *args = sys.argv[1:]
+def launch(nproc: int, script: str, args: list[str], logs: Path) -> list[int]:
+    """The ranks' exit codes; each rank's stderr in `logs`/rank<r>.err."""
     port, *more = _free_ports(6)
     procs = []
-    for rank in range(int(nproc)):
+    for rank in range(nproc):
         env = dict(
             os.environ,
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE=nproc,
+            WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             LAUNCH_PORTS=",".join(map(str, more)),
             OMP_NUM_THREADS="1",
         )
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env))
+        with (logs / f"rank{rank}.err").open("wb") as err:
+            procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stderr=err))
     deadline = time.monotonic() + float(os.environ.get("LAUNCH_TIMEOUT_S", "600"))
     codes: list[int | None] = [None] * len(procs)
     while any(c is None for c in codes):
@@ -71,14 +80,33 @@ def main() -> int:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            codes = [p.wait() for p in procs]
-            break
+            return [p.wait() for p in procs]
         time.sleep(0.2)
-    bad = [(rank, c) for rank, c in enumerate(codes) if c != 0]
-    if bad:
+    return [int(c) for c in codes if c is not None]
+
+
+def main() -> int:
+    nproc, script, *args = sys.argv[1:]
+    for attempt in range(1, ATTEMPTS + 1):
+        with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+            codes = launch(int(nproc), script, args, Path(tmp))
+            errors = "".join(
+                (Path(tmp) / f"rank{r}.err").read_text(errors="replace") for r in range(int(nproc))
+            )
+        sys.stderr.write(errors)
+        bad = [(rank, c) for rank, c in enumerate(codes) if c != 0]
+        if not bad:
+            return 0
+        if ADDRESS_IN_USE in errors and attempt < ATTEMPTS:
+            print(
+                f"launch.py: a rendezvous port was taken between its choice and its use ({bad}); "
+                f"launching again on new ports ({attempt + 1} of {ATTEMPTS})",
+                file=sys.stderr,
+            )
+            continue
         print(f"launch.py: ranks failed (rank, exit code): {bad}", file=sys.stderr)
         return 1
-    return 0
+    return 1
 
 
 if __name__ == "__main__":

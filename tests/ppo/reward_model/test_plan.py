@@ -14,7 +14,6 @@ import pytest
 
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.engines import Generation
-from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.driver import PPODriver
 from tandem.ppo.loop.schedule import StepFacts
 from tandem.ppo.loop.shared_gpus import SharedGpus
@@ -103,18 +102,9 @@ def driver_with(calls: Calls, *, sleeps: bool) -> PPODriver:
     calls.log.clear()
     driver.reward_fn = RewardMix({"model": 1.0, "exact_match": 1.0}, {"exact_match": exact_match})
     driver.episodes = None  # single-turn samples
-    driver.drawing = RolloutDrawing(
-        lambda: driver.config,
-        driver.gpus,
-        events=calls,  # type: ignore[arg-type]
-        clock=driver.clock,
-        dataset=None,  # type: ignore[arg-type]  # rounds of sampling only: prompts given
-        tokenizer=driver.tokenizer,
-        reward_fn=driver.reward_fn,
-        episodes=None,
-        data_parallel_sizes={"actor": 1},
-        schedule=driver.between_steps,
-    )
+    driver.dataset = None  # type: ignore[assignment]  # rounds of sampling only: prompts given
+    driver.data_parallel_sizes = {"actor": 1}
+    driver.drawing = driver.new_drawing()
     return driver
 
 

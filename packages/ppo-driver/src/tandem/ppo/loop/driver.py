@@ -131,6 +131,22 @@ class PPODriver:
         """The memory plan's figures (`--memory-plan fit`), once measured."""
 
     # --- setup and shutdown ------------------------------------------------------------------
+
+    def new_drawing(self) -> RolloutDrawing:
+        """The rollout's turns over this driver's roles, data and config (read at each draw: a bench's
+        cells and tests change `config` between steps)."""
+        return RolloutDrawing(
+            lambda: self.config,
+            self.gpus,
+            events=self.events,
+            clock=self.clock,
+            dataset=self.dataset,
+            tokenizer=self.tokenizer,
+            reward_fn=self.reward_fn,
+            episodes=self.episodes,
+            data_parallel_sizes=self.data_parallel_sizes,
+            schedule=self.between_steps,
+        )
     def setup(self) -> None:
         """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
 
@@ -179,18 +195,7 @@ class PPODriver:
         if self.facts.teacher:
             startup.start_teacher(config, self.placements, self.gpus, events=self.events)
             self.gpus.start_asleep(self.between_steps())
-        self.drawing = RolloutDrawing(
-            lambda: self.config,
-            self.gpus,
-            events=self.events,
-            clock=self.clock,
-            dataset=self.dataset,
-            tokenizer=self.tokenizer,
-            reward_fn=self.reward_fn,
-            episodes=self.episodes,
-            data_parallel_sizes=self.data_parallel_sizes,
-            schedule=self.between_steps,
-        )
+        self.drawing = self.new_drawing()
         # 5. The resumed rollout: data cursor, RNG, metrics; the engines get the resumed actor's weights.
         self.start_rollout_id, self.metrics_so_far = startup.resume(self.folder, self.gpus, self.dataset)
         self.hints = RunHints(

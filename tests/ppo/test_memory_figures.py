@@ -4,11 +4,18 @@ roles (the answers a train group and the engines give on a GPU)."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
 
-from tandem.ppo.loop.memory_figures import measure_memory
+from tandem.ppo.config import PPOConfig
+from tandem.ppo.config.flag_help import help_text
+from tandem.ppo.loop.memory_figures import measure_memory, out_of_memory, out_of_memory_note
+from tandem.ppo.loop.memory_model import format_bytes
+from tandem.ppo.loop.memory_planner import plan_memory
+from tandem.ppo.loop.schedule import StepFacts, step_schedule
+from tandem.ppo.run.errors import failure_line
 
 GIB = 2**30
 
@@ -94,3 +101,75 @@ def test_a_gpu_full_of_others_is_refused() -> None:
         ValueError, match=r"other processes hold 80\.0 GiB, the GPU's whole memory; free the GPU"
     ):
         measure_memory(FakeGpus([actor]), engine_stats=[engine(10)], gpu_memory_gib=None, margin_gib=4)
+
+
+# --- an out-of-memory error in a step: the turn, the plan's figures, the flags that give room -------------
+
+
+def worker_error(cause: BaseException) -> BaseException:
+    """The exception the driver meets when a worker's call raised `cause`: Ray's `RayTaskError`, of the
+    cause's class where it can be, with the cause kept."""
+    from ray.exceptions import RayTaskError
+
+    error = RayTaskError("TrainWorkerHost.run", "Traceback ...", cause, proctitle="ray::TrainWorkerHost", pid=4242)
+    return error.as_instanceof_cause()
+
+
+def _oom() -> BaseException:
+    import torch
+
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a total capacity")
+
+
+def test_an_out_of_memory_error_is_known_raised_here_or_in_a_worker() -> None:
+    assert out_of_memory(_oom())
+    assert out_of_memory(worker_error(_oom())), "the worker's exception, kept by Ray as the cause"
+    try:
+        try:
+            raise _oom()
+        except Exception as inner:
+            raise RuntimeError("the train turn failed") from inner
+    except RuntimeError as chained:
+        assert out_of_memory(chained)
+    assert not out_of_memory(worker_error(ValueError("--micro-batch-size: give a positive count")))
+    assert not out_of_memory(RuntimeError("NCCL error"))
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"--[a-z][a-z0-9-]+", text))
+
+
+def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
+    schedule = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True))
+    figures = measure_memory(FakeGpus([FakeGroup("actor", 11, 0), FakeGroup("critic", 12, 0)]),
+                             engine_stats=[engine(10)], gpu_memory_gib=None, margin_gib=4)
+    plan = plan_memory(schedule, figures.model, figures.budget)
+    index = next(i for i, t in enumerate(schedule.turns) if (t.role, t.work) == ("actor", "train"))
+    planned = plan.turns[index]
+    note = out_of_memory_note(
+        index, schedule.turns[index], plan=plan, figures=figures, memory_plan="fit", offload_train=True
+    )
+    assert note.startswith(f"out of GPU memory in turn {index} of the step (actor: ")
+    assert f"put at {format_bytes(max(planned.peaks.values()))}" in note, "the plan's peak for this turn"
+    assert "of the 76.0 GiB it may fill (80.0 GiB less --memory-margin-gib 4)" in note
+    assert "RUN_DIR/memory_plan.json" in note
+    notes = [note] + [
+        out_of_memory_note(index, schedule.turns[index], plan=None, figures=None, memory_plan=mode, offload_train=o)
+        for mode, o in (("fit", True), ("whole", True), ("whole", False))
+    ]
+    assert "first step" in notes[1] and "--offload-train puts each to sleep" in notes[3]
+    parser_flags = _flags(help_text("train", PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8)))
+    for text in notes:
+        assert _flags(text) and _flags(text) <= parser_flags, _flags(text) - parser_flags
+
+
+def test_a_failed_step_carries_the_note_to_the_commands_line() -> None:
+    # The driver adds the note to the exception the turn raised; the command's one line keeps it.
+    error = worker_error(_oom())
+    error.add_note("out of GPU memory in turn 3 of the step (actor: train); raise --memory-margin-gib")
+    said = failure_line(error)
+    assert said is not None
+    status, line = said
+    assert line.startswith("a train worker (pid 4242): CUDA out of memory. Tried to allocate 2.30 GiB")
+    assert status == 1 and line.endswith("(out of GPU memory in turn 3 of the step (actor: train); raise "
+                                         "--memory-margin-gib)")

@@ -33,7 +33,13 @@ from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.hints import RunHints
-from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, replan_if_grown
+from tandem.ppo.loop.memory_figures import (
+    MemoryFigures,
+    adopt_plans,
+    out_of_memory,
+    out_of_memory_note,
+    replan_if_grown,
+)
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
@@ -310,8 +316,22 @@ class PPODriver:
             kl_coef=kl_coef_of_step(self.config, self.metrics_so_far),
         )
         for index, turn in enumerate(schedule.turns):
-            self.gpus.enter(index)  # the memory plan's tag sleeps and wakes (nothing without a plan)
-            turns.take(turn)
+            try:
+                self.gpus.enter(index)  # the memory plan's tag sleeps and wakes (nothing without a plan)
+                turns.take(turn)
+            except Exception as exc:
+                if out_of_memory(exc):  # the turn, the plan's figures for it, the flags that give it room
+                    exc.add_note(
+                        out_of_memory_note(
+                            index,
+                            turn,
+                            plan=self.gpus.plan,
+                            figures=self.memory_figures,
+                            memory_plan=self.config.memory_plan,
+                            offload_train=self.config.offload_train,
+                        )
+                    )
+                raise
         self.steps_here += 1
         if self.memory_figures is not None:  # the next step counts what this one needed
             self.memory_figures = replan_if_grown(self.gpus, self.memory_figures, self.run_dir)

@@ -89,9 +89,17 @@ def failure_line(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
+_TASK_HEADER = re.compile(r"ray::([\w.]+)\(\)\S*\s+\(pid=(\d+)")
+"""The header Ray writes over a worker's traceback: "ray::TrainWorkerHost.run() (pid=4242, ip=...)"."""
+
+
 def _worker_name(exc: Any) -> str:
     name = getattr(exc, "proctitle", "") or ""
     pid = getattr(exc, "pid", None)
+    if not name:  # Ray's error of the cause's class (`as_instanceof_cause`) keeps these only in its text
+        header = _TASK_HEADER.search(str(exc))
+        if header:
+            name, pid = header.group(1), int(header.group(2))
     kind = (
         "a rollout engine"
         if "Engine" in name

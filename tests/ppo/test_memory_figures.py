@@ -111,14 +111,18 @@ def worker_error(cause: BaseException) -> BaseException:
     cause's class where it can be, with the cause kept."""
     from ray.exceptions import RayTaskError
 
-    error = RayTaskError("TrainWorkerHost.run", "Traceback ...", cause, proctitle="ray::TrainWorkerHost", pid=4242)
+    error = RayTaskError(
+        "TrainWorkerHost.run", "Traceback ...", cause, proctitle="ray::TrainWorkerHost", pid=4242
+    )
     return error.as_instanceof_cause()
 
 
 def _oom() -> BaseException:
     import torch
 
-    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a total capacity")
+    return torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a total capacity"
+    )
 
 
 def test_an_out_of_memory_error_is_known_raised_here_or_in_a_worker() -> None:
@@ -141,8 +145,12 @@ def _flags(text: str) -> set[str]:
 
 def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
     schedule = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True))
-    figures = measure_memory(FakeGpus([FakeGroup("actor", 11, 0), FakeGroup("critic", 12, 0)]),
-                             engine_stats=[engine(10)], gpu_memory_gib=None, margin_gib=4)
+    figures = measure_memory(
+        FakeGpus([FakeGroup("actor", 11, 0), FakeGroup("critic", 12, 0)]),
+        engine_stats=[engine(10)],
+        gpu_memory_gib=None,
+        margin_gib=4,
+    )
     plan = plan_memory(schedule, figures.model, figures.budget)
     index = next(i for i, t in enumerate(schedule.turns) if (t.role, t.work) == ("actor", "train"))
     planned = plan.turns[index]
@@ -154,11 +162,15 @@ def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
     assert "of the 76.0 GiB it may fill (80.0 GiB less --memory-margin-gib 4)" in note
     assert "RUN_DIR/memory_plan.json" in note
     notes = [note] + [
-        out_of_memory_note(index, schedule.turns[index], plan=None, figures=None, memory_plan=mode, offload_train=o)
+        out_of_memory_note(
+            index, schedule.turns[index], plan=None, figures=None, memory_plan=mode, offload_train=o
+        )
         for mode, o in (("fit", True), ("whole", True), ("whole", False))
     ]
     assert "first step" in notes[1] and "--offload-train puts each to sleep" in notes[3]
-    parser_flags = _flags(help_text("train", PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8)))
+    parser_flags = _flags(
+        help_text("train", PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8))
+    )
     for text in notes:
         assert _flags(text) and _flags(text) <= parser_flags, _flags(text) - parser_flags
 
@@ -171,5 +183,55 @@ def test_a_failed_step_carries_the_note_to_the_commands_line() -> None:
     assert said is not None
     status, line = said
     assert line.startswith("a train worker (pid 4242): CUDA out of memory. Tried to allocate 2.30 GiB")
-    assert status == 1 and line.endswith("(out of GPU memory in turn 3 of the step (actor: train); raise "
-                                         "--memory-margin-gib)")
+    assert status == 1 and line.endswith(
+        "(out of GPU memory in turn 3 of the step (actor: train); raise --memory-margin-gib)"
+    )
+
+
+class FailingTurns:
+    """A step's turns whose every turn raises `error` (a worker's out-of-memory error, or another)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def take(self, turn: Any) -> None:
+        raise self.error
+
+
+class PlannedGpus:
+    """The roles on the GPUs as the step sees them: the plan it runs (None: the whole-role schedule)."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan, self.entered = plan, []
+
+    def enter(self, index: int) -> None:
+        self.entered.append(index)
+
+
+def test_the_step_adds_the_note_to_a_turns_out_of_memory_error_only() -> None:
+    from tandem.ppo.loop.driver import PPODriver
+
+    schedule = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True))
+    figures = measure_memory(
+        FakeGpus([FakeGroup("actor", 11, 0), FakeGroup("critic", 12, 0)]),
+        engine_stats=[engine(10)],
+        gpu_memory_gib=None,
+        margin_gib=4,
+    )
+    driver = PPODriver.__new__(PPODriver)  # the turn's wrapper only: no validation, no Ray
+    driver.config = PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8, memory_plan="fit")
+    driver.gpus = PlannedGpus(plan_memory(schedule, figures.model, figures.budget))  # type: ignore[assignment]
+    driver.memory_figures = figures
+    error = worker_error(_oom())
+    with pytest.raises(type(error)) as raised:
+        driver.take_turn(FailingTurns(error), 3, schedule.turns[3])  # type: ignore[arg-type]
+    assert driver.gpus.entered == [3], "the plan's moves come before the turn's work"  # type: ignore[attr-defined]
+    (note,) = raised.value.__notes__
+    assert (
+        note.startswith("out of GPU memory in turn 3 of the step (actor: ")
+        and "--memory-margin-gib 4" in note
+    )
+    other = worker_error(ValueError("--micro-batch-size: give a positive count"))
+    with pytest.raises(type(other)) as raised_other:
+        driver.take_turn(FailingTurns(other), 3, schedule.turns[3])  # type: ignore[arg-type]
+    assert not getattr(raised_other.value, "__notes__", None), "another error goes on as it was"

@@ -41,7 +41,14 @@ from tandem.ppo.loop.memory_figures import (
     replan_if_grown,
 )
 from tandem.ppo.loop.run_loop import run_loop
-from tandem.ppo.loop.schedule import StepFacts, StepSchedule, check_exclusive, save_schedule, step_schedule
+from tandem.ppo.loop.schedule import (
+    StepFacts,
+    StepSchedule,
+    Turn,
+    check_exclusive,
+    save_schedule,
+    step_schedule,
+)
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
 from tandem.ppo.loop.turns import StepTurns
 from tandem.ppo.rollout.preflight import read_inputs
@@ -153,6 +160,7 @@ class PPODriver:
             data_parallel_sizes=self.data_parallel_sizes,
             schedule=self.between_steps,
         )
+
     def setup(self) -> None:
         """Ray, placement groups, engines and train groups (concurrently), data, reward, logging.
 
@@ -316,22 +324,7 @@ class PPODriver:
             kl_coef=kl_coef_of_step(self.config, self.metrics_so_far),
         )
         for index, turn in enumerate(schedule.turns):
-            try:
-                self.gpus.enter(index)  # the memory plan's tag sleeps and wakes (nothing without a plan)
-                turns.take(turn)
-            except Exception as exc:
-                if out_of_memory(exc):  # the turn, the plan's figures for it, the flags that give it room
-                    exc.add_note(
-                        out_of_memory_note(
-                            index,
-                            turn,
-                            plan=self.gpus.plan,
-                            figures=self.memory_figures,
-                            memory_plan=self.config.memory_plan,
-                            offload_train=self.config.offload_train,
-                        )
-                    )
-                raise
+            self.take_turn(turns, index, turn)
         self.steps_here += 1
         if self.memory_figures is not None:  # the next step counts what this one needed
             self.memory_figures = replan_if_grown(self.gpus, self.memory_figures, self.run_dir)
@@ -357,6 +350,27 @@ class PPODriver:
         # Why a run may not be learning, said once each, never while the reward rises (loop/hints.py).
         metrics.update(self.hints.after_step(rollout_id, metrics, turns.rollout.rollout))
         return metrics
+
+    def take_turn(self, turns: StepTurns, index: int, turn: Turn) -> None:
+        """Turn `index` of the step: the memory plan's tag sleeps and wakes (nothing without a plan), then the
+        turn's work. An out-of-memory error gains a note: the turn, the plan's figures for it, the flags that
+        give it room."""
+        try:
+            self.gpus.enter(index)
+            turns.take(turn)
+        except Exception as exc:
+            if out_of_memory(exc):
+                exc.add_note(
+                    out_of_memory_note(
+                        index,
+                        turn,
+                        plan=self.gpus.plan,
+                        figures=self.memory_figures,
+                        memory_plan=self.config.memory_plan,
+                        offload_train=self.config.offload_train,
+                    )
+                )
+            raise
 
     # --- checkpoints, eval, export ---------------------------------------------------------------
     def save(self, rollout_id: int, data_state: dict[str, Any] | None = None) -> None:

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from tandem.megatron.runtime.gpu_memory import CACHED
-from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, fixed_from_gpu_memory, format_bytes
+from tandem.ppo.loop.memory_model import (
+    GpuBudget,
+    MemoryModel,
+    RoleMemory,
+    fixed_from_gpu_memory,
+    format_bytes,
+)
 from tandem.ppo.loop.memory_plan import MemoryPlan
 from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, Work
@@ -396,7 +402,9 @@ def out_of_memory_note(
             f"(--memory-plan fit): the models do not fit even taking turns; {LIGHTER.removeprefix('or ')}"
         )
     if offload_train:
-        return f"{where}, each model asleep outside its turns (--offload-train): {LIGHTER.removeprefix('or ')}"
+        return (
+            f"{where}, each model asleep outside its turns (--offload-train): {LIGHTER.removeprefix('or ')}"
+        )
     return (
         f"{where}, every model resident (--no-offload-train): --offload-train puts each to sleep outside "
         f"its turns, --memory-plan fit only what a turn needs room for, {LIGHTER}"

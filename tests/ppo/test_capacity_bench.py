@@ -53,8 +53,10 @@ def test_the_memory_arithmetic_by_hand() -> None:
     activations = (34 * 4 * 640 * 3584 * 28 + 12 * 4 * 640 * 152064) / GIB
     turns = [2 * p / GIB + 14.0, 18 * a / GIB + activations]
     assert est.gpu_peak_gib == pytest.approx(2 * p / GIB + 2 * c / GIB + max(turns))
-    # The host: the engine's base (it merges each sync's adapters into it) and both adapter states.
-    assert est.host_gib == pytest.approx(2 * p / GIB + 2 * 18 * a / GIB)
+    # The host: the engine's base (it merges each sync's adapters into it) and both adapter states, the
+    # critic's with its value head (hidden -> 1, with bias), which trains in full.
+    value_head = shape["hidden_size"] + 1
+    assert est.host_gib == pytest.approx(2 * p / GIB + 18 * a / GIB + 18 * (a + value_head) / GIB, rel=1e-9)
     assert est.why_not == ""
     # Full fine-tuning of the same shape, shared: 18 bytes a parameter for the actor awake, and the
     # host holds both models' 14 (no gradients), the engine's and the reference's bf16 weights.

@@ -3,7 +3,9 @@
 The config is validated first, as a run would validate it; the YAML is exactly
 what `RUN_DIR/config.yaml` would hold; the placement comes from
 `tandem.placement.compute_layout` (pure: no Ray), one line per GPU (bundle) with
-each role on it and the share of the GPU that Ray gives it.
+each role on it and the share of the GPU that Ray gives it; then the run's memory by arithmetic
+(`capacity.memory_lines`: each GPU's peak and the host's, whether they fit, and the flags that make
+them fit where they do not).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.placement import compute_layout
+from tandem.ppo.app.capacity import memory_lines
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.config.record import run_config_text
 
@@ -59,9 +62,10 @@ def placement_lines(config: PPOConfig) -> list[str]:
 
 
 def dry_run_report(config: PPOConfig) -> str:
-    """What `--dry-run` prints: the config.yaml a run would write, then its placement (as YAML comments)."""
+    """What `--dry-run` prints: the config.yaml a run would write, then its placement and memory (as YAML comments)."""
 
     lines = [run_config_text(config).rstrip("\n"), ""]
     lines += [f"# {line}" for line in placement_lines(config)]
+    lines += [f"# {line}" for line in memory_lines(config)]
     lines.append(f"# dry run: config valid; nothing started (run without {DRY_RUN_FLAG} to train)")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,198 @@
+"""The run's memory by arithmetic (`tandem.ppo.app.capacity`), as `ppo-driver train --dry-run` prints it.
+
+Parameter counts against the models' published ones; a run's config read into the bench's terms (its
+micro-batches, layout, LoRA targets, KV cache); the verdict against a GPU's and a host's memory, and the
+flags that make a run fit where it does not, each checked by estimating the run with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.ppo.app.capacity import (
+    GIB,
+    Work,
+    estimate,
+    kv_bytes_per_token,
+    lora_params,
+    memory_lines,
+    policy_params,
+    run_estimate,
+    shape_of,
+)
+from tandem.ppo.app.dry_run import dry_run_report
+from tandem.ppo.config.ppo_config import PPOConfig
+
+QWEN_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+QWEN_05B = {
+    **QWEN_7B,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+SMOLLM2_135M = {  # a Llama: no attention biases
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "published"),
+    [(QWEN_05B, 494_032_768), (QWEN_7B, 7_615_616_512), (SMOLLM2_135M, 134_515_008)],
+    ids=["qwen2.5-0.5b", "qwen2.5-7b", "smollm2-135m"],
+)
+def test_parameter_counts_are_the_published_ones(config: dict[str, object], published: int) -> None:
+    assert policy_params(shape_of(config)) == published
+
+
+def test_a_config_json_that_cannot_be_counted_is_named() -> None:
+    with pytest.raises(ValueError, match="mixture of experts"):
+        shape_of({**QWEN_7B, "num_experts": 64})
+    with pytest.raises(ValueError, match="lacks intermediate_size"):
+        shape_of({k: v for k, v in QWEN_7B.items() if k != "intermediate_size"})
+
+
+def _folder(tmp_path: Path, config: dict[str, object]) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _run(folder: Path, **fields: object) -> PPOConfig:
+    base: dict[str, object] = {
+        "hf_checkpoint": str(folder),
+        "rollout_batch_size": 64,
+        "global_batch_size": 64,
+        "micro_batch_size": 16,
+        "max_prompt_len": 128,
+        "rollout_max_response_len": 512,
+    }
+    return PPOConfig(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_runs_config_is_the_benchs_terms(tmp_path: Path) -> None:
+    shape = shape_of(QWEN_7B)
+    # The bench's work: micro batches of 16 x 640 tokens, a KV cache of a tenth of an H200, LoRA rank 16 on
+    # both models, the bases asleep on the host. A rollout of 512 samples needs more KV cache than that tenth.
+    config = _run(
+        _folder(tmp_path, QWEN_7B),
+        rollout_batch_size=512,
+        global_batch_size=512,
+        lora_rank=16,
+        critic_lora_rank=16,
+        rollout_kv_cache_memory_fraction=0.1,
+    )
+    assert 512 * 640 * kv_bytes_per_token(shape) / GIB > 14
+    ours = run_estimate(config, shape, gpu_gib=140)
+    bench = estimate("7b", shape, "lora", "shared", rank=16, base_offload=True, work=Work())
+    assert (ours.gpu_peak_gib, ours.host_gib) == pytest.approx((bench.gpu_peak_gib, bench.host_gib))
+    # 64 samples need less KV cache than the tenth: the engine takes what the rollout needs.
+    small = run_estimate(
+        dataclasses.replace(config, rollout_batch_size=64, global_batch_size=64, offload_train=False),
+        shape,
+        gpu_gib=140,
+    )
+    assert small.gpu_terms["KV cache"] == pytest.approx(64 * 640 * kv_bytes_per_token(shape) / GIB)
+
+
+def test_tensor_parallelism_splits_the_states_and_the_activations(tmp_path: Path) -> None:
+    shape = shape_of(QWEN_7B)
+    one = run_estimate(_run(_folder(tmp_path, QWEN_7B), offload_train=False), shape, gpu_gib=1000)
+    two = run_estimate(
+        _run(_folder(tmp_path, QWEN_7B), offload_train=False, tensor_model_parallel_size=2),
+        shape,
+        gpu_gib=1000,
+    )
+    for term in ("actor", "critic", "actor activations", "critic activations"):
+        assert two.gpu_terms[term] == pytest.approx(one.gpu_terms[term] / 2), term
+    assert two.gpu_terms["engine weights"] == one.gpu_terms["engine weights"], (
+        "each engine holds the model whole"
+    )
+
+
+def test_lora_targets_by_either_name_count_only_their_layers(tmp_path: Path) -> None:
+    shape = shape_of(QWEN_7B)
+    h, n, kv = 3584, 28, 4 * 128
+    assert lora_params(shape, 8, ("q_proj", "k_proj", "v_proj")) == 8 * n * (2 * h + 2 * (h + kv))
+    fused = run_estimate(
+        _run(_folder(tmp_path, QWEN_7B), lora_rank=8, lora_target_modules=("linear_qkv",)), shape, gpu_gib=140
+    )
+    named = run_estimate(
+        _run(_folder(tmp_path, QWEN_7B), lora_rank=8, lora_target_modules=("q_proj", "k_proj", "v_proj")),
+        shape,
+        gpu_gib=140,
+    )
+    assert (
+        fused.trained_params
+        == named.trained_params
+        == 8 * n * (2 * h + 2 * (h + kv)) + (critic_state := 7_615_616_512 - 152064 * h + h + 1)
+    ), "the actor's adapters; the critic trains in full (no --critic-lora-rank)"
+    assert critic_state > 7e9
+
+
+def test_the_verdict_and_each_flag_that_makes_the_run_fit(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, QWEN_7B)
+    full = _run(folder)
+    lines = memory_lines(full, gpu_gib=140, host_gib=128)
+    assert (
+        lines[0].startswith("memory, by arithmetic")
+        and "shared, full fine-tuning of 7.62 B parameters" in lines[0]
+    )
+    assert lines[1].startswith("  does not fit: GPU: 178 GiB of 140") and "host: 206 GiB of 120" in lines[1]
+    assert lines[2:] == [
+        "  fits with --lora-rank 16 --critic-lora-rank 16 (LoRA adapters on a frozen base): 65 GiB "
+        "of GPU, 43 of host"
+    ]
+    # Resident LoRA on 80 GB: sleeping in turn fits, and of the smaller micro-batches the largest that fits.
+    resident = _run(folder, lora_rank=16, critic_lora_rank=16, offload_train=False)
+    lines = memory_lines(resident, gpu_gib=80, host_gib=128)
+    levers = [line.removeprefix("  fits with ").split(":")[0] for line in lines[2:]]
+    assert levers == ["--offload-train (the models sleep in turn)", "--micro-batch-size 4"]
+    for lever, changes in zip(levers, [{"offload_train": True}, {"micro_batch_size": 4}], strict=True):
+        assert not run_estimate(
+            dataclasses.replace(resident, **changes), shape_of(QWEN_7B), 80, 128
+        ).why_not, lever
+    assert run_estimate(dataclasses.replace(resident, micro_batch_size=8), shape_of(QWEN_7B), 80, 128).why_not
+    fits = memory_lines(dataclasses.replace(resident, micro_batch_size=4), gpu_gib=80, host_gib=128)
+    assert fits[1].startswith("  fits: 66 of 80 GiB of GPU")
+
+
+def test_the_dry_run_prints_the_estimate_or_why_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        "tandem.ppo.app.capacity.gpu_memory_gib", lambda: None
+    )  # as on a machine without a GPU
+    report = dry_run_report(_run(_folder(tmp_path / "m", QWEN_05B), gpu_memory_gib=40))
+    assert (
+        "# memory, by arithmetic" in report
+        and "#   fits: " in report
+        and "#   fits: 33 of 40 GiB of GPU" in report
+    )
+    unjudged = dry_run_report(_run(_folder(tmp_path / "m", QWEN_05B)))
+    assert "#   no GPU here to judge it by: give --gpu-memory-gib for a verdict" in unjudged
+    missing = dry_run_report(_run(tmp_path / "not-built"))
+    assert f"# memory: no estimate: no {tmp_path / 'not-built' / 'config.json'} yet" in missing

@@ -196,3 +196,33 @@ def test_the_dry_run_prints_the_estimate_or_why_it_cannot(
     assert "#   no GPU here to judge it by: give --gpu-memory-gib for a verdict" in unjudged
     missing = dry_run_report(_run(tmp_path / "not-built"))
     assert f"# memory: no estimate: no {tmp_path / 'not-built' / 'config.json'} yet" in missing
+
+
+def test_a_start_on_gpus_warns_before_ray_where_the_run_cannot_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tandem.ppo.app import cli
+    from tandem.ppo.app.capacity import start_warning
+
+    monkeypatch.setattr("tandem.ppo.app.capacity.host_memory_gib", lambda: 128.0)  # the lent H200 host's
+    folder = _folder(tmp_path, QWEN_7B)
+    too_big = _run(folder, device="cuda", gpu_memory_gib=80)
+    lines = start_warning(too_big)
+    assert lines[1].startswith("  does not fit: GPU: 178 GiB of 80") and "--lora-rank 16" in lines[2]
+    assert start_warning(dataclasses.replace(too_big, device="cpu")) == [], "a CPU run's GPUs are logical"
+    assert start_warning(dataclasses.replace(too_big, lora_rank=16, critic_lora_rank=16)) == [], (
+        "nothing: it fits"
+    )
+    # The command says it before the run starts (the run itself stands in here: no Ray, no workers).
+    started: list[PPOConfig] = []
+
+    class Summary:
+        def describe(self) -> str:
+            return "run dir: -"
+
+    monkeypatch.setattr(PPOConfig, "validate", lambda self: None)
+    monkeypatch.setattr("tandem.ppo.loop.training.train", lambda config: started.append(config) or Summary())
+    with caplog.at_level("WARNING", logger="tandem.ppo.capacity"):
+        assert cli._start(too_big, dry_run=False) == 0
+    assert started and "does not fit: GPU: 178 GiB of 80" in caplog.text
+    assert "lora-rank 16 --critic-lora-rank 16 (LoRA adapters on a frozen base)" in caplog.text

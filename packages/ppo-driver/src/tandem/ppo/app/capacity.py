@@ -62,6 +62,7 @@ __all__ = [
     "policy_params",
     "run_estimate",
     "shape_of",
+    "start_warning",
 ]
 
 GIB = 1024**3
@@ -480,3 +481,13 @@ def memory_lines(
         "  none of --offload-train, LoRA, smaller micro-batches fits"
     ]
     return lines
+
+
+def start_warning(config: PPOConfig) -> list[str]:
+    """What a start on GPUs says before Ray starts where the arithmetic, a floor, puts the run past its GPU's or
+    its host's memory: `memory_lines` (the peaks, what stands in the way, the flags that fit); nothing where it
+    fits, on a CPU run, or without a GPU to judge by."""
+    if config.device == "cpu":
+        return []
+    lines = memory_lines(config)
+    return lines if len(lines) > 1 and lines[1].startswith("  does not fit") else []

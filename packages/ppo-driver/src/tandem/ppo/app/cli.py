@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from tandem.ppo import __version__
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo._recall import RECALL_DEFAULTS, prepare_recall_demo
 from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
+from tandem.ppo.app.capacity import start_warning
 from tandem.ppo.app.dry_run import dry_run_report, split_dry_run
 from tandem.ppo.app.machine import adapt_to_machine, announce
 from tandem.ppo.app.memory_report import MemoryPlanArgs, memory_report
@@ -34,6 +36,8 @@ from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.run.errors import BROKEN_PIPE_EXIT_CODE, failure_line
 from tandem.ppo.run.log import INTERRUPTED_EXIT_CODE, Interrupted
 from tandem.ppo.run.terminal import terminal_output
+
+logger = logging.getLogger("tandem.ppo.capacity")
 
 PROG = "ppo-driver"
 
@@ -148,6 +152,10 @@ def _start(config: PPOConfig, dry_run: bool, *, checked_as: PPOConfig | None = N
     if dry_run:
         print(dry_run_report(config), end="")
         return 0
+    for line in start_warning(
+        config
+    ):  # a run the arithmetic says will run out of memory, and the flags that fit
+        logger.warning("%s", line.strip())
     from tandem.ppo.loop.training import train  # torch and Ray: loaded once a run starts, never for --help
 
     print(train(config).describe())

@@ -7,7 +7,8 @@
 `ReloadableProcessGroup`s let the NCCL communicators go too (when to sleep and
 wake is the driver's plan, not this package's). `HostCopies` keeps tensors that
 stay on the host for a run (an actor's reference weights) in one exact-size
-page-locked buffer.
+page-locked buffer; `SharedFrozen` gives processes that hold the same frozen bytes
+(a LoRA actor's and critic's base) one host copy between them.
 
 Importing this package imports torch, never ray, megatron or torch_memory_saver.
 """
@@ -30,6 +31,7 @@ from ._process_groups import (
     reloadable_new_group,
     reloadable_process_groups,
 )
+from ._shared_frozen import SharedFrozen
 
 try:
     __version__ = _version("tandem-lifecycle")
@@ -46,6 +48,7 @@ __all__ = [
     "PinnedHostBackend",
     "ProcessGroupTornDownError",
     "ReloadableProcessGroup",
+    "SharedFrozen",
     "TorchMemorySaverBackend",
     "__version__",
     "clear_torch_caches",

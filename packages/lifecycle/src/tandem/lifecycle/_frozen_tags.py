@@ -19,11 +19,13 @@ from ._host_buffers import HostBuffer, bytes_of
 
 @dataclass
 class Stored:
-    """One storage put away: where its bytes live in the tag's host buffer."""
+    """One storage put away: where its bytes live in the tag's host buffer (or in `buffer`, where a frozen
+    tag's shared copy lacks them: `SharedFrozen`)."""
 
     storage: torch.UntypedStorage
     nbytes: int
     offset: int
+    buffer: HostBuffer | None = None
 
 
 class FrozenTags:
@@ -58,7 +60,9 @@ class FrozenTags:
                     raise ValueError(f"refresh({tag!r}): a tensor that is not a contiguous tensor of the tag")
                 start = t.storage_offset() * t.element_size()
                 n = t.numel() * t.element_size()
-                host = buffer.tensor[place.offset + start : place.offset + start + n]
+                host = (place.buffer if place.buffer is not None else buffer).tensor[
+                    place.offset + start : place.offset + start + n
+                ]
                 bytes_of(place.storage)[start : start + n].copy_(host, non_blocking=self._is_cuda())
 
     def invalidate(self, tag: str) -> None:
@@ -74,14 +78,13 @@ class FrozenTags:
             raise RuntimeError(f"{what}({tag!r}): the tag is paused; resume it first")
 
     def _holds_copy(self, tag: str, stored: list[Stored]) -> bool:
-        """Whether frozen `tag` has a host copy of exactly these storages, of these sizes, in this layout."""
+        """Whether frozen `tag` has a host copy of exactly these storages, of these sizes (each where the copy
+        has it: in this process's layout, or where a shared copy has equal bytes)."""
         kept = self._kept.get(tag)
         if kept is None or len(kept) != len(stored):
             return False
         return all(
-            (k := kept.get(int(s.storage._cdata))) is not None
-            and (k.nbytes, k.offset) == (s.nbytes, s.offset)
-            for s in stored
+            (k := kept.get(int(s.storage._cdata))) is not None and k.nbytes == s.nbytes for s in stored
         )
 
     def _is_cuda(self) -> bool:

@@ -29,24 +29,38 @@ class HostBuffer:
     memory (the only kind on CPU).
     """
 
-    def __init__(self, nbytes: int, kind: HostMemory) -> None:
+    def __init__(
+        self, nbytes: int, kind: HostMemory, *, tensor: torch.Tensor | None = None, touch: bool = False
+    ) -> None:
         self.nbytes = nbytes
+        if tensor is not None:
+            # Memory mapped from elsewhere (`SharedBuffer`): page-locked in place where CUDA copies use it;
+            # touched first (`touch`) only where it is new: its bytes may be another process's.
+            self.tensor = tensor
+            if kind != "pageable" and nbytes > 0:
+                self._register(touch=touch)
+            return
         if kind == "pinned":
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             return
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         if kind == "registered" and nbytes > 0:
+            self._register(touch=True)
+
+    def _register(self, *, touch: bool) -> None:
+        """Page-lock the buffer with cudaHostRegister (`touch`: fault its pages in from several threads first)."""
+        if touch:
             prefault(self.tensor)
-            cudart = torch.cuda.cudart()
-            ptr = self.tensor.data_ptr()
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
-                    f"{cudart.cudaGetErrorString(err)}; pass host_memory='pinned' to PinnedHostBackend"
-                )
-            # Unregister before the memory goes back to the allocator: the finalizer holds the tensor.
-            weakref.finalize(self, _unregister_host, ptr, self.tensor)
+        cudart = torch.cuda.cudart()
+        ptr, nbytes = self.tensor.data_ptr(), self.nbytes
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
+                f"{cudart.cudaGetErrorString(err)}; pass host_memory='pinned' to PinnedHostBackend"
+            )
+        # Unregister before the memory goes back to the allocator: the finalizer holds the tensor.
+        weakref.finalize(self, _unregister_host, ptr, self.tensor)
 
 
 class HostCopies(Sequence[torch.Tensor]):

@@ -13,6 +13,7 @@ import torch
 
 from ._frozen_tags import FrozenTags, Stored
 from ._host_buffers import HOST_MEMORY, HostBuffer, HostMemory, aligned, bytes_of
+from ._shared_frozen import SharedBuffer, SharedFrozen, adopt, publish
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class PinnedHostBackend(FrozenTags):
         self._in_flight: dict[str, torch.cuda.Event] = {}  # background resumes not joined yet
         self._frozen: set[str] = set()  # tags registered with frozen=True
         self._kept: dict[str, dict[int, Stored]] = {}  # frozen tag -> its host copy's layout, by storage
+        self._share: dict[str, SharedFrozen] = {}  # frozen tags whose first host copy is shared (`share`)
         self._to_host: dict[str, int] = {}  # bytes copied to the host, per tag
         self._stream: torch.cuda.Stream | None = None
         self._lock = threading.RLock()
@@ -84,6 +86,7 @@ class PinnedHostBackend(FrozenTags):
         keep: bool = True,
         resume_in_background: bool = False,
         frozen: bool = False,
+        share: SharedFrozen | None = None,
     ) -> None:
         """Put `tensors` under `tag`: an iterable of tensors, or a zero-argument callable
         returning one (called at every pause, so state created later is included).
@@ -107,6 +110,10 @@ class PinnedHostBackend(FrozenTags):
         them while awake is lost at the next pause (or undone by `refresh`). A changed set
         of storages (another storage, another size) is copied again; so is everything
         after `invalidate`. A tag is frozen or not once and for all, and never scratch.
+
+        `share` (a frozen tag's): one host copy for the processes of this machine that register the same
+        bytes under the same key (`SharedFrozen`: a LoRA actor's and critic's base from one checkpoint);
+        the first to put the tag away publishes its copy, a later one maps it where its bytes are equal.
         """
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"register: tag={tag!r} must be a non-empty string")
@@ -115,6 +122,8 @@ class PinnedHostBackend(FrozenTags):
                 f"register({tag!r}, keep=False, frozen=True): a frozen tag's bytes are kept on the host; "
                 "a scratch tag keeps none"
             )
+        if share is not None and not frozen:
+            raise ValueError(f"register({tag!r}, share=...): only a frozen tag's host copy can be shared")
         if tag in self._sources and (tag in self._frozen) != frozen:
             raise ValueError(
                 f"register({tag!r}, frozen={frozen}): the tag was registered with frozen={not frozen}; "
@@ -140,6 +149,8 @@ class PinnedHostBackend(FrozenTags):
                 self._background.add(tag)
             if frozen:
                 self._frozen.add(tag)
+            if share is not None:
+                self._share[tag] = share
             self._kept.pop(tag, None)  # more tensors: the host copy no longer covers the tag
 
     @property
@@ -153,8 +164,12 @@ class PinnedHostBackend(FrozenTags):
         return frozenset(self._paused)
 
     def host_nbytes(self) -> int:
-        """Bytes held in host buffers (kept between cycles, also while awake)."""
-        return sum(b.nbytes for b in self._buffers.values())
+        """Bytes held in host buffers (kept between cycles, also while awake); a shared copy (`SharedFrozen`)
+        counts whole in each process that maps it."""
+        extra = {
+            id(k.buffer): k.buffer.nbytes for kept in self._kept.values() for k in kept.values() if k.buffer
+        }
+        return sum(b.nbytes for b in self._buffers.values()) + sum(extra.values())
 
     def copied_to_host(self, tag: str) -> int:
         """Bytes of `tag` copied from its tensors to the host so far (a frozen tag's: once, at its first pause)."""
@@ -230,6 +245,9 @@ class PinnedHostBackend(FrozenTags):
         self.join(tag)
         stored = self._layout(self._collect(tag))
         buffer = self._put_away(tag, stored)
+        kept = self._kept.get(tag)
+        if kept is not None:  # a frozen tag's bytes lie where its host copy has them (a shared copy's places)
+            stored = [kept[int(s.storage._cdata)] for s in stored]
         freed: list[Stored] = []
         try:
             for s in stored:
@@ -258,6 +276,13 @@ class PinnedHostBackend(FrozenTags):
     def _copy_to_host(self, tag: str, stored: list[Stored]) -> HostBuffer:
         """Copy `stored` to `tag`'s host buffer (a frozen tag remembers what its copy is of); once this
         returns the copies are complete."""
+        share = self._share.pop(tag, None)  # shared at the first copy only: a later one is of changed bytes
+        if isinstance(self._buffers.get(tag), SharedBuffer):
+            del self._buffers[tag]  # others may read the shared bytes: a changed tag gets a buffer of its own
+        if share is not None and stored:
+            shared = self._share_copy(tag, share, stored)
+            if shared is not None:
+                return shared
         buffer = self._buffer(tag, stored[-1].offset + stored[-1].nbytes if stored else 0)
         with self._copies(wait_for_device=True) as copy:
             for s in stored:
@@ -265,6 +290,54 @@ class PinnedHostBackend(FrozenTags):
         self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
         if tag in self._frozen:
             self._kept[tag] = {int(s.storage._cdata): s for s in stored}
+        return buffer
+
+    def _share_copy(self, tag: str, share: SharedFrozen, stored: list[Stored]) -> HostBuffer | None:
+        """The first host copy of frozen `tag` shared (`SharedFrozen`): another process's equal bytes mapped
+        (nothing copied), or this process's copy made in a memfd and published; None where neither can be
+        (the copy is then made as any other)."""
+        kind: HostMemory = self._host_memory if self._is_cuda() else "pageable"
+        if self._is_cuda():
+            torch.cuda.synchronize(self._device)  # the bytes compared are the ones the queued kernels leave
+        found = adopt(share, [s.nbytes for s in stored], [s.storage for s in stored], kind)
+        if found is not None:
+            buffer, offsets = found
+            # What the shared copy lacks (the actor's output layer beside the critic's base) gets a copy here.
+            extra = self._layout([s.storage for s, off in zip(stored, offsets, strict=True) if off is None])
+            own = HostBuffer(extra[-1].offset + extra[-1].nbytes, kind) if extra else None
+            if own is not None:
+                extra = [Stored(e.storage, e.nbytes, e.offset, own) for e in extra]
+                with self._copies(wait_for_device=True) as copy:
+                    for e in extra:
+                        copy(e, own, True)
+                self._to_host[tag] = self._to_host.get(tag, 0) + sum(e.nbytes for e in extra)
+            places = iter(extra)
+            kept = [
+                Stored(s.storage, s.nbytes, off) if off is not None else next(places)
+                for s, off in zip(stored, offsets, strict=True)
+            ]
+            self._buffers[tag] = buffer
+            self._kept[tag] = {int(k.storage._cdata): k for k in kept}
+            logger.info(
+                "tag %r: maps the host copy published under %r (%.3f GiB), %.3f GiB of its own beside it",
+                tag,
+                share.key,
+                buffer.nbytes / 2**30,
+                sum(e.nbytes for e in extra) / 2**30,
+            )
+            return buffer
+        try:
+            buffer = SharedBuffer.create(stored[-1].offset + stored[-1].nbytes, kind)
+        except OSError as err:
+            logger.info("tag %r: no shared host copy (%s); a copy of this process's", tag, err)
+            return None
+        self._buffers[tag] = buffer
+        with self._copies(wait_for_device=True) as copy:
+            for s in stored:
+                copy(s, buffer, True)
+        self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
+        self._kept[tag] = {int(s.storage._cdata): s for s in stored}
+        publish(share, buffer, [(s.nbytes, s.offset) for s in stored])
         return buffer
 
     def _resume_tag(self, tag: str) -> None:
@@ -424,7 +497,7 @@ class PinnedHostBackend(FrozenTags):
     def _copy_one(self, s: Stored, buffer: HostBuffer, to_host: bool) -> None:
         non_blocking = self._is_cuda()
         device_bytes = bytes_of(s.storage)
-        host_bytes = buffer.tensor[s.offset : s.offset + s.nbytes]
+        host_bytes = (s.buffer if s.buffer is not None else buffer).tensor[s.offset : s.offset + s.nbytes]
         for start in range(0, s.nbytes, self._chunk_bytes):
             end = min(start + self._chunk_bytes, s.nbytes)
             if to_host:

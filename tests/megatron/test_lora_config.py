@@ -117,6 +117,13 @@ def test_flags_lora_cannot_work_with_are_refused(
         lora_base_offload=False,
     )
     assert resident.lora_of("critic") is not None
+    # One host copy of the two bases needs both models' LoRA and their bases asleep on the host.
+    for fields in ({"lora_rank": 8}, {"lora_rank": 8, "critic_lora_rank": 8, "lora_base_offload": False}):
+        with pytest.raises(
+            ValueError, match=r"^lora_base_share: shares the host copy .* needs both `lora_rank`"
+        ):
+            make(hf_dir, lora_base_share=True, **fields)
+    assert make(hf_dir, lora_rank=8, critic_lora_rank=8, lora_base_share=True).lora_base_share
     # Dropout keeps the old log-probs a forward pass of their own (auto).
     assert not make(hf_dir, lora_rank=8, lora_dropout=0.1).reuses_old_log_probs
     assert make(hf_dir, lora_rank=8).reuses_old_log_probs

@@ -226,3 +226,32 @@ def test_a_start_on_gpus_warns_before_ray_where_the_run_cannot_fit(
         assert cli._start(too_big, dry_run=False) == 0
     assert started and "does not fit: GPU: 178 GiB of 80" in caplog.text
     assert "lora-rank 16 --critic-lora-rank 16 (LoRA adapters on a frozen base)" in caplog.text
+
+
+def test_one_host_copy_of_the_two_bases_leaves_the_critics_off_the_host(tmp_path: Path) -> None:
+    shape = shape_of(QWEN_7B)
+    folder = _folder(tmp_path, QWEN_7B)
+    apart = run_estimate(_run(folder, lora_rank=16, critic_lora_rank=16), shape, gpu_gib=140)
+    shared = run_estimate(
+        _run(folder, lora_rank=16, critic_lora_rank=16, lora_base_share=True), shape, gpu_gib=140
+    )
+    critic_base = 2 * (7_615_616_512 - 152064 * 3584 + 3584 + 1) / GIB
+    assert apart.host_terms["critic base"] == pytest.approx(critic_base)
+    assert "critic base" not in shared.host_terms and shared.host_gib == pytest.approx(
+        apart.host_gib - critic_base
+    )
+    assert shared.gpu_peak_gib == apart.gpu_peak_gib, "the GPU holds a base at a time either way"
+    # 14B on a host of 64 GiB: the bases apart do not fit it, one copy of them does, and the dry run says so.
+    qwen_14b = {
+        **QWEN_7B,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+    }
+    big = _run(_folder(tmp_path / "14b", qwen_14b), lora_rank=16, critic_lora_rank=16, micro_batch_size=4)
+    lines = memory_lines(big, gpu_gib=140, host_gib=72)
+    assert lines[1].startswith("  does not fit: host:") and any(
+        "--lora-base-share" in line for line in lines[2:]
+    )

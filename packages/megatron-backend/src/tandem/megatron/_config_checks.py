@@ -113,6 +113,7 @@ def check_choices(config: Any) -> None:
         "grpo_std_normalization",
         "jit_fusions",
         "lora_base_offload",
+        "lora_base_share",
     ):
         if not isinstance(getattr(config, name), bool):
             raise FieldError(name, f"got {getattr(config, name)!r}; it must be True or False")
@@ -244,6 +245,20 @@ def check_lora(config: Any) -> None:
             "(which keeps one host copy of the base and copies it back only), or keep the base on the GPU with "
             "`lora_base_offload` False",
             "lora_base_offload",
+        )
+    if config.lora_base_share and not (
+        config.lora_rank is not None
+        and config.critic_lora_rank is not None
+        and config.lora_base_offload
+        and config.offload_backend == "pinned_host"
+    ):
+        raise FieldError(
+            "lora_base_share",
+            "shares the host copy of the actor's and the critic's frozen LoRA bases: it needs both "
+            "`lora_rank` and `critic_lora_rank`, `lora_base_offload` True and `offload_backend` pinned_host; "
+            "set those or leave `lora_base_share` False",
+            "lora_rank",
+            "critic_lora_rank",
         )
 
 

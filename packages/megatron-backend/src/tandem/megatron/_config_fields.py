@@ -79,6 +79,13 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     sleep and kept (the base never changes, so no device-to-host copy after that first one); False,
     it stays on the GPU and only the adapters, their gradients and their optimizer state move."""
 
+    lora_base_share: bool = False
+    """With LoRA for the actor and the critic, the bases asleep on the host (`lora_base_offload`) and the
+    pinned_host backend: the two models' workers on one machine keep one host copy of their frozen base
+    between them where their shards hold the same bytes (both from one checkpoint, the same TP and PP;
+    compared once, at the first sleep; `tandem.lifecycle.SharedFrozen`), instead of one each: a 7B base
+    is 14 GiB of host memory less. Off by default: not yet measured on a GPU."""
+
     # --- device, memory, system -------------------------------------------------
     device: Device = "auto"
     """Where the model trains; `auto`: CUDA when the worker sees a GPU, else CPU (gloo)."""

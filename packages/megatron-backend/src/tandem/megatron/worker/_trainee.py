@@ -13,14 +13,19 @@ and snapshots the training state.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import socket
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.lifecycle import HostCopies, MemoryBackend, PinnedHostBackend
+from tandem.lifecycle import HostCopies, MemoryBackend, PinnedHostBackend, SharedFrozen
 from tandem.megatron.choices import Role, memory_tag_pieces
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
@@ -171,6 +176,27 @@ class Trainee:
         """Whether a sleep puts a LoRA model's frozen base away too (`lora_base_offload`)."""
         return self.lora is not None and self.config.lora_base_offload
 
+    def base_share(self) -> SharedFrozen | None:
+        """Where this rank's frozen base finds the other model's host copy of it (`lora_base_share`): a folder
+        beside the actor's checkpoints, under a key of the machine, the checkpoint and this rank's shard."""
+        if not self.config.lora_base_share:
+            return None
+        from megatron.core import parallel_state as mpu
+
+        checkpoint = os.path.realpath(self.config.hf_checkpoint_of(self.role))
+        digest = hashlib.sha1(checkpoint.encode()).hexdigest()[:12]
+        tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
+        shard = (
+            f"tp{mpu.get_tensor_model_parallel_rank()}of{tp}-pp{mpu.get_pipeline_model_parallel_rank()}of{pp}"
+        )
+        save = self.config.save
+        folder = (
+            Path(save).parent / ".shared_bases"
+            if save
+            else Path(tempfile.gettempdir()) / "tandem-shared-bases"
+        )
+        return SharedFrozen(folder, f"{socket.gethostname()}-{digest}-{shard}")
+
     @property
     def weight_tags(self) -> tuple[str, ...]:
         """The memory tags a forward pass reads: the weights, and a LoRA model's base when it sleeps."""
@@ -187,7 +213,7 @@ class Trainee:
         if isinstance(backend, PinnedHostBackend):
             if base:
                 # Copied to the host at the first sleep only: the base never changes.
-                backend.register(BASE, self.frozen_tensors(), frozen=True)
+                backend.register(BASE, self.frozen_tensors(), frozen=True, share=self.base_share())
             backend.register(WEIGHTS, self.weight_tensors())
             # Gradients are zeroed before every minibatch: their bytes are not worth moving.
             backend.register(GRADS, self.grad_tensors(), keep=self.config.offload_grads)

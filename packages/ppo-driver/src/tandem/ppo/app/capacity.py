@@ -16,7 +16,9 @@ The terms, per model of P parameters (docs/benchmarks.md, "Capacity" and "Capaci
   optimizer state) and the adapters' own 18 bytes a parameter (rank r on each adapted
   linear layer: r · (in + out)); the reference is the base with the adapters off (nothing
   more). The base stays on the GPU while its model sleeps, unless `base_offload`
-  (`--lora-base-offload`): then its host copy is made once.
+  (`--lora-base-offload`): then its host copy is made once, and with `base_share`
+  (`--lora-base-share`) the critic's base (the actor's without its untied output layer) is the
+  actor's host copy.
 - the engine: bf16 weights on the GPU while it samples, and its KV cache (`kv_fraction` of the
   GPU: the most the engine takes; `run_estimate` takes what the rollout needs where that is
   less); on the host when released (shared), and with LoRA's adapter sync always (the base it
@@ -235,6 +237,7 @@ def estimate(
     *,
     rank: int = 16,
     base_offload: bool = False,
+    base_share: bool = False,
     work: Work | None = None,
     critic: bool = True,
     critic_rank: int | Literal["actor"] | None = "actor",
@@ -281,6 +284,9 @@ def estimate(
         actor_rank is not None
     ):  # the engine merges each sync's adapters into its base, from a host copy made once
         host["engine's base"] = engine
+    if base_share and base_offload and critic and actor_rank is not None and c_rank is not None:
+        # One host copy of the two bases: the critic's maps the actor's (all of it but the untied head).
+        roles["critic"].asleep["base"] = 0.0
     stays = {f"{r} base": m.stays for r, m in roles.items() if m.stays}
     if mode == "resident":
         gpu = {**stays, **{r: m.awake for r, m in roles.items()}}
@@ -298,7 +304,7 @@ def estimate(
             turns["critic training"] = roles["critic"].awake + critic_act
         largest = max(turns, key=lambda k: turns[k])
         gpu = {**stays, largest: turns[largest]}
-        host |= {f"{r} {term}": gib for r, m in roles.items() for term, gib in m.asleep.items()}
+        host |= {f"{r} {term}": gib for r, m in roles.items() for term, gib in m.asleep.items() if gib}
         if actor_rank is None and engines:
             host["engine weights"] = engine
     gpu_peak, host_total = sum(gpu.values()), sum(host.values())
@@ -373,6 +379,7 @@ def run_estimate(
         "shared" if config.colocate and config.offload_train else "resident",
         rank=config.lora_rank or 16,
         base_offload=config.lora_base_offload,
+        base_share=config.lora_base_share,
         work=run_work(config, shape, gpu_gib, host_gib),
         critic=config.use_critic and config.uses_critic,
         critic_rank=config.critic_lora_rank,
@@ -424,6 +431,9 @@ def _levers(config: PPOConfig, shape: Mapping[str, Any], gpu_gib: float, host_gi
             tries.append((f"{flags} --offload-train", {**lora, "offload_train": True}))
     if config.lora_rank is not None and not config.lora_base_offload:
         tries.append(("--lora-base-offload (the bases sleep too)", {"lora_base_offload": True}))
+    both = config.lora_rank is not None and critic and config.critic_lora_rank is not None
+    if both and config.lora_base_offload and not config.lora_base_share:
+        tries.append(("--lora-base-share (one host copy of the two bases)", {"lora_base_share": True}))
     if config.use_dynamic_batch_size and config.max_tokens_per_gpu:
         tokens = config.max_tokens_per_gpu // 2
         while tokens >= 256:

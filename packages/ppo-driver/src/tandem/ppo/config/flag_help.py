@@ -70,7 +70,7 @@ _GROUP_MEMBERS: dict[str, str] = {
     ),
     "LoRA": (
         "lora_rank lora_alpha lora_dropout lora_target_modules critic_lora_rank critic_lora_alpha "
-        "critic_lora_dropout critic_lora_target_modules lora_base_offload lora_sync"
+        "critic_lora_dropout critic_lora_target_modules lora_base_offload lora_base_share lora_sync"
     ),
     "data and rewards": (
         "prompt_data input_key label_key apply_chat_template max_prompt_len rm_type custom_rm_path "

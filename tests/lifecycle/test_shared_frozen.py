@@ -29,7 +29,8 @@ PROCESS = textwrap.dedent(
     from tandem.lifecycle import PinnedHostBackend, SharedFrozen
 
     folder, seeds, wait, other = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "wait", sys.argv[4] == "other"
-    tensors = [torch.randn(1000 + 100 * s, generator=torch.Generator().manual_seed(s)) for s in seeds]
+    device = sys.argv[5]
+    tensors = [torch.randn(1000 + 100 * s, generator=torch.Generator().manual_seed(s)).to(device) for s in seeds]
     if other:
         tensors[0][7] += 1.0  # the same sizes, one value other
     expected = [t.clone() for t in tensors]
@@ -50,7 +51,9 @@ PROCESS = textwrap.dedent(
 )
 
 
-def _start(folder: Path, seeds: list[int], *, wait: bool, other: bool = False) -> subprocess.Popen[str]:
+def _start(
+    folder: Path, seeds: list[int], *, wait: bool, other: bool = False, device: str = "cpu"
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -60,6 +63,7 @@ def _start(folder: Path, seeds: list[int], *, wait: bool, other: bool = False) -
             json.dumps(seeds),
             "wait" if wait else "go",
             "other" if other else "same",
+            device,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -137,3 +141,17 @@ def test_share_is_for_frozen_tags_and_a_changed_tag_leaves_the_shared_copy(tmp_p
     )
     backend.resume("base")
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32) + 1)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_shared_copy_is_page_locked_and_the_bytes_come_back(tmp_path: Path) -> None:
+    # CUDA tensors: the first's memfd is page-locked where it is made, the second's mapping of it too
+    # (cudaHostRegister of another process's pages); both resume their tensors from it.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (marker `gpu`)")
+    first = _start(tmp_path, [1, 3], wait=True, device="cuda")
+    assert _report(first) == {"copied": (1100 + 1300) * 4, "memfd": True}
+    second = _start(tmp_path, [1, 2, 3], wait=True, device="cuda")
+    assert _report(second) == {"copied": 1200 * 4, "memfd": True}
+    _finish(first)
+    _finish(second)

@@ -21,7 +21,10 @@ import torch
 
 from tandem.lifecycle import PinnedHostBackend, SharedFrozen
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd and /proc/PID/fd are Linux's")
+pytestmark = [
+    pytest.mark.slow,  # five processes that import torch: about 10 s on two cores
+    pytest.mark.skipif(sys.platform != "linux", reason="memfd and /proc/PID/fd are Linux's"),
+]
 
 PROCESS = textwrap.dedent(
     """
@@ -90,39 +93,30 @@ def _finish(process: subprocess.Popen[str]) -> None:
     assert process.wait(timeout=60) == 0 and out.strip().endswith("ok"), err[-2000:]
 
 
-def test_a_second_process_with_the_same_bytes_maps_the_first_ones_copy(tmp_path: Path) -> None:
-    first = _start(tmp_path, [1, 2, 3], wait=True)
-    assert _report(first) == {"copied": (1100 + 1200 + 1300) * 4, "memfd": True}, (
-        "the first copies and publishes"
-    )
+def test_processes_with_the_same_bytes_keep_one_copy_and_others_their_own(tmp_path: Path) -> None:
+    first = _start(tmp_path, [1, 3], wait=True)  # the critic's base, say
+    assert _report(first) == {"copied": (1100 + 1300) * 4, "memfd": True}, "the first copies and publishes"
     index = json.loads((tmp_path / "base-tp0-pp0.json").read_text())
-    assert index["pid"] == first.pid and [n for n, _ in index["places"]] == [4400, 4800, 5200]
-    # A subset of the first's storages, in order (the critic's base without the actor's output layer).
-    second = _start(tmp_path, [1, 3], wait=True)
-    assert _report(second) == {"copied": 0, "memfd": True}, "mapped: nothing copied"
-    _finish(first)  # the first ends: the memfd lives on while the second maps it
-    _finish(second)
-    other = _start(tmp_path, [1, 4], wait=False)  # the first's index names a dead process now
-    assert _report(other)["copied"] == (1100 + 1400) * 4
-    _finish(other)
-    assert json.loads((tmp_path / "base-tp0-pp0.json").read_text())["pid"] == other.pid, (
-        "a dead index is replaced"
-    )
-
-
-def test_what_the_shared_copy_lacks_is_copied_and_other_bytes_get_a_copy_of_their_own(tmp_path: Path) -> None:
-    first = _start(tmp_path, [1, 3], wait=True)  # the critic's base first
-    assert _report(first)["copied"] == (1100 + 1300) * 4
-    # A superset (the actor's base with its output layer): the storage without a place is copied, the rest mapped.
+    assert index["pid"] == first.pid and [n for n, _ in index["places"]] == [4400, 5200]
+    # A subset of its storages, in order, with the same bytes: mapped, nothing copied.
+    subset = _start(tmp_path, [3], wait=True)
+    assert _report(subset) == {"copied": 0, "memfd": True}
+    # A superset (the actor's base with its output layer): only what the copy lacks is copied.
     superset = _start(tmp_path, [1, 2, 3], wait=True)
     assert _report(superset) == {"copied": 1200 * 4, "memfd": True}
-    # No storage of a size the copy has: a copy of its own. The same sizes with one value other: its own too.
-    for seeds, other in (([5], False), ([1, 3], True)):
-        stranger = _start(tmp_path, seeds, wait=False, other=other)
-        assert _report(stranger)["copied"] == sum(1000 + 100 * s for s in seeds) * 4, (seeds, other)
-        _finish(stranger)
+    # The same sizes with one value other: a copy of its own.
+    other = _start(tmp_path, [1, 3], wait=False, other=True)
+    assert _report(other)["copied"] == (1100 + 1300) * 4
+    _finish(other)
+    _finish(first)  # the first ends: the memfd lives on while the others map it; their tensors come back
+    _finish(subset)
     _finish(superset)
-    _finish(first)
+    after = _start(tmp_path, [1, 4], wait=False)  # the index names a dead process now
+    assert _report(after)["copied"] == (1100 + 1400) * 4
+    _finish(after)
+    assert json.loads((tmp_path / "base-tp0-pp0.json").read_text())["pid"] == after.pid, (
+        "a dead index is replaced"
+    )
 
 
 def test_share_is_for_frozen_tags_and_a_changed_tag_leaves_the_shared_copy(tmp_path: Path) -> None:

@@ -149,3 +149,18 @@ def test_on_the_gpu_the_shared_copy_is_page_locked_and_the_bytes_come_back(tmp_p
     assert _report(second) == {"copied": 1200 * 4, "memfd": True}
     _finish(first)
     _finish(second)
+
+
+def test_an_index_not_of_ours_or_a_folder_that_cannot_be_written_leaves_a_copy_of_its_own(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "k.json").write_text(json.dumps({"pid": 1}))  # a living process, no buffer named
+    (tmp_path / "a-file").write_text("")
+    for folder in (tmp_path, tmp_path / "a-file"):  # the second cannot hold an index: it is a file
+        t = torch.arange(1000, dtype=torch.float32)
+        backend = PinnedHostBackend()
+        backend.register("base", [t], frozen=True, share=SharedFrozen(folder, "k"))
+        backend.pause("base")
+        assert backend.copied_to_host("base") == 4000
+        backend.resume("base")
+        assert torch.equal(t, torch.arange(1000, dtype=torch.float32))

@@ -299,7 +299,13 @@ class PinnedHostBackend(FrozenTags):
         kind: HostMemory = self._host_memory if self._is_cuda() else "pageable"
         if self._is_cuda():
             torch.cuda.synchronize(self._device)  # the bytes compared are the ones the queued kernels leave
-        found = adopt(share, [s.nbytes for s in stored], [s.storage for s in stored], kind)
+        try:
+            found = adopt(share, [s.nbytes for s in stored], [s.storage for s in stored], kind)
+        except (OSError, KeyError, TypeError, ValueError) as err:  # an index that is not one of ours
+            logger.info(
+                "tag %r: the index under %r is unreadable (%r); a copy of this process's", tag, share.key, err
+            )
+            found = None
         if found is not None:
             buffer, offsets = found
             # What the shared copy lacks (the actor's output layer beside the critic's base) gets a copy here.
@@ -337,7 +343,10 @@ class PinnedHostBackend(FrozenTags):
                 copy(s, buffer, True)
         self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
         self._kept[tag] = {int(s.storage._cdata): s for s in stored}
-        publish(share, buffer, [(s.nbytes, s.offset) for s in stored])
+        try:
+            publish(share, buffer, [(s.nbytes, s.offset) for s in stored])
+        except OSError as err:  # the copy stands; only the other process cannot find it
+            logger.info("tag %r: its host copy could not be published under %r (%s)", tag, share.key, err)
         return buffer
 
     def _resume_tag(self, tag: str) -> None:

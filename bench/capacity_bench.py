@@ -66,6 +66,8 @@ def lora_flags(args: argparse.Namespace, sync: str) -> list[str]:
     """ppo_gpu_bench.py's `--set`s of a LoRA row: both roles' adapters, the base's sleep, the sync."""
     values = [f"lora_rank={args.lora_rank}", f"critic_lora_rank={args.lora_rank}", f"lora_sync={sync}"]
     values.append(f"lora_base_offload={str(args.lora_base_offload).lower()}")
+    if args.lora_base_share:
+        values.append("lora_base_share=true")
     return [flag for value in values for flag in ("--set", value)]
 
 
@@ -151,6 +153,7 @@ def estimates(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any
                     "shared" if mode == "fit" else mode,  # type: ignore[arg-type]  # fit holds at most shared's
                     rank=args.lora_rank,
                     base_offload=args.lora_base_offload,
+                    base_share=args.lora_base_share,
                     work=work,
                 )
                 rows.append({**one.as_dict(), "mode": mode})
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the LoRA rows' bases sleep on the host, copied there once (the driver's default); "
         "--no-lora-base-offload: they stay on the GPU",
+    )
+    parser.add_argument(
+        "--lora-base-share",
+        action="store_true",
+        help="the LoRA rows' actor and critic keep one host copy of their bases (the driver's --lora-base-share)",
     )
     parser.add_argument(
         "--lora-sync",

@@ -244,3 +244,21 @@ def test_the_fit_mode_is_the_benchs_shared_fit_run_with_what_its_plan_moved(
     assert "| qwen2.5-3b |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         capacity_bench.main(["--modes", "planned", "--out", str(out)])
+
+
+def test_a_lora_row_with_one_host_copy_of_the_bases_asks_the_driver_for_it_and_counts_it() -> None:
+    import argparse
+
+    from capacity_bench import lora_flags
+
+    args = argparse.Namespace(lora_rank=16, lora_base_offload=True, lora_base_share=True)
+    assert lora_flags(args, "adapters")[-2:] == ["--set", "lora_base_share=true"]
+    assert "lora_base_share=true" not in lora_flags(
+        argparse.Namespace(**{**vars(args), "lora_base_share": False}), "merged"
+    )
+    shape = SHAPES["qwen2.5-14b"]
+    apart = estimate("qwen2.5-14b", shape, "lora", "shared", base_offload=True, work=Work(micro_batch=4))
+    one = estimate(
+        "qwen2.5-14b", shape, "lora", "shared", base_offload=True, base_share=True, work=Work(micro_batch=4)
+    )
+    assert one.host_gib == pytest.approx(apart.host_gib - 2 * critic_params(shape) / GIB)

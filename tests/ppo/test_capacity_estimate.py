@@ -255,3 +255,10 @@ def test_one_host_copy_of_the_two_bases_leaves_the_critics_off_the_host(tmp_path
     assert lines[1].startswith("  does not fit: host:") and any(
         "--lora-base-share" in line for line in lines[2:]
     )
+
+
+def test_the_kv_cache_default_is_the_engines() -> None:
+    from tandem.ppo.app.capacity import ENGINE_KV_FRACTION
+    from tandem.ppo.engines._options import EngineOptions
+
+    assert EngineOptions().kv_cache_memory_fraction == ENGINE_KV_FRACTION

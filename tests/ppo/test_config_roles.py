@@ -208,6 +208,7 @@ DEPENDENT = (
     "critic_lora_dropout",
     "critic_lora_target_modules",
     "lora_base_offload",
+    "lora_base_share",
     "kl_target",
     "tis_cap_low",
     "tis_mode",
@@ -273,6 +274,11 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
     values["lora_base_offload"] = draw(st.booleans())
     # Pieces of the optimizer's tags are the pinned-host backend's (else refused, naming the flag).
     pinned = values["offload_backend"] == "pinned_host"
+    # One host copy of the two bases: both roles' LoRA, the bases asleep, pinned_host (else refused).
+    both = values["lora_rank"] is not None and values["critic_lora_rank"] is not None
+    values["lora_base_share"] = (
+        draw(st.booleans()) if both and values["lora_base_offload"] and pinned else False
+    )
     values["optimizer_pieces"] = draw(_one_of(None, 1, 3)) if pinned else draw(_one_of(None, 1))
     values["tis_cap_low"] = draw(_one_of(0.0, 0.5)) if values["use_tis"] else 0.0
     values["tis_mode"] = draw(_one_of("token", "seq_mask")) if values["use_tis"] else "token"

@@ -1,4 +1,4 @@
-"""The run's memory by arithmetic (`tandem.ppo.app.capacity`), as `ppo-driver train --dry-run` prints it.
+"""The run's memory by arithmetic (`tandem.ppo.app.capacity`, `run_memory`), as `ppo-driver train --dry-run` prints it.
 
 Parameter counts against the models' published ones; a run's config read into the bench's terms (its
 micro-batches, layout, LoRA targets, KV cache); the verdict against a GPU's and a host's memory, and the
@@ -19,12 +19,11 @@ from tandem.ppo.app.capacity import (
     estimate,
     kv_bytes_per_token,
     lora_params,
-    memory_lines,
     policy_params,
-    run_estimate,
     shape_of,
 )
 from tandem.ppo.app.dry_run import dry_run_report
+from tandem.ppo.app.run_memory import memory_lines, run_estimate
 from tandem.ppo.config.ppo_config import PPOConfig
 
 QWEN_7B = {
@@ -184,7 +183,7 @@ def test_the_dry_run_prints_the_estimate_or_why_it_cannot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        "tandem.ppo.app.capacity.gpu_memory_gib", lambda: None
+        "tandem.ppo.app.run_memory.gpu_memory_gib", lambda: None
     )  # as on a machine without a GPU
     report = dry_run_report(_run(_folder(tmp_path / "m", QWEN_05B), gpu_memory_gib=40))
     assert (
@@ -202,9 +201,9 @@ def test_a_start_on_gpus_warns_before_ray_where_the_run_cannot_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from tandem.ppo.app import cli
-    from tandem.ppo.app.capacity import start_warning
+    from tandem.ppo.app.run_memory import start_warning
 
-    monkeypatch.setattr("tandem.ppo.app.capacity.host_memory_gib", lambda: 128.0)  # the lent H200 host's
+    monkeypatch.setattr("tandem.ppo.app.run_memory.host_memory_gib", lambda: 128.0)  # the lent H200 host's
     folder = _folder(tmp_path, QWEN_7B)
     too_big = _run(folder, device="cuda", gpu_memory_gib=80)
     lines = start_warning(too_big)
@@ -258,7 +257,7 @@ def test_one_host_copy_of_the_two_bases_leaves_the_critics_off_the_host(tmp_path
 
 
 def test_the_kv_cache_default_is_the_engines() -> None:
-    from tandem.ppo.app.capacity import ENGINE_KV_FRACTION
+    from tandem.ppo.app.run_memory import ENGINE_KV_FRACTION
     from tandem.ppo.engines._options import EngineOptions
 
     assert EngineOptions().kv_cache_memory_fraction == ENGINE_KV_FRACTION

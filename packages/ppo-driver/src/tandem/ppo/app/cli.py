@@ -25,12 +25,12 @@ from tandem.ppo import __version__
 from tandem.ppo._demo import DEMO_DEFAULTS, prepare_demo
 from tandem.ppo._recall import RECALL_DEFAULTS, prepare_recall_demo
 from tandem.ppo._sums import SUMS_DEFAULTS, prepare_sums_demo
-from tandem.ppo.app.capacity import start_warning
 from tandem.ppo.app.dry_run import dry_run_report, split_dry_run
 from tandem.ppo.app.machine import adapt_to_machine, announce
 from tandem.ppo.app.memory_report import MemoryPlanArgs, memory_report
 from tandem.ppo.app.plot import plot_run
 from tandem.ppo.app.pretrained import FetchModelArgs, fetch_model_command
+from tandem.ppo.app.run_memory import start_warning
 from tandem.ppo.config.file import parse_config, unvalidated
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.run.errors import BROKEN_PIPE_EXIT_CODE, failure_line

@@ -4,7 +4,7 @@ The config is validated first, as a run would validate it; the YAML is exactly
 what `RUN_DIR/config.yaml` would hold; the placement comes from
 `tandem.placement.compute_layout` (pure: no Ray), one line per GPU (bundle) with
 each role on it and the share of the GPU that Ray gives it; then the run's memory by arithmetic
-(`capacity.memory_lines`: each GPU's peak and the host's, whether they fit, and the flags that make
+(`run_memory.memory_lines`: each GPU's peak and the host's, whether they fit, and the flags that make
 them fit where they do not).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.placement import compute_layout
-from tandem.ppo.app.capacity import memory_lines
+from tandem.ppo.app.run_memory import memory_lines
 from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.config.record import run_config_text
 

@@ -11,10 +11,10 @@ import pytest
 
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.config.flag_help import help_text
-from tandem.ppo.loop.memory_figures import measure_memory, out_of_memory, out_of_memory_note
+from tandem.ppo.loop.memory_figures import MemoryFigures, measure_memory, out_of_memory, out_of_memory_note
 from tandem.ppo.loop.memory_model import format_bytes
 from tandem.ppo.loop.memory_planner import plan_memory
-from tandem.ppo.loop.schedule import StepFacts, step_schedule
+from tandem.ppo.loop.schedule import StepFacts, StepSchedule, step_schedule
 from tandem.ppo.run.errors import failure_line
 
 GIB = 2**30
@@ -143,7 +143,8 @@ def _flags(text: str) -> set[str]:
     return set(re.findall(r"--[a-z][a-z0-9-]+", text))
 
 
-def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
+def _planned_step() -> tuple[StepSchedule, MemoryFigures]:
+    """A shared KL-first step's schedule and the figures of stand-in roles on an 80 GiB GPU, 4 GiB kept free."""
     schedule = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True))
     figures = measure_memory(
         FakeGpus([FakeGroup("actor", 11, 0), FakeGroup("critic", 12, 0)]),
@@ -151,6 +152,11 @@ def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
         gpu_memory_gib=None,
         margin_gib=4,
     )
+    return schedule, figures
+
+
+def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
+    schedule, figures = _planned_step()
     plan = plan_memory(schedule, figures.model, figures.budget)
     index = next(i for i, t in enumerate(schedule.turns) if (t.role, t.work) == ("actor", "train"))
     planned = plan.turns[index]
@@ -211,13 +217,7 @@ class PlannedGpus:
 def test_the_step_adds_the_note_to_a_turns_out_of_memory_error_only() -> None:
     from tandem.ppo.loop.driver import PPODriver
 
-    schedule = step_schedule(StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True))
-    figures = measure_memory(
-        FakeGpus([FakeGroup("actor", 11, 0), FakeGroup("critic", 12, 0)]),
-        engine_stats=[engine(10)],
-        gpu_memory_gib=None,
-        margin_gib=4,
-    )
+    schedule, figures = _planned_step()
     driver = PPODriver.__new__(PPODriver)  # the turn's wrapper only: no validation, no Ray
     driver.config = PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8, memory_plan="fit")
     driver.gpus = PlannedGpus(plan_memory(schedule, figures.model, figures.budget))  # type: ignore[assignment]

@@ -13,7 +13,7 @@ import torch
 
 from ._frozen_tags import FrozenTags, Stored
 from ._host_buffers import HOST_MEMORY, HostBuffer, HostMemory, aligned, bytes_of
-from ._shared_frozen import SharedBuffer, SharedFrozen, adopt, publish
+from ._shared_frozen import SharedBuffer, SharedFrozen
 
 logger = logging.getLogger(__name__)
 
@@ -290,63 +290,6 @@ class PinnedHostBackend(FrozenTags):
         self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
         if tag in self._frozen:
             self._kept[tag] = {int(s.storage._cdata): s for s in stored}
-        return buffer
-
-    def _share_copy(self, tag: str, share: SharedFrozen, stored: list[Stored]) -> HostBuffer | None:
-        """The first host copy of frozen `tag` shared (`SharedFrozen`): another process's equal bytes mapped
-        (nothing copied), or this process's copy made in a memfd and published; None where neither can be
-        (the copy is then made as any other)."""
-        kind: HostMemory = self._host_memory if self._is_cuda() else "pageable"
-        if self._is_cuda():
-            torch.cuda.synchronize(self._device)  # the bytes compared are the ones the queued kernels leave
-        try:
-            found = adopt(share, [s.nbytes for s in stored], [s.storage for s in stored], kind)
-        except (OSError, KeyError, TypeError, ValueError) as err:  # an index that is not one of ours
-            logger.info(
-                "tag %r: the index under %r is unreadable (%r); a copy of this process's", tag, share.key, err
-            )
-            found = None
-        if found is not None:
-            buffer, offsets = found
-            # What the shared copy lacks (the actor's output layer beside the critic's base) gets a copy here.
-            extra = self._layout([s.storage for s, off in zip(stored, offsets, strict=True) if off is None])
-            own = HostBuffer(extra[-1].offset + extra[-1].nbytes, kind) if extra else None
-            if own is not None:
-                extra = [Stored(e.storage, e.nbytes, e.offset, own) for e in extra]
-                with self._copies(wait_for_device=True) as copy:
-                    for e in extra:
-                        copy(e, own, True)
-                self._to_host[tag] = self._to_host.get(tag, 0) + sum(e.nbytes for e in extra)
-            places = iter(extra)
-            kept = [
-                Stored(s.storage, s.nbytes, off) if off is not None else next(places)
-                for s, off in zip(stored, offsets, strict=True)
-            ]
-            self._buffers[tag] = buffer
-            self._kept[tag] = {int(k.storage._cdata): k for k in kept}
-            logger.info(
-                "tag %r: maps the host copy published under %r (%.3f GiB), %.3f GiB of its own beside it",
-                tag,
-                share.key,
-                buffer.nbytes / 2**30,
-                sum(e.nbytes for e in extra) / 2**30,
-            )
-            return buffer
-        try:
-            buffer = SharedBuffer.create(stored[-1].offset + stored[-1].nbytes, kind)
-        except OSError as err:
-            logger.info("tag %r: no shared host copy (%s); a copy of this process's", tag, err)
-            return None
-        self._buffers[tag] = buffer
-        with self._copies(wait_for_device=True) as copy:
-            for s in stored:
-                copy(s, buffer, True)
-        self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
-        self._kept[tag] = {int(s.storage._cdata): s for s in stored}
-        try:
-            publish(share, buffer, [(s.nbytes, s.offset) for s in stored])
-        except OSError as err:  # the copy stands; only the other process cannot find it
-            logger.info("tag %r: its host copy could not be published under %r (%s)", tag, share.key, err)
         return buffer
 
     def _resume_tag(self, tag: str) -> None:

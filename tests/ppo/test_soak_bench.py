@@ -71,14 +71,21 @@ def test_the_run_folder_is_fitted_over_the_run_and_the_rest_after_each_starts_wa
 
 
 def test_the_sampler_sees_a_process_and_its_descendants(tmp_path: Path) -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # The child says it is up once its interpreter has started: sampled before, a process still in
+    # exec has well under a megabyte resident.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
         assert child.pid in soak.descendants(os.getpid())
         stats = soak.proc_stats(child.pid)
         assert stats is not None and stats["rss"] > 1e6 and stats["threads"] >= 1 and stats["fds"] >= 3
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
     assert soak.proc_stats(child.pid) is None  # gone
     (tmp_path / "a").write_bytes(bytes(1000))
     (tmp_path / "b").mkdir()

@@ -66,8 +66,8 @@ def lora_flags(args: argparse.Namespace, sync: str) -> list[str]:
     """ppo_gpu_bench.py's `--set`s of a LoRA row: both roles' adapters, the base's sleep, the sync."""
     values = [f"lora_rank={args.lora_rank}", f"critic_lora_rank={args.lora_rank}", f"lora_sync={sync}"]
     values.append(f"lora_base_offload={str(args.lora_base_offload).lower()}")
-    if args.lora_base_share:
-        values.append("lora_base_share=true")
+    if args.lora_base_share is not None:  # else the driver's default: one copy wherever the bases sleep
+        values.append(f"lora_base_share={str(args.lora_base_share).lower()}")
     return [flag for value in values for flag in ("--set", value)]
 
 
@@ -153,7 +153,9 @@ def estimates(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any
                     "shared" if mode == "fit" else mode,  # type: ignore[arg-type]  # fit holds at most shared's
                     rank=args.lora_rank,
                     base_offload=args.lora_base_offload,
-                    base_share=args.lora_base_share,
+                    base_share=args.lora_base_offload
+                    if args.lora_base_share is None
+                    else args.lora_base_share,
                     work=work,
                 )
                 rows.append({**one.as_dict(), "mode": mode})
@@ -220,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--lora-base-share",
-        action="store_true",
-        help="the LoRA rows' actor and critic keep one host copy of their bases (the driver's --lora-base-share)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the LoRA rows' actor and critic keep one host copy of their bases (the driver's lora_base_share; "
+        "unset: its default, one copy wherever the bases sleep on the host); --no-lora-base-share: one copy each",
     )
     parser.add_argument(
         "--lora-sync",

@@ -123,7 +123,14 @@ def test_flags_lora_cannot_work_with_are_refused(
             ValueError, match=r"^lora_base_share: shares the host copy .* needs both `lora_rank`"
         ):
             make(hf_dir, lora_base_share=True, **fields)
-    assert make(hf_dir, lora_rank=8, critic_lora_rank=8, lora_base_share=True).lora_base_share
+    assert make(hf_dir, lora_rank=8, critic_lora_rank=8, lora_base_share=True).shares_lora_base
+    # Unset, it is on wherever it can be, and off elsewhere without a word; False turns it off.
+    assert make(hf_dir, lora_rank=8, critic_lora_rank=8).shares_lora_base
+    assert not make(hf_dir, lora_rank=8, critic_lora_rank=8, lora_base_share=False).shares_lora_base
+    for fields in ({"lora_rank": 8}, {"lora_rank": 8, "critic_lora_rank": 8, "lora_base_offload": False}):
+        assert not make(hf_dir, **fields).shares_lora_base
+    with pytest.raises(ValueError, match=r"^lora_base_share: got 'yes'; it must be True, False or None"):
+        make(hf_dir, lora_rank=8, critic_lora_rank=8, lora_base_share="yes")
     # Dropout keeps the old log-probs a forward pass of their own (auto).
     assert not make(hf_dir, lora_rank=8, lora_dropout=0.1).reuses_old_log_probs
     assert make(hf_dir, lora_rank=8).reuses_old_log_probs

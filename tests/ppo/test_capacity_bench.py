@@ -253,9 +253,12 @@ def test_a_lora_row_with_one_host_copy_of_the_bases_asks_the_driver_for_it_and_c
 
     args = argparse.Namespace(lora_rank=16, lora_base_offload=True, lora_base_share=True)
     assert lora_flags(args, "adapters")[-2:] == ["--set", "lora_base_share=true"]
-    assert "lora_base_share=true" not in lora_flags(
-        argparse.Namespace(**{**vars(args), "lora_base_share": False}), "merged"
-    )
+    assert lora_flags(argparse.Namespace(**{**vars(args), "lora_base_share": False}), "merged")[-2:] == [
+        "--set",
+        "lora_base_share=false",
+    ]
+    unset = lora_flags(argparse.Namespace(**{**vars(args), "lora_base_share": None}), "merged")
+    assert not any(flag.startswith("lora_base_share") for flag in unset), "unset: the driver's default"
     shape = SHAPES["qwen2.5-14b"]
     apart = estimate("qwen2.5-14b", shape, "lora", "shared", base_offload=True, work=Work(micro_batch=4))
     one = estimate(

@@ -95,7 +95,7 @@ def _run(folder: Path, **fields: object) -> PPOConfig:
 def test_a_runs_config_is_the_benchs_terms(tmp_path: Path) -> None:
     shape = shape_of(QWEN_7B)
     # The bench's work: micro batches of 16 x 640 tokens, a KV cache of a tenth of an H200, LoRA rank 16 on
-    # both models, the bases asleep on the host. A rollout of 512 samples needs more KV cache than that tenth.
+    # both models, the bases asleep on the host in one copy (the default). A rollout of 512 samples needs more KV cache than that tenth.
     config = _run(
         _folder(tmp_path, QWEN_7B),
         rollout_batch_size=512,
@@ -106,7 +106,7 @@ def test_a_runs_config_is_the_benchs_terms(tmp_path: Path) -> None:
     )
     assert 512 * 640 * kv_bytes_per_token(shape) / GIB > 14
     ours = run_estimate(config, shape, gpu_gib=140)
-    bench = estimate("7b", shape, "lora", "shared", rank=16, base_offload=True, work=Work())
+    bench = estimate("7b", shape, "lora", "shared", rank=16, base_offload=True, base_share=True, work=Work())
     assert (ours.gpu_peak_gib, ours.host_gib) == pytest.approx((bench.gpu_peak_gib, bench.host_gib))
     # 64 samples need less KV cache than the tenth: the engine takes what the rollout needs.
     small = run_estimate(
@@ -163,8 +163,8 @@ def test_the_verdict_and_each_flag_that_makes_the_run_fit(tmp_path: Path) -> Non
     assert lines[1].startswith("  does not fit: GPU: 178 GiB of 140") and "host: 206 GiB of 120" in lines[1]
     assert lines[2:] == [
         "  fits with --lora-rank 16 --critic-lora-rank 16 (LoRA adapters on a frozen base): 65 GiB "
-        "of GPU, 43 of host"
-    ]
+        "of GPU, 30 of host"
+    ], "the two bases asleep in one host copy (the default)"
     # Resident LoRA on 80 GB: sleeping in turn fits, and of the smaller micro-batches the largest that fits.
     resident = _run(folder, lora_rank=16, critic_lora_rank=16, offload_train=False)
     lines = memory_lines(resident, gpu_gib=80, host_gib=128)
@@ -230,10 +230,10 @@ def test_a_start_on_gpus_warns_before_ray_where_the_run_cannot_fit(
 def test_one_host_copy_of_the_two_bases_leaves_the_critics_off_the_host(tmp_path: Path) -> None:
     shape = shape_of(QWEN_7B)
     folder = _folder(tmp_path, QWEN_7B)
-    apart = run_estimate(_run(folder, lora_rank=16, critic_lora_rank=16), shape, gpu_gib=140)
-    shared = run_estimate(
-        _run(folder, lora_rank=16, critic_lora_rank=16, lora_base_share=True), shape, gpu_gib=140
+    apart = run_estimate(
+        _run(folder, lora_rank=16, critic_lora_rank=16, lora_base_share=False), shape, gpu_gib=140
     )
+    shared = run_estimate(_run(folder, lora_rank=16, critic_lora_rank=16), shape, gpu_gib=140)  # the default
     critic_base = 2 * (7_615_616_512 - 152064 * 3584 + 3584 + 1) / GIB
     assert apart.host_terms["critic base"] == pytest.approx(critic_base)
     assert "critic base" not in shared.host_terms and shared.host_gib == pytest.approx(
@@ -249,11 +249,20 @@ def test_one_host_copy_of_the_two_bases_leaves_the_critics_off_the_host(tmp_path
         "num_attention_heads": 40,
         "num_key_value_heads": 8,
     }
-    big = _run(_folder(tmp_path / "14b", qwen_14b), lora_rank=16, critic_lora_rank=16, micro_batch_size=4)
+    big = _run(
+        _folder(tmp_path / "14b", qwen_14b),
+        lora_rank=16,
+        critic_lora_rank=16,
+        micro_batch_size=4,
+        lora_base_share=False,
+    )
     lines = memory_lines(big, gpu_gib=140, host_gib=72)
     assert lines[1].startswith("  does not fit: host:") and any(
-        "--lora-base-share" in line for line in lines[2:]
+        "--lora-base-share True" in line for line in lines[2:]
     )
+    assert memory_lines(dataclasses.replace(big, lora_base_share=None), gpu_gib=140, host_gib=72)[
+        1
+    ].startswith("  fits")
 
 
 def test_the_kv_cache_default_is_the_engines() -> None:

@@ -277,7 +277,9 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
     # One host copy of the two bases: both roles' LoRA, the bases asleep, pinned_host (else refused).
     both = values["lora_rank"] is not None and values["critic_lora_rank"] is not None
     values["lora_base_share"] = (
-        draw(st.booleans()) if both and values["lora_base_offload"] and pinned else False
+        draw(_one_of(None, True, False))
+        if both and values["lora_base_offload"] and pinned
+        else draw(_one_of(None, False))
     )
     values["optimizer_pieces"] = draw(_one_of(None, 1, 3)) if pinned else draw(_one_of(None, 1))
     values["tis_cap_low"] = draw(_one_of(0.0, 0.5)) if values["use_tis"] else 0.0

@@ -113,11 +113,10 @@ def check_choices(config: Any) -> None:
         "grpo_std_normalization",
         "jit_fusions",
         "lora_base_offload",
-        "lora_base_share",
     ):
         if not isinstance(getattr(config, name), bool):
             raise FieldError(name, f"got {getattr(config, name)!r}; it must be True or False")
-    for name in ("fused_rope", "fused_log_probs"):
+    for name in ("fused_rope", "fused_log_probs", "lora_base_share"):
         value = getattr(config, name)
         if value is not None and not isinstance(value, bool):
             raise FieldError(name, f"got {value!r}; it must be True, False or None (auto)")
@@ -246,17 +245,12 @@ def check_lora(config: Any) -> None:
             "`lora_base_offload` False",
             "lora_base_offload",
         )
-    if config.lora_base_share and not (
-        config.lora_rank is not None
-        and config.critic_lora_rank is not None
-        and config.lora_base_offload
-        and config.offload_backend == "pinned_host"
-    ):
+    if config.lora_base_share is True and not config.shares_lora_base:
         raise FieldError(
             "lora_base_share",
             "shares the host copy of the actor's and the critic's frozen LoRA bases: it needs both "
             "`lora_rank` and `critic_lora_rank`, `lora_base_offload` True and `offload_backend` pinned_host; "
-            "set those or leave `lora_base_share` False",
+            "set those, or leave `lora_base_share` unset (on wherever they hold) or False",
             "lora_rank",
             "critic_lora_rank",
         )

@@ -179,7 +179,7 @@ class Trainee:
     def base_share(self) -> SharedFrozen | None:
         """Where this rank's frozen base finds the other model's host copy of it (`lora_base_share`): a folder
         beside the actor's checkpoints, under a key of the machine, the checkpoint and this rank's shard."""
-        if not self.config.lora_base_share:
+        if not self.config.shares_lora_base:
             return None
         from megatron.core import parallel_state as mpu
 

@@ -78,7 +78,7 @@ def run_estimate(
         "shared" if config.colocate and config.offload_train else "resident",
         rank=config.lora_rank or 16,
         base_offload=config.lora_base_offload,
-        base_share=config.lora_base_share,
+        base_share=config.shares_lora_base,
         work=run_work(config, shape, gpu_gib, host_gib),
         critic=config.use_critic and config.uses_critic,
         critic_rank=config.critic_lora_rank,
@@ -131,8 +131,8 @@ def _levers(config: PPOConfig, shape: Mapping[str, Any], gpu_gib: float, host_gi
     if config.lora_rank is not None and not config.lora_base_offload:
         tries.append(("--lora-base-offload (the bases sleep too)", {"lora_base_offload": True}))
     both = config.lora_rank is not None and critic and config.critic_lora_rank is not None
-    if both and config.lora_base_offload and not config.lora_base_share:
-        tries.append(("--lora-base-share (one host copy of the two bases)", {"lora_base_share": True}))
+    if both and config.lora_base_offload and not config.shares_lora_base:
+        tries.append(("--lora-base-share True (one host copy of the two bases)", {"lora_base_share": True}))
     if config.use_dynamic_batch_size and config.max_tokens_per_gpu:
         tokens = config.max_tokens_per_gpu // 2
         while tokens >= 256:

@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lora-base-share",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the LoRA rows' actor and critic keep one host copy of their bases (the driver's lora_base_share; "
-        "unset: its default, one copy wherever the bases sleep on the host); --no-lora-base-share: one copy each",
+        help="the LoRA rows' actor and critic keep one host copy of their bases (the driver's "
+        "lora_base_share; unset: its default, one copy wherever the bases sleep on the host); "
+        "--no-lora-base-share: one copy each",
     )
     parser.add_argument(
         "--lora-sync",

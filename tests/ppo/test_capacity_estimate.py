@@ -95,7 +95,8 @@ def _run(folder: Path, **fields: object) -> PPOConfig:
 def test_a_runs_config_is_the_benchs_terms(tmp_path: Path) -> None:
     shape = shape_of(QWEN_7B)
     # The bench's work: micro batches of 16 x 640 tokens, a KV cache of a tenth of an H200, LoRA rank 16 on
-    # both models, the bases asleep on the host in one copy (the default). A rollout of 512 samples needs more KV cache than that tenth.
+    # both models, the bases asleep on the host in one copy (the default). A rollout of 512 samples needs
+    # more KV cache than that tenth.
     config = _run(
         _folder(tmp_path, QWEN_7B),
         rollout_batch_size=512,

@@ -58,8 +58,8 @@ def test_the_demo_learns_with_lora_adapters(tmp_path: Path, ray_cluster: str) ->
         assert 0 <= m["actor/sampler_log_prob_gap"] < 1e-4
         assert 0 < m["policy/changed_fraction_since_start"] <= adapted + 1e-9
     # The frozen bases went to the host once, at the first of some 80 sleeps, and once for both models
-    # (`lora_base_share`, on by default): the model that slept first copied its base whole, the other only what that
-    # copy lacks (the actor's output layer, which the critic has not), and mapped the rest.
+    # (`lora_base_share`, on by default): the model that slept first copied its base whole, the other
+    # only what that copy lacks (the actor's output layer, which the critic has not), and mapped the rest.
     (first_to_host, first_nbytes), (second_to_host, second_nbytes) = sorted(
         (copied[role] for role in ("actor", "critic")), key=lambda c: c[0]["base"] < c[1]["base"]
     )

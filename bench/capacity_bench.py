@@ -153,9 +153,7 @@ def estimates(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any
                     "shared" if mode == "fit" else mode,  # type: ignore[arg-type]  # fit holds at most shared's
                     rank=args.lora_rank,
                     base_offload=args.lora_base_offload,
-                    base_share=args.lora_base_offload
-                    if args.lora_base_share is None
-                    else args.lora_base_share,
+                    base_share=args.lora_base_share is not False,  # counted only where the bases sleep
                     work=work,
                 )
                 rows.append({**one.as_dict(), "mode": mode})

@@ -87,7 +87,7 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     is 14 GiB of host memory less. None (the default): on wherever those hold, off elsewhere
     (`shares_lora_base`); True: the same, and refused where they do not hold; False: each model keeps a
     copy of its own. Measured on one H200 (docs/benchmarks.md), the step the same either way and the
-    host the lighter: 14.0 against 17.4 GiB in use at 1.5B, 69.7 against 95.8 at 14B."""
+    host the lighter: 14.0 against 17.4 GiB in use at 1.5B, 69.7 against 95.8 at 14B (another call)."""
 
     # --- device, memory, system -------------------------------------------------
     device: Device = "auto"

@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n_samples_per_prompt=1,
         global_batch_size=args.samples,
         micro_batch_size=args.micro_batch_size,
+        log_probs_micro_batch_size=args.log_probs_micro_batch_size,
         device="cuda" if on_gpu else "cpu",
         params_dtype="bfloat16" if on_gpu else "float32",
         offload_backend="pinned_host",
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params": params,
         "samples_per_train": args.samples,
         "micro_batch_size": args.micro_batch_size,
+        "log_probs_micro_batch_size": config.forward_micro_batch_size,
         "packed": args.packed,
         "packed_attention": args.packed_attention,
         "varied_lengths": args.varied_lengths,
@@ -255,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             worker._trainee.chunks,
             data,
             role="critic",
-            micro_batch_size=cfg.micro_batch_size,
+            micro_batch_size=cfg.forward_micro_batch_size,
             packed=cfg.use_sequence_packing,
             max_tokens=cfg.micro_batch_tokens(forward_only=True),
         )
@@ -408,6 +410,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="of which prompt (128; --quick 16)")
     p.add_argument("--samples", type=int, default=None, help="sequences a train() (64; --quick 8)")
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument(
+        "--log-probs-micro-batch-size",
+        type=int,
+        default=None,
+        help="WorkerConfig.log_probs_micro_batch_size: samples a forward-only pass (default: twice the micro batch)",
+    )
     p.add_argument("--packed", action="store_true", help="use_sequence_packing")
     p.add_argument(
         "--packed-attention",

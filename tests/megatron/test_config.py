@@ -94,6 +94,12 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
         ({"log_probs_chunk_tokens": -1}, "log_probs_chunk_tokens"),
         ({"log_probs_chunk_tokens": 1.5}, "log_probs_chunk_tokens"),
         ({"log_probs_chunk_tokens": True}, "log_probs_chunk_tokens"),
+        ({"log_probs_micro_batch_size": 0}, "log_probs_micro_batch_size"),
+        ({"log_probs_micro_batch_size": True}, "log_probs_micro_batch_size"),
+        (
+            {"log_probs_micro_batch_size": 4, "use_dynamic_batch_size": True, "max_tokens_per_gpu": 64},
+            r"^log_probs_micro_batch_size: set, but `use_dynamic_batch_size`.*`log_probs_max_tokens_per_gpu`",
+        ),
         ({"critic_updates_per_step": 0}, "critic_updates_per_step"),
         ({"critic_updates_per_step": 1.5}, "critic_updates_per_step"),
         ({"critic_lambd": 1.5}, "critic_lambd"),
@@ -121,6 +127,41 @@ def test_role_fields_are_picked_by_role(hf_dir: str, tmp_path: Path) -> None:
 def test_bad_values_name_the_field(hf_dir: str, overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         make(hf_dir, **overrides)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    micro=st.integers(1, 8),
+    forward=st.none() | st.integers(1, 64),
+    tokens=st.none() | st.integers(1, 4096),
+    forward_tokens=st.none() | st.integers(1, 8192),
+)
+def test_forward_only_micro_batches_default_to_twice_the_training_ones(
+    hf_dir: str, micro: int, forward: int | None, tokens: int | None, forward_tokens: int | None
+) -> None:
+    by_tokens = tokens is not None
+    config = make(
+        hf_dir,
+        rollout_batch_size=8,
+        global_batch_size=8,
+        micro_batch_size=micro if 8 % micro == 0 else 1,
+        log_probs_micro_batch_size=None if by_tokens else forward,
+        use_dynamic_batch_size=by_tokens,
+        max_tokens_per_gpu=tokens,
+        log_probs_max_tokens_per_gpu=forward_tokens,
+    )
+    # Cut by count: the given size, else twice the training micro-batch.
+    expected = forward if forward is not None and not by_tokens else 2 * config.micro_batch_size
+    assert config.forward_micro_batch_size == expected
+    if not by_tokens:
+        assert config.micro_batch_tokens(forward_only=True) is None
+        assert config.micro_batch_tokens(forward_only=False) is None
+        return
+    # Cut by tokens: the given forward-only budget, else twice the training one.
+    assert tokens is not None
+    assert config.micro_batch_tokens(forward_only=False) == tokens
+    expected_tokens = forward_tokens if forward_tokens is not None else 2 * tokens
+    assert config.micro_batch_tokens(forward_only=True) == expected_tokens
 
 
 def test_checkpoint_folders(hf_dir: str, tmp_path: Path) -> None:

@@ -195,6 +195,7 @@ DEPENDENT = (
     "critic_pipeline_model_parallel_size",
     "use_dynamic_batch_size",
     "max_tokens_per_gpu",
+    "log_probs_micro_batch_size",
     "advantage_estimator",
     "kl_coef",
     "loss_type",
@@ -251,6 +252,10 @@ def worker_values(draw: Any, files: dict[str, str]) -> dict[str, Any]:
     values["global_batch_size"] = draw(_one_of(4, 8))  # a multiple of micro * DP (<= 2), divides 8..32
     values["use_dynamic_batch_size"] = draw(st.booleans())
     values["max_tokens_per_gpu"] = draw(_one_of(256, 1024)) if values["use_dynamic_batch_size"] else None
+    # Samples of a forward-only pass: cut by count only (by tokens it is log_probs_max_tokens_per_gpu).
+    values["log_probs_micro_batch_size"] = (
+        None if values["use_dynamic_batch_size"] else draw(_one_of(None, 1, 8))
+    )
     values["advantage_estimator"] = draw(_one_of("gae", *CRITIC_FREE))
     no_kl = values["advantage_estimator"] in ("grpo", "rloo")  # one reward per sample: no KL in it
     values["kl_coef"] = 0.0 if no_kl else draw(_one_of(0.0, 0.05))

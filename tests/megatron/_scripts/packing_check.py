@@ -9,7 +9,8 @@ padded and with packed micro-batches (uneven: 2, 3 and 1 samples of uneven lengt
   packed row with filler tokens at its end (`output...`, `filled...`), and, as a
   control that the comparison can fail, from the packed row run as one plain
   sequence (`leaky...`: samples attend across boundaries and positions run on);
-- `forward_only`'s response log-probs (actor) or values (critic);
+- `forward_only`'s response log-probs (actor) or values (critic), and the same at other
+  micro-batch sizes;
 - one optimizer step's backward (`run_micro_batches` with `role_losses.actor_loss`
   with KL loss and entropy / `role_losses.critic_loss`, Megatron DDP): the metrics
   of each micro-batch and every gradient;
@@ -175,9 +176,15 @@ def check(work: Path, phase: str, attention: str, role: str) -> None:
             saved |= {f"mb{j}:{k}": v for k, v in raw_outputs(ddp, mb).items()}
     last = mpu.is_pipeline_last_stage()
     both = [forward_only(ddp, batch, role=role, micro_batch_size=3, packed=p) for p in (False, True)]  # type: ignore[arg-type]
+    # Forward-only passes of one sample and of the whole batch: what a forward-only micro-batch
+    # size of its own (`log_probs_micro_batch_size`) changes is the work a pass does, not its outputs.
+    sizes = [forward_only(ddp, batch, role=role, micro_batch_size=n) for n in (1, len(batch))]  # type: ignore[arg-type]
     if last:
         assert both[0] is not None and both[1] is not None
         saved["forward_only"] = (both[0], both[1])
+        assert sizes[0] is not None and sizes[1] is not None
+        saved["one:forward_only_sizes"] = (sizes[0], both[0])
+        saved["all:forward_only_sizes"] = (sizes[1], both[0])
     head = unwrap_model(ddp).output_layer if last and role == "actor" else None
     seen: list[int] = []
     hook = None if head is None else head.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))

@@ -56,6 +56,7 @@ def check_positive_ints(config: Any) -> None:
         "critic_pipeline_model_parallel_size",
         "max_tokens_per_gpu",
         "log_probs_max_tokens_per_gpu",
+        "log_probs_micro_batch_size",
         "cpu_threads",
         "loss_norm_tokens",
     ):
@@ -281,6 +282,14 @@ def check_batches(config: Any) -> None:
             "`use_dynamic_batch_size` to cut them by tokens, or leave it unset",
             "micro_batch_size",
             "use_dynamic_batch_size",
+        )
+    if config.use_dynamic_batch_size and config.log_probs_micro_batch_size is not None:
+        raise FieldError(
+            "log_probs_micro_batch_size",
+            "set, but `use_dynamic_batch_size` cuts micro-batches by tokens; give the forward-only "
+            "passes' budget as `log_probs_max_tokens_per_gpu`, or leave it unset",
+            "use_dynamic_batch_size",
+            "log_probs_max_tokens_per_gpu",
         )
     if config.micro_batch_size > config.global_batch_size:
         raise FieldError(

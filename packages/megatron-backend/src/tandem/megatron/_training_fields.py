@@ -83,6 +83,14 @@ class TrainingFields:
     """Samples per forward/backward pass on one rank; gradients accumulate over
     `global_batch_size / (micro_batch_size * data_parallel_size)` micro-batches."""
 
+    log_probs_micro_batch_size: int | None = None
+    """Samples per forward-only pass on one rank (old and reference log-probs, old values;
+    verl's `log_prob_micro_batch_size_per_gpu`) where micro-batches are cut by count. These
+    passes keep no activations for a backward pass, so fewer, fuller ones pay wherever a pass
+    costs the host more than the GPU (small models, short samples). None: twice
+    `micro_batch_size`, whose logits take what a training micro-batch's logits and their
+    gradient take together. With `use_dynamic_batch_size` see `log_probs_max_tokens_per_gpu`."""
+
     ppo_epochs: int = 1
     """Passes over each rollout (cleanrl's `update_epochs`): every pass takes
     `samples_per_rollout / global_batch_size` optimizer steps against the same old
@@ -122,7 +130,7 @@ class TrainingFields:
     log_probs_max_tokens_per_gpu: int | None = None
     """Tokens of one forward-only micro-batch (old and reference log-probs, old values)
     with `use_dynamic_batch_size`: these keep no activations for a backward pass, so a
-    larger budget pays; None: `max_tokens_per_gpu`."""
+    larger budget pays; None: twice `max_tokens_per_gpu` (as `log_probs_micro_batch_size`)."""
 
     log_probs_chunk_tokens: int = 0
     """Rows of the response logits processed at once by the log-prob/entropy kernel

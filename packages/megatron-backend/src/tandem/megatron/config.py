@@ -35,7 +35,14 @@ from tandem.megatron._field_error import FieldError
 from tandem.megatron.choices import ROLES, Role, check_role
 from tandem.megatron.models.lora_spec import LoraSettings, resolve_targets
 
-__all__ = ["ROLES", "FieldError", "Role", "WorkerConfig", "WorkerFields"]
+__all__ = ["FORWARD_ONLY_FACTOR", "ROLES", "FieldError", "Role", "WorkerConfig", "WorkerFields"]
+
+FORWARD_ONLY_FACTOR = 2
+"""A forward-only micro-batch left unset holds this many training micro-batches (samples or tokens).
+
+It keeps no activations for a backward pass: the actor's logits of twice the samples take
+what one training micro-batch's logits and their gradient take, and each layer's transient
+is one layer's, not the whole stack's that a training micro-batch keeps for its backward."""
 
 
 @dataclass(frozen=True)
@@ -156,12 +163,24 @@ class WorkerConfig(WorkerFields):
         return self.hf_checkpoint
 
     def micro_batch_tokens(self, *, forward_only: bool) -> int | None:
-        """The token budget of a micro-batch (training or forward-only); None: cut by `micro_batch_size`."""
-        if not self.use_dynamic_batch_size:
+        """The token budget of a micro-batch (training or forward-only); None: cut by count.
+
+        A forward-only budget left unset is twice the training one (`log_probs_max_tokens_per_gpu`).
+        """
+        if not self.use_dynamic_batch_size or self.max_tokens_per_gpu is None:
             return None
-        if forward_only and self.log_probs_max_tokens_per_gpu is not None:
+        if not forward_only:
+            return self.max_tokens_per_gpu
+        if self.log_probs_max_tokens_per_gpu is not None:
             return self.log_probs_max_tokens_per_gpu
-        return self.max_tokens_per_gpu
+        return FORWARD_ONLY_FACTOR * self.max_tokens_per_gpu
+
+    @property
+    def forward_micro_batch_size(self) -> int:
+        """Samples of a forward-only micro-batch cut by count: `log_probs_micro_batch_size`, else twice the training one."""
+        if self.log_probs_micro_batch_size is not None:
+            return self.log_probs_micro_batch_size
+        return FORWARD_ONLY_FACTOR * self.micro_batch_size
 
     # --- checks that need the world or the role -----------------------------------
     def check_world(self, world_size: int, role: Role | None = None) -> None:

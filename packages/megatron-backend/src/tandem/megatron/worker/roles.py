@@ -69,7 +69,7 @@ def _actor_log_probs(trainee: Trainee, batch: RolloutBatch) -> torch.Tensor | No
         batch,
         role="actor",
         temperature=config.temperature,
-        micro_batch_size=config.micro_batch_size,
+        micro_batch_size=config.forward_micro_batch_size,
         packed=config.use_sequence_packing,
         max_tokens=config.micro_batch_tokens(forward_only=True),
         log_probs_chunk_tokens=config.log_probs_chunk_tokens,
@@ -158,7 +158,7 @@ def train_critic(
             trainee.chunks,
             batch,
             role="critic",
-            micro_batch_size=config.micro_batch_size,
+            micro_batch_size=config.forward_micro_batch_size,
             packed=config.use_sequence_packing,
             max_tokens=config.micro_batch_tokens(forward_only=True),
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks
+from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks, resident_growth
 
 
 class FakeAllocator:
@@ -76,6 +76,56 @@ def test_a_phase_in_a_kept_cache_counts_its_tensors(monkeypatch: pytest.MonkeyPa
         cuda.take(20 * MIB, new_segment=20 * MIB)  # past the cache: 12 MiB more than it held
         cuda.give(60 * MIB)
     assert peaks.as_dict() == {"train": 40 * MIB, "log_probs": 60 * MIB}
+
+
+@pytest.mark.parametrize(
+    ("temporaries", "after", "transient"),
+    [
+        (20, 0, 40),  # the backward's activations are the phase's peak
+        (50, 0, 50),  # the optimizer step's temporaries, beside its new moments, are
+        (20, 45, 45),  # a rise after the step, above the grown state
+    ],
+)
+def test_state_a_phase_creates_and_keeps_is_resident_not_its_transient(
+    monkeypatch: pytest.MonkeyPatch, temporaries: int, after: int, transient: int
+) -> None:
+    # The first train of a model: 40 MiB of activations come and go, then the optimizer's first step
+    # creates 30 MiB of Adam moments, which stay, with some temporaries that go. The memory plan counts
+    # the moments among the model's resident tags, measured after the step; counted in the transient too,
+    # it would refuse a turn that fits (at 3B on an 80 GB card, 23 GiB twice).
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=200 * MIB)
+    monkeypatch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+    peaks = PhasePeaks()
+    with peaks.measure("train"):
+        cuda.take(40 * MIB)
+        cuda.give(40 * MIB)
+        with resident_growth():
+            cuda.take(30 * MIB)  # the moments
+            cuda.take(temporaries * MIB)
+            cuda.give(temporaries * MIB)
+        cuda.take(after * MIB)
+        cuda.give(after * MIB)
+    assert peaks.as_dict() == {"train": transient * MIB}
+    # Outside a phase it changes nothing: the next phase starts from the moments, and a later step
+    # (no new state) keeps its temporaries as transient.
+    with peaks.measure("log_probs"):
+        with resident_growth():
+            cuda.take(25 * MIB)
+            cuda.give(25 * MIB)
+    assert peaks.as_dict()["log_probs"] == 25 * MIB
+    with resident_growth():
+        cuda.take(5 * MIB)
+    assert peaks.as_dict() == {"train": transient * MIB, "log_probs": 25 * MIB}
+
+
+def test_state_grown_in_new_segments_leaves_their_rounding_a_rise(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The moments' 30 MiB took a new 32 MiB segment: 2 MiB of it is the phase's, counted as a rise.
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=100 * MIB)
+    monkeypatch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+    with PhasePeak() as peak:
+        with resident_growth():
+            cuda.take(30 * MIB, new_segment=32 * MIB)
+    assert peak.nbytes == 2 * MIB
 
 
 def test_without_cuda_a_phase_reports_no_figure() -> None:

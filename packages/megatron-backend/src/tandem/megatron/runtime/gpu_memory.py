@@ -14,6 +14,7 @@ __all__ = [
     "AllocatorCalls",
     "PhasePeak",
     "PhasePeaks",
+    "resident_growth",
     "all_devices_used_bytes",
     "device_used_bytes",
     "empty_device_cache",
@@ -171,12 +172,18 @@ class PhasePeak:
     The memory plan adds it to a phase's resident tags (and a kept cache, `cached`, beside them).
     `peak.cached`: the bytes the allocator keeps cached as the block ends (reserved, not allocated):
     what the process goes on holding unless it hands its cache back (`empty_cache`).
+
+    State that the block creates and keeps (Adam's moments, made by the first optimizer step) is
+    resident, not transient: the code that creates it runs inside `resident_growth()`, and what it
+    kept moves the block's start up instead of adding to its rise, so that the plan, which counts the
+    state among the resident tags, does not count it twice.
     Resets the process's peak statistic: blocks of it do not nest.
     """
 
     def __init__(self) -> None:
         self._start: int | None = None
         self._reserved_start: int | None = None
+        self._rise = 0  # the largest rise of the parts before the last resident growth
         self.nbytes: int | None = None
         self.cached: int | None = None
 
@@ -186,22 +193,66 @@ class PhasePeak:
 
         return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
+    def _rises(self, cuda: Any) -> int:
+        assert self._start is not None and self._reserved_start is not None
+        allocated_rise = int(cuda.max_memory_allocated()) - self._start
+        reserved_rise = int(cuda.max_memory_reserved()) - self._reserved_start
+        return max(0, allocated_rise, reserved_rise)
+
     def __enter__(self) -> PhasePeak:
+        global _ACTIVE
         cuda = self._cuda()
         self.nbytes = self.cached = None
         self._start = self._reserved_start = None
+        self._rise = 0
         if cuda is not None:
             self._start, self._reserved_start = int(cuda.memory_allocated()), int(cuda.memory_reserved())
             cuda.reset_peak_memory_stats()
+        _ACTIVE = self
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        _ACTIVE = None
         cuda = self._cuda()
         if self._start is not None and self._reserved_start is not None and cuda is not None:
-            allocated_rise = int(cuda.max_memory_allocated()) - self._start
-            reserved_rise = int(cuda.max_memory_reserved()) - self._reserved_start
-            self.nbytes = max(0, allocated_rise, reserved_rise)
+            self.nbytes = max(self._rise, self._rises(cuda))
             self.cached = max(0, int(cuda.memory_reserved()) - int(cuda.memory_allocated()))
+
+    @contextlib.contextmanager
+    def growing(self) -> Iterator[None]:
+        """Within: code that creates state the block keeps; its kept bytes raise the block's start."""
+        cuda = self._cuda()
+        if cuda is None or self._start is None or self._reserved_start is None:
+            yield
+            return
+        before = int(cuda.memory_allocated())
+        self._rise = max(self._rise, self._rises(cuda))  # the peak so far, above the old start
+        cuda.reset_peak_memory_stats()
+        yield
+        kept = max(0, int(cuda.memory_allocated()) - before)
+        # The block's own peak above the grown start: its temporaries, without the state it kept (whose
+        # tensors hold at least as many bytes of segments; what else the block reserved stays a rise).
+        self._start += kept
+        self._reserved_start += kept
+        self._rise = max(self._rise, self._rises(cuda))
+        cuda.reset_peak_memory_stats()
+
+
+_ACTIVE: PhasePeak | None = None
+"""The `PhasePeak` block open in this process (blocks do not nest), for `resident_growth`."""
+
+
+@contextlib.contextmanager
+def resident_growth() -> Iterator[None]:
+    """Within: state that stays (the optimizer's moments at its first step) is created; an open
+    `PhasePeak` counts it as resident, not as its transient. Nothing outside a block or without CUDA."""
+    active = _ACTIVE
+    if active is None:
+        yield
+        return
+    with active.growing():
+        yield
 
 
 class PhasePeaks:

@@ -31,6 +31,7 @@ from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.lora import adapters_disabled
 from tandem.megatron.models.lora_spec import LoraSettings
+from tandem.megatron.runtime.gpu_memory import resident_growth
 from tandem.megatron.worker.checkpoint import TrainState
 from tandem.megatron.worker.memory import storage_piece
 from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
@@ -97,7 +98,8 @@ class Trainee:
     def optimizer_step(self) -> tuple[float, float]:
         """One optimizer step; (grad norm, lr). Inside the optimizer's region: Adam state is created lazily."""
         self.join_optimizer()
-        with self.backend.region(OPTIMIZER):
+        # The first step creates Adam's moments, which then stay: resident state, not the phase's transient.
+        with self.backend.region(OPTIMIZER), resident_growth():
             return self.optim.step(self.chunks)
 
     def join_optimizer(self) -> None:

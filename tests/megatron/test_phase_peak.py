@@ -108,10 +108,9 @@ def test_state_a_phase_creates_and_keeps_is_resident_not_its_transient(
     assert peaks.as_dict() == {"train": transient * MIB}
     # Outside a phase it changes nothing: the next phase starts from the moments, and a later step
     # (no new state) keeps its temporaries as transient.
-    with peaks.measure("log_probs"):
-        with resident_growth():
-            cuda.take(25 * MIB)
-            cuda.give(25 * MIB)
+    with peaks.measure("log_probs"), resident_growth():
+        cuda.take(25 * MIB)
+        cuda.give(25 * MIB)
     assert peaks.as_dict()["log_probs"] == 25 * MIB
     with resident_growth():
         cuda.take(5 * MIB)
@@ -122,9 +121,8 @@ def test_state_grown_in_new_segments_leaves_their_rounding_a_rise(monkeypatch: p
     # The moments' 30 MiB took a new 32 MiB segment: 2 MiB of it is the phase's, counted as a rise.
     cuda = FakeAllocator(allocated=100 * MIB, reserved=100 * MIB)
     monkeypatch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
-    with PhasePeak() as peak:
-        with resident_growth():
-            cuda.take(30 * MIB, new_segment=32 * MIB)
+    with PhasePeak() as peak, resident_growth():
+        cuda.take(30 * MIB, new_segment=32 * MIB)
     assert peak.nbytes == 2 * MIB
 
 

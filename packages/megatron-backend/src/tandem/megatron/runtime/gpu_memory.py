@@ -14,12 +14,12 @@ __all__ = [
     "AllocatorCalls",
     "PhasePeak",
     "PhasePeaks",
-    "resident_growth",
     "all_devices_used_bytes",
     "device_used_bytes",
     "empty_device_cache",
     "foreign_gpu_bytes",
     "process_gpu_bytes",
+    "resident_growth",
 ]
 
 

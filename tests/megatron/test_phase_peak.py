@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks, resident_growth
 
@@ -115,6 +117,53 @@ def test_state_a_phase_creates_and_keeps_is_resident_not_its_transient(
     with resident_growth():
         cuda.take(5 * MIB)
     assert peaks.as_dict() == {"train": transient * MIB, "log_probs": 25 * MIB}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    activations=st.integers(0, 64),
+    moments=st.integers(1, 64),
+    temporaries=st.integers(0, 64),
+    after=st.integers(0, 64),
+)
+def test_the_plans_sum_covers_the_first_train_and_is_exact_for_the_next(
+    activations: int, moments: int, temporaries: int, after: int
+) -> None:
+    # The plan's figure for a train turn is the model's resident state, measured after the phase, plus
+    # the phase's transient. In the first train (the moments made by its optimizer step) that sum must
+    # cover what the allocator held at its peak, so that the plan never lets a turn run out of memory;
+    # in a later train, with the moments there from its start, it is the peak itself.
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=400 * MIB)
+    state = 100 * MIB
+
+    def train(*, first: bool) -> int:
+        # The phase's transient, as measured.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+            with PhasePeak() as peak:
+                cuda.take(activations * MIB)
+                cuda.give(activations * MIB)
+                with resident_growth():
+                    if first:
+                        cuda.take(moments * MIB)
+                    cuda.take(temporaries * MIB)
+                    cuda.give(temporaries * MIB)
+                cuda.take(after * MIB)
+                cuda.give(after * MIB)
+        assert peak.nbytes is not None
+        return peak.nbytes
+
+    # What the allocator held at each train's peak (the block resets its statistics as it goes).
+    first_peak = state + max(activations, moments + temporaries, moments + after) * MIB
+    transient = train(first=True)
+    state += moments * MIB
+    assert state + transient >= first_peak, "the plan would let the first train run out of memory"
+    # It over-counts by the activations' lead over the rises beside the moments, at most the moments (the
+    # peak came before they existed), never the moments twice.
+    lead = min(moments, max(0, activations - max(temporaries, after)))
+    assert state + transient == first_peak + lead * MIB
+    transient = train(first=False)
+    assert state + transient == state + max(activations, temporaries, after) * MIB
 
 
 def test_state_grown_in_new_segments_leaves_their_rounding_a_rise(monkeypatch: pytest.MonkeyPatch) -> None:

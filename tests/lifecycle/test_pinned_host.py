@@ -207,16 +207,16 @@ def test_a_failed_copy_leaves_the_memory_where_it_was(
     backend.register("weights", tensors)
     if direction == "to_device":
         backend.pause("weights")
-    real_copy_one = backend._copy_one
+    real_copy = backend._copier.copy
     copies = []
 
-    def copy_one(s, buffer, to_host):  # type: ignore[no-untyped-def]
+    def copy(s, buffer, to_host, *, non_blocking):  # type: ignore[no-untyped-def]
         copies.append(to_host)
         if to_host == (direction == "to_host") and len(copies) == 2:
             raise MemoryError("injected")  # the second storage fails, after the first one moved
-        return real_copy_one(s, buffer, to_host)
+        return real_copy(s, buffer, to_host, non_blocking=non_blocking)
 
-    monkeypatch.setattr(backend, "_copy_one", copy_one)
+    monkeypatch.setattr(backend._copier, "copy", copy)
     with pytest.raises(MemoryError):
         backend.pause("weights") if direction == "to_host" else backend.resume("weights")
     if direction == "to_host":

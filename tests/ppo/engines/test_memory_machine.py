@@ -42,17 +42,20 @@ class FlakyPinnedHostBackend(PinnedHostBackend):
         super().__init__("cpu")
         self.fail_at: int | None = None
         self._copies_done = 0
+        real_copy = self._copier.copy
+
+        def copy(s: Any, buffer: Any, to_host: bool, *, non_blocking: bool) -> None:
+            if self.fail_at is not None:
+                self._copies_done += 1
+                if self._copies_done >= self.fail_at:
+                    self.fail_at = None
+                    raise InjectedFailure(f"copy {self._copies_done} failed")
+            real_copy(s, buffer, to_host, non_blocking=non_blocking)
+
+        self._copier.copy = copy  # type: ignore[method-assign]
 
     def arm(self, at: int) -> None:
         self.fail_at, self._copies_done = at, 0
-
-    def _copy_one(self, s: Any, buffer: Any, to_host: bool) -> None:
-        if self.fail_at is not None:
-            self._copies_done += 1
-            if self._copies_done >= self.fail_at:
-                self.fail_at = None
-                raise InjectedFailure(f"copy {self._copies_done} failed")
-        super()._copy_one(s, buffer, to_host)
 
 
 @functools.cache

@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._host_buffers import HostBuffer, HostMemory, bytes_of
 from ._shared_frozen import SharedBuffer, SharedFrozen, adopt, publish
+
+if TYPE_CHECKING:
+    from ._side_copies import SideStreamCopies
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class FrozenTags:
 
     _device: torch.device | None
     _host_memory: HostMemory
-    _copies: Callable[..., AbstractContextManager[Callable[[Stored, HostBuffer, bool], None]]]
+    _copier: SideStreamCopies
     _layout: Callable[[list[torch.UntypedStorage]], list[Stored]]
 
     def refresh(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
@@ -120,7 +123,7 @@ class FrozenTags:
             own = HostBuffer(extra[-1].offset + extra[-1].nbytes, kind) if extra else None
             if own is not None:
                 extra = [Stored(e.storage, e.nbytes, e.offset, own) for e in extra]
-                with self._copies(wait_for_device=True) as copy:
+                with self._copier.session(self._device, wait_for_device=True) as copy:
                     for e in extra:
                         copy(e, own, True)
                 self._to_host[tag] = self._to_host.get(tag, 0) + sum(e.nbytes for e in extra)
@@ -145,7 +148,7 @@ class FrozenTags:
             logger.info("tag %r: no shared host copy (%s); a copy of this process's", tag, err)
             return None
         self._buffers[tag] = buffer
-        with self._copies(wait_for_device=True) as copy:
+        with self._copier.session(self._device, wait_for_device=True) as copy:
             for s in stored:
                 copy(s, buffer, True)
         self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)

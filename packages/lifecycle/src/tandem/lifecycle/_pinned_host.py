@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import torch
@@ -14,6 +14,7 @@ import torch
 from ._frozen_tags import FrozenTags, Stored
 from ._host_buffers import HOST_MEMORY, HostBuffer, HostMemory, aligned, bytes_of
 from ._shared_frozen import SharedBuffer, SharedFrozen
+from ._side_copies import SideStreamCopies
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class PinnedHostBackend(FrozenTags):
             raise ValueError(f"chunk_bytes={chunk_bytes}: must be a positive number of bytes")
         self._device = None if device is None else torch.device(device)
         self._host_memory: HostMemory = host_memory
-        self._chunk_bytes = chunk_bytes
+        self._copier = SideStreamCopies(chunk_bytes)
         self._sources: dict[str, list[TensorSource]] = {}
         self._buffers: dict[str, HostBuffer] = {}
         self._paused: dict[str, list[Stored]] = {}
@@ -73,7 +74,6 @@ class PinnedHostBackend(FrozenTags):
         self._kept: dict[str, dict[int, Stored]] = {}  # frozen tag -> its host copy's layout, by storage
         self._share: dict[str, SharedFrozen] = {}  # frozen tags whose first host copy is shared (`share`)
         self._to_host: dict[str, int] = {}  # bytes copied to the host, per tag
-        self._stream: torch.cuda.Stream | None = None
         self._lock = threading.RLock()
 
     # -- registration -------------------------------------------------------------------------
@@ -284,7 +284,7 @@ class PinnedHostBackend(FrozenTags):
             if shared is not None:
                 return shared
         buffer = self._buffer(tag, stored[-1].offset + stored[-1].nbytes if stored else 0)
-        with self._copies(wait_for_device=True) as copy:
+        with self._copier.session(self._device, wait_for_device=True) as copy:
             for s in stored:
                 copy(s, buffer, True)
         self._to_host[tag] = self._to_host.get(tag, 0) + sum(s.nbytes for s in stored)
@@ -298,7 +298,7 @@ class PinnedHostBackend(FrozenTags):
         self._restore(stored, None if tag in self._scratch else self._buffers.get(tag), background=background)
         if background:
             event = torch.cuda.Event()
-            event.record(self._side_stream())
+            event.record(self._copier.stream(self._device))
             self._in_flight[tag] = event
         del self._paused[tag]
         for s in stored:
@@ -307,7 +307,7 @@ class PinnedHostBackend(FrozenTags):
     def _unresume(self, tag: str, stored: list[Stored]) -> None:
         """Free a tag that was just resumed: its host buffer still holds the same bytes."""
         if self._in_flight.pop(tag, None) is not None:
-            self._wait_side_stream()  # its background copies must not write memory freed now
+            self._copier.synchronize()  # its background copies must not write memory freed now
         for s in stored:
             s.storage.resize_(0)
         self._paused[tag] = stored
@@ -319,7 +319,7 @@ class PinnedHostBackend(FrozenTags):
         failure free them again (all-or-nothing). `background`: return with the copies queued."""
         allocated: list[Stored] = []
         try:
-            with self._copies(background=background) as copy:
+            with self._copier.session(self._device, background=background) as copy:
                 for s in stored:
                     # Allocate the next storage while the previous copies run.
                     s.storage.resize_(s.nbytes)
@@ -329,7 +329,7 @@ class PinnedHostBackend(FrozenTags):
                     else:
                         copy(s, buffer, False)
         except BaseException:
-            self._wait_side_stream()  # no copy may still write memory that goes back to the cache
+            self._copier.synchronize()  # no copy may still write memory that goes back to the cache
             for s in allocated:
                 s.storage.resize_(0)
             raise
@@ -399,63 +399,6 @@ class PinnedHostBackend(FrozenTags):
         buffer = HostBuffer(nbytes, kind)
         self._buffers[tag] = buffer
         return buffer
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self._device)
-        return self._stream
-
-    def _wait_side_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-
-    @contextlib.contextmanager
-    def _copies(
-        self, *, wait_for_device: bool = False, background: bool = False
-    ) -> Iterator[Callable[[Stored, HostBuffer, bool], None]]:
-        """A session of copies between storages and a host buffer; on exit they are complete.
-
-        On CUDA the copies run on a side stream, in chunks, without blocking the host
-        until the end. Storages are allocated (resume) outside the side stream, so that
-        their memory stays with the compute stream in the caching allocator.
-        `wait_for_device` first waits for every stream (pause: a communication stream
-        may still write gradients); otherwise the side stream waits for the compute stream.
-        `background`: on exit the copies are only queued; neither the host nor the compute
-        stream waits for them (the caller records an event for `join`).
-        """
-        if not self._is_cuda():
-            yield self._copy_one
-            return
-        if wait_for_device:
-            torch.cuda.synchronize(self._device)
-        current = torch.cuda.current_stream(self._device)
-        side = self._side_stream()
-        # The side stream starts after the work already queued on the compute stream: that work
-        # may still write these tensors (pause), or used the memory handed out again (resume).
-        side.wait_stream(current)
-
-        def on_side_stream(s: Stored, buffer: HostBuffer, to_host: bool) -> None:
-            with torch.cuda.stream(side):
-                self._copy_one(s, buffer, to_host)
-
-        yield on_side_stream
-        if background:
-            return
-        # Later compute waits for the copies; the host waits too, so that storages are freed only
-        # after their bytes left, and the host buffer is complete before `pause` returns.
-        current.wait_stream(side)
-        side.synchronize()
-
-    def _copy_one(self, s: Stored, buffer: HostBuffer, to_host: bool) -> None:
-        non_blocking = self._is_cuda()
-        device_bytes = bytes_of(s.storage)
-        host_bytes = (s.buffer if s.buffer is not None else buffer).tensor[s.offset : s.offset + s.nbytes]
-        for start in range(0, s.nbytes, self._chunk_bytes):
-            end = min(start + self._chunk_bytes, s.nbytes)
-            if to_host:
-                host_bytes[start:end].copy_(device_bytes[start:end], non_blocking=non_blocking)
-            else:
-                device_bytes[start:end].copy_(host_bytes[start:end], non_blocking=non_blocking)
 
 
 def _undo(err: BaseException, steps: list[Callable[[], None]]) -> None:

@@ -23,9 +23,10 @@ GPU host, from the repo root (about 100 s for the default shape):
 
     source .gpu-kit/setup.sh && python3 bench/train_profile.py --out "$OUT/train_profile.json"
 
-A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of our
-compiled one (`tandem.megatron.models.rope`; on by default with CUDA); the JSON records
-`fused_rope` (what the model ran) and `fused_rope_flag` (null: the default).
+A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of ours
+(`tandem.megatron.models.rope`); the JSON records `fused_rope` (what the model ran) and
+`fused_rope_flag` (null: the default). `--rope-kernels compiled` runs our RoPE as the
+`torch.compile`d functions instead of the Triton kernel (`rope.KERNELS`).
 `--sdpa-cudnn` lets the attention use cuDNN's kernel, which `models/attention.py`
 leaves out by default. `--no-head-at-responses` runs the actor's vocabulary head over every
 position (prompts and padding too) instead of the response positions alone
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tandem.megatron.config import WorkerConfig
-    from tandem.megatron.models import unwrap_model
+    from tandem.megatron.models import rope, unwrap_model
     from tandem.megatron.worker import TrainWorker
     from tandem.megatron.worker.parallel import free_port
 
@@ -206,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "head_at_responses": args.head_at_responses,
         "jit_fusions": args.jit_fusions,
         "fused_rope_flag": args.fused_rope,
+        "rope_kernels": args.rope_kernels,
     }
     if args.sdpa_cudnn:
         from tandem.megatron.models.attention import allow_cudnn_attention
@@ -213,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         allow_cudnn_attention(True)
     report["sdpa_cudnn"] = args.sdpa_cudnn
     report["role"] = args.role
+    rope.KERNELS = args.rope_kernels
     worker = TrainWorker(0, 1)
     t0 = time.time()
     worker.init(config, args.role, "127.0.0.1", free_port())
@@ -464,6 +467,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="RoPE through our compiled kernels (rope.py) or Megatron's unfused one; default: on with CUDA",
+    )
+    p.add_argument(
+        "--rope-kernels",
+        choices=("auto", "triton", "compiled"),
+        default="auto",
+        help="rope.KERNELS: our RoPE's kernels where it is on (auto: Triton on CUDA)",
     )
     p.add_argument("--iters", type=int, default=3, help="timed calls of each (after one warm-up train())")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled train()")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -523,6 +524,28 @@ def test_a_plan_that_cannot_fit_is_refused_with_the_numbers() -> None:
     assert "50 bytes" in message and "capacity 55 less margin 5" in message
     assert "actor/weights" in message and "engine/kv_cache" in message, "it says what is asleep already"
     plan_memory(SHARED, memory, GpuBudget(56, margin=5))  # one byte more fits
+
+
+def test_a_refusal_names_what_each_role_holds_and_the_parts_add_up() -> None:
+    """The 3B run's refusal named a total alone; which figure was too large then took another GPU call."""
+    gib = 2**30
+    memory = MemoryModel(
+        {
+            role: dataclasses.replace(m, tags={t: n * gib for t, n in m.tags.items()}, fixed=m.fixed * gib)
+            for role, m in _model().roles.items()
+        },
+        {key: n * gib for key, n in _model().phases.items()},
+    )
+    with pytest.raises(PlanError) as refused:
+        plan_memory(SHARED, memory, GpuBudget(55 * gib, margin=5 * gib))
+    message = str(refused.value)
+    held = re.search(r"needs (\d+) bytes \(51.00 GiB\) \((.*), GiB\) with", message)
+    assert held is not None, message
+    figures = [float(x) for x in re.findall(r"\d+\.\d\d", held.group(2))]
+    assert sum(figures) * gib == int(held.group(1)) == 51 * gib
+    assert "critic: fixed 1.00 + tags awake 40.00 + its train transient 8.00" in held.group(2)
+    assert "actor: fixed 1.00 + tags awake 0.00" in held.group(2)
+    assert "engine: fixed 1.00 + tags awake 0.00" in held.group(2)
 
 
 def test_the_check_refuses_a_plan_that_sleeps_what_its_turn_touches() -> None:

@@ -1,4 +1,4 @@
-"""The compiled RoPE hooks past dynamo's recompile limit: no crash, the eager results, one warning.
+"""The compiled RoPE hooks (`rope.KERNELS = "compiled"`, on CUDA too) past dynamo's recompile limit: no crash, the eager results, one warning.
 
 Usage: python rope_recompile_check.py OUT.json [DEVICE]
 With `torch._dynamo.config.recompile_limit` lowered to 2, calls the sbhd and THD
@@ -54,6 +54,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def main() -> None:
     out_path = sys.argv[1]
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    rope.KERNELS = "compiled"  # on CUDA too: the compiled path is what this checks
     warnings: list[str] = []
 
     class Keep(logging.Handler):

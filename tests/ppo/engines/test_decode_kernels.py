@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from tandem.ppo.engines import EmbeddedEngine, EngineOptions, SamplingParams
 from tandem.ppo.engines._decode_ops import ReferenceOps, philox_uniform
 
-from .conftest import INTERPRETED, make_tiny_model, patch_interpreter_numerics, random_prompts, save_model
+from ..._triton_interpreter import INTERPRETED, patch_interpreter_numerics
+from .conftest import make_tiny_model, random_prompts, save_model
 
 # On a GPU host these are `gpu` tests (the GPU suite runs `-m gpu`); elsewhere they run only in the
 # interpreter's subprocess, which sees no GPU.

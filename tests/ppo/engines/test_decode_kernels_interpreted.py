@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import INTERPRETED
+from ..._triton_interpreter import INTERPRETED
 
 KERNEL_TESTS = [
     Path(__file__).with_name(name) for name in ("test_decode_kernels.py", "test_weight_change_kernel.py")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tandem.ppo.engines import EmbeddedEngine, EngineOptions
 from tandem.ppo.engines._weight_changes import ChangeCounter, count_and_copy
 
-from .conftest import INTERPRETED, patch_interpreter_numerics
+from ..._triton_interpreter import INTERPRETED, patch_interpreter_numerics
 from .test_weight_changes import assert_counts_of_hand_edits
 
 pytestmark = (

@@ -103,16 +103,12 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     without the driver keeps the process's setting where this is None."""
 
     fused_rope: bool | None = None
-    """Apply RoPE with our `torch.compile`d kernels (`rope.py`) through Megatron's
-    `apply_rope_fusion` instead of Megatron's unfused chain of kernels: the same bf16 results bit
-    for bit, for ~5 s of compiling once per process. It saves GPU time and costs host time (each
-    compiled call about a tenth of a millisecond): a `train()` of the 1.2 B probe took 3.00 s
-    instead of 3.33 s on an H200, one of a 0.5B critic 3.02 s instead of 2.40 s. None: on where
-    the model is on CUDA and either micro-batches are packed or cut by tokens
-    (`use_sequence_packing`, `use_dynamic_batch_size`: Megatron's eager RoPE loops over a packed
-    row's samples on the host: 27.7 s against 10.3 s a shared step of the 0.5B bench's
-    realistic lengths) or its hidden size is at least 2048 (`models.networks.FUSED_ROPE_MIN_HIDDEN_SIZE`),
-    else off (always off on CPU, where compiling needs a C++ compiler and takes ~20 s)."""
+    """Apply RoPE with our kernels (`rope.py`; on CUDA one Triton kernel a call) through Megatron's
+    `apply_rope_fusion` instead of Megatron's unfused chain of kernels, with the same results bit for
+    bit. None: on where the model is on CUDA, at every size and micro-batch shape
+    (`models.networks.uses_fused_rope`): a 0.5B actor's `train()` took 1.48 s instead of 1.61 s with
+    Megatron's eager RoPE on one H100, 1.90 s instead of 2.22 s packed against the compiled
+    functions; off on CPU, where ours are `torch.compile`d (~20 s of compiling)."""
 
     jit_fusions: bool = False
     """Megatron's `torch.compile`d fusions of the SwiGLU activation and of the residual add

@@ -110,12 +110,6 @@ class WorkerConfig(WorkerFields):
         return _reuses(self.reuse_old_values, self.old_values_redundant)
 
     @property
-    def varies_micro_batch_shapes(self) -> bool:
-        """Whether micro-batches are packed rows or cut by tokens, so that their shapes vary
-        (`use_sequence_packing`, `use_dynamic_batch_size`); the default RoPE path follows it."""
-        return self.use_sequence_packing or self.use_dynamic_batch_size
-
-    @property
     def critic_lambda(self) -> float:
         """GAE λ of the critic's targets: `critic_lambd`, else `lambd` (VAPO's decoupled GAE)."""
         return self.lambd if self.critic_lambd is None else self.critic_lambd

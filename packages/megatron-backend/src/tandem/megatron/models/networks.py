@@ -68,30 +68,20 @@ class ValueHead(nn.Module):
         return values, None
 
 
-FUSED_ROPE_MIN_HIDDEN_SIZE = 2048
-"""The hidden size from which `fused_rope=None` compiles RoPE for padded micro-batches of fixed
-shape. Each call of a compiled function costs the host about a tenth of a millisecond, four a layer
-and micro-batch; below this the GPU's work per call is too small to hide it. On one H200: a 0.5B
-critic's `train()` (hidden 896, micro batch 16) took 2.40 s with Megatron's eager RoPE against
-3.02 s compiled, while the 1.2 B probe's (hidden 2048) took 2.99 s compiled against 3.33 s eager
-(docs/benchmarks.md)."""
+def uses_fused_rope(fused_rope: bool | None, *, on_cuda: bool) -> bool:
+    """Whether a model applies RoPE with our kernels (`rope.py`): `fused_rope`, or where None on CUDA,
+    at every hidden size and micro-batch shape; never on CPU by default (there our RoPE is the
+    compiled functions, ~20 s of compiling).
 
-
-def uses_fused_rope(
-    fused_rope: bool | None, hidden_size: int, *, on_cuda: bool, variable_shapes: bool = False
-) -> bool:
-    """Whether a model applies RoPE with our compiled kernels: `fused_rope`, or where None on CUDA
-    wherever micro-batches are packed or cut by tokens (`variable_shapes`), else from
-    `FUSED_ROPE_MIN_HIDDEN_SIZE` up; never on CPU, where compiling takes ~20 s.
-
-    Packed rows are where the threshold does not hold: Megatron's eager RoPE of a packed row
-    (THD) asks the host for each sample's length and loops over the samples in Python: on the
-    0.5B bench's realistic lengths a shared step took 27.7 s eager against 10.3 s compiled
-    (docs/benchmarks.md, "The regression check and the packed path"); a fixed-shape A/B alone
-    never sees that path."""
+    On CUDA our RoPE is one Triton kernel a call (`_rope_kernels`), which costs the host a launch and
+    no compiled call's guards. A/B on one H100 (docs/benchmarks.md, "The Triton RoPE kernel"): a 0.5B
+    actor's `train()` 1.48 s against 1.61 s with Megatron's eager RoPE, its critic's 1.24 s against
+    1.36 s; packed, 1.90 s against 2.22 s with the compiled functions, which the hidden-size
+    threshold of before chose there. Megatron's eager RoPE of a packed row (THD) also asks the host
+    for each sample's length and loops over the samples in Python."""
     if fused_rope is not None:
         return fused_rope
-    return on_cuda and (variable_shapes or hidden_size >= FUSED_ROPE_MIN_HIDDEN_SIZE)
+    return on_cuda
 
 
 def unwrap_model(model: Any) -> Any:
@@ -120,7 +110,6 @@ def build_model(
     attention: Attention = "sdpa",
     packed_attention: PackedAttention = "auto",
     fused_rope: bool | None = None,
-    variable_shapes: bool = False,
     vocab_multiple: int = 128,
     **config_overrides: Any,
 ) -> nn.Module:
@@ -141,14 +130,10 @@ def build_model(
         packed_attention: how "sdpa" runs a packed row: "blocks" (a call per sample),
             "varlen" (one varlen flash call a layer; CUDA, bf16/fp16: `attention.check_varlen`), or
             "auto", varlen wherever it can run, else blocks (`attention.resolve_packed_attention`).
-        fused_rope: apply RoPE with our compiled kernels (`rope.py`: a cos/sin table and one
-            fused kernel instead of Megatron's unfused chain of multiplies and copies, with
-            the same bf16 results) through Megatron's `apply_rope_fusion`; None: on when
-            the model is built on CUDA and either `variable_shapes` or its hidden size is at
-            least `FUSED_ROPE_MIN_HIDDEN_SIZE` (`uses_fused_rope`), else off.
-        variable_shapes: the model will run packed micro-batches or micro-batches cut by tokens
-            (the worker's `use_sequence_packing` / `use_dynamic_batch_size`); decides
-            `fused_rope=None` only.
+        fused_rope: apply RoPE with our kernels (`rope.py`: a cos/sin table and one kernel a
+            call, Triton on CUDA, instead of Megatron's unfused chain of multiplies and copies,
+            with the same results) through Megatron's `apply_rope_fusion`; None: on when the
+            model is built on CUDA (`uses_fused_rope`), else off.
         vocab_multiple: the embedding and the output head get `spec.padded_vocab_size(TP,
             vocab_multiple)` rows (Megatron's `make_vocab_size_divisible_by`); the model's
             `tandem_vocab_size` keeps the real size, whose logits alone are normalised.
@@ -198,9 +183,7 @@ def build_model(
     # Loss functions return (sum, count, metrics): see forward.run_micro_batches.
     config_overrides.setdefault("calculate_per_token_loss", True)
     # The model lands on CUDA whenever torch sees a GPU (the end of this function).
-    use_fused_rope = uses_fused_rope(
-        fused_rope, spec.hidden_size, on_cuda=torch.cuda.is_available(), variable_shapes=variable_shapes
-    )
+    use_fused_rope = uses_fused_rope(fused_rope, on_cuda=torch.cuda.is_available())
     if use_fused_rope:
         # Before the config: TransformerConfig checks that the fused hooks exist.
         rope.install()

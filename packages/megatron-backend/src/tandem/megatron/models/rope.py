@@ -21,6 +21,11 @@ every batch row and head, and the kernel waits on them instead of on memory
 finds each packed token's position inside its sample (`searchsorted` over
 `cu_seqlens`: no loop, no host sync) and gathers its table rows.
 
+On CUDA the hooks run neither: one Triton kernel a call (`_rope_kernels`, `KERNELS`), with the
+same numerics and without a compiled call's host cost, faster than both Megatron's eager RoPE and
+these compiled functions (docs/benchmarks.md, "The Triton RoPE kernel"). What follows describes the
+compiled functions, which run elsewhere (CPU tests) or when `KERNELS = "compiled"`.
+
 `install()` sets Megatron's `rope_utils.fused_apply_rotary_pos_emb` /
 `fused_apply_rotary_pos_emb_thd` (the TE hooks, None without TE) to
 `fused_apply_rotary_pos_emb` / `fused_apply_rotary_pos_emb_thd` here, so that a
@@ -52,7 +57,7 @@ import threading
 import types
 from collections.abc import Callable
 from functools import cache
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -252,6 +257,10 @@ def fused_apply_rotary_pos_emb(
         from megatron.core.models.common.embeddings import rope_utils
 
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    if _on_triton(t, freqs):
+        from tandem.megatron.models import _rope_kernels
+
+        return _rope_kernels.rotate(t, *_rope_kernels.rope_table(freqs, t.dtype))
     cos, sin = _compiled(rope_cos_sin)(_dynamic(freqs, 1), t.dtype)
     return _compiled(rope_rotate)(_dynamic(t, 3), _dynamic(cos, 1), _dynamic(sin, 1))
 
@@ -287,8 +296,37 @@ def fused_apply_rotary_pos_emb_thd(
     if freqs.shape[0] == t.shape[0]:
         # Megatron's "packed freqs" case: positions run on over the whole row.
         return fused_apply_rotary_pos_emb(t.unsqueeze(1), freqs).squeeze(1)
+    if _on_triton(t, freqs):
+        from tandem.megatron.models import _rope_kernels
+
+        positions = _rope_kernels.packed_positions(cu_seqlens, t.shape[0])
+        cos, sin = _rope_kernels.rope_table(freqs, t.dtype)
+        return _rope_kernels.rotate(t.unsqueeze(1), cos, sin, positions).squeeze(1)
     cos, sin = _compiled(rope_cos_sin)(_dynamic(freqs, 1), t.dtype)
     return _compiled(rotate_thd)(_dynamic(t, 2), _dynamic(cu_seqlens, 1), _dynamic(cos, 1), _dynamic(sin, 1))
+
+
+KERNELS: Literal["auto", "triton", "compiled"] = "auto"
+"""Which kernels the hooks run: "auto", the Triton kernel (`_rope_kernels`) on CUDA and the
+compiled functions elsewhere; "triton" everywhere (on CPU tensors only under Triton's
+interpreter, `TRITON_INTERPRET=1`: the tests); "compiled" everywhere (the A/B of
+`bench/train_profile.py --rope-kernels compiled`, and the tests of the compiled path)."""
+
+
+def _on_triton(t: Tensor, freqs: Tensor) -> bool:
+    """Whether the hooks rotate `t` with the Triton kernel (`KERNELS`), which takes angles of one
+    row a position (`(s, 1, 1, rot_dim)`) with `rot_dim` even and at most `t`'s channels, in
+    fp32, bf16 or fp16; else the compiled functions."""
+    if KERNELS == "compiled" or (KERNELS == "auto" and not t.is_cuda):
+        return False
+    rot_dim = freqs.shape[-1]
+    return (
+        freqs.dim() == 4
+        and freqs.shape[1] == freqs.shape[2] == 1
+        and rot_dim % 2 == 0
+        and rot_dim <= t.shape[-1]
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 class _ContextParallelRank:

@@ -340,7 +340,6 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
             seed=config.seed,
             fused_rope=config.fused_rope,
             packed_attention=config.packed_attention,
-            variable_shapes=config.varies_micro_batch_shapes,
             vocab_multiple=config.make_vocab_size_divisible_by,
             **_jit_fusion_overrides(config.jit_fusions),
         )

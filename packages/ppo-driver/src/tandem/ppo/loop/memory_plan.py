@@ -155,6 +155,30 @@ def turn_needs(residents: Residents, memory: MemoryModel) -> frozenset[TagRef]:
     return frozenset(needs)
 
 
+def _role_parts(
+    schedule: StepSchedule,
+    residents: Residents,
+    asleep: frozenset[TagRef],
+    memory: MemoryModel,
+    *,
+    handed_back: Role | None = None,
+    cached: Collection[Role] = (),
+) -> list[tuple[str, Role, int, int, int, str]]:
+    """Each role's part of `residents`' turn: (its GPUs, role, fixed bytes, bytes of its tags awake, bytes of
+    its transient or kept cache, what that last figure is) (`turn_peaks`)."""
+    parts = []
+    for role, held in memory.roles.items():
+        awake = sum(n for tag, n in held.tags.items() if (role, tag) not in asleep)
+        extra, what = 0, ""
+        if role in cached:
+            extra, what = memory.kept_cache(role), "its kept cache"
+        elif role in residents.computing and role != handed_back:
+            work = residents.turn.work if role == residents.turn.role else "start_next"
+            extra, what = memory.transient(role, work), f"its {work} transient"
+        parts.append((schedule.gpus(role), role, held.fixed, awake, extra, what))
+    return parts
+
+
 def turn_peaks(
     schedule: StepSchedule,
     residents: Residents,
@@ -168,16 +192,32 @@ def turn_peaks(
     awake, and the transient of each role computing (but `handed_back`'s, whose cache went back); a role of
     `cached` holds its kept cache at every turn instead (`MemoryModel.kept_cache`: its transients fit in it)."""
     peaks: dict[str, int] = {}
-    for role, held in memory.roles.items():
-        resident = held.fixed + sum(n for tag, n in held.tags.items() if (role, tag) not in asleep)
-        transient = 0
-        if role in residents.computing and role != handed_back and role not in cached:
-            work = residents.turn.work if role == residents.turn.role else "start_next"
-            transient = memory.transient(role, work)
-        resident += memory.kept_cache(role) if role in cached else transient
-        gpus = schedule.gpus(role)
-        peaks[gpus] = peaks.get(gpus, 0) + resident
+    for gpus, _, fixed, awake, extra, _ in _role_parts(
+        schedule, residents, asleep, memory, handed_back=handed_back, cached=cached
+    ):
+        peaks[gpus] = peaks.get(gpus, 0) + fixed + awake + extra
     return peaks
+
+
+def turn_parts(
+    schedule: StepSchedule,
+    residents: Residents,
+    asleep: frozenset[TagRef],
+    memory: MemoryModel,
+    *,
+    cached: Collection[Role] = (),
+) -> dict[str, str]:
+    """`turn_peaks`' sums in words, each set of GPUs': every role's fixed bytes (CUDA context), tags awake and
+    transient (or kept cache), in GiB, as a refusal names them."""
+    words: dict[str, list[str]] = {}
+    for gpus, role, fixed, awake, extra, what in _role_parts(
+        schedule, residents, asleep, memory, cached=cached
+    ):
+        said = f"{role}: fixed {fixed / 2**30:.2f} + tags awake {awake / 2**30:.2f}"
+        if what:
+            said += f" + {what} {extra / 2**30:.2f}"
+        words.setdefault(gpus, []).append(said)
+    return {gpus: "; ".join(said) for gpus, said in words.items()}
 
 
 def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[str, int]:
@@ -214,15 +254,23 @@ def walk_schedule(schedule: StepSchedule, memory: MemoryModel) -> list[tuple[Res
 
 
 def fit_refusal(
-    schedule: StepSchedule, index: int, peaks: Mapping[str, int], asleep: frozenset[TagRef], budget: GpuBudget
+    schedule: StepSchedule,
+    index: int,
+    peaks: Mapping[str, int],
+    asleep: frozenset[TagRef],
+    budget: GpuBudget,
+    parts: Mapping[str, str] | None = None,
 ) -> str | None:
+    """Why turn `index` does not fit `budget` with `asleep` asleep (its `peaks`; `parts`, `turn_parts`' words
+    for them, name what each role holds), or None where every set of GPUs fits."""
     turn = schedule.turns[index]
     for gpus, peak in sorted(peaks.items()):
         if peak > budget.available:
             names = ", ".join(f"{r}/{g}" for r, g in sorted(asleep)) or "nothing"
+            held = f" ({parts[gpus]}, GiB)" if parts and gpus in parts else ""
             return (
                 f"turn {index} ({turn.describe()!r}, phase {turn.role}/{turn.work}) on the {gpus} GPUs needs "
-                f"{peak} bytes ({peak / 2**30:.2f} GiB) with {names} asleep; {budget.available} bytes "
+                f"{peak} bytes ({peak / 2**30:.2f} GiB){held} with {names} asleep; {budget.available} bytes "
                 f"({budget.available / 2**30:.2f} GiB) available: capacity {budget.capacity} less margin "
                 f"{budget.margin}. Give the GPU more room (a larger capacity, a smaller margin) or the turn less "
                 "to hold (smaller micro-batches, a shorter KV cache)"
@@ -284,6 +332,7 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
             turn_peaks(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
             planned.asleep,
             budget,
+            turn_parts(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
         )
         if why is not None:
             raise PlanError(why)

@@ -48,6 +48,7 @@ from tandem.ppo.loop.memory_plan import (
     handover_peaks,
     role_idle,
     schedule_plan,
+    turn_parts,
     turn_peaks,
     walk_schedule,
 )
@@ -120,7 +121,14 @@ def plan_memory(
                 continue  # this tag's GPUs fit already: sleeping it frees nothing the turn lacks
             chosen.add(ref)
             peaks[gpus] -= memory.nbytes(ref)
-        why = fit_refusal(schedule, index, peaks, frozenset(chosen), budget)
+        why = fit_refusal(
+            schedule,
+            index,
+            peaks,
+            frozenset(chosen),
+            budget,
+            turn_parts(schedule, residents, frozenset(chosen), memory),
+        )
         if why is not None:
             raise PlanError(f"{why}. Schedule: {schedule.describe()!r}")
         asleep.append(chosen)

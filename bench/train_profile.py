@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fused_log_probs=args.fused_log_probs,
         head_at_responses=args.head_at_responses,
         jit_fusions=args.jit_fusions,
+        fused_swiglu=args.fused_swiglu,
     )
     report: dict[str, Any] = {
         "bench": "train_profile",
@@ -206,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fused_log_probs_flag": args.fused_log_probs,
         "head_at_responses": args.head_at_responses,
         "jit_fusions": args.jit_fusions,
+        "fused_swiglu": args.fused_swiglu,
         "fused_rope_flag": args.fused_rope,
         "rope_kernels": args.rope_kernels,
     }
@@ -451,6 +453,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="WorkerConfig.jit_fusions: Megatron's torch.compile'd SwiGLU and residual add",
+    )
+    p.add_argument(
+        "--fused-swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="WorkerConfig.fused_swiglu: the MLP's SwiGLU as one Triton kernel forward and one backward",
     )
     p.add_argument(
         "--sdpa-cudnn",

@@ -113,6 +113,7 @@ def check_choices(config: Any) -> None:
         "background_optimizer_wake",
         "grpo_std_normalization",
         "jit_fusions",
+        "fused_swiglu",
         "lora_base_offload",
     ):
         if not isinstance(getattr(config, name), bool):

@@ -110,13 +110,21 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     Megatron's eager RoPE on one H100, 1.90 s instead of 2.22 s packed against the compiled
     functions; off on CPU, where ours are `torch.compile`d (~20 s of compiling)."""
 
+    fused_swiglu: bool = False
+    """The MLP's SwiGLU as one Triton kernel forward and one backward on CUDA (`models/swiglu.py`)
+    instead of Megatron's eager SiLU, multiply and concatenation (0.29 s of a 0.5B actor `train()`'s
+    1.54 s of kernels, one H100); autograd then keeps the MLP's input alone, not the SiLU's output
+    beside it. The forward equals Megatron's bit for bit in bf16, the backward within its last bit.
+    Off until a GPU A/B chooses it (`bench/train_profile.py --fused-swiglu`); eager on CPU."""
+
     jit_fusions: bool = False
     """Megatron's `torch.compile`d fusions of the SwiGLU activation and of the residual add
     (`bias_activation_fusion`, `bias_dropout_fusion`) on CUDA. Off by default: each call of a
     compiled function costs the host about a tenth of a millisecond (dynamo's guards, its
     runtime wrappers, its autograd node), several a layer and micro-batch, while with no bias
     and no dropout the eager residual add is the same one kernel and the eager SwiGLU two
-    small element-wise kernels (`bench/train_profile.py --cprofile` shows the host's share)."""
+    small element-wise kernels (`bench/train_profile.py --cprofile` shows the host's share).
+    With `fused_swiglu` the SwiGLU is ours whatever this says."""
 
     offload_backend: OffloadBackend = "pinned_host"
     """How `sleep()` hands GPU memory back: torch_memory_saver or pinned host buffers on

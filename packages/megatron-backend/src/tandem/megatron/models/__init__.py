@@ -1,7 +1,7 @@
 """The networks and their weights: Megatron GPT stages with the actor's and the critic's heads, HF ⇄ Megatron.
 
 `networks` (`build_model`, `ValueHead`), the Hugging Face config (`hf_config.ModelSpec`),
-weights and name mapping (`hf_weights`, `conversion`), RoPE in one kernel (`rope`),
+weights and name mapping (`hf_weights`, `conversion`), RoPE in one kernel (`rope`), SwiGLU in one (`swiglu`),
 sequence packing and the core attentions that honour it (`packing`, `attention`),
 and Megatron's CPU path (`_cpu_compat`). This layer may import torch, megatron-core,
 safetensors, `tandem.megatron.choices`, `tandem.megatron.batch` and the algorithms

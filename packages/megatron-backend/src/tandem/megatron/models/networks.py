@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tandem.megatron.choices import ROLES, PackedAttention, Role
-from tandem.megatron.models import rope
+from tandem.megatron.models import rope, swiglu
 from tandem.megatron.models._cpu_compat import enable_cpu_compat
 from tandem.megatron.models.attention import (
     check_varlen,
@@ -110,6 +110,7 @@ def build_model(
     attention: Attention = "sdpa",
     packed_attention: PackedAttention = "auto",
     fused_rope: bool | None = None,
+    fused_swiglu: bool = False,
     vocab_multiple: int = 128,
     **config_overrides: Any,
 ) -> nn.Module:
@@ -134,6 +135,9 @@ def build_model(
             call, Triton on CUDA, instead of Megatron's unfused chain of multiplies and copies,
             with the same results) through Megatron's `apply_rope_fusion`; None: on when the
             model is built on CUDA (`uses_fused_rope`), else off.
+        fused_swiglu: the MLP's SwiGLU as one Triton kernel forward and one backward on CUDA
+            (`swiglu.py`; keeps the MLP's input alone for the backward), through Megatron's
+            `bias_activation_fusion`, whatever `config_overrides` says of that field.
         vocab_multiple: the embedding and the output head get `spec.padded_vocab_size(TP,
             vocab_multiple)` rows (Megatron's `make_vocab_size_divisible_by`); the model's
             `tandem_vocab_size` keeps the real size, whose logits alone are normalised.
@@ -183,6 +187,10 @@ def build_model(
     # Loss functions return (sum, count, metrics): see forward.run_micro_batches.
     config_overrides.setdefault("calculate_per_token_loss", True)
     # The model lands on CUDA whenever torch sees a GPU (the end of this function).
+    if fused_swiglu:
+        # Megatron's MLP calls `bias_swiglu_impl` (ours, once installed) only with this fusion on.
+        swiglu.install()
+        config_overrides["bias_activation_fusion"] = True
     use_fused_rope = uses_fused_rope(fused_rope, on_cuda=torch.cuda.is_available())
     if use_fused_rope:
         # Before the config: TransformerConfig checks that the fused hooks exist.

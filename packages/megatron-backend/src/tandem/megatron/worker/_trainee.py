@@ -339,6 +339,7 @@ def build_trainee(config: WorkerConfig, role: Role, backend: MemoryBackend, *, o
             params_dtype=_params_dtype(config),
             seed=config.seed,
             fused_rope=config.fused_rope,
+            fused_swiglu=config.fused_swiglu,
             packed_attention=config.packed_attention,
             vocab_multiple=config.make_vocab_size_divisible_by,
             **_jit_fusion_overrides(config.jit_fusions),

@@ -47,7 +47,7 @@ _GROUP_MEMBERS: dict[str, str] = {
         "hf_checkpoint ref_load tensor_model_parallel_size pipeline_model_parallel_size params_dtype "
         "micro_batch_size log_probs_micro_batch_size use_sequence_packing packed_attention use_dynamic_batch_size max_tokens_per_gpu "
         "log_probs_max_tokens_per_gpu log_probs_chunk_tokens fused_log_probs head_at_responses fused_rope "
-        "jit_fusions cpu_threads local_single_rank_groups "
+        "fused_swiglu jit_fusions cpu_threads local_single_rank_groups "
         "keep_single_rank_groups make_vocab_size_divisible_by train_backend seed"
     ),
     "rollout": (

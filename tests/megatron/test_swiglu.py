@@ -1,0 +1,196 @@
+"""The Triton SwiGLU (`models.swiglu`, `_swiglu_kernels`) against Megatron's eager SwiGLU, and its hook.
+
+On a GPU the kernel tests run on CUDA; without one, the last test runs them in a subprocess under
+Triton's interpreter (`TRITON_INTERPRET=1` before triton is imported), its bf16 casts made the GPU's.
+
+- Drawn shapes and dtypes (hypothesis): values and gradients as eager's, each within one rounding
+  of it and most bit for bit (the forward computes as torch's SiLU does; the SiLU's backward may
+  fuse differently than torch's kernel); an error of the kernels (a swapped half, a sign) is
+  orders larger.
+- Autograd keeps the MLP's input alone, where eager keeps the SiLU's output beside it.
+- `bias_swiglu_impl` routes: no bias on CUDA to the kernels, no bias elsewhere to the eager
+  SwiGLU, a bias (or fp8, offload) to Megatron's own; `install()` puts it in Megatron's MLP.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.megatron.models import swiglu
+
+from .._triton_interpreter import INTERPRETED, patch_interpreter_numerics
+from .conftest import SaveRandomLlama
+
+SCRIPTS = Path(__file__).parent / "_scripts"
+
+ON_GPU = torch.cuda.is_available() and not INTERPRETED
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+kernels = pytest.mark.skipif(
+    not (ON_GPU or INTERPRETED), reason="no GPU: run in Triton's interpreter by the test at the end"
+)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
+    if INTERPRETED:
+        patch_interpreter_numerics(monkeypatch)
+
+
+def _values_and_grad(fn: Any, x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    leaf = x.detach().clone().requires_grad_()
+    out = fn(leaf)
+    out.backward(upstream)
+    assert leaf.grad is not None
+    return out.detach(), leaf.grad
+
+
+def _assert_within_one_rounding(ours: torch.Tensor, eager: torch.Tensor) -> None:
+    assert ours.shape == eager.shape and ours.dtype == eager.dtype
+    if ours.dtype == torch.float32:
+        torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-6)
+        return
+    step = torch.finfo(ours.dtype).eps  # one step of the mantissa, relative
+    error = (ours.float() - eager.float()).abs()
+    assert bool((error <= step * eager.float().abs() + 1e-30).all()), error.max().item()
+    assert (ours != eager).float().mean().item() <= 0.02  # a few in a hundred at most
+
+
+@kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    width=st.integers(1, 700),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    scale=st.sampled_from([0.5, 3.0, 12.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernels_compute_what_eager_does(
+    rows: list[int], width: int, dtype: torch.dtype, scale: float, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*rows, 2 * width, generator=gen) * scale).to(DEVICE, dtype)
+    upstream = torch.randn(*rows, width, generator=gen).to(DEVICE, dtype)
+    ours = _values_and_grad(swiglu.swiglu, x, upstream)
+    eager = _values_and_grad(swiglu.swiglu_eager, x, upstream)
+    for a, b in zip(ours, eager, strict=True):
+        _assert_within_one_rounding(a, b)
+
+
+@kernels
+def test_autograd_keeps_the_input_alone() -> None:
+    x = torch.randn(4, 2, 64).to(DEVICE, torch.bfloat16).requires_grad_()
+    kept: dict[str, list[int]] = {"ours": [], "eager": []}
+    for name, fn in (("ours", swiglu.swiglu), ("eager", swiglu.swiglu_eager)):
+
+        def pack(t: torch.Tensor, sizes: list[int] = kept[name]) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x)
+    assert kept["ours"] == [x.numel()]
+    assert sum(kept["eager"]) > x.numel()  # the SiLU's output (or its input) kept besides
+
+
+def test_the_hook_routes_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    megatron_calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(swiglu, "_megatron_impl", lambda *a: megatron_calls.append(a) or torch.zeros(1))
+    kernel_calls: list[torch.Tensor] = []
+    monkeypatch.setattr(swiglu, "swiglu", lambda x: kernel_calls.append(x) or torch.ones(1))
+    x = torch.randn(3, 2, 8)
+    # On CPU with KERNELS "auto": the eager SwiGLU, neither the kernels nor Megatron's compiled one.
+    assert torch.equal(swiglu.bias_swiglu_impl(x, None), swiglu.swiglu_eager(x))
+    assert not kernel_calls and not megatron_calls
+    monkeypatch.setattr(swiglu, "KERNELS", "triton")
+    swiglu.bias_swiglu_impl(x, None)
+    assert len(kernel_calls) == 1
+    bias = torch.zeros(8)
+    for args in ((x, bias, False, False), (x, None, True, False), (x, None, False, True)):
+        swiglu.bias_swiglu_impl(*args)
+    assert len(kernel_calls) == 1 and len(megatron_calls) == 3
+
+
+@pytest.mark.slow
+def test_install_puts_the_hook_in_megatrons_mlp() -> None:
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.transformer import mlp
+
+    before = mlp.bias_swiglu_impl
+    try:
+        swiglu.install()
+        swiglu.install()  # idempotent: Megatron's own function is still what the hook falls back to
+        assert swiglu.installed() and mlp.bias_swiglu_impl is swiglu.bias_swiglu_impl
+        assert swiglu._megatron_impl is fused_bias_swiglu.bias_swiglu_impl
+    finally:
+        mlp.bias_swiglu_impl = before
+    assert not swiglu.installed()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="the kernel tests run in this process")
+def test_the_kernel_tests_pass_in_tritons_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "-p",
+        "no:randomly",
+    ]
+    command += ["-k", "kernels_compute or keeps_the_input"]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).resolve().parents[2]
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "2 passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_model_with_the_hook_computes_what_megatrons_eager_swiglu_does(
+    tmp_path: Path, random_llama: SaveRandomLlama
+) -> None:
+    """`_scripts/swiglu_check.py` in its own process (Megatron's world): `fused_swiglu=True` turns
+    `bias_activation_fusion` on and every MLP calls the hook; on the CPU (the eager SwiGLU) the
+    logits and gradients equal those of `fused_swiglu=False` bit for bit, on CUDA (the kernels, an
+    fp32 model) to fp32's rounding; the control without SiLU moves the logits."""
+    random_llama(
+        tmp_path / "hf",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+    )
+    out = tmp_path / "swiglu.pt"
+    command = [sys.executable, str(SCRIPTS / "launch.py"), "1", str(SCRIPTS / "swiglu_check.py")]
+    proc = subprocess.run(
+        [*command, str(tmp_path / "hf"), str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = torch.load(out, weights_only=False)
+    assert r["bias_activation_fusion:True"] and not r["bias_activation_fusion:False"] and r["installed"]
+    # Per forward, one call an MLP, 2 layers: 3 forwards with a backward and one without.
+    assert r["calls"] == {"bias_swiglu_impl": 8}
+    unfused, fused = r[False], r[True]
+    assert unfused.keys() == fused.keys() and len(unfused) > 20
+    for name, expected in unfused.items():
+        if torch.cuda.is_available():
+            torch.testing.assert_close(fused[name], expected, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(fused[name], expected), name
+    expected = unfused["sbhd_no_grad:logits"]
+    assert (r["no_silu:logits"] - expected).abs().max().item() > 1e-3 * expected.abs().max().item()

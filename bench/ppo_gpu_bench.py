@@ -104,6 +104,10 @@ A model's copied wakes in the background of the turn before (`--prefetch-wakes`,
 
     source .gpu-kit/setup.sh && python3 bench/ppo_gpu_bench.py --shape qwen2.5-3b --response-len 2048 --prompts 64 --global-batch-size 64 --ab-prefetch --skip-shared --skip-resident --skip-probe --steps 3 --out "$OUT"
 
+These 3B commands with 2048-token responses fit an H200's 141 GB at the default micro batch; on an
+80 GB card add `--micro-batch-size 1`: at 2 the plan refuses the second step (76.7 GiB needed, 74.6
+available; docs/benchmarks.md, "3B with 2048-token responses and its memory plan").
+
 The engine's KV cache at fixed addresses (`--rollout-kv-cache-backend torch_memory_saver`, off by
 default): `--ab-kv-saver` runs the plan's mode with the KV cache on torch's allocator (`shared_fit`) and in
 a torch_memory_saver region (`shared_fit_kv_saver`), and reports each one's step and the phases the lever

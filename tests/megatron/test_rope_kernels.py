@@ -205,9 +205,11 @@ def test_the_kernel_compiles_without_fused_multiply_adds(backward: bool) -> None
         "heads",
         *(f"{x}_stride_{d}" for x in ("t", "out") for d in "sbh"),
         "table_stride",
+        "half",
+        "rest",
     ]
     pointers = {name: "*bf16" for name in ("t_ptr", "out_ptr", "cos_ptr", "sin_ptr", "pos_ptr")}
-    constants = {"HALF": 32, "PASS": 0, "BLOCK_ROWS": 64, "BLOCK_HALF": 32, "BLOCK_PASS": 1}
+    constants = {"BLOCK_ROWS": 64, "BLOCK_HALF": 32, "BLOCK_PASS": 1, "HAS_PASS": False}
     constants |= {"HAS_POSITIONS": False, "BACKWARD": backward}
     signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constants, "constexpr")}
 

@@ -61,11 +61,12 @@ def _rope_rows_kernel(
     out_stride_b,
     out_stride_h,
     table_stride,
-    HALF: tl.constexpr,
-    PASS: tl.constexpr,
+    half,
+    rest,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -83,13 +84,13 @@ def _rope_rows_kernel(
     table = position * table_stride
 
     ch = tl.arange(0, BLOCK_HALF)
-    mask = live[:, None] & (ch < HALF)[None, :]
+    mask = live[:, None] & (ch < half)[None, :]
     x1 = tl.load(src[:, None] + ch[None, :], mask=mask, other=0.0)
-    x2 = tl.load(src[:, None] + HALF + ch[None, :], mask=mask, other=0.0)
+    x2 = tl.load(src[:, None] + half + ch[None, :], mask=mask, other=0.0)
     cos1 = tl.load(cos_ptr + table[:, None] + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + table[:, None] + HALF + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + table[:, None] + half + ch[None, :], mask=mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + table[:, None] + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + table[:, None] + HALF + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + table[:, None] + half + ch[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = x1.dtype
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
@@ -102,12 +103,12 @@ def _rope_rows_kernel(
         y1 = (a1 * cos1).to(dtype).to(tl.float32) - (a2 * sin1).to(dtype).to(tl.float32)
         y2 = (a2 * cos2).to(dtype).to(tl.float32) + (a1 * sin2).to(dtype).to(tl.float32)
     tl.store(dst[:, None] + ch[None, :], y1.to(dtype), mask=mask)
-    tl.store(dst[:, None] + HALF + ch[None, :], y2.to(dtype), mask=mask)
-    if PASS > 0:
-        rest = tl.arange(0, BLOCK_PASS)
-        rest_mask = live[:, None] & (rest < PASS)[None, :]
-        kept = tl.load(src[:, None] + 2 * HALF + rest[None, :], mask=rest_mask, other=0.0)
-        tl.store(dst[:, None] + 2 * HALF + rest[None, :], kept, mask=rest_mask)
+    tl.store(dst[:, None] + half + ch[None, :], y2.to(dtype), mask=mask)
+    if HAS_PASS:
+        other = tl.arange(0, BLOCK_PASS)
+        other_mask = live[:, None] & (other < rest)[None, :]
+        kept = tl.load(src[:, None] + 2 * half + other[None, :], mask=other_mask, other=0.0)
+        tl.store(dst[:, None] + 2 * half + other[None, :], kept, mask=other_mask)
 
 
 def rope_rows(t: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, *, backward: bool) -> Tensor:
@@ -146,11 +147,12 @@ def rope_rows(t: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, *, 
         out.stride(1),
         out.stride(2),
         cos.stride(0),
-        HALF=half,
-        PASS=rest,
+        half,
+        rest,
         BLOCK_ROWS=block_rows,
         BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
+        HAS_PASS=rest > 0,
         HAS_POSITIONS=positions is not None,
         BACKWARD=backward,
         **COMPILE_OPTIONS,

@@ -107,8 +107,8 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     `apply_rope_fusion` instead of Megatron's unfused chain of kernels, with the same results bit for
     bit. None: on where the model is on CUDA, at every size and micro-batch shape
     (`models.networks.uses_fused_rope`): a 0.5B actor's `train()` took 1.48 s instead of 1.61 s with
-    Megatron's eager RoPE on one H100, 1.90 s instead of 2.22 s packed against the compiled
-    functions; off on CPU, where ours are `torch.compile`d (~20 s of compiling)."""
+    Megatron's eager RoPE on one H100, and packed 2.03 s instead of 2.19 s (the mean of three calls)
+    with the compiled functions; off on CPU, where ours are `torch.compile`d (~20 s of compiling)."""
 
     fused_swiglu: bool = False
     """The MLP's SwiGLU as one Triton kernel forward and one backward on CUDA (`models/swiglu.py`)

@@ -76,8 +76,8 @@ def uses_fused_rope(fused_rope: bool | None, *, on_cuda: bool) -> bool:
     On CUDA our RoPE is one Triton kernel a call (`_rope_kernels`), which costs the host a launch and
     no compiled call's guards. A/B on one H100 (docs/benchmarks.md, "The Triton RoPE kernel"): a 0.5B
     actor's `train()` 1.48 s against 1.61 s with Megatron's eager RoPE, its critic's 1.24 s against
-    1.36 s; packed, 1.90 s against 2.22 s with the compiled functions, which the hidden-size
-    threshold of before chose there. Megatron's eager RoPE of a packed row (THD) also asks the host
+    1.36 s; on packed rows of new lengths each call, 2.33, 1.90 and 1.86 s against 2.22, 2.10 and
+    2.23 s with the compiled functions, which the hidden-size threshold of before chose there. Megatron's eager RoPE of a packed row (THD) also asks the host
     for each sample's length and loops over the samples in Python."""
     if fused_rope is not None:
         return fused_rope

@@ -46,3 +46,19 @@ def patch_interpreter_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(builder, "cast_impl", rounding_cast)
     monkeypatch.setattr(builder, "create_dot", fp32_dot)
+
+
+ON_GPU = torch.cuda.is_available() and not INTERPRETED
+"""Kernel tests run on CUDA here."""
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def kernel_test(fn: Any) -> Any:
+    """Mark `fn` a Triton kernel's test (`triton_kernels`): it runs on a GPU or in the interpreter,
+    and is skipped elsewhere, where one interpreted subprocess runs them all."""
+    skip = pytest.mark.skipif(
+        not (ON_GPU or INTERPRETED),
+        reason="no GPU: run in Triton's interpreter by tests/megatron/test_kernels_interpreted.py",
+    )
+    return pytest.mark.triton_kernels(skip(fn))

@@ -1,8 +1,7 @@
 """The Triton RoPE kernel (`models._rope_kernels`) against the eager rotation `rope.rope_rotate`.
 
-On a GPU these run on CUDA; without one, `test_the_kernel_tests_pass_in_tritons_interpreter`
-runs this file in a subprocess under Triton's interpreter (`TRITON_INTERPRET=1` must be set
-before triton is imported), with the interpreter's bf16 casts made the GPU's.
+The kernel tests (`kernel_test`) run on CUDA on a GPU; without one, test_kernels_interpreted.py
+runs them in a subprocess under Triton's interpreter, its bf16 casts made the GPU's.
 
 - Drawn shapes (hypothesis): rows strided over the heads (q and k are views of the fused
   QKV projection), partial rotary, packed rows with each token's position in its sample:
@@ -15,11 +14,7 @@ before triton is imported), with the interpreter's bf16 casts made the GPU's.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,13 +24,7 @@ from hypothesis import strategies as st
 
 from tandem.megatron.models import rope
 
-from .._triton_interpreter import INTERPRETED, patch_interpreter_numerics
-
-ON_GPU = torch.cuda.is_available() and not INTERPRETED
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-kernels = pytest.mark.skipif(
-    not (ON_GPU or INTERPRETED), reason="no GPU: run in Triton's interpreter by the test at the end"
-)
+from .._triton_interpreter import DEVICE, INTERPRETED, ON_GPU, kernel_test, patch_interpreter_numerics
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +74,7 @@ def _assert_same(ours: tuple[torch.Tensor, ...], eager: tuple[torch.Tensor, ...]
         assert torch.equal(a, b), (a.float() - b.float()).abs().max().item()
 
 
-@kernels
+@kernel_test
 @settings(max_examples=40, deadline=None)
 @given(
     seq=st.integers(1, 20),
@@ -118,7 +107,7 @@ def test_the_kernel_rotates_as_eager_does(
     )
 
 
-@kernels
+@kernel_test
 @settings(max_examples=30, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
@@ -144,7 +133,7 @@ def test_a_packed_row_restarts_positions_at_every_sample(
     )
 
 
-@kernels
+@kernel_test
 def test_the_hooks_run_the_kernel_unless_told_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem.megatron.models import _rope_kernels
 
@@ -166,7 +155,7 @@ def test_the_hooks_run_the_kernel_unless_told_compiled(monkeypatch: pytest.Monke
     assert len(calls) == 2
 
 
-@kernels
+@kernel_test
 def test_the_table_and_positions_are_kept_until_their_source_changes() -> None:
     from tandem.megatron.models import _rope_kernels
 
@@ -220,27 +209,3 @@ def test_the_kernel_compiles_without_fused_multiply_adds(backward: bool) -> None
     ours = ptx(_rope_kernels.COMPILE_OPTIONS)
     assert "fma" not in ours and "mul.rn.bf16" in ours
     assert "fma.rn.bf16" in ptx({}), "the control: the default fuses the product into its sum"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="the kernel tests run in this process")
-def test_the_kernel_tests_pass_in_tritons_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-x",
-        "-p",
-        "no:randomly",
-    ]
-    command += ["-k", "not tritons_interpreter and not compiles"]  # these two run in this process
-    proc = subprocess.run(
-        command, capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).resolve().parents[2]
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "4 passed, 3 deselected" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-3000:]

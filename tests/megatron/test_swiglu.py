@@ -1,7 +1,7 @@
 """The Triton SwiGLU (`models.swiglu`, `_swiglu_kernels`) against Megatron's eager SwiGLU, and its hook.
 
-On a GPU the kernel tests run on CUDA; without one, the last test runs them in a subprocess under
-Triton's interpreter (`TRITON_INTERPRET=1` before triton is imported), its bf16 casts made the GPU's.
+The kernel tests (`kernel_test`) run on CUDA on a GPU; without one, test_kernels_interpreted.py
+runs them in a subprocess under Triton's interpreter, its bf16 casts made the GPU's.
 
 - Drawn shapes and dtypes (hypothesis): values and gradients as eager's, each within one rounding
   of it and most bit for bit (the forward computes as torch's SiLU does; the SiLU's backward may
@@ -14,7 +14,6 @@ Triton's interpreter (`TRITON_INTERPRET=1` before triton is imported), its bf16 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +26,10 @@ from hypothesis import strategies as st
 
 from tandem.megatron.models import swiglu
 
-from .._triton_interpreter import INTERPRETED, patch_interpreter_numerics
+from .._triton_interpreter import DEVICE, INTERPRETED, kernel_test, patch_interpreter_numerics
 from .conftest import SaveRandomLlama
 
 SCRIPTS = Path(__file__).parent / "_scripts"
-
-ON_GPU = torch.cuda.is_available() and not INTERPRETED
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-kernels = pytest.mark.skipif(
-    not (ON_GPU or INTERPRETED), reason="no GPU: run in Triton's interpreter by the test at the end"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +57,7 @@ def _assert_within_one_rounding(ours: torch.Tensor, eager: torch.Tensor) -> None
     assert (ours != eager).float().mean().item() <= 0.02  # a few in a hundred at most
 
 
-@kernels
+@kernel_test
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.lists(st.integers(1, 5), min_size=1, max_size=3),
@@ -85,7 +78,7 @@ def test_the_kernels_compute_what_eager_does(
         _assert_within_one_rounding(a, b)
 
 
-@kernels
+@kernel_test
 def test_autograd_keeps_the_input_alone() -> None:
     x = torch.randn(4, 2, 64).to(DEVICE, torch.bfloat16).requires_grad_()
     kept: dict[str, list[int]] = {"ours": [], "eager": []}
@@ -133,30 +126,6 @@ def test_install_puts_the_hook_in_megatrons_mlp() -> None:
     finally:
         mlp.bias_swiglu_impl = before
     assert not swiglu.installed()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="the kernel tests run in this process")
-def test_the_kernel_tests_pass_in_tritons_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-x",
-        "-p",
-        "no:randomly",
-    ]
-    command += ["-k", "kernels_compute or keeps_the_input"]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).resolve().parents[2]
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "2 passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -39,6 +39,16 @@ def _sigmoid(a, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _halves(x_ptr, rows, width, x_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's block: its rows and columns, their mask, and the block of each half of `x`."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row < rows)[:, None] & (col < width)[None, :]
+    src = x_ptr + row[:, None] * x_stride + col[None, :]
+    return row, col, mask, tl.load(src, mask=mask, other=0.0), tl.load(src + width, mask=mask, other=0.0)
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr,
     y_ptr,
@@ -50,12 +60,7 @@ def _forward_kernel(
     BLOCK_COLS: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = (row < rows)[:, None] & (col < width)[None, :]
-    src = x_ptr + row[:, None] * x_stride + col[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + width, mask=mask, other=0.0)
+    row, col, mask, x1, x2 = _halves(x_ptr, rows, width, x_stride, BLOCK_ROWS, BLOCK_COLS)
     dtype = x1.dtype
     a = x1.to(tl.float32)
     s = tl.div_rn(a, 1.0 + _exp(-a, LIBDEVICE)).to(dtype)  # torch's x / (1 + expf(-x)), rounded as eager
@@ -77,12 +82,7 @@ def _backward_kernel(
     BLOCK_COLS: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = (row < rows)[:, None] & (col < width)[None, :]
-    src = x_ptr + row[:, None] * x_stride + col[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + width, mask=mask, other=0.0)
+    row, col, mask, x1, x2 = _halves(x_ptr, rows, width, x_stride, BLOCK_ROWS, BLOCK_COLS)
     g = tl.load(g_ptr + row[:, None] * g_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = x1.dtype
     a = x1.to(tl.float32)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks, resident_growth
+from tandem.megatron.runtime.gpu_memory import PhasePeak, PhasePeaks, phase_part, resident_change
 
 
 class FakeAllocator:
@@ -32,6 +32,9 @@ class FakeAllocator:
 
     def give(self, nbytes: int) -> None:
         self.allocated -= nbytes  # the block stays cached: reserved unchanged
+
+    def empty_cache(self) -> None:
+        self.reserved = self.allocated  # the cached blocks back to the driver (each a segment of its own)
 
     def memory_allocated(self) -> int:
         return self.allocated
@@ -101,7 +104,7 @@ def test_state_a_phase_creates_and_keeps_is_resident_not_its_transient(
     with peaks.measure("train"):
         cuda.take(40 * MIB)
         cuda.give(40 * MIB)
-        with resident_growth():
+        with resident_change():
             cuda.take(30 * MIB)  # the moments
             cuda.take(temporaries * MIB)
             cuda.give(temporaries * MIB)
@@ -110,11 +113,11 @@ def test_state_a_phase_creates_and_keeps_is_resident_not_its_transient(
     assert peaks.as_dict() == {"train": transient * MIB}
     # Outside a phase it changes nothing: the next phase starts from the moments, and a later step
     # (no new state) keeps its temporaries as transient.
-    with peaks.measure("log_probs"), resident_growth():
+    with peaks.measure("log_probs"), resident_change():
         cuda.take(25 * MIB)
         cuda.give(25 * MIB)
     assert peaks.as_dict()["log_probs"] == 25 * MIB
-    with resident_growth():
+    with resident_change():
         cuda.take(5 * MIB)
     assert peaks.as_dict() == {"train": transient * MIB, "log_probs": 25 * MIB}
 
@@ -143,7 +146,7 @@ def test_the_plans_sum_covers_the_first_train_and_is_exact_for_the_next(
             with PhasePeak() as peak:
                 cuda.take(activations * MIB)
                 cuda.give(activations * MIB)
-                with resident_growth():
+                with resident_change():
                     if first:
                         cuda.take(moments * MIB)
                     cuda.take(temporaries * MIB)
@@ -170,9 +173,100 @@ def test_state_grown_in_new_segments_leaves_their_rounding_a_rise(monkeypatch: p
     # The moments' 30 MiB took a new 32 MiB segment: 2 MiB of it is the phase's, counted as a rise.
     cuda = FakeAllocator(allocated=100 * MIB, reserved=100 * MIB)
     monkeypatch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
-    with PhasePeak() as peak, resident_growth():
+    with PhasePeak() as peak, resident_change():
         cuda.take(30 * MIB, new_segment=32 * MIB)
     assert peak.nbytes == 2 * MIB
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    passes=st.lists(st.integers(0, 64), min_size=1, max_size=4),
+    state=st.integers(1, 64),
+    temporaries=st.integers(0, 32),
+    cached=st.integers(0, 96),
+    empties=st.booleans(),
+)
+def test_a_trains_passes_and_steps_are_measured_apart_and_cover_a_step_that_wakes_its_state(
+    passes: list[int], state: int, temporaries: int, cached: int, empties: bool
+) -> None:
+    # A train whose optimizer state (`state` MiB) sleeps through its passes: each minibatch's activations
+    # come and go, then the state wakes for its step (beside the step's temporaries) and sleeps after it
+    # (a sleep may hand the cached blocks back: `empties`). The plan holds the train at its tags awake plus
+    # the larger of the passes' figure and the state with the step's: that sum must cover every moment, and be
+    # the peak itself.
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=(100 + cached) * MIB)
+    peaks = PhasePeaks()
+    highest = reserved = 100 * MIB
+
+    def take(nbytes: int) -> None:  # in the cache's free blocks, the rest in a new segment
+        nonlocal highest, reserved
+        cuda.take(nbytes * MIB, new_segment=max(0, nbytes * MIB - (cuda.reserved - cuda.allocated)))
+        highest, reserved = max(highest, cuda.allocated), max(reserved, cuda.reserved)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+        with peaks.measure("train", outside="passes"):
+            for activations in passes:
+                take(activations)
+                cuda.give(activations * MIB)
+                with resident_change():  # the state wakes
+                    take(state)
+                with phase_part("optimizer_step"):
+                    take(temporaries)
+                    cuda.give(temporaries * MIB)
+                with resident_change():  # and sleeps again
+                    cuda.give(state * MIB)
+                    if empties:
+                        cuda.empty_cache()
+    figures = peaks.as_dict()
+    step, rest = figures["train/optimizer_step"], figures["train/passes"]
+    assert figures["train"] == max(rest, step)
+    assert rest >= max(passes) * MIB and step >= temporaries * MIB
+    # The plan's sum covers what the tensors reached, and never passes the segments the process held.
+    planned = 100 * MIB + max(rest, state * MIB + step)
+    assert highest <= planned <= max(reserved, 100 * MIB + max(max(passes), state + temporaries) * MIB)
+
+
+def test_a_trains_parts_figures_by_hand() -> None:
+    # 40 MiB of activations, a step that wakes 30 MiB of state with 10 MiB of temporaries, then 35 MiB of
+    # activations: the passes' figure is 40, the step's 10, the train's 40; the woken state is resident.
+    cuda = FakeAllocator(allocated=100 * MIB, reserved=300 * MIB)
+    peaks = PhasePeaks()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+        with peaks.measure("train", outside="passes"):
+            cuda.take(40 * MIB)
+            cuda.give(40 * MIB)
+            with resident_change():
+                cuda.take(30 * MIB)
+            with phase_part("optimizer_step"):
+                cuda.take(10 * MIB)
+                cuda.give(10 * MIB)
+                with pytest.raises(RuntimeError, match="parts do not nest"), phase_part("inner"):
+                    pass
+            with resident_change():
+                cuda.give(30 * MIB)
+            cuda.take(35 * MIB)
+            cuda.give(35 * MIB)
+        with peaks.measure("log_probs", outside="passes"):  # no parts: no split figures
+            cuda.take(5 * MIB)
+            cuda.give(5 * MIB)
+    assert peaks.as_dict() == {
+        "train": 40 * MIB,
+        "train/optimizer_step": 10 * MIB,
+        "train/passes": 40 * MIB,
+        "log_probs": 5 * MIB,
+    }
+    # Without the resident change the woken state would count as the step's transient (30 + 10).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PhasePeak, "_cuda", staticmethod(lambda: cuda))
+        with PhasePeak() as peak:
+            cuda.take(30 * MIB)
+            with phase_part("optimizer_step"):
+                cuda.take(10 * MIB)
+                cuda.give(10 * MIB)
+            cuda.give(30 * MIB)
+    assert peak.parts == {"optimizer_step": 40 * MIB} and peak.outside == 30 * MIB
 
 
 def test_without_cuda_a_phase_reports_no_figure() -> None:

@@ -208,3 +208,38 @@ def test_a_weight_export_wakes_only_the_weights_that_sleep(actor: TrainGroup) ->
     sent, sent_awake = ray.get([e.received.remote() for e in engines])
     assert sent and sent.keys() == sent_awake.keys()
     assert all(torch.equal(sent[k], sent_awake[k]) for k in sent)
+
+
+def test_a_train_that_wakes_the_optimizer_state_for_its_steps_alone_trains_exact(actor: TrainGroup) -> None:
+    # A memory plan's `at_step`: the optimizer's state asleep through the passes, woken for each optimizer
+    # step (two a train here: 8 samples, 4 a step) and asleep again after it. The training is the same as with
+    # the state awake throughout, and the state is asleep once the train is over.
+    state = [*MAIN_PARAMS, *MOMENTS]
+    actor.wake_up()
+    actor.save_model(6)
+    data = put_rollout(seed=3)
+    actor.sleep([*state, "grads"])
+    actor.run("keep_asleep_for_passes", state)
+    split = ray.get(actor.train(2, data))
+    assert actor.asleep_tags() == [state] * RANKS, "the state sleeps again after the last step"
+    assert all(r.step_moves.keys() == {"step_wake_s", "step_sleep_s"} for r in split)
+    assert all(r.metrics["optimizer_steps"] == 2 for r in split)
+    asleep_figures = actor.state_nbytes()
+    actor.wake_up()
+    assert actor.state_nbytes() == asleep_figures, "the state's bytes recorded while it was awake for a step"
+    after_split = actor.run("state_snapshot")
+
+    actor.run("keep_asleep_for_passes", [])
+    assert actor.load_model() == [6, 6]
+    whole = ray.get(actor.train(2, data))
+    assert actor.asleep_tags() == [[], []] and all(r.step_moves == {} for r in whole)
+    assert_identical(actor.run("state_snapshot"), after_split)
+    assert [r.metrics for r in split] == [r.metrics for r in whole]
+
+    # Awake as the train begins, they stay awake: nothing to wake for a step.
+    actor.run("keep_asleep_for_passes", state)
+    assert all(r.step_moves == {} for r in ray.get(actor.train(3, data)))
+    assert actor.asleep_tags() == [[], []]
+    actor.run("keep_asleep_for_passes", [])
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"keep_asleep_for_passes: tags \['adam'\]"):
+        actor.run("keep_asleep_for_passes", ["adam"])

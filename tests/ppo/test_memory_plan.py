@@ -29,6 +29,7 @@ from tandem.ppo.loop.memory_model import (
     MemoryModel,
     RoleMemory,
     TagRef,
+    TrainSplit,
     fixed_from_gpu_memory,
 )
 from tandem.ppo.loop.memory_plan import (
@@ -39,6 +40,7 @@ from tandem.ppo.loop.memory_plan import (
     resident_plan,
     schedule_plan,
     shared_plan,
+    turn_peaks,
 )
 from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import (
@@ -144,9 +146,22 @@ def replay(
                 if (role, tag) not in gpu(role).blocks:
                     gpu(role).malloc((role, tag), memory.nbytes((role, tag)))
             turn = planned.turn
-            for role, tag in planned.needs:
+            for role, tag in planned.needs - planned.at_step:
                 assert (role, tag) in gpu(role).blocks, f"{turn.describe()} works without {role}/{tag}"
-            if turn.work == "start_next":
+            if planned.at_step:
+                # The passes' activations come and go; then the state asleep through them wakes for the
+                # step, beside its temporaries, in the blocks the passes left cached, and sleeps again: the
+                # process holds the larger of the two until the next turn's moves hand it back.
+                role = turn.role
+                assert {r for r, _ in planned.at_step} == {role} and turn.work == "train"
+                assert not any(ref in gpu(role).blocks for ref in planned.at_step), (
+                    "asleep through the passes"
+                )
+                woken = sum(memory.nbytes(ref) for ref in planned.at_step)
+                split = memory.train_splits[role]
+                gpu(role).malloc(("transient", role), max(split.passes, woken + split.step))
+                cached.append(role)
+            elif turn.work == "start_next":
                 gpu(turn.role).malloc(("background", turn.role), memory.transient(turn.role, turn.work))
             elif turn.work == "await_next":
                 gpu(turn.role).free(("background", turn.role))
@@ -216,7 +231,13 @@ def models(draw: st.DrawFn, schedule: StepSchedule) -> MemoryModel:
         for t in schedule.turns
         if t.work not in (None, "await_next")
     }
-    return MemoryModel(memory, phases)  # type: ignore[arg-type]
+    # Some train roles' trains measured in their two parts (the train's figure is the larger).
+    splits = {}
+    for role in sorted(r for r in TRAIN_ROLES if (r, "train") in phases):
+        if draw(st.booleans()):
+            splits[role] = TrainSplit(draw(st.integers(0, 60)), draw(st.integers(0, 30)))
+            phases[(role, "train")] = max(splits[role].passes, splits[role].step)
+    return MemoryModel(memory, phases, splits)  # type: ignore[arg-type]
 
 
 @st.composite
@@ -231,8 +252,13 @@ def _worst(plan: MemoryPlan) -> int:
 
 
 def _least(schedule: StepSchedule, memory: MemoryModel) -> int:
-    """The least room a plan can do with: the worst turn with every tag it does not touch asleep."""
-    return _worst(shared_plan(schedule, memory))
+    """The least room a plan can do with: the worst turn with every tag it does not touch asleep, and a train's
+    optimizer state woken for its steps alone where that lowers it (`capacity_range`); without
+    `train_splits`, the shared plan's worst turn."""
+    least = capacity_range(schedule, memory)[0]
+    if not memory.train_splits:
+        assert least == _worst(shared_plan(schedule, memory))
+    return least
 
 
 def _used_before_it_sleeps(plan: MemoryPlan, index: int, ref: TagRef) -> bool:
@@ -266,7 +292,13 @@ def test_a_plan_that_passes_its_check_replays_within_the_capacity(
             assert prefetch and (role, tag) in plan.moves(index)[1] and role in TRAIN_ROLES
             assert role not in residents[index].computing and all(r != role for r, _ in planned.needs)
     for planned in plan.turns:
-        assert not planned.asleep & planned.needs, f"{planned.turn.describe()} sleeps what it touches"
+        assert not (planned.asleep - planned.at_step) & planned.needs, (
+            f"{planned.turn.describe()} sleeps what it touches"
+        )
+        if planned.at_step:  # only where the turn fits no other way
+            others = planned.asleep - planned.at_step
+            index = plan.turns.index(planned)
+            assert max(turn_peaks(schedule, residents[index], others, memory).values()) > budget.available
     for index in range(len(plan.turns)):
         for ref in plan.moves(index)[1]:  # woken before this turn: some turn uses it before it sleeps again
             assert _used_before_it_sleeps(plan, index, ref), f"{ref} woken before turn {index} for nothing"
@@ -290,7 +322,8 @@ def test_a_role_keeps_its_cache_exactly_where_the_plan_has_room_for_it(
         if role not in memory.roles:
             continue
         greedy = dataclasses.replace(plan, keeps_cache=plan.keeps_cache | {role})
-        with pytest.raises(PlanError, match=r"needs \d+ bytes"):  # one more kept cache would not fit
+        # One more kept cache would not fit, or its role's state wakes for its steps alone.
+        with pytest.raises(PlanError, match=r"needs \d+ bytes|\(keeps_cache\)"):
             check_plan(greedy, memory, budget)
     everything = sum(m.fixed + sum(m.tags.values()) + memory.kept_cache(r) for r, m in memory.roles.items())
     roomy = plan_memory(
@@ -354,7 +387,7 @@ def test_resident_and_shared_are_the_plans_two_ends(case: tuple[StepSchedule, Me
     tight = plan_memory(schedule, memory, GpuBudget(least))
     shared = shared_plan(schedule, memory)
     for a, b in zip(tight.turns, shared.turns, strict=True):
-        assert a.asleep <= b.asleep, "no plan sleeps more than the shared one"
+        assert a.asleep - a.at_step <= b.asleep, "no plan sleeps more than the shared one (but for its steps)"
     today = schedule_plan(schedule, memory)
     for a, b in zip(today.turns, shared.turns, strict=True):
         assert a.asleep <= b.asleep, "today's whole-role sleeps are a part of the shared plan's"
@@ -649,6 +682,119 @@ def test_a_plan_of_the_train_roles_alone_leaves_the_others_as_the_schedule_has_t
         plan_memory(schedule, memory, GpuBudget(least), planned_roles=planned)
         with pytest.raises(PlanError):  # a margin of one byte: `least - 1` available
             plan_memory(schedule, memory, GpuBudget(least, 1), planned_roles=planned)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.floats(0, 1), st.integers(0, 8), st.booleans())
+def test_below_the_shared_plans_least_a_train_wakes_its_state_for_the_step_alone_and_still_fits(
+    case: tuple[StepSchedule, MemoryModel], where: float, margin: int, prefetch: bool
+) -> None:
+    """Between the least a plan needs with the optimizer's state woken for the steps alone and the least it
+    needs without (the shared plan's worst turn), the plan fits only with such turns: it has them, they
+    replay within the budget, and a byte below that least is refused before the step."""
+    schedule, memory = case
+    least, without = capacity_range(schedule, memory)[0], _worst(shared_plan(schedule, memory))
+    if least >= without:
+        assert least == without, "waking the state for the steps alone never needs more room"
+        return
+    room = least + round(where * (without - 1 - least))
+    budget = GpuBudget(room + margin, margin)
+    plan = plan_memory(schedule, memory, budget, prefetch=prefetch)
+    assert any(t.at_step for t in plan.turns), "below the shared plan's least only a step wake fits"
+    for planned in plan.turns:
+        for role, tag in planned.at_step:
+            assert planned.turn.work == "train" and role == planned.turn.role and role in memory.train_splits
+            assert tag.split(".")[0] in ("optimizer_moments", "main_params", "optimizer")
+            assert role not in plan.keeps_cache
+    allocators = run_step(plan, memory, budget)
+    assert max(a.peak for a in allocators.values()) <= budget.available
+    if least >= 1:
+        with pytest.raises(PlanError, match=r"turn \d+ .* needs \d+ bytes"):
+            plan_memory(schedule, memory, GpuBudget(least, 1))
+
+
+def _split_model(passes: int, step: int, pieces: int = 1) -> MemoryModel:
+    """`_model` with the critic's and the actor's trains measured in two parts, their moments in `pieces`."""
+    base = _model(critic_train=max(passes, step), actor_train=max(passes, step))
+    moments = {f"optimizer_moments.{i}": 20 // pieces for i in range(pieces)} if pieces > 1 else {}
+    roles = dict(base.roles)
+    if moments:
+        train = {
+            **{t: n for t, n in base.roles["critic"].tags.items() if t != "optimizer_moments"},
+            **moments,
+        }
+        roles = {**roles, "actor": RoleMemory(train, fixed=1), "critic": RoleMemory(dict(train), fixed=1)}
+    split = TrainSplit(passes, step)
+    return MemoryModel(roles, base.phases, {"actor": split, "critic": split})
+
+
+def test_a_train_that_fits_no_other_way_keeps_its_moments_then_its_main_parameters_asleep_through_the_passes() -> (
+    None
+):
+    # The critic's train, shared: 3 fixed + its 40 of tags + 30 of activations = 73. Its step's temporaries
+    # are 6, and only the step reads the moments (20) and the main parameters (10).
+    memory = _split_model(passes=30, step=6)
+    assert max(shared_plan(SHARED, memory).turns[2].peaks.values()) == 73
+    # 60 available: the moments asleep through the passes (3 + 20 + max(30, 20 + 6) = 53).
+    plan = plan_memory(SHARED, memory, GpuBudget(60))
+    assert plan.turns[2].at_step == {("critic", "optimizer_moments")}
+    assert plan.turns[3].at_step == {("actor", "optimizer_moments")}
+    assert plan.turns[2].peaks == {"shared": 53}
+    assert ("critic", "optimizer_moments") in plan.turns[2].asleep
+    assert "wakes for the optimizer step critic/optimizer_moments" in plan.describe().splitlines()[2]
+    run_step(plan, memory, GpuBudget(60))
+    # 50: the main parameters too (3 + 10 + max(30, 30 + 6) = 49), the floor of a train: every tag and the
+    # step's 6 (the engines' generate needs 47).
+    plan = plan_memory(SHARED, memory, GpuBudget(50))
+    assert plan.turns[2].at_step == {("critic", "optimizer_moments"), ("critic", "main_params")}
+    assert plan.turns[2].peaks == {"shared": 49}
+    assert capacity_range(SHARED, memory)[0] == 49
+    run_step(plan, memory, GpuBudget(49))
+    with pytest.raises(
+        PlanError, match=r"needs 49 bytes .*its train \(passes, or step with its state woken\) 0\.00"
+    ):
+        plan_memory(SHARED, memory, GpuBudget(48))
+    # In quarters, one quarter of the moments is enough at 70: 43 - 5 + max(30, 5 + 6) = 68.
+    plan = plan_memory(SHARED, _split_model(passes=30, step=6, pieces=4), GpuBudget(70))
+    assert plan.turns[2].at_step == {("critic", "optimizer_moments.0")}
+    # With room for the passes beside the whole state, no turn wakes anything for its step alone.
+    assert not any(t.at_step for t in plan_memory(SHARED, memory, GpuBudget(73)).turns)
+    # Without the split, the plan cannot do it: 60 is refused.
+    with pytest.raises(PlanError, match="needs 73 bytes"):
+        plan_memory(SHARED, _model(critic_train=30, actor_train=30), GpuBudget(60))
+
+
+def test_the_check_refuses_step_wakes_it_cannot_carry_out() -> None:
+    memory = _split_model(passes=30, step=6)
+    plan = plan_memory(SHARED, memory, GpuBudget(60))
+    turns = list(plan.turns)
+
+    def with_turn(index: int, **changes: object) -> MemoryPlan:
+        fixed = list(turns)
+        fixed[index] = dataclasses.replace(fixed[index], **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(plan, turns=tuple(fixed))
+
+    awake = turns[2].asleep - {("critic", "optimizer_moments")}
+    with pytest.raises(PlanError, match=r"turn 2 .* for its optimizer steps alone"):
+        check_plan(with_turn(2, asleep=awake), memory, GpuBudget(60))  # not asleep in its turn
+    with pytest.raises(PlanError, match=r"turn 1 .* for its optimizer steps alone"):  # not a train
+        check_plan(with_turn(1, at_step=frozenset({("actor", "optimizer_moments")})), memory, GpuBudget(60))
+    with pytest.raises(PlanError, match=r"turn 2 .* for its optimizer steps alone"):  # a weight tag
+        check_plan(
+            with_turn(
+                2,
+                at_step=frozenset({("critic", "weights")}),
+                asleep=turns[2].asleep | {("critic", "weights")},
+            ),
+            memory,
+            GpuBudget(60),
+        )
+    unmeasured = MemoryModel(memory.roles, memory.phases, {"actor": memory.train_splits["actor"]})
+    with pytest.raises(PlanError, match=r"turn 2 .* \(train_splits\)"):
+        check_plan(plan, unmeasured, GpuBudget(60))
+    with pytest.raises(PlanError, match=r"turn 2 .* \(keeps_cache\)"):
+        check_plan(dataclasses.replace(plan, keeps_cache=frozenset({"critic"})), memory, GpuBudget(10**6))
+    assert MemoryModel.from_dict(memory.to_dict()) == memory
 
 
 def test_a_models_wake_for_its_train_runs_in_the_background_of_the_turn_before() -> None:

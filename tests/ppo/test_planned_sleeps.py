@@ -24,7 +24,7 @@ from tandem.ppo.loop.memory_figures import (
     replan_if_grown,
     write_plans,
 )
-from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
+from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, TrainSplit
 from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan
 from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, save_schedule, step_schedule
@@ -67,6 +67,8 @@ class FakeGroup:
         """What `phase_peaks` answers: each work's allocator peak so far."""
         self.fail: str | None = None
         """A method that raises, once."""
+        self.at_step: list[str] = []
+        """The tags its trains keep asleep through the passes (`keep_asleep_for_passes`)."""
 
     def run(self, method: str, *args: Any) -> list[Any]:
         if method == "phase_peaks":
@@ -78,7 +80,9 @@ class FakeGroup:
             self.fail = None
             raise RuntimeError(f"{self.role}: {method} failed")
         self.calls.append((method, tags))
-        if method == "sleep":
+        if method == "keep_asleep_for_passes":
+            self.at_step = list(tags or [])
+        elif method == "sleep":
             assert tags is None or not (set(tags) & self.asleep), f"{self.role}: {tags} sleep twice"
             self.asleep |= set(TAGS if tags is None else tags)
         elif method == "wake_up":
@@ -180,9 +184,11 @@ def _take(
                 assert group.asleep == {t for r, t in planned.asleep if r == role}, (
                     f"turn {index} {turn.describe()}: {role} has {sorted(group.asleep)} asleep"
                 )
-            for role, tag in planned.needs:
+            for role, tag in planned.needs - planned.at_step:
                 if role in groups:
                     assert tag not in groups[role].asleep, f"{turn.describe()} works without {role}/{tag}"
+            for role, tag in planned.at_step:  # asleep through the passes, woken by the train for its steps
+                assert groups[role].at_step == [tag for t in TAGS for r, tag in planned.at_step if tag == t]
         elif turn.role in groups and turn.work is not None:
             assert not groups[turn.role].asleep, f"{turn.describe()} works asleep"
         gpus.after(turn)
@@ -618,3 +624,43 @@ def test_a_background_wake_that_fails_is_raised_at_the_next_entry_and_made_again
     assert "optimizer_moments" in critic.asleep, "the failed wake changed nothing"
     gpus.enter(log_probs + 1)
     assert not critic.asleep & {t for r, t in plan.turns[log_probs + 1].needs if r == "critic"}
+
+
+def test_a_train_that_fits_no_other_way_is_told_to_wake_its_state_for_its_steps_alone(tmp_path: Path) -> None:
+    """The workers' figures split each train into its passes and its optimizer steps (`train/passes`,
+    `train/optimizer_step`); with 90 MB a train fits only with its moments asleep through the passes (3 + 40 +
+    max(20, 40 + 2) = 85 MB, against 103 MB with them awake): each train role is told so once, as its train
+    turn is entered, and the turns find the plan's tags asleep."""
+    schedule = step_schedule(FACTS)
+    # (No background wakes: `_take` looks at each turn's tags as it is entered.)
+    figures = MemoryFigures(_model(), GpuBudget(90 * MB), {"actor": TAGS, "critic": TAGS}, prefetch=False)
+    gpus, actor, critic, _ = _gpus()
+    groups = {"actor": actor, "critic": critic}
+    gpus.start_asleep(schedule)
+    with pytest.raises(PlanError, match="needs"):  # without the split the plan cannot fit the trains
+        plan_memory(schedule, figures.model, figures.budget, planned_roles=("actor", "critic"))
+    _take(gpus, schedule, groups, None)  # the first step runs whole, and its workers report their figures
+    for group in groups.values():
+        group.peaks = {"train": 20 * MB, "train/passes": 20 * MB, "train/optimizer_step": 2 * MB}
+    figures = replan_if_grown(gpus, figures, tmp_path)  # and the plans are made from them
+    split = TrainSplit(20 * MB, 2 * MB)
+    assert figures.model.train_splits == {"actor": split, "critic": split}
+    plan = plan_memory(
+        schedule,
+        figures.model,
+        figures.budget,
+        planned_roles=planned_roles(schedule),
+        prefetch=figures.prefetch,
+    )
+    for _ in range(2):
+        _take(gpus, schedule, groups, plan)
+    assert gpus.plan == plan
+    trains = [t for t in plan.turns if t.turn.work == "train"]
+    assert [sorted(t.at_step) for t in trains] == [
+        [("critic", "optimizer_moments")],
+        [("actor", "optimizer_moments")],
+    ]
+    for group in groups.values():
+        told = [tags for method, tags in group.calls if method == "keep_asleep_for_passes"]
+        assert told == [["optimizer_moments"]], "told once, as its first train turn was entered"
+    assert '"at_step": [\n     "critic/optimizer_moments"' in (tmp_path / "memory_plan.json").read_text()

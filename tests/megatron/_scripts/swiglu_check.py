@@ -40,7 +40,9 @@ def main() -> None:
     x = inputs(1, 12, [5, 9, 3], 7)
     result: dict[Any, Any] = {}
     for fused in (False, True):
-        model = build_model(spec, "actor", fused_swiglu=fused)
+        # Megatron's own compiled fusion off, as a worker has it without `jit_fusions` (on CUDA the config
+        # turns it on by default): the reference is the eager SwiGLU.
+        model = build_model(spec, "actor", fused_swiglu=fused, bias_activation_fusion=fused)
         load_hf_checkpoint(model, spec, hf_dir, "actor")
         gpt = unwrap_model(model)
         result[f"bias_activation_fusion:{fused}"] = gpt.config.bias_activation_fusion

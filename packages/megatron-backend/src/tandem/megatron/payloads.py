@@ -93,11 +93,15 @@ class TrainResult:
             (`alloc/device_mallocs`, `alloc/device_frees`; empty on CPU), not reduced.
         values: the critic's old values on its pipeline-last-stage ranks; None
             elsewhere and for the actor.
+        step_moves: the seconds this rank's wakes and sleeps of the tags kept asleep through the passes
+            took, around its optimizer steps (`step_wake_s`, `step_sleep_s`; `TrainWorker.keep_asleep_for_passes`),
+            not reduced; empty without such tags.
     """
 
     metrics: dict[str, float]
     allocator: dict[str, float] = field(default_factory=dict)
     values: CriticValues | None = None
+    step_moves: dict[str, float] = field(default_factory=dict)
 
 
 type Payload = CriticValues | ActorLogProbs

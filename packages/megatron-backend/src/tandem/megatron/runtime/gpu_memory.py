@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "CACHED",
+    "PART_SEPARATOR",
     "AllocatorCalls",
     "PhasePeak",
     "PhasePeaks",
@@ -18,8 +19,9 @@ __all__ = [
     "device_used_bytes",
     "empty_device_cache",
     "foreign_gpu_bytes",
+    "phase_part",
     "process_gpu_bytes",
-    "resident_growth",
+    "resident_change",
 ]
 
 
@@ -155,6 +157,9 @@ class AllocatorCalls:
         return dict(self._counts)
 
 
+PART_SEPARATOR = "/"
+"""Between a phase's name and its part's in `PhasePeaks.as_dict()`'s keys: `train/optimizer_step`."""
+
 CACHED = "cached"
 """The key of a worker's `phase_peaks()` beside its works': `PhasePeaks.cached()`, the most its allocator kept
 cached after one of them."""
@@ -173,19 +178,31 @@ class PhasePeak:
     `peak.cached`: the bytes the allocator keeps cached as the block ends (reserved, not allocated):
     what the process goes on holding unless it hands its cache back (`empty_cache`).
 
-    State that the block creates and keeps (Adam's moments, made by the first optimizer step) is
-    resident, not transient: the code that creates it runs inside `resident_growth()`, and what it
-    kept moves the block's start up instead of adding to its rise, so that the plan, which counts the
-    state among the resident tags, does not count it twice.
+    State that the block creates and keeps (Adam's moments, made by the first optimizer step), or
+    wakes, is resident, not transient: the code that makes it runs inside `resident_change()`, and
+    what it kept moves the block's start up instead of adding to its rise, so that the plan, which
+    counts the state among the resident tags, does not count it twice. State the block puts to sleep
+    moves the start down the same way (its reserved start by the segments the sleep handed back).
+
+    Parts (`part(name)`, one at a time): the rise of each named stretch of the block above the block's
+    start, and of what lies outside them, apart (`parts`, `outside`): a train's optimizer steps and its
+    forward and backward passes, which a plan may give different tags (the optimizer's state asleep
+    through the passes). `nbytes` is the largest of them.
     Resets the process's peak statistic: blocks of it do not nest.
     """
 
     def __init__(self) -> None:
         self._start: int | None = None
         self._reserved_start: int | None = None
-        self._rise = 0  # the largest rise of the parts before the last resident growth
+        self._rise = 0  # the largest rise of the stretches before the last reset
+        self._part: str | None = None
+        self._by_part: dict[str | None, int] = {}
         self.nbytes: int | None = None
         self.cached: int | None = None
+        self.parts: dict[str, int] = {}
+        """Each part's largest rise above the block's start (empty without CUDA or without parts)."""
+        self.outside: int | None = None
+        """The largest rise outside the parts (None without CUDA)."""
 
     @staticmethod
     def _cuda() -> Any:
@@ -199,12 +216,20 @@ class PhasePeak:
         reserved_rise = int(cuda.max_memory_reserved()) - self._reserved_start
         return max(0, allocated_rise, reserved_rise)
 
+    def _fold(self, cuda: Any, *, reset: bool = True) -> None:
+        """The rise since the statistics last started into the block's figure and the current part's."""
+        rise = self._rises(cuda)
+        self._rise = max(self._rise, rise)
+        self._by_part[self._part] = max(self._by_part.get(self._part, 0), rise)
+        if reset:
+            cuda.reset_peak_memory_stats()
+
     def __enter__(self) -> PhasePeak:
         global _ACTIVE
         cuda = self._cuda()
-        self.nbytes = self.cached = None
+        self.nbytes = self.cached = self.outside = None
         self._start = self._reserved_start = None
-        self._rise = 0
+        self._rise, self._part, self._by_part, self.parts = 0, None, {}, {}
         if cuda is not None:
             self._start, self._reserved_start = int(cuda.memory_allocated()), int(cuda.memory_reserved())
             cuda.reset_peak_memory_stats()
@@ -216,42 +241,89 @@ class PhasePeak:
         _ACTIVE = None
         cuda = self._cuda()
         if self._start is not None and self._reserved_start is not None and cuda is not None:
-            self.nbytes = max(self._rise, self._rises(cuda))
+            self._part = None
+            self._fold(cuda, reset=False)
+            self.nbytes = self._rise
+            self.outside = self._by_part.get(None, 0)
+            self.parts = {name: rise for name, rise in self._by_part.items() if name is not None}
             self.cached = max(0, int(cuda.memory_reserved()) - int(cuda.memory_allocated()))
 
-    @contextlib.contextmanager
-    def growing(self) -> Iterator[None]:
-        """Within: code that creates state the block keeps; its kept bytes raise the block's start."""
+    def _live(self) -> Any:
         cuda = self._cuda()
-        if cuda is None or self._start is None or self._reserved_start is None:
+        return None if cuda is None or self._start is None or self._reserved_start is None else cuda
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Within: code that creates or wakes state the block keeps, or puts state to sleep; what it kept
+        (or handed back) moves the block's start."""
+        cuda = self._live()
+        if cuda is None:
             yield
             return
-        before = int(cuda.memory_allocated())
-        self._rise = max(self._rise, self._rises(cuda))  # the peak so far, above the old start
-        cuda.reset_peak_memory_stats()
+        before, reserved_before = int(cuda.memory_allocated()), int(cuda.memory_reserved())
+        self._fold(cuda)  # the peak so far, above the old start
         yield
-        kept = max(0, int(cuda.memory_allocated()) - before)
-        # The block's own peak above the grown start: its temporaries, without the state it kept (whose
-        # tensors hold at least as many bytes of segments; what else the block reserved stays a rise).
-        self._start += kept
-        self._reserved_start += kept
-        self._rise = max(self._rise, self._rises(cuda))
-        cuda.reset_peak_memory_stats()
+        kept = int(cuda.memory_allocated()) - before
+        assert self._start is not None and self._reserved_start is not None
+        if kept >= 0:
+            # The block's own peak above the moved start: its temporaries, without the state it kept (whose
+            # tensors hold at least as many bytes of segments; what else the block reserved stays a rise).
+            self._start += kept
+            self._reserved_start += kept
+            self._fold(cuda)
+        else:
+            # State put away: the block's peak came before it went, above the old start; then the start comes
+            # down, the reserved one by the segments handed back alone (a freed block stays cached), and by no
+            # more than the state's bytes (the rest handed back held transients, counted as rises already).
+            self._fold(cuda)
+            self._start += kept
+            self._reserved_start -= min(-kept, max(0, reserved_before - int(cuda.memory_reserved())))
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Within: a stretch of the block whose rise is kept apart, as `parts[name]` (the largest of its
+        stretches); parts do not nest."""
+        cuda = self._live()
+        if cuda is None:
+            yield
+            return
+        if self._part is not None:
+            raise RuntimeError(f"PhasePeak.part({name!r}) inside part {self._part!r}: parts do not nest")
+        self._fold(cuda)
+        self._part = name
+        try:
+            yield
+        finally:
+            self._fold(cuda)
+            self._part = None
 
 
 _ACTIVE: PhasePeak | None = None
-"""The `PhasePeak` block open in this process (blocks do not nest), for `resident_growth`."""
+"""The `PhasePeak` block open in this process (blocks do not nest), for `resident_change` and `phase_part`."""
 
 
 @contextlib.contextmanager
-def resident_growth() -> Iterator[None]:
-    """Within: state that stays (the optimizer's moments at its first step) is created; an open
-    `PhasePeak` counts it as resident, not as its transient. Nothing outside a block or without CUDA."""
+def resident_change() -> Iterator[None]:
+    """Within: state that stays is created or woken (the optimizer's moments at its first step, its state woken
+    for a step), or state is put to sleep; an open `PhasePeak` counts what it kept or handed back as
+    resident, not as its transient. Nothing outside a block or without CUDA."""
     active = _ACTIVE
     if active is None:
         yield
         return
-    with active.growing():
+    with active.changing():
+        yield
+
+
+@contextlib.contextmanager
+def phase_part(name: str) -> Iterator[None]:
+    """Within: a part of the open `PhasePeak` block (`PhasePeak.part`); nothing outside a block or without
+    CUDA."""
+    active = _ACTIVE
+    if active is None:
+        yield
+        return
+    with active.part(name):
         yield
 
 
@@ -265,12 +337,18 @@ class PhasePeaks:
         self._cached: int | None = None
 
     @contextlib.contextmanager
-    def measure(self, phase: str) -> Iterator[None]:
-        """Keep the block's transient as `phase`'s where it is the largest so far."""
+    def measure(self, phase: str, *, outside: str | None = None) -> Iterator[None]:
+        """Keep the block's transient as `phase`'s where it is the largest so far; and where the block has parts
+        (`phase_part`), each part's as `phase/part`, and what lies outside them as `phase/<outside>`."""
         with PhasePeak() as peak:
             yield
         if peak.nbytes is not None:
             self._largest[phase] = max(self._largest.get(phase, 0), peak.nbytes)
+        if peak.parts:
+            named = {**peak.parts, **({outside: peak.outside or 0} if outside is not None else {})}
+            for name, nbytes in named.items():
+                key = f"{phase}{PART_SEPARATOR}{name}"
+                self._largest[key] = max(self._largest.get(key, 0), nbytes)
         if peak.cached is not None:
             self._cached = max(self._cached or 0, peak.cached)
 

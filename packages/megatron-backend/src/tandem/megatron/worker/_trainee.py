@@ -12,6 +12,7 @@ and snapshots the training state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -31,9 +32,9 @@ from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.lora import adapters_disabled
 from tandem.megatron.models.lora_spec import LoraSettings
-from tandem.megatron.runtime.gpu_memory import resident_growth
+from tandem.megatron.runtime.gpu_memory import phase_part, resident_change
 from tandem.megatron.worker.checkpoint import TrainState
-from tandem.megatron.worker.memory import storage_piece
+from tandem.megatron.worker.memory import StepWakes, storage_piece
 from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
 
 WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
@@ -43,6 +44,11 @@ MAIN_PARAMS, OPTIMIZER_MOMENTS = "main_params", "optimizer_moments"
 """The pinned-host backend's two kinds of tag of the optimizer state: its fp32 main weights, and its
 moments (Adam's), which a memory plan may put to sleep apart; each in `optimizer_pieces` tags
 (`optimizer_moments.0` …: `choices.memory_tag_pieces`)."""
+OPTIMIZER_STEP = "optimizer_step"
+"""The part of a train's measured phase that its optimizer steps take (`gpu_memory.phase_part`): the memory
+plan's figure for a turn whose optimizer state wakes for the step alone."""
+PASSES = "passes"
+"""The rest of a train's measured phase beside `OPTIMIZER_STEP`: its forward and backward passes."""
 BASE = "base"
 """The memory tag of a LoRA model's frozen base (every parameter that does not train)."""
 
@@ -68,6 +74,7 @@ class Trainee:
             buffer, page-locked on the GPU); None without a KL loss or reward-level KL
             (`WorkerConfig.needs_reference`), and with LoRA (the reference is the base).
         lora: the role's LoRA settings; None when it trains in full.
+        step_wakes: the tags this train wakes for each optimizer step alone (`StepWakes`); None: none.
     """
 
     role: Role
@@ -79,6 +86,9 @@ class Trainee:
     backend: MemoryBackend
     reference: Sequence[torch.Tensor] | None = None
     lora: LoraSettings | None = None
+    step_wakes: StepWakes | None = None
+    """Set by the worker for one train (`TrainWorker.keep_asleep_for_passes`): tags asleep through the passes,
+    woken for each optimizer step."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -96,11 +106,16 @@ class Trainee:
         return self.reference is not None or (self.lora is not None and self.config.needs_reference)
 
     def optimizer_step(self) -> tuple[float, float]:
-        """One optimizer step; (grad norm, lr). Inside the optimizer's region: Adam state is created lazily."""
-        self.join_optimizer()
-        # The first step creates Adam's moments, which then stay: resident state, not the phase's transient.
-        with self.backend.region(OPTIMIZER), resident_growth():
-            return self.optim.step(self.chunks)
+        """One optimizer step; (grad norm, lr). Inside the optimizer's region: Adam state is created lazily.
+
+        Where `step_wakes` is set (a plan's `at_step`), its tags wake for the step and sleep after it. The step
+        is a part of the train's measured phase (`OPTIMIZER_STEP`), its allocator peak kept apart from the
+        passes'."""
+        with self.step_wakes.around_step() if self.step_wakes is not None else contextlib.nullcontext():
+            self.join_optimizer()
+            # The first step creates Adam's moments, which then stay: resident state, not the phase's transient.
+            with phase_part(OPTIMIZER_STEP), self.backend.region(OPTIMIZER), resident_change():
+                return self.optim.step(self.chunks)
 
     def join_optimizer(self) -> None:
         """Wait (on the GPU) for the optimizer state that a wake brings back in the background.

@@ -17,9 +17,9 @@ from contextlib import contextmanager
 import torch
 
 from tandem.lifecycle import Lifecycle, reloadable_process_groups
-from tandem.megatron.runtime.gpu_memory import CACHED, PhasePeaks
+from tandem.megatron.runtime.gpu_memory import CACHED, PhasePeaks, resident_change
 
-__all__ = ["WorkerMemory", "process_group_counts", "storage_piece"]
+__all__ = ["StepWakes", "WorkerMemory", "process_group_counts", "storage_piece"]
 
 
 class WorkerMemory:
@@ -118,9 +118,11 @@ class WorkerMemory:
 
     # --- what the memory plan measures ---------------------------------------------------------------
     @contextmanager
-    def measure(self, work: str) -> Iterator[None]:
-        """Keep the block's allocator peak above its start as `work`'s transient, the largest so far (CUDA)."""
-        with self._peaks.measure(work):
+    def measure(self, work: str, *, outside: str | None = None) -> Iterator[None]:
+        """Keep the block's allocator peak above its start as `work`'s transient, the largest so far (CUDA);
+        where the block has parts (`gpu_memory.phase_part`), each part's as `work/part` and the rest's as
+        `work/<outside>` too."""
+        with self._peaks.measure(work, outside=outside):
             yield
 
     def phase_peaks(self) -> dict[str, int]:
@@ -145,6 +147,39 @@ class WorkerMemory:
         else:
             figures = self._state_nbytes
         return {**dict.fromkeys(self.tags, 0), **figures}
+
+
+class StepWakes:
+    """Memory tags asleep through a train's forward and backward passes, woken for each of its optimizer
+    steps and put back to sleep after it (a memory plan's `PlannedTurn.at_step`: the optimizer's state, which
+    only the step reads, so that the passes' activations and the state need not fit the GPU at once).
+
+    `around_step()` wraps one optimizer step: the tags wake before it (their copy back is waited for by the
+    step's `join_optimizer`) and sleep after it, also when it fails, so that the worker holds what the plan
+    has asleep once the train is over. Both moves count as resident change, not as the train's transient
+    (`gpu_memory.resident_change`). `seconds` adds up the wakes' and the sleeps' seconds.
+    """
+
+    def __init__(self, memory: WorkerMemory, tags: Sequence[str]) -> None:
+        self.memory = memory
+        self.tags = list(tags)
+        self.seconds = {"wake": 0.0, "sleep": 0.0}
+        self.steps = 0
+
+    @contextmanager
+    def around_step(self) -> Iterator[None]:
+        """The tags back for the block, asleep again after it."""
+        woken = [t for t in self.memory.asleep() if t in self.tags]
+        with resident_change():
+            self.seconds["wake"] += self.memory.wake_up(woken).get("total", 0.0) if woken else 0.0
+        try:
+            yield
+            if woken:
+                self.memory.record_state()  # every tag awake: the bytes `state_nbytes` answers with after
+        finally:
+            with resident_change():
+                self.seconds["sleep"] += self.memory.sleep(woken).get("total", 0.0) if woken else 0.0
+            self.steps += 1
 
 
 def process_group_counts() -> dict[str, int]:

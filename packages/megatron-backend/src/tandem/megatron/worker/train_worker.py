@@ -37,9 +37,9 @@ from tandem.megatron.runtime.gpu_memory import (
     process_gpu_bytes,
 )
 from tandem.megatron.worker import roles
-from tandem.megatron.worker._trainee import BASE, WEIGHTS, Trainee, build_trainee
+from tandem.megatron.worker._trainee import BASE, PASSES, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
-from tandem.megatron.worker.memory import WorkerMemory, process_group_counts
+from tandem.megatron.worker.memory import StepWakes, WorkerMemory, process_group_counts
 from tandem.megatron.worker.parallel import destroy_distributed, free_port
 from tandem.megatron.worker.startup import (
     build_lifecycle,
@@ -79,6 +79,8 @@ class TrainWorker:
         self._group: Any = None
         self._gpu_start: dict[str, int | None] = {}
         self._last_targets: dict[str, Any] = {}
+        self._at_step: list[str] = []
+        """`keep_asleep_for_passes`' tags."""
 
     # --- setup ---------------------------------------------------------------------------
     def master_address(self) -> tuple[str, int]:
@@ -146,7 +148,11 @@ class TrainWorker:
         """
         trainee = self._require_init()
         memory = self._require_memory()
-        if self._lifecycle.asleep:
+        at_step = [t for t in self._at_step if t in memory.asleep()]
+        if at_step:  # the rest back; these wake for each optimizer step alone
+            if others := [t for t in memory.asleep() if t not in at_step]:
+                memory.wake_up(others)
+        elif self._lifecycle.asleep:
             self._lifecycle.wake_up()
         batch = self._batch(data_ref)
         logger.info(
@@ -168,11 +174,27 @@ class TrainWorker:
             on_targets=self._keep_targets,
             kl_coef=kl_coef,
         )
-        with AllocatorCalls() as calls, memory.measure("train"):
-            out = train()
-        memory.record_state()  # the optimizer's moments exist from the first step on
-        # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep.
-        return dataclasses.replace(out, allocator=calls.metrics())
+        step_wakes = trainee.step_wakes = StepWakes(memory, at_step) if at_step else None
+        try:
+            with AllocatorCalls() as calls, memory.measure("train", outside=PASSES):
+                out = train()
+        finally:
+            trainee.step_wakes = None
+        if step_wakes is None:
+            memory.record_state()  # the optimizer's moments exist from the first step on
+        # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep, and
+        # the seconds of the optimizer state's wakes and sleeps around each step.
+        moves = {} if step_wakes is None else {f"step_{k}_s": v for k, v in step_wakes.seconds.items()}
+        return dataclasses.replace(out, allocator=calls.metrics(), step_moves=moves)
+
+    def keep_asleep_for_passes(self, tags: list[str] | None) -> None:
+        """The memory tags this worker's trains keep asleep through their forward and backward passes, from
+        the next on (a memory plan's `PlannedTurn.at_step`): those asleep as a train begins stay so, wake for
+        each optimizer step and sleep again after it, so that the passes' activations and this state never
+        share the GPU. None or []: a train wakes every tag. ValueError naming the worker's tags for one it
+        lacks."""
+        self._require_init()
+        self._at_step = self._require_memory().check("keep_asleep_for_passes", tags) or []
 
     def compute_log_probs(self, rollout_id: int, data_ref: Any) -> ActorLogProbs | None:
         """The actor's old and reference log-probs of this rank's samples, for the KL-first plan.

@@ -19,13 +19,14 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 from tandem.megatron.runtime.gpu_memory import CACHED
 from tandem.ppo.loop.memory_model import (
     GpuBudget,
     MemoryModel,
     RoleMemory,
+    TrainSplit,
     fixed_from_gpu_memory,
     format_bytes,
 )
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MemoryFigures",
+    "Peaks",
     "adopt_plans",
     "measure_memory",
     "measure_phases",
@@ -60,6 +62,10 @@ PHASE_OF_WORKER: Mapping[str, tuple[Role | None, Work]] = {
 """A train worker's phase (`phase_peaks`' keys) as the (role, work) of the turn that takes it: its own
 train and log-probs, and the actor's weight export during the engines' `weights` turn (the export's
 buckets sit on the engines' GPU beside them, colocated)."""
+
+
+TRAIN_PARTS: Mapping[str, str] = {"train/passes": "passes", "train/optimizer_step": "step"}
+"""A train worker's parts of its `train` phase (`phase_peaks`' keys) as the fields of the role's `TrainSplit`."""
 
 
 FORWARD_WORK: Mapping[Role, Work] = {"reward_model": "score", "teacher": "log_probs"}
@@ -108,7 +114,7 @@ def measure_memory(
     stats = list(engine_stats) if engine_stats is not None else gpus.engines.all("memory_stats")
     roles: dict[Role, RoleMemory] = {"engine": engine_memory(stats)}
     tags: dict[Role, list[str]] = {}
-    phases, caches = read_peaks(gpus)
+    phases, caches, splits = read_peaks(gpus)
     for group in gpus.models():
         role: Role = group.role
         tags[role] = list(group.run("memory_tags")[0])
@@ -159,7 +165,7 @@ def measure_memory(
             f"--memory-margin-gib: {margin_gib:g} GiB leaves nothing of the GPU's {capacity / 2**30:.1f} GiB; "
             "give a smaller margin"
         )
-    return MemoryFigures(MemoryModel(roles, phases), GpuBudget(capacity, margin), tags)
+    return MemoryFigures(MemoryModel(roles, phases, splits), GpuBudget(capacity, margin), tags)
 
 
 def run_pids(gpus: SharedGpus, engine_stats: Sequence[Mapping[str, float]]) -> list[int] | None:
@@ -197,20 +203,36 @@ def _forward_roles(gpus: SharedGpus) -> dict[Role, Any]:
 
 def measure_phases(gpus: SharedGpus) -> dict[tuple[Role, Work], int]:
     """Each measured phase's allocator peak above what was allocated as it began (`read_peaks`)."""
-    return read_peaks(gpus)[0]
+    return read_peaks(gpus).phases
 
 
-def read_peaks(gpus: SharedGpus) -> tuple[dict[tuple[Role, Work], int], dict[Role, int]]:
-    """(each measured phase's allocator peak above what was allocated as it began, each train role's bytes its
-    allocator kept cached after a phase), the largest rank's and the largest so far: the train workers'
-    `phase_peaks()` (one call a role) and a reward model's or a teacher's `phase_peak()` (nothing on a CPU)."""
+class Peaks(NamedTuple):
+    """`read_peaks`' figures."""
+
+    phases: dict[tuple[Role, Work], int]
+    """Each measured phase's allocator peak above what was allocated as it began."""
+    caches: dict[Role, int]
+    """Each train role's bytes its allocator kept cached after a phase."""
+    splits: dict[Role, TrainSplit]
+    """Each train role's train in its passes' and its optimizer steps' parts, where its workers measured them."""
+
+
+def read_peaks(gpus: SharedGpus) -> Peaks:
+    """The phases' peaks, the train roles' kept caches and their trains' splits, the largest rank's and the
+    largest so far: the train workers' `phase_peaks()` (one call a role; `train/passes` and
+    `train/optimizer_step` the split) and a reward model's or a teacher's `phase_peak()` (nothing on a CPU)."""
     phases: dict[tuple[Role, Work], int] = {}
     caches: dict[Role, int] = {}
+    parts: dict[Role, dict[str, int]] = {}
     for group in gpus.models():
         for per_rank in group.run("phase_peaks"):
             for phase, peak in per_rank.items():
                 if phase == CACHED:
                     caches[group.role] = max(caches.get(group.role, 0), int(peak))
+                    continue
+                if phase in TRAIN_PARTS:
+                    mine = parts.setdefault(group.role, {})
+                    mine[TRAIN_PARTS[phase]] = max(mine.get(TRAIN_PARTS[phase], 0), int(peak))
                     continue
                 owner, work = PHASE_OF_WORKER[phase]
                 key: tuple[Role, Work] = (owner or group.role, work)
@@ -219,7 +241,10 @@ def read_peaks(gpus: SharedGpus) -> tuple[dict[tuple[Role, Work], int], dict[Rol
         peaks = [p for p in present.group.run("phase_peak") if p is not None]
         if peaks:
             phases[(role, FORWARD_WORK[role])] = max(int(p) for p in peaks)
-    return phases, caches
+    splits = {
+        role: TrainSplit(p["passes"], p["step"]) for role, p in parts.items() if set(p) == {"passes", "step"}
+    }
+    return Peaks(phases, caches, splits)
 
 
 def planned_roles(schedule: StepSchedule) -> frozenset[Role]:
@@ -253,7 +278,8 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
     """The figures and every plan so far as JSON at `path`: {"model", "budget", "tags", "schedules": {schedule:
     its turns as data, `schedule_from_dict`'s}, "plans": {schedule: turns}}; a turn's "moves_at_once" says
     whether entering it moves two roles' tags at once, "handover_peaks" what each set of GPUs holds then,
-    "prefetch" what wakes in its background for the next turn;
+    "prefetch" what wakes in its background for the next turn, "at_step" what of its train role's state stays
+    asleep through the passes and wakes for each optimizer step alone;
     "caches_kept": {schedule: the train roles that keep their allocator's cache (`MemoryPlan.keeps_cache`)}."""
     data: dict[str, Any] = {
         "model": figures.model.to_dict(),
@@ -269,6 +295,7 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
                     "moves_at_once": plan.together(index),
                     "handover_peaks": dict(t.handover),
                     "prefetch": sorted(f"{r}/{g}" for r, g in t.prefetch),
+                    "at_step": sorted(f"{r}/{g}" for r, g in t.at_step),
                 }
                 for index, t in enumerate(plan.turns)
             ]
@@ -301,11 +328,17 @@ def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> 
     micro-batch), the figures with the new peaks and every schedule planned again from them, said once in
     the log; `figures` as they are otherwise. The next step's plan, checked before it moves anything, then
     counts what this step needed."""
-    phases, caches = read_peaks(gpus)
+    phases, caches, splits = read_peaks(gpus)
     roles = figures.model.roles
     grown = {k: v for k, v in phases.items() if v > figures.model.phases.get(k, 0)}
     grown_caches = {r: v for r, v in caches.items() if r in roles and v > roles[r].cache}
-    if not grown and not grown_caches:
+    known = figures.model.train_splits
+    grown_splits = {
+        r: TrainSplit(max(s.passes, known[r].passes), max(s.step, known[r].step)) if r in known else s
+        for r, s in splits.items()
+        if r not in known or s.passes > known[r].passes or s.step > known[r].step
+    }
+    if not grown and not grown_caches and not grown_splits:
         return figures
     said = ", ".join(
         [
@@ -316,10 +349,14 @@ def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> 
             f"{r}'s cache {roles[r].cache / 2**30:.2f} -> {v / 2**30:.2f} GiB"
             for r, v in sorted(grown_caches.items())
         ]
+        + [
+            f"{r}'s train passes/step {s.passes / 2**30:.2f}/{s.step / 2**30:.2f} GiB"
+            for r, s in sorted(grown_splits.items())
+        ]
     )
     logger.info("memory plan: phase peaks grew (%s); planning again", said)
     roles = {r: replace(m, cache=grown_caches.get(r, m.cache)) for r, m in roles.items()}
-    model = MemoryModel(roles, {**figures.model.phases, **grown})
+    model = MemoryModel(roles, {**figures.model.phases, **grown}, {**known, **grown_splits})
     figures = MemoryFigures(model, figures.budget, figures.tags, prefetch=figures.prefetch)
     _use(gpus, figures, run_dir)
     return figures

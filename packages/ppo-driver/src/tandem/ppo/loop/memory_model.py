@@ -20,11 +20,13 @@ from tandem.ppo.loop.schedule import Role, Work
 __all__ = [
     "DROPPED_TAGS",
     "EVICTION_ORDER",
+    "STEP_KINDS",
     "WEIGHT_TAGS",
     "GpuBudget",
     "MemoryModel",
     "RoleMemory",
     "TagRef",
+    "TrainSplit",
     "fixed_from_gpu_memory",
     "format_bytes",
 ]
@@ -55,6 +57,26 @@ sleeps them before any other, even where the next turn needs them back."""
 
 WEIGHT_TAGS: frozenset[str] = frozenset({"base", "weights"})
 """The tags a forward pass reads (the actor's log-probs, a weight export)."""
+
+STEP_KINDS: tuple[str, ...] = ("optimizer_moments", "main_params", "optimizer")
+"""The kinds of tag that only a train's optimizer step reads (the optimizer's state), in the order a plan keeps
+them asleep through the forward and backward passes (`memory_plan.PlannedTurn.at_step`): the moments before the
+fp32 main parameters, as `EVICTION_ORDER` has them."""
+
+
+@dataclass(frozen=True)
+class TrainSplit:
+    """A train's transient in its two parts, each the allocator's peak above what the train began with: its
+    forward and backward passes' (`passes`: activations, logits) and its optimizer steps' (`step`: the
+    optimizer's temporaries), measured apart (the worker's `train/passes` and `train/optimizer_step`)."""
+
+    passes: int
+    step: int
+
+    def __post_init__(self) -> None:
+        for name, nbytes in (("passes", self.passes), ("step", self.step)):
+            if nbytes < 0:
+                raise ValueError(f"TrainSplit.{name}={nbytes}: give a count of bytes >= 0")
 
 
 @dataclass(frozen=True)
@@ -139,10 +161,14 @@ class MemoryModel:
             weight sync's buckets), by (role, work): the allocator's peak in the phase less what was
             allocated when it began. The async loop's background generation holds its `start_next`
             figure until `await_next`.
+        train_splits: a train role's `train` transient in its passes' part and its optimizer steps' part
+            (`TrainSplit`), where measured: a plan may then keep the role's optimizer state asleep through
+            the passes (`memory_plan.PlannedTurn.at_step`).
     """
 
     roles: Mapping[Role, RoleMemory]
     phases: Mapping[tuple[Role, Work], int] = field(default_factory=dict)
+    train_splits: Mapping[Role, TrainSplit] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for (role, work), nbytes in self.phases.items():
@@ -180,12 +206,17 @@ class MemoryModel:
                 for role, m in self.roles.items()
             },
             "phases": {f"{role}/{work}": nbytes for (role, work), nbytes in self.phases.items()},
+            "train_splits": {
+                role: {"passes": split.passes, "step": split.step}
+                for role, split in self.train_splits.items()
+            },
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
         """The model from `to_dict`'s data: {"roles": {role: {"tags": {...}, "fixed": n, "cache": n}}, "phases":
-        {"role/work": n}} (a role without "cache" keeps none)."""
+        {"role/work": n}, "train_splits": {role: {"passes": n, "step": n}}} (a role without "cache" keeps none;
+        without "train_splits" no role's is known)."""
         roles: dict[Role, RoleMemory] = {}
         for role, entry in data.get("roles", {}).items():
             roles[_role(role)] = RoleMemory(
@@ -199,7 +230,11 @@ class MemoryModel:
                     f"phases[{key!r}]: name a phase as role/work, the work one of {get_args(Work)}"
                 )
             phases[(_role(role), work)] = int(nbytes)
-        return cls(roles, phases)
+        splits = {
+            _role(role): TrainSplit(int(entry["passes"]), int(entry["step"]))
+            for role, entry in data.get("train_splits", {}).items()
+        }
+        return cls(roles, phases, splits)
 
 
 def _role(name: str) -> Role:

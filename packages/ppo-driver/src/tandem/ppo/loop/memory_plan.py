@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.memory_model import (
+    STEP_KINDS,
     WEIGHT_TAGS,
     GpuBudget,
     MemoryModel,
@@ -54,6 +55,8 @@ __all__ = [
     "role_idle",
     "schedule_plan",
     "shared_plan",
+    "step_candidates",
+    "step_transient",
     "turn_needs",
     "turn_peaks",
     "walk_schedule",
@@ -79,6 +82,12 @@ class PlannedTurn:
     at each turn, however they move them."""
     handover: Mapping[str, int] = field(default_factory=dict, compare=False)
     """`handover_peaks` for this turn, where `plan_memory` made it (empty for a fixed plan)."""
+    at_step: frozenset[TagRef] = frozenset()
+    """Tags of the turn's train role, among those `asleep`, that wake for each of its optimizer steps alone and
+    sleep again after it (`STEP_KINDS`: the optimizer's state, which only the step reads): the train's passes
+    run without them, its steps with them and without the passes' activations (`MemoryModel.train_splits`).
+    The turn's peak is the larger of the two. `plan_memory` uses it only for a train that fits no other
+    way."""
     prefetch: frozenset[TagRef] = field(default=frozenset(), compare=False)
     """Tags that wake entering this turn in the background: a train role that does not compute in it
     wakes them while the turn works, for the next turn, which needs them (`plan_memory(prefetch=True)`
@@ -131,6 +140,10 @@ class MemoryPlan:
             at_once = " | moves at once" if self.together(len(lines)) else ""
             background = ", ".join(f"{r}/{g}" for r, g in sorted(t.prefetch))
             prefetch = f" | wakes in the background {background}" if background else ""
+            if t.at_step:
+                prefetch += (
+                    f" | wakes for the optimizer step {', '.join(f'{r}/{g}' for r, g in sorted(t.at_step))}"
+                )
             lines.append(
                 f"{t.turn.describe()} | asleep {asleep} | peak {format_bytes(max(t.peaks.values(), default=0))}"
                 f"{at_once}{prefetch}"
@@ -163,6 +176,7 @@ def _role_parts(
     *,
     handed_back: Role | None = None,
     cached: Collection[Role] = (),
+    at_step: frozenset[TagRef] = frozenset(),
 ) -> list[tuple[str, Role, int, int, int, str]]:
     """Each role's part of `residents`' turn: (its GPUs, role, fixed bytes, bytes of its tags awake, bytes of
     its transient or kept cache, what that last figure is) (`turn_peaks`)."""
@@ -170,13 +184,31 @@ def _role_parts(
     for role, held in memory.roles.items():
         awake = sum(n for tag, n in held.tags.items() if (role, tag) not in asleep)
         extra, what = 0, ""
+        woken = sum(memory.nbytes(ref) for ref in at_step if ref[0] == role)
         if role in cached:
             extra, what = memory.kept_cache(role), "its kept cache"
+        elif role in residents.computing and role != handed_back and woken:
+            extra, what = (
+                step_transient(role, woken, memory),
+                "its train (passes, or step with its state woken)",
+            )
         elif role in residents.computing and role != handed_back:
             work = residents.turn.work if role == residents.turn.role else "start_next"
             extra, what = memory.transient(role, work), f"its {work} transient"
         parts.append((schedule.gpus(role), role, held.fixed, awake, extra, what))
     return parts
+
+
+def step_transient(role: Role, woken: int, memory: MemoryModel) -> int:
+    """What `role`'s train holds above its tags awake when `woken` bytes of its state wake for each optimizer step
+    alone (`PlannedTurn.at_step`): the larger of its passes' transient and that state with its step's transient
+    (`MemoryModel.train_splits`); ValueError naming the role when the model lacks its split."""
+    split = memory.train_splits.get(role)
+    if split is None:
+        raise ValueError(
+            f"train_splits: no figure for {role}'s passes and optimizer step apart; measure them in the first step"
+        )
+    return max(split.passes, woken + split.step)
 
 
 def turn_peaks(
@@ -187,13 +219,16 @@ def turn_peaks(
     *,
     handed_back: Role | None = None,
     cached: Collection[Role] = (),
+    at_step: frozenset[TagRef] = frozenset(),
 ) -> dict[str, int]:
     """Each set of GPUs' bytes in `residents`' turn with `asleep` asleep: every role's fixed bytes and tags
     awake, and the transient of each role computing (but `handed_back`'s, whose cache went back); a role of
-    `cached` holds its kept cache at every turn instead (`MemoryModel.kept_cache`: its transients fit in it)."""
+    `cached` holds its kept cache at every turn instead (`MemoryModel.kept_cache`: its transients fit in it).
+    A train role with tags of `at_step` (asleep, woken for its optimizer steps alone) holds the larger of its
+    passes' transient and those tags with its step's (`step_transient`)."""
     peaks: dict[str, int] = {}
     for gpus, _, fixed, awake, extra, _ in _role_parts(
-        schedule, residents, asleep, memory, handed_back=handed_back, cached=cached
+        schedule, residents, asleep, memory, handed_back=handed_back, cached=cached, at_step=at_step
     ):
         peaks[gpus] = peaks.get(gpus, 0) + fixed + awake + extra
     return peaks
@@ -206,18 +241,31 @@ def turn_parts(
     memory: MemoryModel,
     *,
     cached: Collection[Role] = (),
+    at_step: frozenset[TagRef] = frozenset(),
 ) -> dict[str, str]:
     """`turn_peaks`' sums in words, each set of GPUs': every role's fixed bytes (CUDA context), tags awake and
     transient (or kept cache), in GiB, as a refusal names them."""
     words: dict[str, list[str]] = {}
     for gpus, role, fixed, awake, extra, what in _role_parts(
-        schedule, residents, asleep, memory, cached=cached
+        schedule, residents, asleep, memory, cached=cached, at_step=at_step
     ):
         said = f"{role}: fixed {fixed / 2**30:.2f} + tags awake {awake / 2**30:.2f}"
         if what:
             said += f" + {what} {extra / 2**30:.2f}"
         words.setdefault(gpus, []).append(said)
     return {gpus: "; ".join(said) for gpus, said in words.items()}
+
+
+def step_candidates(residents: Residents, memory: MemoryModel, planned: Collection[Role]) -> list[TagRef]:
+    """The tags a train turn may keep asleep through its passes and wake for its optimizer steps alone
+    (`PlannedTurn.at_step`), in the order a plan takes them: its role's optimizer state (`STEP_KINDS`: the
+    moments before the fp32 main parameters), the larger piece first; none where the turn is no train of a
+    planned role, or the model lacks the role's `train_splits`."""
+    role = residents.turn.role
+    if residents.turn.work != "train" or role not in planned or role not in memory.train_splits:
+        return []
+    refs = [(role, tag) for tag in memory.roles[role].tags if memory_tag_kind(tag) in STEP_KINDS]
+    return sorted(refs, key=lambda ref: (STEP_KINDS.index(memory_tag_kind(ref[1])), -memory.nbytes(ref), ref))
 
 
 def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[str, int]:
@@ -237,6 +285,7 @@ def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[st
         memory,
         handed_back=handed_back,
         cached=plan.keeps_cache,
+        at_step=plan.turns[index - 1].at_step,
     )
     for role, tag in plan.moves(index)[1] - plan.turns[index].prefetch:  # the background wakes come after
         if plan.planned_roles is None or role in plan.planned_roles:
@@ -291,7 +340,9 @@ def counting_caches(plan: MemoryPlan, memory: MemoryModel) -> MemoryPlan:
     turns = tuple(
         replace(
             t,
-            peaks=turn_peaks(plan.schedule, steps[i], t.asleep, memory, cached=plan.keeps_cache),
+            peaks=turn_peaks(
+                plan.schedule, steps[i], t.asleep, memory, cached=plan.keeps_cache, at_step=t.at_step
+            ),
             handover=handover_peaks(plan, i, memory),
         )
         for i, t in enumerate(plan.turns)
@@ -311,7 +362,24 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
             raise PlanError(
                 f"turn {index} ({residents.turn.describe()!r}) sleeps {unknown}, which the model lacks"
             )
-        clash = sorted(planned.asleep & needs)
+        wrong_step = sorted(
+            ref
+            for ref in planned.at_step
+            if ref[0] in plan.keeps_cache
+            or ref not in planned.asleep
+            or ref[0] != residents.turn.role
+            or residents.turn.work != "train"
+            or memory_tag_kind(ref[1]) not in STEP_KINDS
+            or ref[0] not in memory.train_splits
+        )
+        if wrong_step:
+            raise PlanError(
+                f"turn {index} ({residents.turn.describe()!r}) wakes {wrong_step} for its optimizer steps alone, "
+                f"which are not asleep there, or not of the state ({', '.join(STEP_KINDS)}) of the role that "
+                "trains in it, or whose role's passes and step were not measured apart (train_splits), or whose "
+                "role keeps its allocator's cache (keeps_cache)"
+            )
+        clash = sorted((planned.asleep - planned.at_step) & needs)
         if clash:
             raise PlanError(f"turn {index} ({residents.turn.describe()!r}) sleeps {clash}, which it touches")
         wrong = sorted(
@@ -329,10 +397,24 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
         why = fit_refusal(
             plan.schedule,
             index,
-            turn_peaks(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
+            turn_peaks(
+                plan.schedule,
+                residents,
+                planned.asleep,
+                memory,
+                cached=plan.keeps_cache,
+                at_step=planned.at_step,
+            ),
             planned.asleep,
             budget,
-            turn_parts(plan.schedule, residents, planned.asleep, memory, cached=plan.keeps_cache),
+            turn_parts(
+                plan.schedule,
+                residents,
+                planned.asleep,
+                memory,
+                cached=plan.keeps_cache,
+                at_step=planned.at_step,
+            ),
         )
         if why is not None:
             raise PlanError(why)
@@ -380,7 +462,8 @@ def capacity_range(
     schedule: StepSchedule, memory: MemoryModel, *, planned_roles: Collection[Role] | None = None
 ) -> tuple[int, int]:
     """The bytes a GPU needs, less its margin, for `plan_memory` to fit: (the least, with every tag of the
-    planned roles that a turn does not touch asleep and their caches handed back; the most it can use, with
+    planned roles that a turn does not touch asleep, their caches handed back and each train's optimizer state
+    woken for its steps alone where the model has its `train_splits`; the most it can use, with
     none of them asleep and every planned train role's cache kept). The other roles sleep as the schedule
     says at both ends."""
     planned = set(memory.roles) if planned_roles is None else set(planned_roles)
@@ -399,7 +482,24 @@ def capacity_range(
             for i, r in enumerate(steps)
         )
 
-    least = worst(lambda w, e: frozenset(r for r in e.asleep if r[0] in planned))
+    def least_with_step_wakes() -> int:
+        # Every tag of the planned roles a turn does not touch asleep, and a train's optimizer state woken
+        # for its steps alone where that lowers its peak (`PlannedTurn.at_step`).
+        worst_peak = 0
+        for index, residents in enumerate(residents_at_each_turn(schedule)):
+            others = frozenset(r for r in whole.turns[index].asleep if r[0] not in planned)
+            asleep = others | frozenset(r for r in every.turns[index].asleep if r[0] in planned)
+            peak = max(turn_peaks(schedule, residents, asleep, memory).values())
+            at_step = frozenset(step_candidates(residents, memory, planned))
+            if at_step:
+                woken = max(
+                    turn_peaks(schedule, residents, asleep | at_step, memory, at_step=at_step).values()
+                )
+                peak = min(peak, woken)
+            worst_peak = max(worst_peak, peak)
+        return worst_peak
+
+    least = least_with_step_wakes()
     most = worst(lambda w, e: frozenset(), [r for r in TRAIN_ROLES if r in planned and r in memory.roles])
     return least, most
 

@@ -12,7 +12,11 @@ From a `MemoryModel` and a `GpuBudget` (the GPU's capacity less a stated margin)
   tags in pieces (`optimizer_pieces`: `optimizer_moments.0` …), so that prefix can end
   part-way through a kind: only the part a turn needs moves;
 - the rest stays resident, but for a tag asleep on both sides of turns that do not touch
-  it, which stays asleep through them (waking it there would move it twice for nothing).
+  it, which stays asleep through them (waking it there would move it twice for nothing);
+- a train turn that does not fit even so keeps some of its role's optimizer state asleep
+  through its forward and backward passes and wakes it for each optimizer step alone
+  (`PlannedTurn.at_step`; the moments first, then the fp32 main parameters: `step_candidates`),
+  the fewest that let it fit: the passes' activations and that state then never share the GPU.
 
 With room for everything the plan moves nothing (`memory_plan.resident_plan`); with room for
 each turn's own tags alone it sleeps everything else (`memory_plan.shared_plan`). Then three
@@ -38,7 +42,13 @@ from dataclasses import replace
 from typing import Any
 
 from tandem.megatron.choices import memory_tag_kind
-from tandem.ppo.loop.memory_model import DROPPED_TAGS, EVICTION_ORDER, GpuBudget, MemoryModel, TagRef
+from tandem.ppo.loop.memory_model import (
+    DROPPED_TAGS,
+    EVICTION_ORDER,
+    GpuBudget,
+    MemoryModel,
+    TagRef,
+)
 from tandem.ppo.loop.memory_plan import (
     MemoryPlan,
     PlanError,
@@ -48,6 +58,7 @@ from tandem.ppo.loop.memory_plan import (
     handover_peaks,
     role_idle,
     schedule_plan,
+    step_candidates,
     turn_parts,
     turn_peaks,
     walk_schedule,
@@ -108,6 +119,7 @@ def plan_memory(
     planned = set(memory.roles) if planned_roles is None else set(planned_roles)
     fixed = schedule_plan(schedule, memory)
     asleep: list[set[TagRef]] = []
+    at_steps: list[frozenset[TagRef]] = []
     for index, (residents, needs) in enumerate(walk):
         candidates = sorted(
             (ref for ref in memory.tags() if ref not in needs and ref[0] in planned),
@@ -121,29 +133,66 @@ def plan_memory(
                 continue  # this tag's GPUs fit already: sleeping it frees nothing the turn lacks
             chosen.add(ref)
             peaks[gpus] -= memory.nbytes(ref)
+        at_step: frozenset[TagRef] = frozenset()
+        if any(peak > budget.available for peak in peaks.values()):
+            at_step = _step_wakes(schedule, residents, frozenset(chosen), memory, budget, planned)
+            chosen |= at_step
+            peaks = turn_peaks(schedule, residents, frozenset(chosen), memory, at_step=at_step)
         why = fit_refusal(
             schedule,
             index,
             peaks,
             frozenset(chosen),
             budget,
-            turn_parts(schedule, residents, frozenset(chosen), memory),
+            turn_parts(schedule, residents, frozenset(chosen), memory, at_step=at_step),
         )
         if why is not None:
             raise PlanError(f"{why}. Schedule: {schedule.describe()!r}")
         asleep.append(chosen)
+        at_steps.append(at_step)
     _stay_asleep(walk, asleep, planned)
     turns = tuple(
         PlannedTurn(
-            residents.turn, needs, frozenset(a), turn_peaks(schedule, residents, frozenset(a), memory)
+            residents.turn,
+            needs,
+            frozenset(a),
+            turn_peaks(schedule, residents, frozenset(a), memory, at_step=s),
+            at_step=s,
         )
-        for (residents, needs), a in zip(walk, asleep, strict=True)
+        for (residents, needs), a, s in zip(walk, asleep, at_steps, strict=True)
     )
     plan = MemoryPlan(schedule, turns, frozenset(planned))
     if prefetch:
         plan = _with_prefetches(plan, memory, budget)
     plan = _with_handovers(plan, memory, budget)
     return _keep_caches(plan, memory, budget)
+
+
+def _step_wakes(
+    schedule: StepSchedule,
+    residents: Residents,
+    asleep: frozenset[TagRef],
+    memory: MemoryModel,
+    budget: GpuBudget,
+    planned: Collection[Role],
+) -> frozenset[TagRef]:
+    """The fewest of a train turn's `step_candidates` that, asleep through its passes and woken for its steps,
+    let the turn fit with `asleep` asleep besides: the shortest prefix of their order; where none fits, all of
+    them if that lowers the turn's peak (the refusal then names that figure), else none."""
+    candidates = step_candidates(residents, memory, planned)
+    chosen: list[TagRef] = []
+    for ref in candidates:
+        chosen.append(ref)
+        trial = frozenset(chosen)
+        peaks = turn_peaks(schedule, residents, asleep | trial, memory, at_step=trial)
+        if all(peak <= budget.available for peak in peaks.values()):
+            return trial
+    if not chosen:
+        return frozenset()
+    before = max(turn_peaks(schedule, residents, asleep, memory).values())
+    every = frozenset(chosen)
+    after = max(turn_peaks(schedule, residents, asleep | every, memory, at_step=every).values())
+    return every if after < before else frozenset()
 
 
 def _with_prefetches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
@@ -170,19 +219,20 @@ def _with_prefetches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -
                 and (planned is None or ref[0] in planned)
                 and role_idle(ref[0], steps[index], turn.needs)
                 and memory_tag_kind(ref[1]) not in DROPPED_TAGS
+                and ref not in turn.at_step
             ),
             key=lambda ref: (-memory.nbytes(ref), ref),
         )
         asleep = set(turn.asleep)
         for ref in wakes:
             trial = frozenset(asleep - {ref})
-            peaks = turn_peaks(plan.schedule, steps[index], trial, memory)
+            peaks = turn_peaks(plan.schedule, steps[index], trial, memory, at_step=turn.at_step)
             if all(peak <= budget.available for peak in peaks.values()):
                 asleep.discard(ref)
         turns[index] = replace(
             turn,
             asleep=frozenset(asleep),
-            peaks=turn_peaks(plan.schedule, steps[index], frozenset(asleep), memory),
+            peaks=turn_peaks(plan.schedule, steps[index], frozenset(asleep), memory, at_step=turn.at_step),
         )
     # Every copied tag of a train role that wakes entering a turn which neither touches it nor computes with
     # its role wakes in the background of that turn (the plan's own early wakes, and those brought forward).
@@ -214,12 +264,17 @@ def _with_handovers(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) ->
 
 def _keep_caches(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> MemoryPlan:
     """`plan` with the planned train roles that may keep their allocator's cache (`MemoryPlan.keeps_cache`),
-    the smallest cache first (then by name): each role whose cache, counted at every turn, leaves every turn's peak and every
+    the smallest cache first (then by name), but a role whose optimizer state wakes for its steps alone at some
+    turn (`PlannedTurn.at_step`: its cache would hold that state as well): each role whose cache, counted at every turn, leaves every turn's peak and every
     handover the plan makes at once within `budget`; the turns' peaks and handovers then count the caches.
     The tags asleep and the moves at once stay the plan's."""
     roles = plan.planned_roles if plan.planned_roles is not None else frozenset(memory.roles)
+    woken_at_step = {
+        role for t in plan.turns for role, _ in t.at_step
+    }  # their cache would hold that state too
     candidates = sorted(
-        (r for r in roles if r in TRAIN_ROLES and r in memory.roles), key=lambda r: (memory.kept_cache(r), r)
+        (r for r in roles if r in TRAIN_ROLES and r in memory.roles and r not in woken_at_step),
+        key=lambda r: (memory.kept_cache(r), r),
     )
     kept: frozenset[Role] = frozenset()
     for role in candidates:

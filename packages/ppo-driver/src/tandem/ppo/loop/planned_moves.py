@@ -11,6 +11,10 @@ beside the other's reload. Each move is a phase of the step's clock (`time/<role
 `time/<role>_wake`, or `time/handover`) and an event (`sleep` / `wake` with the role and its tags,
 `at_once` where they ran at once); `moved_bytes` counts what the step moved.
 
+A train turn whose plan keeps some of its role's optimizer state asleep through the passes
+(`PlannedTurn.at_step`) tells the role's workers so as it is entered (`keep_asleep_for_passes`): their train
+wakes those tags for each optimizer step alone and puts them back after it.
+
 On shared GPUs the plan also chooses the engines' memory tags (`weights`, `kv_cache`; `planned_roles`):
 where it has room they stay on the GPU, so the engines release nothing and keep their CUDA graphs, as in
 resident mode; otherwise they release what the plan says (`time/engine_release`, `time/engine_resume`, the
@@ -68,6 +72,8 @@ class PlannedMoves:
         self._background: ThreadPoolExecutor | None = None
         self._entered: int | None = None
         """The turn of the step's plan entered last (`enter`); None before the step's first."""
+        self._at_step: dict[Role, list[str]] = {}
+        """The tags each train role's workers were last told to keep asleep through their passes (`_step_wakes`)."""
 
     def use_plans(
         self,
@@ -133,7 +139,22 @@ class PlannedMoves:
             tags = self._ordered(role, {t for r, t in background if r == role} & self._asleep_tags[role])
             if tags:
                 self._prefetch(role, tags)
+        self._step_wakes(index)
         self._entered = index  # its moves made: entering it again moves nothing
+
+    def _step_wakes(self, index: int) -> None:
+        """Tell the role that trains in turn `index` which of its tags its train keeps asleep through the passes
+        and wakes for each optimizer step alone (`PlannedTurn.at_step`, `keep_asleep_for_passes`), where that
+        changed since it was last told."""
+        assert self.plan is not None
+        turn = self.plan.turns[index]
+        role = turn.turn.role
+        if turn.turn.work != "train" or role not in TRAIN_ROLES or not self._planned(role):
+            return
+        tags = self._ordered(role, {t for r, t in turn.at_step if r == role})
+        if self._at_step.get(role, []) != tags:
+            self.group(role).run("keep_asleep_for_passes", tags)
+            self._at_step[role] = tags
 
     def _prefetch(self, role: Role, tags: list[str]) -> None:
         """Start waking `role`'s `tags` in the background (its workers copy them back while the turn under way

@@ -40,12 +40,18 @@ ALIASES = {
 
 
 def allocator_calls(role: str, out: list[TrainResult]) -> dict[str, float]:
-    """`alloc/<role>_train/device_mallocs` (and frees): the most any rank made in its train (GPU)."""
+    """`alloc/<role>_train/device_mallocs` (and frees): the most any rank made in its train (GPU); and where the
+    plan kept some of the role's tags asleep through the passes, `memory/<role>_step_wake_s` and
+    `memory/<role>_step_sleep_s`: the most any rank's wakes and sleeps of them around the optimizer steps took
+    (part of the train's time, not a phase of the step's clock)."""
     figures: dict[str, float] = {}
     for rank_out in out:
         for name, count in rank_out.allocator.items():
             key = f"alloc/{role}_train/{name.removeprefix('alloc/')}"
             figures[key] = max(figures.get(key, 0.0), float(count))
+        for name, seconds in rank_out.step_moves.items():
+            key = f"memory/{role}_{name}"
+            figures[key] = max(figures.get(key, 0.0), float(seconds))
     return figures
 
 

@@ -42,13 +42,7 @@ from dataclasses import replace
 from typing import Any
 
 from tandem.megatron.choices import memory_tag_kind
-from tandem.ppo.loop.memory_model import (
-    DROPPED_TAGS,
-    EVICTION_ORDER,
-    GpuBudget,
-    MemoryModel,
-    TagRef,
-)
+from tandem.ppo.loop.memory_model import DROPPED_TAGS, EVICTION_ORDER, GpuBudget, MemoryModel, TagRef
 from tandem.ppo.loop.memory_plan import (
     MemoryPlan,
     PlanError,

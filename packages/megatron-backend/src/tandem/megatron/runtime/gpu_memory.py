@@ -196,6 +196,8 @@ class PhasePeak:
         self._reserved_start: int | None = None
         self._rise = 0  # the largest rise of the stretches before the last reset
         self._part: str | None = None
+        self._part_reserved = 0  # what was reserved as the part began (and the state it kept took since)
+        self._part_above = 0  # what was allocated above the block's start as the part began
         self._by_part: dict[str | None, int] = {}
         self.nbytes: int | None = None
         self.cached: int | None = None
@@ -217,9 +219,19 @@ class PhasePeak:
         return max(0, allocated_rise, reserved_rise)
 
     def _fold(self, cuda: Any, *, reset: bool = True) -> None:
-        """The rise since the statistics last started into the block's figure and the current part's."""
+        """The rise since the statistics last started into the block's figure and the current part's.
+
+        A part's rise is its allocated peak above the block's start, or, where larger, what was allocated
+        above that start as the part began plus the segments the part took from the driver: the segments
+        reserved before it (the passes' activations, cached) are the stretch's before it, not the part's,
+        which its allocations reuse first."""
         rise = self._rises(cuda)
         self._rise = max(self._rise, rise)
+        if self._part is not None:
+            assert self._start is not None
+            allocated_rise = int(cuda.max_memory_allocated()) - self._start
+            took = int(cuda.max_memory_reserved()) - self._part_reserved
+            rise = max(0, allocated_rise, self._part_above + took)
         self._by_part[self._part] = max(self._by_part.get(self._part, 0), rise)
         if reset:
             cuda.reset_peak_memory_stats()
@@ -264,12 +276,15 @@ class PhasePeak:
         self._fold(cuda)  # the peak so far, above the old start
         yield
         kept = int(cuda.memory_allocated()) - before
+        reserved_change = int(cuda.memory_reserved()) - reserved_before
         assert self._start is not None and self._reserved_start is not None
         if kept >= 0:
             # The block's own peak above the moved start: its temporaries, without the state it kept (whose
-            # tensors hold at least as many bytes of segments; what else the block reserved stays a rise).
+            # tensors hold at least as many bytes of segments; what else the block reserved stays a rise). A
+            # part's reserved base takes the segments the state took, at most its bytes.
             self._start += kept
             self._reserved_start += kept
+            self._part_reserved += max(0, min(kept, reserved_change))
             self._fold(cuda)
         else:
             # State put away: the block's peak came before it went, above the old start; then the start comes
@@ -277,7 +292,8 @@ class PhasePeak:
             # more than the state's bytes (the rest handed back held transients, counted as rises already).
             self._fold(cuda)
             self._start += kept
-            self._reserved_start -= min(-kept, max(0, reserved_before - int(cuda.memory_reserved())))
+            self._reserved_start -= min(-kept, max(0, -reserved_change))
+            self._part_reserved -= max(0, -reserved_change)
 
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -290,7 +306,10 @@ class PhasePeak:
         if self._part is not None:
             raise RuntimeError(f"PhasePeak.part({name!r}) inside part {self._part!r}: parts do not nest")
         self._fold(cuda)
+        assert self._start is not None
         self._part = name
+        self._part_reserved = int(cuda.memory_reserved())
+        self._part_above = max(0, int(cuda.memory_allocated()) - self._start)
         try:
             yield
         finally:

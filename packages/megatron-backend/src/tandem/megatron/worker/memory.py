@@ -164,7 +164,6 @@ class StepWakes:
         self.memory = memory
         self.tags = list(tags)
         self.seconds = {"wake": 0.0, "sleep": 0.0}
-        self.steps = 0
 
     @contextmanager
     def around_step(self) -> Iterator[None]:
@@ -179,7 +178,6 @@ class StepWakes:
         finally:
             with resident_change():
                 self.seconds["sleep"] += self.memory.sleep(woken).get("total", 0.0) if woken else 0.0
-            self.steps += 1
 
 
 def process_group_counts() -> dict[str, int]:

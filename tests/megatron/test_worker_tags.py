@@ -216,15 +216,18 @@ def test_a_train_that_wakes_the_optimizer_state_for_its_steps_alone_trains_exact
     # the state awake throughout, and the state is asleep once the train is over.
     state = [*MAIN_PARAMS, *MOMENTS]
     actor.wake_up()
+    ray.get(actor.train(1, put_rollout(seed=4)))  # Adam's moments exist, so the checkpoint holds them
     actor.save_model(6)
     data = put_rollout(seed=3)
     actor.sleep([*state, "grads"])
     actor.run("keep_asleep_for_passes", state)
     split = ray.get(actor.train(2, data))
     assert actor.asleep_tags() == [state] * RANKS, "the state sleeps again after the last step"
-    assert all(r.step_moves.keys() == {"step_wake_s", "step_sleep_s"} for r in split)
+    assert all(r.step_moves.keys() == {"step_wake_s", "step_sleep_s", "step_moved_gib"} for r in split)
     assert all(r.metrics["optimizer_steps"] == 2 for r in split)
     asleep_figures = actor.state_nbytes()
+    for result, figures in zip(split, asleep_figures, strict=True):  # each step: the state there and back
+        assert result.step_moves["step_moved_gib"] * 2**30 == 2 * 2 * sum(figures[t] for t in state) > 0
     actor.wake_up()
     assert actor.state_nbytes() == asleep_figures, "the state's bytes recorded while it was awake for a step"
     after_split = actor.run("state_snapshot")

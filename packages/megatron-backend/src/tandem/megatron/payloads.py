@@ -95,7 +95,7 @@ class TrainResult:
             elsewhere and for the actor.
         step_moves: the seconds this rank's wakes and sleeps of the tags kept asleep through the passes
             took, around its optimizer steps (`step_wake_s`, `step_sleep_s`; `TrainWorker.keep_asleep_for_passes`),
-            not reduced; empty without such tags.
+            and the GiB they moved, both ways (`step_moved_gib`), not reduced; empty without such tags.
     """
 
     metrics: dict[str, float]

@@ -157,13 +157,15 @@ class StepWakes:
     `around_step()` wraps one optimizer step: the tags wake before it (their copy back is waited for by the
     step's `join_optimizer`) and sleep after it, also when it fails, so that the worker holds what the plan
     has asleep once the train is over. Both moves count as resident change, not as the train's transient
-    (`gpu_memory.resident_change`). `seconds` adds up the wakes' and the sleeps' seconds.
+    (`gpu_memory.resident_change`). `seconds` adds up the wakes' and the sleeps' seconds, `moved_bytes` the
+    bytes they moved (each way, the tags' recorded figures).
     """
 
     def __init__(self, memory: WorkerMemory, tags: Sequence[str]) -> None:
         self.memory = memory
         self.tags = list(tags)
         self.seconds = {"wake": 0.0, "sleep": 0.0}
+        self.moved_bytes = 0
 
     @contextmanager
     def around_step(self) -> Iterator[None]:
@@ -178,6 +180,8 @@ class StepWakes:
         finally:
             with resident_change():
                 self.seconds["sleep"] += self.memory.sleep(woken).get("total", 0.0) if woken else 0.0
+            nbytes = self.memory.state_nbytes()
+            self.moved_bytes += 2 * sum(nbytes.get(t, 0) for t in woken)
 
 
 def process_group_counts() -> dict[str, int]:

@@ -184,7 +184,14 @@ class TrainWorker:
             memory.record_state()  # the optimizer's moments exist from the first step on
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep, and
         # the seconds of the optimizer state's wakes and sleeps around each step.
-        moves = {} if step_wakes is None else {f"step_{k}_s": v for k, v in step_wakes.seconds.items()}
+        moves = (
+            {}
+            if step_wakes is None
+            else {
+                **{f"step_{k}_s": v for k, v in step_wakes.seconds.items()},
+                "step_moved_gib": step_wakes.moved_bytes / 2**30,
+            }
+        )
         return dataclasses.replace(out, allocator=calls.metrics(), step_moves=moves)
 
     def keep_asleep_for_passes(self, tags: list[str] | None) -> None:

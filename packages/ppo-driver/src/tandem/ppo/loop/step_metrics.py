@@ -43,7 +43,8 @@ def allocator_calls(role: str, out: list[TrainResult]) -> dict[str, float]:
     """`alloc/<role>_train/device_mallocs` (and frees): the most any rank made in its train (GPU); and where the
     plan kept some of the role's tags asleep through the passes, `memory/<role>_step_wake_s` and
     `memory/<role>_step_sleep_s`: the most any rank's wakes and sleeps of them around the optimizer steps took
-    (part of the train's time, not a phase of the step's clock)."""
+    (part of the train's time, not a phase of the step's clock), and `memory/<role>_step_moved_gib` what they
+    moved both ways (beside `memory/moved_gib`, the plan's moves between turns)."""
     figures: dict[str, float] = {}
     for rank_out in out:
         for name, count in rank_out.allocator.items():

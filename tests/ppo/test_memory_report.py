@@ -19,7 +19,7 @@ from tandem.ppo.loop.memory_figures import (
     schedule_to_dict,
     write_plans,
 )
-from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory
+from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, TrainSplit
 from tandem.ppo.loop.memory_plan import capacity_range
 from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import TRAIN_ROLES, StepFacts, save_schedule, step_schedule
@@ -28,15 +28,18 @@ GIB = 2**30
 TAGS = ["weights", "grads", "main_params", "optimizer_moments"]
 
 
-def _run_dir(tmp_path: Path) -> tuple[Path, MemoryFigures]:
+def _run_dir(
+    tmp_path: Path, *, kv_cache: int = 40 * GIB, splits: dict[str, TrainSplit] | None = None
+) -> tuple[Path, MemoryFigures]:
     train = {"weights": 1 * GIB, "grads": 2 * GIB, "main_params": 4 * GIB, "optimizer_moments": 8 * GIB}
     model = MemoryModel(
         {
-            "engine": RoleMemory({"weights": GIB, "kv_cache": 40 * GIB}, fixed=GIB // 2),
+            "engine": RoleMemory({"weights": GIB, "kv_cache": kv_cache}, fixed=GIB // 2),
             "actor": RoleMemory(train, fixed=GIB // 2),
             "critic": RoleMemory(dict(train), fixed=GIB // 2),
         },
         {("actor", "train"): 6 * GIB, ("critic", "train"): 6 * GIB, ("engine", "generate"): GIB},
+        splits or {},  # type: ignore[arg-type]
     )
     for role in model.roles:  # the figures a run writes: every phase, 0 where nothing measured
         for work in (
@@ -106,3 +109,21 @@ def test_a_folder_without_a_plan_is_named(tmp_path: Path, capsys: pytest.Capture
     (tmp_path / "memory_plan.json").write_text("{}")
     assert cli(["memory-plan", str(tmp_path)]) == 2
     assert "not a memory plan this version reads" in capsys.readouterr().err
+
+
+def test_a_gpu_on_which_the_trains_fit_only_with_their_state_woken_for_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Trains measured in two parts (6 GiB of passes, 1 GiB of step) and a small KV cache: the trains bind.
+    # Each train holds 1.5 + 15 + 6 = 22.5 GiB with its state awake; with its moments asleep through the
+    # passes, the larger of 1.5 + 7 + 6 and 1.5 + 15 + 1 = 17.5 GiB.
+    split = TrainSplit(6 * GIB, 1 * GIB)
+    run_dir, _ = _run_dir(tmp_path, kv_cache=4 * GIB, splits={"actor": split, "critic": split})
+    assert cli(["memory-plan", str(run_dir), "--gpu-memory-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "| wakes for the optimizer step critic/optimizer_moments" in out
+    assert "| wakes for the optimizer step actor/optimizer_moments" in out
+    assert "and 16.0 GiB each way for each optimizer step of the trains that wake it" in out
+    assert "fits from 21.5 GiB" in out  # 17.5 and the 4 GiB margin
+    assert cli(["memory-plan", str(run_dir), "--gpu-memory-gib", "21.4"]) == 2
+    assert "its train (passes, or step with its state woken)" in capsys.readouterr().err

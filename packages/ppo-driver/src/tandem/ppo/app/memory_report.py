@@ -79,7 +79,11 @@ def memory_report(args: MemoryPlanArgs) -> str:
             schedule, model, budget, planned_roles=roles, prefetch=bool(data.get("prefetch_wakes", False))
         )
         lines += [f"  {line}" for line in plan.describe().splitlines()]
-        lines.append(f"  moves {format_bytes(_moved(plan, model))} a step")
+        moved = f"  moves {format_bytes(_moved(plan, model))} a step"
+        woken = sum(model.nbytes(ref) for t in plan.turns for ref in t.at_step)
+        if woken:
+            moved += f", and {format_bytes(woken)} each way for each optimizer step of the trains that wake it"
+        lines.append(moved)
         lines.append(
             f"  fits from {format_bytes(least + margin)}; from {format_bytes(most + margin)} "
             f"{'the actor, the critic and the engines' if 'engine' in roles else 'the actor and the critic'} "

@@ -82,7 +82,9 @@ def memory_report(args: MemoryPlanArgs) -> str:
         moved = f"  moves {format_bytes(_moved(plan, model))} a step"
         woken = sum(model.nbytes(ref) for t in plan.turns for ref in t.at_step)
         if woken:
-            moved += f", and {format_bytes(woken)} each way for each optimizer step of the trains that wake it"
+            moved += (
+                f", and {format_bytes(woken)} each way for each optimizer step of the trains that wake it"
+            )
         lines.append(moved)
         lines.append(
             f"  fits from {format_bytes(least + margin)}; from {format_bytes(most + margin)} "

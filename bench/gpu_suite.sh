@@ -26,6 +26,7 @@ step tests python3 -m pytest tests/lifecycle tests/value_transfer tests/megatron
 step lifecycle python3 bench/lifecycle_bench.py --gib 8 --out "$OUT/lifecycle.json"
 step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$OUT/value_transfer.json"
 step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
+step swiglu python3 bench/swiglu_kernel_bench.py --out "$OUT/swiglu_kernel_bench.json"
 step engine python3 bench/engine_bench.py --out "$OUT/engine.json"
 step ppo python3 bench/ppo_gpu_bench.py --out "$OUT"
 # Every path users take (fixed shapes, packed realistic lengths, micro-batches by tokens), shared and

@@ -36,8 +36,6 @@ from hypothesis import strategies as st
 
 from tandem.megatron.models import rope
 
-from .conftest import SaveRandomLlama
-
 SCRIPTS = Path(__file__).parent / "_scripts"
 MAX_SEQLEN = 40
 
@@ -278,23 +276,8 @@ def test_install_makes_apply_rope_fusion_constructible(
 # --- a model with fused RoPE against one without (CPU, compiled) ---------------------------
 
 
-def _model_with_and_without_fused_rope(tmp_path: Path, random_llama: SaveRandomLlama) -> None:
-    """Run `_scripts/rope_check.py` (CUDA where torch sees a GPU, else CPU) and check what it saved."""
-    random_llama(
-        tmp_path / "hf",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-    )
-    out = tmp_path / "rope.pt"
-    command = [sys.executable, str(SCRIPTS / "launch.py"), "1", str(SCRIPTS / "rope_check.py")]
-    proc = subprocess.run(
-        [*command, str(tmp_path / "hf"), str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    r = torch.load(out, weights_only=False)
+def _model_with_and_without_fused_rope(r: dict[Any, Any]) -> None:
+    """Check what `_scripts/rope_check.py` saved (`model_checks`: CUDA where torch sees a GPU, else CPU)."""
     assert r["apply_rope_fusion:True"] and not r["apply_rope_fusion:False"] and r["installed"]
     # Per forward, two hooks (q and k) in each of the 2 layers: padded rows went through the
     # sbhd hook (4 forwards), packed rows through the THD hook (4 forwards).
@@ -314,15 +297,15 @@ def _model_with_and_without_fused_rope(tmp_path: Path, random_llama: SaveRandomL
 
 @pytest.mark.slow
 def test_a_model_with_fused_rope_computes_what_megatrons_unfused_rope_does(
-    tmp_path: Path, random_llama: SaveRandomLlama
+    model_checks: dict[Any, Any],
 ) -> None:
-    _model_with_and_without_fused_rope(tmp_path, random_llama)
+    _model_with_and_without_fused_rope(model_checks)
 
 
 @pytest.mark.gpu
-def test_a_model_with_fused_rope_on_cuda(tmp_path: Path, random_llama: SaveRandomLlama) -> None:
+def test_a_model_with_fused_rope_on_cuda(model_checks: dict[Any, Any]) -> None:
     """The same with the model on CUDA, where the fused hooks run the Triton kernel (`rope.KERNELS`)."""
-    _model_with_and_without_fused_rope(tmp_path, random_llama)
+    _model_with_and_without_fused_rope(model_checks)
 
 
 # --- past dynamo's recompile limit ------------------------------------------------------------

@@ -10,13 +10,12 @@ runs them in a subprocess under Triton's interpreter, its bf16 casts made the GP
 - Autograd keeps the MLP's input alone, where eager keeps the SiLU's output beside it.
 - `bias_swiglu_impl` routes: no bias on CUDA to the kernels, no bias elsewhere to the eager
   SwiGLU, a bias (or fp8, offload) to Megatron's own; `install()` puts it in Megatron's MLP.
+- A model with the hook against one with Megatron's eager SwiGLU, in the RoPE check's process
+  (`model_checks`).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,9 +26,6 @@ from hypothesis import strategies as st
 from tandem.megatron.models import swiglu
 
 from .._triton_interpreter import DEVICE, INTERPRETED, kernel_test, patch_interpreter_numerics
-from .conftest import SaveRandomLlama
-
-SCRIPTS = Path(__file__).parent / "_scripts"
 
 
 @pytest.fixture(autouse=True)
@@ -130,27 +126,13 @@ def test_install_puts_the_hook_in_megatrons_mlp() -> None:
 
 @pytest.mark.slow
 def test_a_model_with_the_hook_computes_what_megatrons_eager_swiglu_does(
-    tmp_path: Path, random_llama: SaveRandomLlama
+    model_checks: dict[Any, Any],
 ) -> None:
-    """`_scripts/swiglu_check.py` in its own process (Megatron's world): `fused_swiglu=True` turns
-    `bias_activation_fusion` on and every MLP calls the hook; on the CPU (the eager SwiGLU) the
-    logits and gradients equal those of `fused_swiglu=False` bit for bit, on CUDA (the kernels, an
+    """`_scripts/swiglu_check.py`, in rope_check.py's process (`model_checks`: Megatron's world):
+    `fused_swiglu=True` turns `bias_activation_fusion` on and every MLP calls the hook; on the CPU (the eager
+    SwiGLU) the logits and gradients equal those of `fused_swiglu=False` bit for bit, on CUDA (the kernels, an
     fp32 model) to fp32's rounding; the control without SiLU moves the logits."""
-    random_llama(
-        tmp_path / "hf",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-    )
-    out = tmp_path / "swiglu.pt"
-    command = [sys.executable, str(SCRIPTS / "launch.py"), "1", str(SCRIPTS / "swiglu_check.py")]
-    proc = subprocess.run(
-        [*command, str(tmp_path / "hf"), str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    r = torch.load(out, weights_only=False)
+    r = model_checks["swiglu"]
     assert r["bias_activation_fusion:True"] and not r["bias_activation_fusion:False"] and r["installed"]
     # Per forward, one call an MLP, 2 layers: 3 forwards with a backward and one without.
     assert r["calls"] == {"bias_swiglu_impl": 8}

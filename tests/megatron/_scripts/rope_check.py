@@ -9,7 +9,8 @@ by the token's place in the row), on CUDA when torch sees a GPU, else on the CPU
 fused hooks; both record the seconds of their first pass (the fused one compiles). Then, with
 recompiling made an error, both layouts again at other lengths: they must reuse
 the compiled kernels. As a control that the comparison can fail, the fused
-model's hooks are swapped for ones that skip RoPE, and its logits recorded again.
+model's hooks are swapped for ones that skip RoPE, and its logits recorded again. Then the SwiGLU
+hook's check (`swiglu_check.compare`), saved under "swiglu".
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ def main() -> None:
         with torch.no_grad():
             result["no_rope:logits"] = padded_logits(gpt, first["padded"]).cpu()
         rope.install()
+    # The SwiGLU hook's check in the same process (Megatron's world and imports once for both).
+    from swiglu_check import compare
+
+    result["swiglu"] = compare(spec, hf_dir)
     torch.save(result, out)
     destroy_distributed()
 

@@ -1,18 +1,16 @@
 """The actor with our SwiGLU hook against the same actor with Megatron's eager SwiGLU.
 
-Usage (through launch.py): python launch.py 1 swiglu_check.py HF_DIR OUT.pt
-Builds `build_model(..., fused_swiglu=False)` and `fused_swiglu=True` from the same HF weights
-(on CUDA when torch sees a GPU, where the hook runs the Triton kernels; else on the CPU, where it
-runs the eager SwiGLU) and records, for each, `bias_activation_fusion`, the logits and every
-parameter's gradient on padded and packed rows (`rope_check.cases`), and how often the MLPs called
-the hook. As a control that the comparison can fail, the hook is swapped for one that drops the
-SiLU, and the logits recorded again.
+`compare(spec, hf_dir)`, called by rope_check.py in its process (Megatron's world is set up once for
+both checks: tests/megatron/conftest.py's `model_checks`): builds `build_model(..., fused_swiglu=False)`
+and `fused_swiglu=True` from the same HF weights (on CUDA when torch sees a GPU, where the hook runs the
+Triton kernels; else on the CPU, where it runs the eager SwiGLU) and records, for each,
+`bias_activation_fusion`, the logits and every parameter's gradient on padded and packed rows
+(`rope_check.cases`), and how often the MLPs called the hook. As a control that the comparison can fail,
+the hook is swapped for one that drops the SiLU, and the logits recorded again.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,20 +21,12 @@ from rope_check import cases, counting, inputs, padded_logits
 from tandem.megatron.models import build_model, swiglu, unwrap_model
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.hf_weights import load_hf_checkpoint
-from tandem.megatron.worker.parallel import destroy_distributed, init_distributed
 
 
-def main() -> None:
+def compare(spec: ModelSpec, hf_dir: Path) -> dict[Any, Any]:
+    """The two models' figures, as the module docstring says (Megatron's world initialised already)."""
     from megatron.core.transformer import mlp
 
-    hf_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-    init_distributed(
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-    )
-    spec = ModelSpec.from_hf(hf_dir)
     x = inputs(1, 12, [5, 9, 3], 7)
     result: dict[Any, Any] = {}
     for fused in (False, True):
@@ -56,9 +46,5 @@ def main() -> None:
     mlp.bias_swiglu_impl = lambda y, *args: torch.chunk(y, 2, -1)[0] * torch.chunk(y, 2, -1)[1]
     with torch.no_grad():
         result["no_silu:logits"] = padded_logits(gpt, x["padded"]).cpu()
-    torch.save(result, out)
-    destroy_distributed()
-
-
-if __name__ == "__main__":
-    main()
+    swiglu.install()
+    return result

@@ -40,7 +40,6 @@ from tandem.ppo.loop.memory_plan import (
     resident_plan,
     schedule_plan,
     shared_plan,
-    turn_peaks,
 )
 from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.schedule import (
@@ -53,6 +52,7 @@ from tandem.ppo.loop.schedule import (
     save_schedule,
     step_schedule,
 )
+from tandem.ppo.loop.turn_memory import turn_peaks
 
 GIB = 2**30
 

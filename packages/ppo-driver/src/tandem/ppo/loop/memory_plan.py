@@ -6,10 +6,8 @@ each turn of one step, which tags of a `MemoryModel` (per role and memory tag, t
 it holds on one GPU; per phase, its transient peak above them) are asleep. This module
 holds what a plan is and what it costs; `memory_planner.plan_memory` chooses one.
 
-- `turn_needs`: the tags a turn touches, which no plan may sleep (a train touches its
-  model's every tag, the actor's log-probs its weights alone, the engines their weights and
-  KV cache, a weight sync the engines' memory and the actor's weights);
-- `turn_peaks`: each set of GPUs' bytes at a turn with some tags asleep;
+- what one turn touches and holds with some tags asleep: `turn_memory` (`turn_needs`,
+  `turn_peaks`);
 - `handover_peaks`: the most a turn's entry holds when its sleeps and wakes run at once
   (`PlannedTurn.at_once`), one role's copy to the host beside another's copy back: what
   the turn before holds once its train role has handed its cached blocks back, and what
@@ -34,13 +32,19 @@ from dataclasses import dataclass, field, replace
 from tandem.megatron.choices import memory_tag_kind
 from tandem.ppo.loop.memory_model import (
     STEP_KINDS,
-    WEIGHT_TAGS,
     GpuBudget,
     MemoryModel,
     TagRef,
     format_bytes,
 )
 from tandem.ppo.loop.schedule import TRAIN_ROLES, Residents, Role, StepSchedule, Turn, residents_at_each_turn
+from tandem.ppo.loop.turn_memory import (
+    role_idle,
+    step_candidates,
+    turn_peaks,
+    turn_refusal,
+    walk_schedule,
+)
 
 __all__ = [
     "MemoryPlan",
@@ -49,17 +53,10 @@ __all__ = [
     "capacity_range",
     "check_plan",
     "counting_caches",
-    "fit_refusal",
     "handover_peaks",
     "resident_plan",
-    "role_idle",
     "schedule_plan",
     "shared_plan",
-    "step_candidates",
-    "step_transient",
-    "turn_needs",
-    "turn_peaks",
-    "walk_schedule",
 ]
 
 
@@ -153,121 +150,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def turn_needs(residents: Residents, memory: MemoryModel) -> frozenset[TagRef]:
-    """The tags a turn touches: those of every role computing in it (the async loop's background generation
-    included), the actor's weights alone for its log-probs, and the actor's weights for a weight sync."""
-    turn = residents.turn
-    roles = set(residents.computing)
-    if turn.wake_before and turn.work is None:
-        roles.add(turn.role)  # a lifecycle-only wake (a warm-up's engines): the role comes back whole
-    needs = {(r, tag) for r in roles if r in memory.roles for tag in memory.roles[r].tags}
-    if turn.role == "actor" and turn.work == "log_probs":
-        needs = {(r, tag) for r, tag in needs if r != "actor" or memory_tag_kind(tag) in WEIGHT_TAGS}
-    if turn.work == "weights" and "actor" in memory.roles:
-        needs |= {("actor", tag) for tag in memory.roles["actor"].tags if memory_tag_kind(tag) in WEIGHT_TAGS}
-    return frozenset(needs)
-
-
-def _role_parts(
-    schedule: StepSchedule,
-    residents: Residents,
-    asleep: frozenset[TagRef],
-    memory: MemoryModel,
-    *,
-    handed_back: Role | None = None,
-    cached: Collection[Role] = (),
-    at_step: frozenset[TagRef] = frozenset(),
-) -> list[tuple[str, Role, int, int, int, str]]:
-    """Each role's part of `residents`' turn: (its GPUs, role, fixed bytes, bytes of its tags awake, bytes of
-    its transient or kept cache, what that last figure is) (`turn_peaks`)."""
-    parts = []
-    for role, held in memory.roles.items():
-        awake = sum(n for tag, n in held.tags.items() if (role, tag) not in asleep)
-        extra, what = 0, ""
-        woken = sum(memory.nbytes(ref) for ref in at_step if ref[0] == role)
-        if role in cached:
-            extra, what = memory.kept_cache(role), "its kept cache"
-        elif role in residents.computing and role != handed_back and woken:
-            extra, what = (
-                step_transient(role, woken, memory),
-                "its train (passes, or step with its state woken)",
-            )
-        elif role in residents.computing and role != handed_back:
-            work = residents.turn.work if role == residents.turn.role else "start_next"
-            extra, what = memory.transient(role, work), f"its {work} transient"
-        parts.append((schedule.gpus(role), role, held.fixed, awake, extra, what))
-    return parts
-
-
-def step_transient(role: Role, woken: int, memory: MemoryModel) -> int:
-    """What `role`'s train holds above its tags awake when `woken` bytes of its state wake for each optimizer step
-    alone (`PlannedTurn.at_step`): the larger of its passes' transient and that state with its step's transient
-    (`MemoryModel.train_splits`); ValueError naming the role when the model lacks its split."""
-    split = memory.train_splits.get(role)
-    if split is None:
-        raise ValueError(
-            f"train_splits: no figure for {role}'s passes and optimizer step apart; measure them in the first step"
-        )
-    return max(split.passes, woken + split.step)
-
-
-def turn_peaks(
-    schedule: StepSchedule,
-    residents: Residents,
-    asleep: frozenset[TagRef],
-    memory: MemoryModel,
-    *,
-    handed_back: Role | None = None,
-    cached: Collection[Role] = (),
-    at_step: frozenset[TagRef] = frozenset(),
-) -> dict[str, int]:
-    """Each set of GPUs' bytes in `residents`' turn with `asleep` asleep: every role's fixed bytes and tags
-    awake, and the transient of each role computing (but `handed_back`'s, whose cache went back); a role of
-    `cached` holds its kept cache at every turn instead (`MemoryModel.kept_cache`: its transients fit in it).
-    A train role with tags of `at_step` (asleep, woken for its optimizer steps alone) holds the larger of its
-    passes' transient and those tags with its step's (`step_transient`)."""
-    peaks: dict[str, int] = {}
-    for gpus, _, fixed, awake, extra, _ in _role_parts(
-        schedule, residents, asleep, memory, handed_back=handed_back, cached=cached, at_step=at_step
-    ):
-        peaks[gpus] = peaks.get(gpus, 0) + fixed + awake + extra
-    return peaks
-
-
-def turn_parts(
-    schedule: StepSchedule,
-    residents: Residents,
-    asleep: frozenset[TagRef],
-    memory: MemoryModel,
-    *,
-    cached: Collection[Role] = (),
-    at_step: frozenset[TagRef] = frozenset(),
-) -> dict[str, str]:
-    """`turn_peaks`' sums in words, each set of GPUs': every role's fixed bytes (CUDA context), tags awake and
-    transient (or kept cache), in GiB, as a refusal names them."""
-    words: dict[str, list[str]] = {}
-    for gpus, role, fixed, awake, extra, what in _role_parts(
-        schedule, residents, asleep, memory, cached=cached, at_step=at_step
-    ):
-        said = f"{role}: fixed {fixed / 2**30:.2f} + tags awake {awake / 2**30:.2f}"
-        if what:
-            said += f" + {what} {extra / 2**30:.2f}"
-        words.setdefault(gpus, []).append(said)
-    return {gpus: "; ".join(said) for gpus, said in words.items()}
-
-
-def step_candidates(residents: Residents, memory: MemoryModel, planned: Collection[Role]) -> list[TagRef]:
-    """The tags a train turn may keep asleep through its passes and wake for its optimizer steps alone
-    (`PlannedTurn.at_step`), in the order a plan takes them: its role's optimizer state (`STEP_KINDS`: the
-    moments before the fp32 main parameters), the larger piece first; none where the turn is no train of a
-    planned role, or the model lacks the role's `train_splits`."""
-    role = residents.turn.role
-    if residents.turn.work != "train" or role not in planned or role not in memory.train_splits:
-        return []
-    refs = [(role, tag) for tag in memory.roles[role].tags if memory_tag_kind(tag) in STEP_KINDS]
-    return sorted(refs, key=lambda ref: (STEP_KINDS.index(memory_tag_kind(ref[1])), -memory.nbytes(ref), ref))
-
-
 def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[str, int]:
     """The most each set of GPUs holds while turn `index` is entered with its sleeps and wakes at once: what
     the turn before holds (what sleeps is still there; a train role that computed in it hands its cached
@@ -292,46 +174,6 @@ def handover_peaks(plan: MemoryPlan, index: int, memory: MemoryModel) -> dict[st
             gpus = schedule.gpus(role)
             peaks[gpus] = peaks.get(gpus, 0) + memory.nbytes((role, tag))
     return peaks
-
-
-def walk_schedule(schedule: StepSchedule, memory: MemoryModel) -> list[tuple[Residents, frozenset[TagRef]]]:
-    missing = sorted({t.role for t in schedule.turns} - set(memory.roles))
-    if missing:
-        raise ValueError(f"memory model: no figures for {missing}, which the schedule's turns use")
-    steps = residents_at_each_turn(schedule)
-    return [(r, turn_needs(r, memory)) for r in steps]
-
-
-def fit_refusal(
-    schedule: StepSchedule,
-    index: int,
-    peaks: Mapping[str, int],
-    asleep: frozenset[TagRef],
-    budget: GpuBudget,
-    parts: Mapping[str, str] | None = None,
-) -> str | None:
-    """Why turn `index` does not fit `budget` with `asleep` asleep (its `peaks`; `parts`, `turn_parts`' words
-    for them, name what each role holds), or None where every set of GPUs fits."""
-    turn = schedule.turns[index]
-    for gpus, peak in sorted(peaks.items()):
-        if peak > budget.available:
-            names = ", ".join(f"{r}/{g}" for r, g in sorted(asleep)) or "nothing"
-            held = f" ({parts[gpus]}, GiB)" if parts and gpus in parts else ""
-            return (
-                f"turn {index} ({turn.describe()!r}, phase {turn.role}/{turn.work}) on the {gpus} GPUs needs "
-                f"{peak} bytes ({peak / 2**30:.2f} GiB){held} with {names} asleep; {budget.available} bytes "
-                f"({budget.available / 2**30:.2f} GiB) available: capacity {budget.capacity} less margin "
-                f"{budget.margin}. Give the GPU more room (a larger capacity, a smaller margin) or the turn less "
-                "to hold (smaller micro-batches, a shorter KV cache)"
-            )
-    return None
-
-
-def role_idle(role: Role, residents: Residents, needs: frozenset[TagRef]) -> bool:
-    """Whether `role`'s workers are free in `residents`' turn: it computes nothing there and the turn touches
-    none of its tags (a weight sync reads the actor's weights), so a wake sent to them runs beside the turn's
-    work rather than queued with it."""
-    return role not in residents.computing and not any(r == role for r, _ in needs)
 
 
 def counting_caches(plan: MemoryPlan, memory: MemoryModel) -> MemoryPlan:
@@ -394,27 +236,8 @@ def check_plan(plan: MemoryPlan, memory: MemoryModel, budget: GpuBudget) -> Memo
                 f"turn {index} ({residents.turn.describe()!r}) wakes {wrong} in the background, which are not "
                 "a train role's wakes entering it, or whose role computes in it or has tags it touches"
             )
-        why = fit_refusal(
-            plan.schedule,
-            index,
-            turn_peaks(
-                plan.schedule,
-                residents,
-                planned.asleep,
-                memory,
-                cached=plan.keeps_cache,
-                at_step=planned.at_step,
-            ),
-            planned.asleep,
-            budget,
-            turn_parts(
-                plan.schedule,
-                residents,
-                planned.asleep,
-                memory,
-                cached=plan.keeps_cache,
-                at_step=planned.at_step,
-            ),
+        why = turn_refusal(
+            plan.schedule, index, residents, planned.asleep, memory, budget, plan.keeps_cache, planned.at_step
         )
         if why is not None:
             raise PlanError(why)

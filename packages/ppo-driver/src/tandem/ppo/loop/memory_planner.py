@@ -3,7 +3,7 @@
 From a `MemoryModel` and a `GpuBudget` (the GPU's capacity less a stated margin),
 `plan_memory` chooses at each turn the tags to have asleep (`memory_plan.MemoryPlan`):
 
-- never a tag the turn itself touches (`memory_plan.turn_needs`);
+- never a tag the turn itself touches (`turn_memory.turn_needs`);
 - the fewest, in a fixed order (`eviction_key`): first what a sleep drops rather than copies
   (the engines' KV cache, gradients), then what the next turn does not touch, then by kind
   (`EVICTION_ORDER`: what costs nothing to drop, then optimizer moments before fp32 main
@@ -48,16 +48,11 @@ from tandem.ppo.loop.memory_plan import (
     PlanError,
     PlannedTurn,
     counting_caches,
-    fit_refusal,
     handover_peaks,
-    role_idle,
     schedule_plan,
-    step_candidates,
-    turn_parts,
-    turn_peaks,
-    walk_schedule,
 )
 from tandem.ppo.loop.schedule import TRAIN_ROLES, Residents, Role, StepSchedule, residents_at_each_turn
+from tandem.ppo.loop.turn_memory import role_idle, step_candidates, turn_peaks, turn_refusal, walk_schedule
 
 __all__ = ["eviction_key", "plan_memory"]
 
@@ -131,15 +126,7 @@ def plan_memory(
         if any(peak > budget.available for peak in peaks.values()):
             at_step = _step_wakes(schedule, residents, frozenset(chosen), memory, budget, planned)
             chosen |= at_step
-            peaks = turn_peaks(schedule, residents, frozenset(chosen), memory, at_step=at_step)
-        why = fit_refusal(
-            schedule,
-            index,
-            peaks,
-            frozenset(chosen),
-            budget,
-            turn_parts(schedule, residents, frozenset(chosen), memory, at_step=at_step),
-        )
+        why = turn_refusal(schedule, index, residents, frozenset(chosen), memory, budget, at_step=at_step)
         if why is not None:
             raise PlanError(f"{why}. Schedule: {schedule.describe()!r}")
         asleep.append(chosen)

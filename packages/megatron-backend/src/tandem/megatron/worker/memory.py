@@ -96,6 +96,20 @@ class WorkerMemory:
         self.lifecycle.wake_up(chosen, process_groups=reload)
         return self.lifecycle.last_timings
 
+    def wake_for_train(self, keep: Sequence[str]) -> StepWakes | None:
+        """Wake what a train needs: every tag but those of `keep` asleep now (`TrainWorker.keep_asleep_for_passes`),
+        which wake for each optimizer step alone: their `StepWakes`. None where none of them sleeps: then a train
+        wakes every tag, and the process groups too (`wake_up()`), as always."""
+        asleep = self.asleep()
+        at_step = [t for t in keep if t in asleep]
+        if not at_step:
+            if asleep:
+                self.wake_up()
+            return None
+        if others := [t for t in asleep if t not in at_step]:
+            self.wake_up(others)
+        return StepWakes(self, at_step)
+
     @contextmanager
     def weights_back(self, *, collectives: bool, tags: Sequence[str] | None = None) -> Iterator[bool]:
         """The weight tags that are asleep (of `tags`: default all of them) back for the block, and asleep
@@ -182,6 +196,13 @@ class StepWakes:
                 self.seconds["sleep"] += self.memory.sleep(woken).get("total", 0.0) if woken else 0.0
             nbytes = self.memory.state_nbytes()
             self.moved_bytes += 2 * sum(nbytes.get(t, 0) for t in woken)
+
+    def figures(self) -> dict[str, float]:
+        """`TrainResult.step_moves`: the wakes' and sleeps' seconds, and the GiB they moved both ways."""
+        return {
+            **{f"step_{k}_s": v for k, v in self.seconds.items()},
+            "step_moved_gib": self.moved_bytes / 2**30,
+        }
 
 
 def process_group_counts() -> dict[str, int]:

@@ -39,7 +39,7 @@ from tandem.megatron.runtime.gpu_memory import (
 from tandem.megatron.worker import roles
 from tandem.megatron.worker._trainee import BASE, PASSES, WEIGHTS, Trainee, build_trainee
 from tandem.megatron.worker.checkpoint import load_checkpoint, save_checkpoint
-from tandem.megatron.worker.memory import StepWakes, WorkerMemory, process_group_counts
+from tandem.megatron.worker.memory import WorkerMemory, process_group_counts
 from tandem.megatron.worker.parallel import destroy_distributed, free_port
 from tandem.megatron.worker.startup import (
     build_lifecycle,
@@ -148,12 +148,7 @@ class TrainWorker:
         """
         trainee = self._require_init()
         memory = self._require_memory()
-        at_step = [t for t in self._at_step if t in memory.asleep()]
-        if at_step:  # the rest back; these wake for each optimizer step alone
-            if others := [t for t in memory.asleep() if t not in at_step]:
-                memory.wake_up(others)
-        elif self._lifecycle.asleep:
-            self._lifecycle.wake_up()
+        step_wakes = memory.wake_for_train(self._at_step)
         batch = self._batch(data_ref)
         logger.info(
             "rank %d: %s trains on rollout %d (%d samples)", self.rank, self.role, rollout_id, len(batch)
@@ -174,7 +169,7 @@ class TrainWorker:
             on_targets=self._keep_targets,
             kl_coef=kl_coef,
         )
-        step_wakes = trainee.step_wakes = StepWakes(memory, at_step) if at_step else None
+        trainee.step_wakes = step_wakes
         try:
             with AllocatorCalls() as calls, memory.measure("train", outside=PASSES):
                 out = train()
@@ -184,14 +179,7 @@ class TrainWorker:
             memory.record_state()  # the optimizer's moments exist from the first step on
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep, and
         # the seconds of the optimizer state's wakes and sleeps around each step.
-        moves = (
-            {}
-            if step_wakes is None
-            else {
-                **{f"step_{k}_s": v for k, v in step_wakes.seconds.items()},
-                "step_moved_gib": step_wakes.moved_bytes / 2**30,
-            }
-        )
+        moves = {} if step_wakes is None else step_wakes.figures()
         return dataclasses.replace(out, allocator=calls.metrics(), step_moves=moves)
 
     def keep_asleep_for_passes(self, tags: list[str] | None) -> None:

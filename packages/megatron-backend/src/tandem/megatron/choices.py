@@ -147,3 +147,9 @@ def memory_tag_pieces(kind: str, pieces: int) -> tuple[str, ...]:
 def memory_tag_kind(tag: str) -> str:
     """What a memory tag holds, without its piece's index: `optimizer_moments.2` -> `optimizer_moments`."""
     return tag.split(PIECE_SEPARATOR, 1)[0]
+
+
+TRAIN_PARTS: tuple[str, str] = ("passes", "optimizer_step")
+"""The two parts of a train worker's measured `train` phase (`phase_peaks()`' keys `train/passes` and
+`train/optimizer_step`): its forward and backward passes, and its optimizer steps, whose allocator peaks a
+memory plan reads apart (the optimizer's state may sleep through the passes)."""

@@ -185,7 +185,8 @@ class PhasePeak:
     moves the start down the same way (its reserved start by the segments the sleep handed back).
 
     Parts (`part(name)`, one at a time): the rise of each named stretch of the block above the block's
-    start, and of what lies outside them, apart (`parts`, `outside`): a train's optimizer steps and its
+    start (counting the segments it took itself, not those an earlier stretch left cached), and of what
+    lies outside them, apart (`parts`, `outside`): a train's optimizer steps and its
     forward and backward passes, which a plan may give different tags (the optimizer's state asleep
     through the passes). `nbytes` is the largest of them.
     Resets the process's peak statistic: blocks of it do not nest.

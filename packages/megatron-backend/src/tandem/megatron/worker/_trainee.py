@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tandem.lifecycle import HostCopies, MemoryBackend, PinnedHostBackend, SharedFrozen
-from tandem.megatron.choices import Role, memory_tag_pieces
+from tandem.megatron.choices import TRAIN_PARTS, Role, memory_tag_pieces
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.models.hf_config import ModelSpec
 from tandem.megatron.models.lora import adapters_disabled
@@ -44,11 +44,8 @@ MAIN_PARAMS, OPTIMIZER_MOMENTS = "main_params", "optimizer_moments"
 """The pinned-host backend's two kinds of tag of the optimizer state: its fp32 main weights, and its
 moments (Adam's), which a memory plan may put to sleep apart; each in `optimizer_pieces` tags
 (`optimizer_moments.0` …: `choices.memory_tag_pieces`)."""
-OPTIMIZER_STEP = "optimizer_step"
-"""The part of a train's measured phase that its optimizer steps take (`gpu_memory.phase_part`): the memory
-plan's figure for a turn whose optimizer state wakes for the step alone."""
-PASSES = "passes"
-"""The rest of a train's measured phase beside `OPTIMIZER_STEP`: its forward and backward passes."""
+PASSES, OPTIMIZER_STEP = TRAIN_PARTS
+"""A train's measured phase in two (`gpu_memory.phase_part`): the passes, the rest beside its optimizer steps."""
 BASE = "base"
 """The memory tag of a LoRA model's frozen base (every parameter that does not train)."""
 

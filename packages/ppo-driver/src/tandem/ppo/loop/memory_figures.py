@@ -21,7 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
-from tandem.megatron.runtime.gpu_memory import CACHED
+from tandem.megatron.choices import TRAIN_PARTS as WORKER_TRAIN_PARTS
+from tandem.megatron.runtime.gpu_memory import CACHED, PART_SEPARATOR
 from tandem.ppo.loop.memory_model import (
     GpuBudget,
     MemoryModel,
@@ -64,7 +65,10 @@ train and log-probs, and the actor's weight export during the engines' `weights`
 buckets sit on the engines' GPU beside them, colocated)."""
 
 
-TRAIN_PARTS: Mapping[str, str] = {"train/passes": "passes", "train/optimizer_step": "step"}
+TRAIN_PARTS: Mapping[str, str] = {
+    f"train{PART_SEPARATOR}{part}": field
+    for part, field in zip(WORKER_TRAIN_PARTS, ("passes", "step"), strict=True)
+}
 """A train worker's parts of its `train` phase (`phase_peaks`' keys) as the fields of the role's `TrainSplit`."""
 
 

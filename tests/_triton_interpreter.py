@@ -59,6 +59,6 @@ def kernel_test(fn: Any) -> Any:
     and is skipped elsewhere, where one interpreted subprocess runs them all."""
     skip = pytest.mark.skipif(
         not (ON_GPU or INTERPRETED),
-        reason="no GPU: run in Triton's interpreter by tests/megatron/test_kernels_interpreted.py",
+        reason="no GPU: run in Triton's interpreter by tests/test_kernels_interpreted.py",
     )
     return pytest.mark.triton_kernels(skip(fn))

@@ -1,6 +1,6 @@
 """The Triton RoPE kernel (`models._rope_kernels`) against the eager rotation `rope.rope_rotate`.
 
-The kernel tests (`kernel_test`) run on CUDA on a GPU; without one, test_kernels_interpreted.py
+The kernel tests (`kernel_test`) run on CUDA on a GPU; without one, tests/test_kernels_interpreted.py
 runs them in a subprocess under Triton's interpreter, its bf16 casts made the GPU's.
 
 - Drawn shapes (hypothesis): rows strided over the heads (q and k are views of the fused

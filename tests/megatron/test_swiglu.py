@@ -1,6 +1,6 @@
 """The Triton SwiGLU (`models.swiglu`, `_swiglu_kernels`) against Megatron's eager SwiGLU, and its hook.
 
-The kernel tests (`kernel_test`) run on CUDA on a GPU; without one, test_kernels_interpreted.py
+The kernel tests (`kernel_test`) run on CUDA on a GPU; without one, tests/test_kernels_interpreted.py
 runs them in a subprocess under Triton's interpreter, its bf16 casts made the GPU's.
 
 - Drawn shapes and dtypes (hypothesis): values and gradients as eager's, each within one rounding

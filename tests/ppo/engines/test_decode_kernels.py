@@ -2,7 +2,7 @@
 
 On a CUDA host the kernels are compiled and run on the GPU. Elsewhere they run in
 Triton's interpreter on CPU tensors, which must be switched on before triton is
-imported: test_decode_kernels_interpreted.py runs this file in a subprocess with
+imported: tests/test_kernels_interpreted.py runs this file in a subprocess with
 TRITON_INTERPRET=1 (here they skip). The interpreter is slow: shapes are tiny and
 hypothesis draws few examples.
 """
@@ -26,13 +26,14 @@ from .conftest import make_tiny_model, random_prompts, save_model
 
 # On a GPU host these are `gpu` tests (the GPU suite runs `-m gpu`); elsewhere they run only in the
 # interpreter's subprocess, which sees no GPU.
-pytestmark = (
+pytestmark = [
+    pytest.mark.triton_kernels,
     pytest.mark.gpu
     if torch.cuda.is_available() and not INTERPRETED
     else pytest.mark.skipif(
-        not INTERPRETED, reason="no GPU: run in Triton's interpreter by test_decode_kernels_interpreted.py"
-    )
-)
+        not INTERPRETED, reason="no GPU: run in Triton's interpreter by tests/test_kernels_interpreted.py"
+    ),
+]
 
 REFERENCE = ReferenceOps()
 DTYPES = [torch.float32, torch.bfloat16]

@@ -2,7 +2,7 @@
 against the torch path, and the change counter and the engine that use it.
 
 On a CUDA host the kernel is compiled and runs on the GPU (a `gpu` test); elsewhere it runs in
-Triton's interpreter, in the subprocess of test_decode_kernels_interpreted.py (here it skips).
+Triton's interpreter, in the subprocess of tests/test_kernels_interpreted.py (here it skips).
 The interpreter is slow: sizes stay small and hypothesis draws few examples.
 """
 
@@ -23,13 +23,14 @@ from tandem.ppo.engines._weight_changes import ChangeCounter, count_and_copy
 from ..._triton_interpreter import INTERPRETED, patch_interpreter_numerics
 from .test_weight_changes import assert_counts_of_hand_edits
 
-pytestmark = (
+pytestmark = [
+    pytest.mark.triton_kernels,
     pytest.mark.gpu
     if torch.cuda.is_available() and not INTERPRETED
     else pytest.mark.skipif(
-        not INTERPRETED, reason="no GPU: run in Triton's interpreter by test_decode_kernels_interpreted.py"
-    )
-)
+        not INTERPRETED, reason="no GPU: run in Triton's interpreter by tests/test_kernels_interpreted.py"
+    ),
+]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 # No shrinking: in the interpreter it takes minutes; a failure reports the example as drawn.

@@ -26,7 +26,9 @@ GPU host, from the repo root (about 100 s for the default shape):
 A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of ours
 (`tandem.megatron.models.rope`); the JSON records `fused_rope` (what the model ran) and
 `fused_rope_flag` (null: the default). `--rope-kernels compiled` runs our RoPE as the
-`torch.compile`d functions instead of the Triton kernel (`rope.KERNELS`).
+`torch.compile`d functions instead of the Triton kernel (`rope.KERNELS`). `--no-fused-swiglu`
+runs Megatron's eager SwiGLU instead of our kernels (`fused_swiglu`; the JSON's `fused_swiglu` is
+what the model ran, `fused_swiglu_flag` the flag).
 `--sdpa-cudnn` lets the attention use cuDNN's kernel, which `models/attention.py`
 leaves out by default. `--no-head-at-responses` runs the actor's vocabulary head over every
 position (prompts and padding too) instead of the response positions alone
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tandem.megatron.config import WorkerConfig
-    from tandem.megatron.models import rope, unwrap_model
+    from tandem.megatron.models import rope, swiglu, unwrap_model
     from tandem.megatron.worker import TrainWorker
     from tandem.megatron.worker.parallel import free_port
 
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fused_log_probs_flag": args.fused_log_probs,
         "head_at_responses": args.head_at_responses,
         "jit_fusions": args.jit_fusions,
-        "fused_swiglu": args.fused_swiglu,
+        "fused_swiglu_flag": args.fused_swiglu,
         "fused_rope_flag": args.fused_rope,
         "rope_kernels": args.rope_kernels,
     }
@@ -224,7 +226,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["init_s"] = time.time() - t0
     # What the built model runs (the flag's None means auto: on with CUDA).
     assert worker._trainee is not None
-    report["fused_rope"] = unwrap_model(worker._trainee.chunks).config.apply_rope_fusion
+    model_config = unwrap_model(worker._trainee.chunks).config
+    report["fused_rope"] = model_config.apply_rope_fusion
+    report["fused_swiglu"] = model_config.bias_activation_fusion and swiglu.installed()
 
     def batch_of(seed: int) -> Any:
         return single.make_probe_batch(
@@ -356,7 +360,7 @@ def print_summary(r: dict[str, Any]) -> None:
     print(
         f"\n{r['params'] / 1e9:.2f} B params, {r['samples_per_train']} x {r['shape']['seq_len']} tokens a train(), "
         f"micro batch {r['micro_batch_size']}{', packed' if r['packed'] else ''}, "
-        f"fused RoPE {'on' if r['fused_rope'] else 'off'}; {r.get('gpu')}, torch {r['torch']}"
+        f"fused RoPE {'on' if r['fused_rope'] else 'off'}, SwiGLU kernels {'on' if r['fused_swiglu'] else 'off'}; {r.get('gpu')}, torch {r['torch']}"
     )
     print(
         f"train() {statistics.median(r['train_s']):.2f} s ({r['tokens_per_s_train']:.0f} tokens/s, "
@@ -457,8 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fused-swiglu",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="WorkerConfig.fused_swiglu: the MLP's SwiGLU as one Triton kernel forward and one backward",
+        default=None,
+        help="WorkerConfig.fused_swiglu: the MLP's SwiGLU as one Triton kernel forward and one backward "
+        "or Megatron's eager one; default: on with CUDA",
     )
     p.add_argument(
         "--sdpa-cudnn",

@@ -145,3 +145,28 @@ def test_a_model_with_the_hook_computes_what_megatrons_eager_swiglu_does(
             assert torch.equal(fused[name], expected), name
     expected = unfused["sbhd_no_grad:logits"]
     assert (r["no_silu:logits"] - expected).abs().max().item() > 1e-3 * expected.abs().max().item()
+
+
+def test_the_kernels_are_on_by_default_where_the_model_is_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fused_swiglu` None (`WorkerConfig`'s default) runs the kernels on CUDA with Triton, eager on CPU
+    or without Triton; True and False are taken as given; `build_model` refuses anything else."""
+    import dataclasses
+    import importlib.util
+
+    from tandem.megatron.config import WorkerConfig
+    from tandem.megatron.models import build_model
+    from tandem.megatron.models.networks import uses_fused_swiglu
+
+    assert {f.name: f for f in dataclasses.fields(WorkerConfig)}["fused_swiglu"].default is None
+    assert uses_fused_swiglu(None, on_cuda=True) == (importlib.util.find_spec("triton") is not None)
+    assert not uses_fused_swiglu(None, on_cuda=False)
+    for on_cuda in (False, True):
+        assert uses_fused_swiglu(True, on_cuda=on_cuda) and not uses_fused_swiglu(False, on_cuda=on_cuda)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
+    )
+    assert not uses_fused_swiglu(None, on_cuda=True)
+    spec: Any = None  # never reached: the arguments are checked first
+    with pytest.raises(ValueError, match="fused_swiglu 'yes' must be True, False or None"):
+        build_model(spec, "actor", fused_swiglu="yes")  # type: ignore[arg-type]

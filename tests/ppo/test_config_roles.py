@@ -173,7 +173,7 @@ FREE: dict[str, st.SearchStrategy[Any]] = {
     "fused_log_probs": _one_of(None, False),
     "head_at_responses": st.booleans(),
     "jit_fusions": st.booleans(),
-    "fused_swiglu": st.booleans(),
+    "fused_swiglu": _one_of(None, False, True),
     "offload_backend": _one_of("pinned_host", "none"),
     "offload_grads": st.booleans(),
     "background_optimizer_wake": st.booleans(),

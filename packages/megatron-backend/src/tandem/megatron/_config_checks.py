@@ -113,12 +113,11 @@ def check_choices(config: Any) -> None:
         "background_optimizer_wake",
         "grpo_std_normalization",
         "jit_fusions",
-        "fused_swiglu",
         "lora_base_offload",
     ):
         if not isinstance(getattr(config, name), bool):
             raise FieldError(name, f"got {getattr(config, name)!r}; it must be True or False")
-    for name in ("fused_rope", "fused_log_probs", "lora_base_share"):
+    for name in ("fused_rope", "fused_swiglu", "fused_log_probs", "lora_base_share"):
         value = getattr(config, name)
         if value is not None and not isinstance(value, bool):
             raise FieldError(name, f"got {value!r}; it must be True, False or None (auto)")

@@ -110,12 +110,14 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     Megatron's eager RoPE on one H100, and packed 2.03 s instead of 2.19 s (the mean of three calls)
     with the compiled functions; off on CPU, where ours are `torch.compile`d (~20 s of compiling)."""
 
-    fused_swiglu: bool = False
-    """The MLP's SwiGLU as one Triton kernel forward and one backward on CUDA (`models/swiglu.py`)
-    instead of Megatron's eager SiLU, multiply and concatenation (0.29 s of a 0.5B actor `train()`'s
-    1.54 s of kernels, one H100); autograd then keeps the MLP's input alone, not the SiLU's output
-    beside it. The forward equals Megatron's bit for bit in bf16, the backward within its last bit.
-    Off until a GPU A/B chooses it (`bench/train_profile.py --fused-swiglu`); eager on CPU."""
+    fused_swiglu: bool | None = None
+    """The MLP's SwiGLU as one Triton kernel forward and one backward (`models/swiglu.py`) instead
+    of Megatron's eager SiLU, multiply and concatenation; autograd then keeps the MLP's input alone,
+    not the SiLU's output beside it (a third of the MLP's activations a layer). The forward equals
+    Megatron's bit for bit in bf16, the backward within its last bit. None: on where the model is
+    on CUDA with Triton (`models.networks.uses_fused_swiglu`): on one H100 a 0.5B critic's `train()`
+    at micro batch 64 took 0.95 s against 1.16 s eager, and the actor's fit at micro batch 64 only
+    with the kernels (1.20 s; eager 1.41 s at 32); eager on CPU."""
 
     jit_fusions: bool = False
     """Megatron's `torch.compile`d fusions of the SwiGLU activation and of the residual add

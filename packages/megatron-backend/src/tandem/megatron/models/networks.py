@@ -17,6 +17,7 @@ exported weights allocates that dtype.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -84,6 +85,20 @@ def uses_fused_rope(fused_rope: bool | None, *, on_cuda: bool) -> bool:
     return on_cuda
 
 
+def uses_fused_swiglu(fused_swiglu: bool | None, *, on_cuda: bool) -> bool:
+    """Whether a model's MLPs run the SwiGLU with our Triton kernels (`swiglu.py`): `fused_swiglu`, or
+    where None on CUDA with Triton installed (it comes with PyTorch's CUDA builds); eager on CPU.
+
+    A/B on one H100 (docs/benchmarks.md, "The SwiGLU kernels at micro batch 64"): a 0.5B critic's
+    `train()` at micro batch 64 took 0.95 s against 1.16 s eager; the actor's 1.20 s, where eager
+    ran out of memory at that micro batch (the kernels keep the MLP's input alone for the backward,
+    eager the SiLU's output beside it) and took 1.41 s at micro batch 32. At micro batch 16 the
+    trains' host, not their kernels, set the pace: there the kernels changed neither train."""
+    if fused_swiglu is not None:
+        return fused_swiglu
+    return on_cuda and importlib.util.find_spec("triton") is not None
+
+
 def unwrap_model(model: Any) -> Any:
     """The `GPTModel` inside wrappers such as Megatron's DDP or Float16Module (`.module` chains)."""
     from megatron.core.models.gpt import GPTModel
@@ -110,7 +125,7 @@ def build_model(
     attention: Attention = "sdpa",
     packed_attention: PackedAttention = "auto",
     fused_rope: bool | None = None,
-    fused_swiglu: bool = False,
+    fused_swiglu: bool | None = None,
     vocab_multiple: int = 128,
     **config_overrides: Any,
 ) -> nn.Module:
@@ -137,7 +152,8 @@ def build_model(
             model is built on CUDA (`uses_fused_rope`), else off.
         fused_swiglu: the MLP's SwiGLU as one Triton kernel forward and one backward on CUDA
             (`swiglu.py`; keeps the MLP's input alone for the backward), through Megatron's
-            `bias_activation_fusion`, whatever `config_overrides` says of that field.
+            `bias_activation_fusion`, whatever `config_overrides` says of that field; None: on
+            where the model is on CUDA (`uses_fused_swiglu`).
         vocab_multiple: the embedding and the output head get `spec.padded_vocab_size(TP,
             vocab_multiple)` rows (Megatron's `make_vocab_size_divisible_by`); the model's
             `tandem_vocab_size` keeps the real size, whose logits alone are normalised.
@@ -150,6 +166,8 @@ def build_model(
         raise ValueError(f"build_model: attention {attention!r} is not one of {_ATTENTIONS}")
     if not (fused_rope is None or isinstance(fused_rope, bool)):
         raise ValueError(f"build_model: fused_rope {fused_rope!r} must be True, False or None (auto)")
+    if not (fused_swiglu is None or isinstance(fused_swiglu, bool)):
+        raise ValueError(f"build_model: fused_swiglu {fused_swiglu!r} must be True, False or None (auto)")
     if packed_attention not in ("auto", "blocks", "varlen"):
         raise ValueError(
             f"build_model: packed_attention {packed_attention!r}; choose 'auto', 'blocks' or 'varlen'"
@@ -187,7 +205,7 @@ def build_model(
     # Loss functions return (sum, count, metrics): see forward.run_micro_batches.
     config_overrides.setdefault("calculate_per_token_loss", True)
     # The model lands on CUDA whenever torch sees a GPU (the end of this function).
-    if fused_swiglu:
+    if uses_fused_swiglu(fused_swiglu, on_cuda=torch.cuda.is_available()):
         # Megatron's MLP calls `bias_swiglu_impl` (ours, once installed) only with this fusion on.
         swiglu.install()
         config_overrides["bias_activation_fusion"] = True

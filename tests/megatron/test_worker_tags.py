@@ -246,3 +246,32 @@ def test_a_train_that_wakes_the_optimizer_state_for_its_steps_alone_trains_exact
     actor.run("keep_asleep_for_passes", [])
     with pytest.raises(ray.exceptions.RayTaskError, match=r"keep_asleep_for_passes: tags \['adam'\]"):
         actor.run("keep_asleep_for_passes", ["adam"])
+
+
+def assert_parts_sum_to_total(train_time: dict[str, float]) -> None:
+    parts = {k: v for k, v in train_time.items() if k != "total"}
+    assert all(v >= 0 for v in train_time.values()) and train_time["total"] > 0
+    assert sum(parts.values()) == pytest.approx(train_time["total"], rel=1e-9, abs=1e-9)
+
+
+def test_a_train_says_where_its_seconds_went(actor: TrainGroup) -> None:
+    # Two optimizer steps a train (8 samples, 4 a step): the old log-probs are a forward of their own, and
+    # the KL loss's reference log-probs another, with the reference weights swapped in.
+    actor.wake_up()
+    out = ray.get(actor.train(7, put_rollout(seed=7)))
+    for result in out:
+        assert result.train_time.keys() == {
+            "old_log_probs",
+            "reference_log_probs",
+            "passes",
+            "optimizer_step",
+            "other",
+            "total",
+        }
+        assert_parts_sum_to_total(result.train_time)
+    # Given the log-probs (the KL-first plan), the train runs neither forward of its own.
+    data = put_rollout(seed=8)
+    given = ray.get(actor.compute_log_probs(8, data))
+    for result in ray.get(actor.train(8, data, log_probs=given)):
+        assert result.train_time.keys() == {"passes", "optimizer_step", "other", "total"}
+        assert_parts_sum_to_total(result.train_time)

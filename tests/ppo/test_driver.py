@@ -56,6 +56,16 @@ def test_demo_task_learns(tmp_path: Path, ray_cluster: str) -> None:
         assert 0 <= m["actor/sampler_log_prob_gap"] < 1e-4
         assert 0 <= m["reward/tied_groups"] <= 1
     assert summary.metrics[-1]["critic/explained_variance_window"] > 0.3
+    # Where each train's seconds went, inside the step's phase of that train: the parts sum to the train's
+    # own wall on the worker. The demo's models take four optimizer steps a rollout, so the actor's old
+    # log-probs and the critic's old values are forwards of their own; no KL, so no reference's.
+    expected = {"actor": "old_log_probs", "critic": "old_values"}
+    for m in summary.metrics:
+        for role, forward in expected.items():
+            parts = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith(f"train_time/{role}/")}
+            assert parts.keys() == {forward, "passes", "optimizer_step", "other", "total"}, parts
+            assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"])
+            assert 0 < parts["total"] <= m[f"time/{role}_train"]
 
 
 def test_event_order_follows_the_plan(kl_first_run: KlFirstRun) -> None:

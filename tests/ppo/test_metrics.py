@@ -225,3 +225,23 @@ def test_the_adaptive_kl_coefficient_is_replayed_from_the_steps_so_far() -> None
     # Without a target the coefficient is the workers' own kl_coef: nothing to pass.
     fixed = PPOConfig(rollout_batch_size=8, n_samples_per_prompt=4, kl_coef=0.01)
     assert kl_coef_of_step(fixed, history) is None
+
+
+def test_a_roles_train_time_is_the_slowest_ranks_by_part() -> None:
+    from tandem.megatron.payloads import TrainResult
+    from tandem.ppo.loop.step_metrics import role_metrics
+
+    ranks = [
+        TrainResult(
+            metrics={"pg_loss": 0.5}, train_time={"passes": 1.0, "optimizer_step": 0.5, "total": 2.0}
+        ),
+        TrainResult(
+            metrics={"pg_loss": 0.5}, train_time={"passes": 1.5, "optimizer_step": 0.25, "total": 1.9}
+        ),
+    ]
+    assert role_metrics("actor", ranks) == {
+        "actor/pg_loss": 0.5,
+        "train_time/actor/passes": 1.5,
+        "train_time/actor/optimizer_step": 0.5,
+        "train_time/actor/total": 2.0,
+    }

@@ -96,12 +96,15 @@ class TrainResult:
         step_moves: the seconds this rank's wakes and sleeps of the tags kept asleep through the passes
             took, around its optimizer steps (`step_wake_s`, `step_sleep_s`; `TrainWorker.keep_asleep_for_passes`),
             and the GiB they moved, both ways (`step_moved_gib`), not reduced; empty without such tags.
+        train_time: this rank's seconds of the train by part (`worker.train_clock`: the forward passes of
+            their own, the update's passes, the optimizer steps, `other` and `total`), not reduced.
     """
 
     metrics: dict[str, float]
     allocator: dict[str, float] = field(default_factory=dict)
     values: CriticValues | None = None
     step_moves: dict[str, float] = field(default_factory=dict)
+    train_time: dict[str, float] = field(default_factory=dict)
 
 
 type Payload = CriticValues | ActorLogProbs

@@ -36,6 +36,7 @@ from tandem.megatron.runtime.gpu_memory import phase_part, resident_change
 from tandem.megatron.worker.checkpoint import TrainState
 from tandem.megatron.worker.memory import StepWakes, storage_piece
 from tandem.megatron.worker.optimizer import OptimizerBundle, build_optimizer, wrap_ddp
+from tandem.megatron.worker.train_clock import TrainClock, timed_part
 
 WEIGHTS, GRADS, OPTIMIZER = "weights", "grads", "optimizer"
 """Memory tags: weights can come back alone (weight export while asleep). `optimizer` is
@@ -72,6 +73,7 @@ class Trainee:
             (`WorkerConfig.needs_reference`), and with LoRA (the reference is the base).
         lora: the role's LoRA settings; None when it trains in full.
         step_wakes: the tags this train wakes for each optimizer step alone (`StepWakes`); None: none.
+        clock: the train's seconds by part (`TrainClock`); None outside a worker's train.
     """
 
     role: Role
@@ -86,6 +88,8 @@ class Trainee:
     step_wakes: StepWakes | None = None
     """Set by the worker for one train (`TrainWorker.keep_asleep_for_passes`): tags asleep through the passes,
     woken for each optimizer step."""
+    clock: TrainClock | None = None
+    """Set by the worker for one train: the train's seconds by part (`train_clock`)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -108,7 +112,10 @@ class Trainee:
         Where `step_wakes` is set (a plan's `at_step`), its tags wake for the step and sleep after it. The step
         is a part of the train's measured phase (`OPTIMIZER_STEP`), its allocator peak kept apart from the
         passes'."""
-        with self.step_wakes.around_step() if self.step_wakes is not None else contextlib.nullcontext():
+        with (
+            timed_part(self.clock, "optimizer_step"),
+            self.step_wakes.around_step() if self.step_wakes is not None else contextlib.nullcontext(),
+        ):
             self.join_optimizer()
             # The first step creates Adam's moments, which then stay: resident state, not the phase's transient.
             with phase_part(OPTIMIZER_STEP), self.backend.region(OPTIMIZER), resident_change():

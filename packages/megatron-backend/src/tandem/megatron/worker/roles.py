@@ -53,6 +53,7 @@ from tandem.megatron.worker.role_losses import (
     critic_loss,
 )
 from tandem.megatron.worker.targets import actor_targets, clipped_rewards, critic_targets, reward_signal
+from tandem.megatron.worker.train_clock import timed_part
 from tandem.megatron.worker.train_step import reduce_metrics, train_step
 from tandem.value_transfer import pack_values
 
@@ -154,14 +155,15 @@ def train_critic(
     from_update = config.reuses_old_values
     old_values = None
     if not from_update:
-        old_values = forward_only(
-            trainee.chunks,
-            batch,
-            role="critic",
-            micro_batch_size=config.forward_micro_batch_size,
-            packed=config.use_sequence_packing,
-            max_tokens=config.micro_batch_tokens(forward_only=True),
-        )
+        with timed_part(trainee.clock, "old_values"):
+            old_values = forward_only(
+                trainee.chunks,
+                batch,
+                role="critic",
+                micro_batch_size=config.forward_micro_batch_size,
+                packed=config.use_sequence_packing,
+                max_tokens=config.micro_batch_tokens(forward_only=True),
+            )
     # 2. targets, on the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}
     rewards: torch.Tensor | None = None
@@ -275,13 +277,16 @@ def train_actor(
     # With one epoch and one optimizer step the update's own forward supplies them instead
     # (reuse_old_log_probs; decided from the config, alike on every rank).
     from_update = not reuse_old and config.reuses_old_log_probs
-    old_log_probs = given_old if reuse_old else None if from_update else _actor_log_probs(trainee, batch)
+    old_log_probs = given_old if reuse_old else None
+    if not reuse_old and not from_update:
+        with timed_part(trainee.clock, "old_log_probs"):
+            old_log_probs = _actor_log_probs(trainee, batch)
     ref_log_probs = None
     if needs_ref:
         if reuse_ref:
             ref_log_probs = given_ref
         else:
-            with trainee.reference_weights():
+            with timed_part(trainee.clock, "reference_log_probs"), trainee.reference_weights():
                 ref_log_probs = _actor_log_probs(trainee, batch)
     # 2. targets, on the critic's values and the (KL-folded) rewards
     figures: dict[str, torch.Tensor] = {}

@@ -34,6 +34,7 @@ from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.worker._trainee import Trainee
 from tandem.megatron.worker.forward import plan_micro_batches, run_micro_batches
 from tandem.megatron.worker.response_outputs import ResponseOutputs
+from tandem.megatron.worker.train_clock import timed_part
 
 COUNT = "count"
 """The key under which each step's loss denominator travels with the metric numerators."""
@@ -130,25 +131,26 @@ def train_step(
             # 2. one minibatch, one optimizer step
             minibatch = batch.select(order[start : start + size])
             # 3. gradients of the step's exact mean loss
-            trainee.optim.zero_grad(trainee.chunks)
-            results = run_micro_batches(
-                trainee.chunks,
-                plan_micro_batches(
-                    minibatch,
-                    micro_batch_size=config.micro_batch_size,
-                    max_tokens=config.micro_batch_tokens(forward_only=False),
+            with timed_part(trainee.clock, "passes"):
+                trainee.optim.zero_grad(trainee.chunks)
+                results = run_micro_batches(
+                    trainee.chunks,
+                    plan_micro_batches(
+                        minibatch,
+                        micro_batch_size=config.micro_batch_size,
+                        max_tokens=config.micro_batch_tokens(forward_only=False),
+                        packed=config.use_sequence_packing,
+                    ),
+                    role=trainee.role,
+                    temperature=config.temperature,
+                    backward=True,
+                    loss_fn=counted,
+                    with_entropy=with_entropy,
                     packed=config.use_sequence_packing,
-                ),
-                role=trainee.role,
-                temperature=config.temperature,
-                backward=True,
-                loss_fn=counted,
-                with_entropy=with_entropy,
-                packed=config.use_sequence_packing,
-                log_probs_chunk_tokens=config.log_probs_chunk_tokens,
-                fused_log_probs=config.fused_log_probs,
-                head_at_responses=config.head_at_responses,
-            )
+                    log_probs_chunk_tokens=config.log_probs_chunk_tokens,
+                    fused_log_probs=config.fused_log_probs,
+                    head_at_responses=config.head_at_responses,
+                )
             # 4. the optimizer step
             norm, sums.lr = trainee.optimizer_step()
             sums.grad_norms.append(norm)

@@ -49,6 +49,7 @@ from tandem.megatron.worker.startup import (
     keep_tensor_pickles_portable,
     resolve_device,
 )
+from tandem.megatron.worker.train_clock import TrainClock
 from tandem.megatron.worker.weight_export import WeightReceiver, send_weights
 
 __all__ = ["TrainWorker", "WeightReceiver"]
@@ -170,17 +171,21 @@ class TrainWorker:
             kl_coef=kl_coef,
         )
         trainee.step_wakes = step_wakes
+        trainee.clock = clock = TrainClock(trainee.device)
         try:
             with AllocatorCalls() as calls, memory.measure("train", outside=PASSES):
                 out = train()
+                clock.stop()
         finally:
-            trainee.step_wakes = None
+            trainee.step_wakes = trainee.clock = None
         if step_wakes is None:
             memory.record_state()  # the optimizer's moments exist from the first step on
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep, and
         # the seconds of the optimizer state's wakes and sleeps around each step.
         moves = {} if step_wakes is None else step_wakes.figures()
-        return dataclasses.replace(out, allocator=calls.metrics(), step_moves=moves)
+        return dataclasses.replace(
+            out, allocator=calls.metrics(), step_moves=moves, train_time=clock.figures()
+        )
 
     def keep_asleep_for_passes(self, tags: list[str] | None) -> None:
         """The memory tags this worker's trains keep asleep through their forward and backward passes, from

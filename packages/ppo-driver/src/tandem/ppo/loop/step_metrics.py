@@ -2,7 +2,8 @@
 
 The names are the run's contract (metrics.jsonl, TensorBoard, the trackers, the
 plots): `critic/*` and `actor/*` as the workers report them, `alloc/<role>_train/*`,
-`policy/*` (what the weight sync changed in the engines' weights), the aliases
+`train_time/<role>/*` (where each train's seconds went), `policy/*` (what the weight sync changed
+in the engines' weights), the aliases
 `loss/policy`, `loss/value`, `actor/kl`, and `time/step` (the step's one wall clock)
 with the throughput derived from it.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "policy_metrics",
     "role_metrics",
     "step_metrics",
+    "train_time",
 ]
 
 KL_COEF = "kl/reward_coef"
@@ -72,9 +74,26 @@ def kl_coef_of_step(config: WorkerFields, metrics_so_far: list[dict[str, Any]]) 
     )
 
 
+def train_time(role: str, out: list[TrainResult]) -> dict[str, float]:
+    """`train_time/<role>/<part>`: the most any rank's train spent in each part (`TrainResult.train_time`:
+    `old_log_probs`, `reference_log_probs`, `old_values`, `passes`, `optimizer_step`, `other`, and `total`,
+    the train's own wall clock inside the step's `time/<role>_train`). Not phases of the step's clock."""
+    figures: dict[str, float] = {}
+    for rank_out in out:
+        for part, seconds in rank_out.train_time.items():
+            key = f"train_time/{role}/{part}"
+            figures[key] = max(figures.get(key, 0.0), float(seconds))
+    return figures
+
+
 def role_metrics(role: str, out: list[TrainResult]) -> dict[str, float]:
-    """A role's train figures under `<role>/` (the same on every rank: rank 0's) and its allocator calls."""
-    return {f"{role}/{k}": v for k, v in out[0].metrics.items()} | allocator_calls(role, out)
+    """A role's train figures under `<role>/` (the same on every rank: rank 0's), its allocator calls and
+    where its train's seconds went (`train_time`)."""
+    return (
+        {f"{role}/{k}": v for k, v in out[0].metrics.items()}
+        | allocator_calls(role, out)
+        | train_time(role, out)
+    )
 
 
 def policy_metrics(changes: dict[str, float] | None) -> dict[str, float]:

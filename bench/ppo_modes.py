@@ -183,6 +183,11 @@ def summarize_mode(
     keys = sorted({k for s in steady for k in s if k.startswith("time/")})
     phase_s = {k[5:]: mean([float(s.get(k, 0.0)) for s in steady]) for k in keys}
     result["phase_s_mean"] = phase_s
+    # Inside each train's phase, where its seconds went on the worker (`train_time/<role>/<part>`).
+    inside = sorted({k for s in steady for k in s if k.startswith("train_time/")})
+    result["train_time_s_mean"] = {
+        k.removeprefix("train_time/"): mean([float(s.get(k, 0.0)) for s in steady]) for k in inside
+    }
     step_s = phase_s.get("step")
     result["step_s_mean"] = step_s
     adds = sum(phase_s.get(p) or 0.0 for p in SHARING_PHASES)

@@ -227,6 +227,10 @@ def print_summary(report: dict[str, Any]) -> None:
         cells = [(modes[m].get("phase_s_mean") or {}).get(p) for m in names]
         if any(c is not None for c in cells):
             print(f"| {p} | " + " | ".join(fmt(c) for c in cells) + " |")
+    inside = sorted({k for m in names for k in modes[m].get("train_time_s_mean") or {}})
+    for key in inside:  # inside each train's phase: its seconds by part on the worker
+        cells = [(modes[m].get("train_time_s_mean") or {}).get(key) for m in names]
+        print(f"| in the train: {key} | " + " | ".join(fmt(c) for c in cells) + " |")
     rows = {
         "sharing adds (s)": [modes[m].get("sharing_adds_s") for m in names],
         "sharing adds (% of step)": [

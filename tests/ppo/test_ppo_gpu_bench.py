@@ -72,6 +72,11 @@ def test_quick_run_writes_both_modes_the_probe_the_reward_model_and_the_teacher(
         # What each weight sync changed in the engine's weights (counted on its device) is reported.
         assert all(0 < f <= 1 for f in result["changed_fraction_since_start"]), result
         assert result["engine_weight_update_s"] > 0 and result["sampler_log_prob_gap"] >= 0
+        # Inside each train's phase, its seconds by part on the worker, within the phase's own.
+        inside = result["train_time_s_mean"]
+        for role in ("actor", "critic"):
+            assert {f"{role}/passes", f"{role}/optimizer_step", f"{role}/other"} <= inside.keys(), inside
+            assert 0 < inside[f"{role}/total"] <= result["phase_s_mean"][f"{role}_train"]
     assert report["modes"]["shared"]["config"]["offload_train"] is True
     # What the sleep backend keeps on the host (bench/capacity_bench.py reads it): shared, both models'
     # state; resident, nothing.

@@ -89,7 +89,7 @@ def uses_fused_swiglu(fused_swiglu: bool | None, *, on_cuda: bool) -> bool:
     """Whether a model's MLPs run the SwiGLU with our Triton kernels (`swiglu.py`): `fused_swiglu`, or
     where None on CUDA with Triton installed (it comes with PyTorch's CUDA builds); eager on CPU.
 
-    A/B on one H100 (docs/benchmarks.md, "The SwiGLU kernels at micro batch 64"): a 0.5B critic's
+    A/B on one H100 (docs/benchmarks.md, "the trains' micro-batch and the SwiGLU kernels"): a 0.5B critic's
     `train()` at micro batch 64 took 0.95 s against 1.16 s eager; the actor's 1.20 s, where eager
     ran out of memory at that micro batch (the kernels keep the MLP's input alone for the backward,
     eager the SiLU's output beside it) and took 1.41 s at micro batch 32. At micro batch 16 the

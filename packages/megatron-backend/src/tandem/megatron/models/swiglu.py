@@ -20,7 +20,8 @@ its own (no fused multiply-add), where torch's CUDA kernel lets the compiler fus
 `install()` routes Megatron's `bias_swiglu_impl` (what an MLP with `bias_activation_fusion=True`
 calls) here where there is no bias, no fp8 store or CPU offload, and the input is on CUDA (or,
 for the tests, `KERNELS = "triton"` under Triton's interpreter); other inputs without a bias run
-the eager SwiGLU, and calls with a bias Megatron's own function. `build_model(fused_swiglu=True)` / `WorkerConfig.fused_swiglu` install it.
+the eager SwiGLU, and calls with a bias Megatron's own function. `build_model` installs it where
+`fused_swiglu` is True, or None (`WorkerConfig`'s default) on CUDA (`networks.uses_fused_swiglu`).
 """
 
 from __future__ import annotations

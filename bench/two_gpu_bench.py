@@ -273,7 +273,7 @@ def compare_weights(a: Path, b: Path) -> dict[str, Any]:
 
 def compare_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
     """Training metrics (not times, memory or lifecycle) of two runs, step by step."""
-    skip = ("time/", "memory/", "lifecycle/", "throughput/", "perf/", "alloc/")
+    skip = ("time/", "train_time/", "memory/", "lifecycle/", "throughput/", "perf/", "alloc/")
     differing = sorted(
         {
             k

@@ -27,6 +27,13 @@ step lifecycle python3 bench/lifecycle_bench.py --gib 8 --out "$OUT/lifecycle.js
 step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$OUT/value_transfer.json"
 step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
 step swiglu python3 bench/swiglu_kernel_bench.py --out "$OUT/swiglu_kernel_bench.json"
+# The SwiGLU kernels' default (on with CUDA) against Megatron's eager SwiGLU on the packed path, rows of
+# new lengths each call (the fixed-shape A/B that chose it: docs/benchmarks.md).
+for swiglu in fused-swiglu no-fused-swiglu; do
+  step "train_packed_$swiglu" python3 bench/train_profile.py --shape qwen2.5-0.5b --seq-len 640 --prompt-len 128 \
+    --samples 256 --micro-batch-size 16 --iters 3 --no-profile --role actor --packed --varied-lengths \
+    --"$swiglu" --out "$OUT/train_packed_$swiglu.json"
+done
 step engine python3 bench/engine_bench.py --out "$OUT/engine.json"
 step ppo python3 bench/ppo_gpu_bench.py --out "$OUT"
 # Every path users take (fixed shapes, packed realistic lengths, micro-batches by tokens), shared and

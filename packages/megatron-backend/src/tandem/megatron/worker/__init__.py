@@ -1,7 +1,8 @@
 """The train worker, process side: one rank of the actor or of the critic inside its Ray actor process.
 
 `train_worker.TrainWorker` (the mechanism: train, sleep and wake, save and load,
-weights to the engines) and its process's start-up (`startup`), the role's
+weights to the engines), the figures it reports about itself (`figures`), its
+process's start-up (`startup`), the role's
 stages (`roles`, `train_step`, `forward` and its log-prob kernel `log_probs`,
 `received`), the trainee it builds (`_trainee`, `optimizer`), checkpoints
 (`checkpoint`, Megatron's shards inside `runtime.checkpoint_folder`'s protocol) and

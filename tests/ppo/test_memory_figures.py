@@ -11,9 +11,10 @@ import pytest
 
 from tandem.ppo.config import PPOConfig
 from tandem.ppo.config.flag_help import help_text
-from tandem.ppo.loop.memory_figures import MemoryFigures, measure_memory, out_of_memory, out_of_memory_note
+from tandem.ppo.loop.memory_figures import MemoryFigures, measure_memory
 from tandem.ppo.loop.memory_model import format_bytes
 from tandem.ppo.loop.memory_planner import plan_memory
+from tandem.ppo.loop.out_of_memory import out_of_memory, out_of_memory_note
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, step_schedule
 from tandem.ppo.run.errors import failure_line
 

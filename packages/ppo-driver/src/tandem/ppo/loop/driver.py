@@ -33,13 +33,8 @@ from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.hints import RunHints
-from tandem.ppo.loop.memory_figures import (
-    MemoryFigures,
-    adopt_plans,
-    out_of_memory,
-    out_of_memory_note,
-    replan_if_grown,
-)
+from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, replan_if_grown
+from tandem.ppo.loop.out_of_memory import out_of_memory, out_of_memory_note
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import (
     StepFacts,

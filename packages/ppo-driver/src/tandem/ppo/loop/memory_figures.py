@@ -9,7 +9,8 @@ their weights (`weight_bytes`), context and forward peak (`phase_peak`), and tak
 cache built), and takes from the GPU's capacity what processes outside the run hold on it
 (`foreign_bytes`). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
 and the critic's tags), `write_plans` keeps the figures and every plan as JSON in the run
-folder, and after each step `replan_if_grown` plans again where a phase's peak grew. docs/design.md, "The memory plan".
+folder, and after each step `replan_if_grown` plans again where a phase's peak grew (a step's
+out-of-memory error is told apart and explained by `out_of_memory`). docs/design.md, "The memory plan".
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from tandem.ppo.loop.memory_model import (
     RoleMemory,
     TrainSplit,
     fixed_from_gpu_memory,
-    format_bytes,
 )
 from tandem.ppo.loop.memory_plan import MemoryPlan
 from tandem.ppo.loop.memory_planner import plan_memory
@@ -44,8 +44,6 @@ __all__ = [
     "adopt_plans",
     "measure_memory",
     "measure_phases",
-    "out_of_memory",
-    "out_of_memory_note",
     "planned_roles",
     "planner",
     "read_peaks",
@@ -389,64 +387,3 @@ def schedule_from_dict(data: Mapping[str, Any]) -> StepSchedule:
     """The schedule `schedule_to_dict` wrote."""
     turns = tuple(Turn(role, work, bool(wake), bool(sleep)) for role, work, wake, sleep in data["turns"])
     return StepSchedule(turns, colocated=bool(data["colocated"]))
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is a GPU out-of-memory error, raised here or in a worker (Ray's `RayTaskError` keeps the
-    worker's exception as its `cause`, and is of its class where it can be)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
-            return True
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return False
-
-
-LIGHTER = (
-    "or give each phase less to hold: --micro-batch-size (or --max-tokens-per-gpu with "
-    "--use-dynamic-batch-size), --rollout-kv-cache-memory-fraction"
-)
-
-
-def out_of_memory_note(
-    index: int,
-    turn: Turn,
-    *,
-    plan: MemoryPlan | None,
-    figures: MemoryFigures | None,
-    memory_plan: str,
-    offload_train: bool,
-) -> str:
-    """What a step's out-of-memory error in turn `index` adds to the worker's message: the turn, the memory
-    plan's figures for it where a plan ran it, and the flags that give the turn room."""
-    where = f"out of GPU memory in turn {index} of the step ({turn.describe()})"
-    if plan is not None and figures is not None and index < len(plan.turns):
-        planned = plan.turns[index]
-        peak = max(planned.peaks.values(), default=0)
-        asleep = ", ".join(f"{r}/{g}" for r, g in sorted(planned.asleep)) or "nothing"
-        budget = figures.budget
-        return (
-            f"{where}, which the memory plan put at {format_bytes(peak)} with {asleep} asleep, of the "
-            f"{format_bytes(budget.available)} it may fill ({format_bytes(budget.capacity)} less --memory-margin-gib "
-            f"{budget.margin / 2**30:g}): the turn held more than the plan's figures, by more than the margin. "
-            f"Raise --memory-margin-gib (the plan then sleeps more) or lower --gpu-memory-gib, {LIGHTER}; "
-            "the figures and each plan: RUN_DIR/memory_plan.json"
-        )
-    if memory_plan == "fit" and offload_train:
-        return (
-            f"{where}, in the memory plan's first step, which sleeps whole roles and measures "
-            f"(--memory-plan fit): the models do not fit even taking turns; {LIGHTER.removeprefix('or ')}"
-        )
-    if offload_train:
-        return (
-            f"{where}, each model asleep outside its turns (--offload-train): {LIGHTER.removeprefix('or ')}"
-        )
-    return (
-        f"{where}, every model resident (--no-offload-train): --offload-train puts each to sleep outside "
-        f"its turns, --memory-plan fit only what a turn needs room for, {LIGHTER}"
-    )

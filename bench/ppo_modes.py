@@ -72,6 +72,8 @@ def ppo_values(
         "offload_backend": "pinned_host",
         "local_gpus": 1 if args.quick else None,
         "offload_train": mode in SHARED_MODES,
+        # `shared` is whole-role sharing, the reference the plan's modes are measured against
+        "memory_plan": "fit" if mode in FIT_MODES else "whole",
         "local_single_rank_groups": args.local_single_rank_groups,
         "keep_single_rank_groups": args.keep_single_rank_groups,
         "export_hf": False,
@@ -85,7 +87,6 @@ def ppo_values(
     if mode == NO_COUNT_MODE:
         values["policy_change_count"] = False
     if mode in FIT_MODES:
-        values["memory_plan"] = "fit"
         values["overlap_moves"] = mode != FIT_SERIAL_MODE
         if mode == FIT_NO_PREFETCH_MODE:
             values["prefetch_wakes"] = False

@@ -113,6 +113,7 @@ def run_values(args: argparse.Namespace, name: str, paths: dict[str, Path]) -> d
         "params_dtype": "float32" if args.quick else "bfloat16",
         "offload_backend": "pinned_host",
         "offload_train": not resident,
+        "memory_plan": "whole",  # sleeping is whole-role sleep here: what must change nothing
         "local_single_rank_groups": args.local_single_rank_groups,
         "keep_single_rank_groups": args.keep_single_rank_groups,
         # The same engine budget in every run, so that shared and resident generate alike.

@@ -280,14 +280,24 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_before_ray(
             "use offload_backend pinned_host, or leave it unset",
         ),
         (
-            ("--no-overlap-moves",),
+            ("--memory-plan", "whole", "--no-overlap-moves"),
             "--no-overlap-moves: set, but --memory-plan whole moves whole roles",
             "use --memory-plan fit, or drop --no-overlap-moves",
         ),
         (
-            ("--no-prefetch-wakes",),
+            ("--memory-plan", "whole", "--no-prefetch-wakes"),
             "--no-prefetch-wakes: set, but --memory-plan whole wakes each role as its turn begins",
             "use --memory-plan fit, or drop --no-prefetch-wakes",
+        ),
+        (  # the default, auto, plans nothing on the CPU (the command's --device cpu on this machine)
+            ("--no-overlap-moves",),
+            "--no-overlap-moves: set, but --memory-plan auto takes no plan on --device cpu",
+            "use --memory-plan fit with --gpu-memory-gib, or drop --no-overlap-moves",
+        ),
+        (
+            ("--no-prefetch-wakes", "--no-offload-train"),
+            "--no-prefetch-wakes: set, but --memory-plan auto takes no plan with --no-offload-train",
+            "drop --no-offload-train, or drop --no-prefetch-wakes",
         ),
         (
             ("--gpu-memory-gib", "8", "--memory-margin-gib", "8"),

@@ -430,6 +430,26 @@ def test_the_fit_plan_splits_the_optimizer_tags_in_quarters_unless_told(files: d
     assert fit.actor_config().optimizer_pieces == 4 and critic is not None and critic.optimizer_pieces == 4
     told = parse_config([*argv, "--memory-plan", "fit", "--optimizer-pieces", "2"])
     assert told.actor_config().optimizer_pieces == 2
+    # The default, auto, may plan wherever the device is not the CPU: quarters there, whole tags on the CPU.
+    gpu = [a if a != "cpu" else "auto" for a in argv]
+    assert parse_config(gpu).memory_plan == "auto" and parse_config(gpu).may_plan_memory
+    assert parse_config(gpu).actor_config().optimizer_pieces == 4
+    assert not parse_config(argv).may_plan_memory
+
+
+@pytest.mark.parametrize("plan", ["auto", "whole", "fit"])
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda"])
+@pytest.mark.parametrize("offload", [True, False])
+def test_the_run_takes_a_memory_plan_where_asked_or_where_auto_can(
+    plan: str, device: str, offload: bool
+) -> None:
+    """`may_plan_memory`: `fit` always (its checks refuse what it cannot plan), `whole` never, `auto` with the
+    models sleeping (`--offload-train`) on a device that is not the CPU."""
+    from tandem.ppo.config.file import unvalidated
+
+    config = unvalidated({"memory_plan": plan, "device": device, "offload_train": offload})
+    expected = plan == "fit" or (plan == "auto" and offload and device != "cpu")
+    assert config.may_plan_memory is expected
 
 
 @pytest.mark.parametrize("fused", [True, False])

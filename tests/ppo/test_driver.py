@@ -166,21 +166,26 @@ def test_resume_continues_exactly(
     tmp_path: Path, ray_cluster: str, straight_run: tuple[Path, RunSummary]
 ) -> None:
     straight_dir, straight = straight_run
-    # The resumed run also takes the memory plan (`--memory-plan fit`; the straight run sleeps whole roles):
-    # each start's first step runs whole, its later ones sleep only the tags each turn needs room for,
-    # which this capacity makes some and not all (the demo's figures: the engines' KV cache 8 MiB, each
-    # model's state about 1.4 MiB). Sleeping by tag must change nothing of what the run learns.
-    planned = {"memory_plan": "fit", "gpu_memory_gib": 0.0095, "memory_margin_gib": 0.0}
+    # The resumed run also takes the memory plan (the straight run sleeps whole roles): each start's first
+    # step runs whole, its later ones sleep only the tags each turn needs room for, which this capacity
+    # makes some and not all (the demo's figures: the engines' KV cache 8 MiB, each model's state about
+    # 1.4 MiB). Sleeping by tag must change nothing of what the run learns. The first start asks for the
+    # plan (`--memory-plan fit`); the second takes the default, `auto`, on a device left to the workers
+    # (`--device auto`, the CPU here), which plans wherever it has the GPU's memory: here the capacity given.
+    planned = {"gpu_memory_gib": 0.0095, "memory_margin_gib": 0.0}
     first = run_driver(
-        demo_config(tmp_path / "resumed", num_rollout=2, **RESUME_COMMON, **planned), ray_cluster
+        demo_config(tmp_path / "resumed", num_rollout=2, **RESUME_COMMON, **planned, memory_plan="fit"),
+        ray_cluster,
     )
     assert first.last_rollout_id == 1
     resumed = run_driver(
-        demo_config(tmp_path / "resumed", num_rollout=4, **RESUME_COMMON, **planned),
+        demo_config(tmp_path / "resumed", num_rollout=4, **RESUME_COMMON, **planned, device="auto"),
         ray_cluster,
         snapshot=True,
     )
     assert resumed.last_rollout_id == 3
+    log = (tmp_path / "resumed" / "logs" / "driver.log").read_text()
+    assert log.count("memory plan (--memory-plan auto): planned from the first step's figures") == 1, log
     assert "memory/moved_gib" not in resumed.metrics[0] and "memory/moved_gib" not in resumed.metrics[2]
     assert resumed.metrics[1]["memory/moved_gib"] > 0 and resumed.metrics[3]["memory/moved_gib"] > 0
     plan = json.loads((tmp_path / "resumed" / "memory_plan.json").read_text())

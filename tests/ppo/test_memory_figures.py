@@ -175,6 +175,22 @@ def test_the_note_gives_the_plans_figures_for_the_turn_and_real_flags() -> None:
         for mode, o in (("fit", True), ("whole", True), ("whole", False))
     ]
     assert "first step" in notes[1] and "--offload-train puts each to sleep" in notes[3]
+    # The default, auto: its first step measures where it may plan; where it took no plan, whole roles.
+    first, unplanned = (
+        out_of_memory_note(
+            index,
+            schedule.turns[index],
+            plan=None,
+            figures=None,
+            memory_plan="auto",
+            offload_train=True,
+            measuring=measuring,
+        )
+        for measuring in (True, False)
+    )
+    assert "first step" in first and "(--memory-plan auto)" in first
+    assert unplanned == notes[2], "as whole-role sleeping"
+    notes += [first, unplanned]
     parser_flags = _flags(
         help_text("train", PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8))
     )
@@ -223,6 +239,7 @@ def test_the_step_adds_the_note_to_a_turns_out_of_memory_error_only() -> None:
     driver.config = PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8, memory_plan="fit")
     driver.gpus = PlannedGpus(plan_memory(schedule, figures.model, figures.budget))  # type: ignore[assignment]
     driver.memory_figures = figures
+    driver.no_memory_plan = None
     error = worker_error(_oom())
     with pytest.raises(type(error)) as raised:
         driver.take_turn(FailingTurns(error), 3, schedule.turns[3])  # type: ignore[arg-type]

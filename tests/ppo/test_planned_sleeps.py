@@ -8,9 +8,11 @@ The train groups and the engines are fakes that keep each role's tags asleep; no
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from tandem.megatron.runtime.gpu_memory import CACHED
 from tandem.ppo.loop.memory_figures import (
     MemoryFigures,
+    auto_plans,
     engine_memory,
     planned_roles,
     planner,
@@ -391,6 +394,71 @@ def test_a_phase_whose_peak_grew_is_planned_again_from_the_new_figure(tmp_path: 
     assert cached.model.roles["actor"].cache == 70 * MB and cached.model.kept_cache("actor") == 70 * MB
     assert cached.model.phases == grown.model.phases, "the cache figure is no phase's"
     assert replan_if_grown(gpus, cached, tmp_path) is cached, "nothing grew since"
+
+
+class MeasuredGroup(FakeGroup):
+    """A train group that also answers what `measure_memory` asks: its tags, their bytes, its CUDA context."""
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        train = {"weights": 10 * MB, "grads": 10 * MB, "main_params": 20 * MB, "optimizer_moments": 40 * MB}
+        answers: dict[str, Any] = {
+            "memory_tags": TAGS,
+            "state_nbytes": train,
+            "gpu_memory": {"context": MB, "pid": None},
+        }
+        return [answers[method]] if method in answers else super().run(method, *args)
+
+
+@pytest.mark.parametrize(
+    ("total_mb", "gpu_memory_gib", "planned"),
+    [
+        (400, None, True),  # the engines report the GPU's memory, and the plan has room: it plans
+        (None, None, False),  # no GPU memory to plan in (a CPU engine, SGLang servers): whole roles
+        (None, 400 / 1024, True),  # ... unless it is given
+        (100, None, False),  # the plan is refused (the margin does not fit beside the turns): whole roles
+    ],
+)
+def test_auto_plans_where_the_run_can_and_else_keeps_whole_roles_and_says_why(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    total_mb: int | None,
+    gpu_memory_gib: float | None,
+    planned: bool,
+) -> None:
+    """`--memory-plan auto` after the first step: the plan where the figures can be had and the next step's
+    schedule fits, the next step's tags then moved by it; else no plan, the reason logged and returned,
+    and the next step the schedule's whole-role wakes and sleeps."""
+    schedule = step_schedule(FACTS)
+    actor, critic, events = MeasuredGroup("actor"), MeasuredGroup("critic"), Events()
+    gpus = SharedGpus(
+        engines=FakeEngines(),  # type: ignore[arg-type]
+        actor=actor,  # type: ignore[arg-type]
+        critic=critic,  # type: ignore[arg-type]
+        events=events,  # type: ignore[arg-type]
+        clock=PhaseClock(track_gpu_memory=False),
+    )
+    gpus.start_asleep(schedule)
+    actor.peaks = critic.peaks = {"train": 20 * MB, "log_probs": 8 * MB}
+    stats: dict[str, float] = {"kv_cache_gib": 30 / 1024, "sessions_gib": 0.0, "allocated_gib": 40 / 1024}
+    gpus.engine_stats = [stats if total_mb is None else {**stats, "total_gib": total_mb / 1024}]
+    config = SimpleNamespace(gpu_memory_gib=gpu_memory_gib, memory_margin_gib=4 / 1024, prefetch_wakes=True)
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        figures, why = auto_plans(gpus, config, tmp_path, schedule)
+    said = [r.getMessage() for r in caplog.records if "--memory-plan auto" in r.getMessage()]
+    assert len(said) == 1, said
+    if planned:
+        assert figures is not None and why is None and gpus.planning is not None
+        assert figures.budget.capacity == (total_mb or 400) * MB
+        _take(gpus, schedule, {"actor": actor, "critic": critic}, gpus.planning(schedule))
+        assert any(tags is not None for _, tags in actor.calls), "the plan's tag moves"
+        assert (tmp_path / "memory_plan.json").is_file()
+    else:
+        assert figures is None and why is not None and gpus.planning is None
+        assert why in said[0]
+        assert ("--gpu-memory-gib" if total_mb is None else "available") in why
+        _take(gpus, schedule, {"actor": actor, "critic": critic}, None)
+        assert all(tags is None for _, tags in actor.calls + critic.calls), "whole-role calls only"
+        assert not (tmp_path / "memory_plan.json").exists()
 
 
 def _plan_with_moves_at_once() -> tuple[StepSchedule, MemoryModel, MemoryPlan, list[int]]:

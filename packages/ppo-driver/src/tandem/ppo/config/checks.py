@@ -233,17 +233,32 @@ def _check_memory_plan(config: RunFields) -> None:
             f"--memory-margin-gib: {config.memory_margin_gib:g} GiB leaves nothing of --gpu-memory-gib "
             f"{config.gpu_memory_gib:g}; give a margin below the GPU's memory"
         )
-    if config.memory_plan == "whole":
+    if not config.may_plan_memory:
+        if config.memory_plan == "whole":
+            moves = "moves whole roles one after the other already"
+            wakes = "wakes each role as its turn begins already"
+            fix = "use --memory-plan fit"
+        else:  # auto, where it plans nothing
+            where = (
+                "with --no-offload-train (nothing sleeps)" if not config.offload_train else "on --device cpu"
+            )
+            moves = wakes = f"takes no plan {where}"
+            fix = (
+                "use --memory-plan fit with --gpu-memory-gib"
+                if config.offload_train
+                else "drop --no-offload-train"
+            )
         if not config.overlap_moves:
             raise ValueError(
-                "--no-overlap-moves: set, but --memory-plan whole moves whole roles one after the other "
-                "already; use --memory-plan fit, or drop --no-overlap-moves"
+                f"--no-overlap-moves: set, but --memory-plan {config.memory_plan} {moves}; {fix}, or drop "
+                "--no-overlap-moves"
             )
         if not config.prefetch_wakes:
             raise ValueError(
-                "--no-prefetch-wakes: set, but --memory-plan whole wakes each role as its turn begins "
-                "already; use --memory-plan fit, or drop --no-prefetch-wakes"
+                f"--no-prefetch-wakes: set, but --memory-plan {config.memory_plan} {wakes}; {fix}, or drop "
+                "--no-prefetch-wakes"
             )
+    if config.memory_plan != "fit":  # auto plans where it can (`may_plan_memory`), and keeps whole elsewhere
         return
     if not config.offload_train:
         raise ValueError(

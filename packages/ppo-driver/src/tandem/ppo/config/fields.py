@@ -42,7 +42,7 @@ def flag(name: str) -> str:
 
 
 FIT_OPTIMIZER_PIECES = 4
-"""`optimizer_pieces` under `--memory-plan fit` when unset: each optimizer tag in quarters, so that a turn
+"""`optimizer_pieces` where the run may plan its memory (`--memory-plan fit`, or `auto` on a GPU) when unset: each optimizer tag in quarters, so that a turn
 moves a quarter of a model's moments or main weights, not all of them, where that is the room it needs."""
 
 CPU_THREADS_MIN_HIDDEN_SIZE = 512
@@ -281,11 +281,7 @@ class RunFields(RolloutFields, EpisodeFields, MemoryFields, WorkerFields):
         if self.async_mode and self.reuse_old_log_probs is None:
             # A rollout one step stale: the old log-probs stay a forward of their own (auto only).
             values["reuse_old_log_probs"] = False
-        if (
-            self.optimizer_pieces is None
-            and self.memory_plan == "fit"
-            and self.offload_backend == "pinned_host"
-        ):
+        if self.optimizer_pieces is None and self.may_plan_memory and self.offload_backend == "pinned_host":
             # The plan may then sleep a part of each optimizer tag: the part a turn needs room for.
             values["optimizer_pieces"] = FIT_OPTIMIZER_PIECES
         values["cpu_threads"] = self.resolved_cpu_threads()
@@ -293,6 +289,15 @@ class RunFields(RolloutFields, EpisodeFields, MemoryFields, WorkerFields):
             # Dr.GRPO's constant: the generation budget, the longest response the engines may give.
             values["loss_norm_tokens"] = self.rollout_max_response_len
         return WorkerConfig(**values)
+
+    @property
+    def may_plan_memory(self) -> bool:
+        """Whether the run takes its memory plan after the first step: `fit`, or `auto` with `--offload-train`
+        on a device that is not the CPU (a GPU run; whether its engines report the GPU's memory is
+        known only then, `loop.memory_figures.adopt_plans`)."""
+        if self.memory_plan == "fit":
+            return True
+        return self.memory_plan == "auto" and self.offload_train and self.device != "cpu"
 
     def resolved_cpu_threads(self) -> int | None:
         """`cpu_threads`, or where None the driver's choice: this machine's cores where the models

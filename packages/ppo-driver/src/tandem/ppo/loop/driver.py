@@ -33,7 +33,7 @@ from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.hints import RunHints
-from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, replan_if_grown
+from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, auto_plans, replan_if_grown
 from tandem.ppo.loop.out_of_memory import out_of_memory, out_of_memory_note
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import (
@@ -136,7 +136,10 @@ class PPODriver:
         self.steps_here = 0
         """Steps taken since this start (the first runs the whole-role plan and measures the memory)."""
         self.memory_figures: MemoryFigures | None = None
-        """The memory plan's figures (`--memory-plan fit`), once measured."""
+        """The memory plan's figures (`--memory-plan fit`, or `auto` where it plans), once measured."""
+        self.no_memory_plan: str | None = None
+        """Under `--memory-plan auto`, why the run took no plan after its first step (`auto_plans`); None
+        before that step's end, or where it planned."""
 
     # --- setup and shutdown ------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class PPODriver:
             stopping_now=lambda: self.stopping_now,
         )
         self.gpus.start_asleep(self.between_steps())
-        self.gpus.keep_engine_stats = config.memory_plan == "fit"
+        self.gpus.keep_engine_stats = config.may_plan_memory
         self.gpus.overlap_moves = config.overlap_moves
         if self.episodes is not None:  # an episode's context is the engines'
             limits = dataclasses.replace(self.episodes.limits, max_context=self.engines.max_context_len)
@@ -303,9 +306,13 @@ class PPODriver:
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
-        if self.config.memory_plan == "fit" and self.steps_here and self.memory_figures is None:
-            # The plan from the first step's own figures.
-            self.memory_figures = adopt_plans(self.gpus, self.config, self.run_dir)
+        if self.plans_next_step():  # the plan from the first step's own figures
+            if self.config.memory_plan == "fit":
+                self.memory_figures = adopt_plans(self.gpus, self.config, self.run_dir)
+            else:
+                self.memory_figures, self.no_memory_plan = auto_plans(
+                    self.gpus, self.config, self.run_dir, schedule
+                )
         self.gpus.begin_step(schedule)  # its memory plan; a PlanError names the numbers before anything moves
         # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout (its
         # scores and the teacher's log-probs), 2. engines release, 2b. KL-first log-probs, 3. critic,
@@ -346,6 +353,16 @@ class PPODriver:
         metrics.update(self.hints.after_step(rollout_id, metrics, turns.rollout.rollout))
         return metrics
 
+    def plans_next_step(self) -> bool:
+        """Whether the memory plan is to be taken now: the run may plan (`may_plan_memory`), a step of this
+        start has run and measured, and neither a plan nor (under `auto`) the reason for none is known."""
+        return (
+            self.config.may_plan_memory
+            and self.steps_here > 0
+            and self.memory_figures is None
+            and self.no_memory_plan is None
+        )
+
     def take_turn(self, turns: StepTurns, index: int, turn: Turn) -> None:
         """Turn `index` of the step: the memory plan's tag sleeps and wakes (nothing without a plan), then the
         turn's work. An out-of-memory error gains a note: the turn, the plan's figures for it, the flags that
@@ -362,6 +379,7 @@ class PPODriver:
                         plan=self.gpus.plan,
                         figures=self.memory_figures,
                         memory_plan=self.config.memory_plan,
+                        measuring=self.config.may_plan_memory and self.no_memory_plan is None,
                         offload_train=self.config.offload_train,
                     )
                 )

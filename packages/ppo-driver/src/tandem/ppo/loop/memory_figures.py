@@ -9,7 +9,8 @@ their weights (`weight_bytes`), context and forward peak (`phase_peak`), and tak
 cache built), and takes from the GPU's capacity what processes outside the run hold on it
 (`foreign_bytes`). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
 and the critic's tags), `write_plans` keeps the figures and every plan as JSON in the run
-folder, and after each step `replan_if_grown` plans again where a phase's peak grew (a step's
+folder, (`auto_plans` under `--memory-plan auto`: a plan where the run can plan, else none
+and why), and after each step `replan_if_grown` plans again where a phase's peak grew (a step's
 out-of-memory error is told apart and explained by `out_of_memory`). docs/design.md, "The memory plan".
 """
 
@@ -323,6 +324,37 @@ def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
     figures.prefetch = config.prefetch_wakes
     _use(gpus, figures, run_dir)
     return figures
+
+
+def auto_plans(
+    gpus: SharedGpus, config: Any, run_dir: Path, schedule: StepSchedule
+) -> tuple[MemoryFigures | None, str | None]:
+    """`--memory-plan auto` after the first step: as `adopt_plans` where the run can plan, and `schedule` (the
+    next step's) fits; else no plan, and why (the figures cannot be had: a CPU run, engines that report no
+    GPU memory; or the plan is refused: the margin does not fit beside the models taking turns). Either
+    is said once in the log; without a plan each role keeps sleeping whole, as the first step did."""
+    try:
+        figures = measure_memory(
+            gpus,
+            engine_stats=gpus.engine_stats,
+            gpu_memory_gib=config.gpu_memory_gib,
+            margin_gib=config.memory_margin_gib,
+        )
+        figures.prefetch = config.prefetch_wakes
+        plan_memory(
+            schedule,
+            figures.model,
+            figures.budget,
+            planned_roles=planned_roles(schedule),
+            prefetch=figures.prefetch,
+        )
+    except ValueError as exc:  # a PlanError too: the numbers of the turn that does not fit
+        why = " ".join(str(exc).split())
+        logger.info("memory plan (--memory-plan auto): none; each role keeps sleeping whole: %s", why)
+        return None, why
+    logger.info("memory plan (--memory-plan auto): planned from the first step's figures")
+    _use(gpus, figures, run_dir)
+    return figures, None
 
 
 def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> MemoryFigures:

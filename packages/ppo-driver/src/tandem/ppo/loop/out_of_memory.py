@@ -47,9 +47,14 @@ def out_of_memory_note(
     figures: MemoryFigures | None,
     memory_plan: str,
     offload_train: bool,
+    measuring: bool | None = None,
 ) -> str:
     """What a step's out-of-memory error in turn `index` adds to the worker's message: the turn, the memory
-    plan's figures for it where a plan ran it, and the flags that give the turn room."""
+    plan's figures for it where a plan ran it, and the flags that give the turn room. `memory_plan`: the flag's
+    value; `measuring`: whether the run takes a plan once its first step has measured (None: where the flag
+    is `fit`)."""
+    if measuring is None:
+        measuring = memory_plan == "fit"
     where = f"out of GPU memory in turn {index} of the step ({turn.describe()})"
     if plan is not None and figures is not None and index < len(plan.turns):
         planned = plan.turns[index]
@@ -63,10 +68,10 @@ def out_of_memory_note(
             f"Raise --memory-margin-gib (the plan then sleeps more) or lower --gpu-memory-gib, {LIGHTER}; "
             "the figures and each plan: RUN_DIR/memory_plan.json"
         )
-    if memory_plan == "fit" and offload_train:
+    if measuring and offload_train:
         return (
             f"{where}, in the memory plan's first step, which sleeps whole roles and measures "
-            f"(--memory-plan fit): the models do not fit even taking turns; {LIGHTER.removeprefix('or ')}"
+            f"(--memory-plan {memory_plan}): the models do not fit even taking turns; {LIGHTER.removeprefix('or ')}"
         )
     if offload_train:
         return (

@@ -27,12 +27,17 @@ step lifecycle python3 bench/lifecycle_bench.py --gib 8 --out "$OUT/lifecycle.js
 step value_transfer python3 bench/value_transfer_bench.py --device cuda --out "$OUT/value_transfer.json"
 step worker python3 bench/worker_gpu_bench.py --out "$OUT/worker.json"
 step swiglu python3 bench/swiglu_kernel_bench.py --out "$OUT/swiglu_kernel_bench.json"
-# The SwiGLU kernels' default (on with CUDA) against Megatron's eager SwiGLU on the packed path, rows of
-# new lengths each call (the fixed-shape A/B that chose it: docs/benchmarks.md).
-for swiglu in fused-swiglu no-fused-swiglu; do
+# The SwiGLU kernels by the size of the call: the default (kernels from swiglu.MIN_ELEMENTS on), every call
+# (--fused-swiglu) and none (--no-fused-swiglu), on the packed path with rows of new lengths each call and
+# at micro batch 32 (docs/benchmarks.md, "the SwiGLU kernels by the size of the call").
+for swiglu in default fused-swiglu no-fused-swiglu; do
+  flag=(); [ "$swiglu" = default ] || flag=(--"$swiglu")
   step "train_packed_$swiglu" python3 bench/train_profile.py --shape qwen2.5-0.5b --seq-len 640 --prompt-len 128 \
     --samples 256 --micro-batch-size 16 --iters 3 --no-profile --role actor --packed --varied-lengths \
-    --"$swiglu" --out "$OUT/train_packed_$swiglu.json"
+    "${flag[@]}" --out "$OUT/train_packed_$swiglu.json"
+  step "train_mb32_$swiglu" python3 bench/train_profile.py --shape qwen2.5-0.5b --seq-len 640 --prompt-len 128 \
+    --samples 256 --micro-batch-size 32 --iters 3 --no-profile --role actor "${flag[@]}" \
+    --out "$OUT/train_mb32_$swiglu.json"
 done
 step engine python3 bench/engine_bench.py --out "$OUT/engine.json"
 step ppo python3 bench/ppo_gpu_bench.py --out "$OUT"

@@ -28,7 +28,8 @@ A/B of one lever: `--no-fused-rope` runs Megatron's unfused RoPE instead of ours
 `fused_rope_flag` (null: the default). `--rope-kernels compiled` runs our RoPE as the
 `torch.compile`d functions instead of the Triton kernel (`rope.KERNELS`). `--no-fused-swiglu`
 runs Megatron's eager SwiGLU instead of our kernels (`fused_swiglu`; the JSON's `fused_swiglu` is
-what the model ran, `fused_swiglu_flag` the flag).
+whether the model's MLPs call them, `swiglu_min_elements` the smallest call they take, smaller ones
+eager, `fused_swiglu_flag` the flag).
 `--sdpa-cudnn` lets the attention use cuDNN's kernel, which `models/attention.py`
 leaves out by default. `--no-head-at-responses` runs the actor's vocabulary head over every
 position (prompts and padding too) instead of the response positions alone
@@ -229,6 +230,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_config = unwrap_model(worker._trainee.chunks).config
     report["fused_rope"] = model_config.apply_rope_fusion
     report["fused_swiglu"] = model_config.bias_activation_fusion and swiglu.installed()
+    # The smallest MLP input the kernels took (smaller calls ran eager): `swiglu.MIN_ELEMENTS` under None.
+    report["swiglu_min_elements"] = swiglu._min_elements if report["fused_swiglu"] else None
 
     def batch_of(seed: int) -> Any:
         return single.make_probe_batch(
@@ -463,7 +466,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="WorkerConfig.fused_swiglu: the MLP's SwiGLU as one Triton kernel forward and one backward "
-        "or Megatron's eager one; default: on with CUDA",
+        "or Megatron's eager one; default: on with CUDA, for calls of at least swiglu.MIN_ELEMENTS (smaller eager)",
     )
     p.add_argument(
         "--sdpa-cudnn",

@@ -106,6 +106,12 @@ def test_the_hook_routes_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
     for args in ((x, bias, False, False), (x, None, True, False), (x, None, False, True)):
         swiglu.bias_swiglu_impl(*args)
     assert len(kernel_calls) == 1 and len(megatron_calls) == 3
+    # From `install(min_elements)` on, smaller inputs run eager and the rest by the kernels.
+    monkeypatch.setattr(swiglu, "_min_elements", x.numel() + 1)
+    assert torch.equal(swiglu.bias_swiglu_impl(x, None), swiglu.swiglu_eager(x))
+    large = torch.randn(3, 3, 8)
+    swiglu.bias_swiglu_impl(large, None)
+    assert [t.shape for t in kernel_calls] == [x.shape, large.shape]
 
 
 @pytest.mark.slow
@@ -115,10 +121,12 @@ def test_install_puts_the_hook_in_megatrons_mlp() -> None:
 
     before = mlp.bias_swiglu_impl
     try:
-        swiglu.install()
+        swiglu.install(min_elements=swiglu.MIN_ELEMENTS)
+        assert swiglu._min_elements == swiglu.MIN_ELEMENTS
         swiglu.install()  # idempotent: Megatron's own function is still what the hook falls back to
         assert swiglu.installed() and mlp.bias_swiglu_impl is swiglu.bias_swiglu_impl
         assert swiglu._megatron_impl is fused_bias_swiglu.bias_swiglu_impl
+        assert swiglu._min_elements == 0, "the last install's size"
     finally:
         mlp.bias_swiglu_impl = before
     assert not swiglu.installed()
@@ -155,7 +163,7 @@ def test_the_kernels_are_on_by_default_where_the_model_is_on_cuda(monkeypatch: p
 
     from tandem.megatron.config import WorkerConfig
     from tandem.megatron.models import build_model
-    from tandem.megatron.models.networks import uses_fused_swiglu
+    from tandem.megatron.models.networks import swiglu_min_elements, uses_fused_swiglu
 
     assert {f.name: f for f in dataclasses.fields(WorkerConfig)}["fused_swiglu"].default is None
     assert uses_fused_swiglu(None, on_cuda=True) == (importlib.util.find_spec("triton") is not None)
@@ -167,6 +175,8 @@ def test_the_kernels_are_on_by_default_where_the_model_is_on_cuda(monkeypatch: p
         importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
     )
     assert not uses_fused_swiglu(None, on_cuda=True)
+    # None takes the calls of at least MIN_ELEMENTS (the size from which they ran faster), True every call.
+    assert swiglu_min_elements(None) == swiglu.MIN_ELEMENTS > 0 and swiglu_min_elements(True) == 0
     spec: Any = None  # never reached: the arguments are checked first
     with pytest.raises(ValueError, match="fused_swiglu 'yes' must be True, False or None"):
         build_model(spec, "actor", fused_swiglu="yes")  # type: ignore[arg-type]

@@ -115,9 +115,11 @@ class WorkerFields(AlgorithmFields, TrainingFields):
     of Megatron's eager SiLU, multiply and concatenation; autograd then keeps the MLP's input alone,
     not the SiLU's output beside it (a third of the MLP's activations a layer). The forward equals
     Megatron's bit for bit in bf16, the backward within its last bit. None: on where the model is
-    on CUDA with Triton (`models.networks.uses_fused_swiglu`): on one H100 a 0.5B critic's `train()`
-    at micro batch 64 took 0.95 s against 1.16 s eager, and the actor's fit at micro batch 64 only
-    with the kernels (1.20 s; eager 1.41 s at 32); eager on CPU."""
+    on CUDA with Triton (`models.networks.uses_fused_swiglu`), for calls of at least
+    `models.swiglu.MIN_ELEMENTS` (about 16,400 tokens at 0.5B; smaller ones, where the host sets the
+    pace, ran slower with the kernels and run eager): on one H100 a 0.5B critic's `train()` at micro
+    batch 64 took 0.95 s against 1.16 s eager, the actor's at 32 1.24 s against 1.42, and the actor
+    fit at micro batch 64 only with the kernels (1.20 s); eager on CPU. True: the kernels at every size."""
 
     jit_fusions: bool = False
     """Megatron's `torch.compile`d fusions of the SwiGLU activation and of the residual add

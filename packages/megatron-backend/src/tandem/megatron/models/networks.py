@@ -85,6 +85,12 @@ def uses_fused_rope(fused_rope: bool | None, *, on_cuda: bool) -> bool:
     return on_cuda
 
 
+def swiglu_min_elements(fused_swiglu: bool | None) -> int:
+    """The smallest MLP input the SwiGLU kernels take where a model uses them (`uses_fused_swiglu`): every
+    size where `fused_swiglu` is True, from `swiglu.MIN_ELEMENTS` on where None (smaller calls run eager)."""
+    return 0 if fused_swiglu else swiglu.MIN_ELEMENTS
+
+
 def uses_fused_swiglu(fused_swiglu: bool | None, *, on_cuda: bool) -> bool:
     """Whether a model's MLPs run the SwiGLU with our Triton kernels (`swiglu.py`): `fused_swiglu`, or
     where None on CUDA with Triton installed (it comes with PyTorch's CUDA builds); eager on CPU.
@@ -92,8 +98,9 @@ def uses_fused_swiglu(fused_swiglu: bool | None, *, on_cuda: bool) -> bool:
     A/B on one H100 (docs/benchmarks.md, "the trains' micro-batch and the SwiGLU kernels"): a 0.5B critic's
     `train()` at micro batch 64 took 0.95 s against 1.16 s eager; the actor's 1.20 s, where eager
     ran out of memory at that micro batch (the kernels keep the MLP's input alone for the backward,
-    eager the SiLU's output beside it) and took 1.41 s at micro batch 32. At micro batch 16 the
-    trains' host, not their kernels, set the pace: there the kernels changed neither train."""
+    eager the SiLU's output beside it) and took 1.41 s at micro batch 32. Smaller calls, where the
+    trains' host sets the pace, ran slower with the kernels: under None they take calls of at least
+    `swiglu.MIN_ELEMENTS` (`swiglu_min_elements`)."""
     if fused_swiglu is not None:
         return fused_swiglu
     return on_cuda and importlib.util.find_spec("triton") is not None
@@ -207,7 +214,7 @@ def build_model(
     # The model lands on CUDA whenever torch sees a GPU (the end of this function).
     if uses_fused_swiglu(fused_swiglu, on_cuda=torch.cuda.is_available()):
         # Megatron's MLP calls `bias_swiglu_impl` (ours, once installed) only with this fusion on.
-        swiglu.install()
+        swiglu.install(min_elements=swiglu_min_elements(fused_swiglu))
         config_overrides["bias_activation_fusion"] = True
     use_fused_rope = uses_fused_rope(fused_rope, on_cuda=torch.cuda.is_available())
     if use_fused_rope:

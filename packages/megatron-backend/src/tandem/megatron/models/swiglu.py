@@ -17,11 +17,12 @@ before the SiLU's backward. The SiLU's backward `dy * s * (1 + x * (1 - s))` rou
 its own (no fused multiply-add), where torch's CUDA kernel lets the compiler fuse: the gradient of
 `x1` may differ from eager's in its last bit.
 
-`install()` routes Megatron's `bias_swiglu_impl` (what an MLP with `bias_activation_fusion=True`
-calls) here where there is no bias, no fp8 store or CPU offload, and the input is on CUDA (or,
-for the tests, `KERNELS = "triton"` under Triton's interpreter); other inputs without a bias run
-the eager SwiGLU, and calls with a bias Megatron's own function. `build_model` installs it where
-`fused_swiglu` is True, or None (`WorkerConfig`'s default) on CUDA (`networks.uses_fused_swiglu`).
+`install(min_elements)` routes Megatron's `bias_swiglu_impl` (what an MLP with
+`bias_activation_fusion=True` calls) here where there is no bias, no fp8 store or CPU offload, the
+input is on CUDA (or, for the tests, `KERNELS = "triton"` under Triton's interpreter) and holds at
+least `min_elements`; other inputs without a bias run the eager SwiGLU, and calls with a bias
+Megatron's own function. `build_model` installs it where `fused_swiglu` is True (every size), or
+None (`WorkerConfig`'s default) on CUDA (`networks.uses_fused_swiglu`), from `MIN_ELEMENTS` on.
 """
 
 from __future__ import annotations
@@ -32,13 +33,25 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["KERNELS", "bias_swiglu_impl", "install", "installed", "swiglu", "swiglu_eager"]
+__all__ = ["KERNELS", "MIN_ELEMENTS", "bias_swiglu_impl", "install", "installed", "swiglu", "swiglu_eager"]
 
 KERNELS: Literal["auto", "triton"] = "auto"
 """Where `install()`'s hook runs the Triton kernels: "auto", on CUDA inputs; "triton", on CPU inputs
 too (only under Triton's interpreter, `TRITON_INTERPRET=1`: the tests)."""
 
+MIN_ELEMENTS = 160_000_000
+"""The smallest MLP input, in elements of its `(..., 2F)`, that the kernels take under `fused_swiglu` None (the
+default): about 16,400 tokens of the 0.5B model's 9,728-wide input; smaller calls run eager. A/B on one H100
+(docs/benchmarks.md, "the SwiGLU kernels by the size of the call"), each pass's calls of one size: passes of
+20,480 and 40,960 tokens a call ran faster with the kernels (the actor's update at micro batch 32 0.96 ->
+0.86 s, the forward-only passes of 20,480 tokens 0.47 -> 0.38 s and 0.39 -> 0.30 s), passes of 10,240
+tokens and fewer slower (the updates at micro batch 16, 1.24 -> 1.33 s and 1.09 -> 1.20 s; on the packed
+path, micro-batches of about 6,500 tokens, 1.09 -> 1.24, 1.28 -> 1.38 and 1.25 -> 1.49 s), where the
+trains' host sets the pace; packed forward-only calls of about 13,000 tokens ran alike."""
+
 _install_lock = threading.Lock()
+_min_elements = 0
+"""`install()`'s `min_elements`: the smallest input the kernels take."""
 _megatron_impl: Any = None
 """Megatron's own `bias_swiglu_impl`, kept by `install()` for the calls the kernels do not take."""
 
@@ -70,6 +83,7 @@ def _takes(x: Tensor, bias: Tensor | None, fp8_input_store: bool, cpu_offload_in
         and (x.is_cuda or KERNELS == "triton")
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and x.shape[-1] % 2 == 0
+        and x.numel() >= _min_elements
     )
 
 
@@ -96,16 +110,18 @@ def installed() -> bool:
     return mlp.bias_swiglu_impl is bias_swiglu_impl
 
 
-def install() -> None:
+def install(min_elements: int = 0) -> None:
     """Have Megatron's MLP (with `bias_activation_fusion=True`) call `bias_swiglu_impl` here; idempotent.
 
     Sets `megatron.core.transformer.mlp.bias_swiglu_impl`, which `MLP.forward` reads at call time,
-    for every model of this process.
+    for every model of this process; the kernels take inputs of at least `min_elements` (the last
+    install's, for the process: a worker builds one model), eager the smaller.
     """
-    global _megatron_impl
+    global _megatron_impl, _min_elements
     from megatron.core.fusions import fused_bias_swiglu
     from megatron.core.transformer import mlp
 
     with _install_lock:
         _megatron_impl = fused_bias_swiglu.bias_swiglu_impl
+        _min_elements = min_elements
         mlp.bias_swiglu_impl = bias_swiglu_impl

@@ -249,9 +249,10 @@ def test_a_train_that_wakes_the_optimizer_state_for_its_steps_alone_trains_exact
 
 
 def assert_parts_sum_to_total(train_time: dict[str, float]) -> None:
-    parts = {k: v for k, v in train_time.items() if k != "total"}
+    parts = {k: v for k, v in train_time.items() if k not in ("total", "call")}
     assert all(v >= 0 for v in train_time.values()) and train_time["total"] > 0
     assert sum(parts.values()) == pytest.approx(train_time["total"], rel=1e-9, abs=1e-9)
+    assert train_time["call"] >= train_time["total"], "the worker's whole method holds its train"
 
 
 def test_a_train_says_where_its_seconds_went(actor: TrainGroup) -> None:
@@ -267,11 +268,12 @@ def test_a_train_says_where_its_seconds_went(actor: TrainGroup) -> None:
             "optimizer_step",
             "other",
             "total",
+            "call",
         }
         assert_parts_sum_to_total(result.train_time)
     # Given the log-probs (the KL-first plan), the train runs neither forward of its own.
     data = put_rollout(seed=8)
     given = ray.get(actor.compute_log_probs(8, data))
     for result in ray.get(actor.train(8, data, log_probs=given)):
-        assert result.train_time.keys() == {"passes", "optimizer_step", "other", "total"}
+        assert result.train_time.keys() == {"passes", "optimizer_step", "other", "total", "call"}
         assert_parts_sum_to_total(result.train_time)

@@ -97,7 +97,8 @@ class TrainResult:
             took, around its optimizer steps (`step_wake_s`, `step_sleep_s`; `TrainWorker.keep_asleep_for_passes`),
             and the GiB they moved, both ways (`step_moved_gib`), not reduced; empty without such tags.
         train_time: this rank's seconds of the train by part (`worker.train_clock`: the forward passes of
-            their own, the update's passes, the optimizer steps, `other` and `total`), not reduced.
+            their own, the update's passes, the optimizer steps, `other` and `total`; beside them `call`, the
+            worker's whole `train` method), not reduced.
     """
 
     metrics: dict[str, float]

@@ -17,6 +17,11 @@ seconds are its kernels' as well as its launches'). The parts:
 
 Their sum is the train's wall clock on this rank (`total`), exactly: `other` is what the named parts
 leave. Each sync costs the host a wait where the GPU was still busy; a train has two a part.
+
+Beside them, not a part, `TrainWorker.train` reports `call` (`CALL`): its whole method on the rank, `total`
+and what comes around the train (the batch from the object store, the wakes a train makes, the allocator's
+and the memory's figures). The driver's phase less `call` is the call's way to the workers and back (its
+arguments and its result serialized) and the driver's own routing.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["TRAIN_TIME_PARTS", "TrainClock", "timed_part"]
+__all__ = ["CALL", "TRAIN_TIME_PARTS", "TrainClock", "timed_part"]
 
 TRAIN_TIME_PARTS: tuple[str, ...] = (
     "old_log_probs",
@@ -37,6 +42,9 @@ TRAIN_TIME_PARTS: tuple[str, ...] = (
     "optimizer_step",
 )
 """The named parts of a train's seconds; `other` and `total` come beside them."""
+
+CALL = "call"
+"""The key of `TrainResult.train_time` for the worker's whole `train` method (not a part: it holds `total`)."""
 
 
 class TrainClock:

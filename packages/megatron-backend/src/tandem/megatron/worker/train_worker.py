@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,7 @@ from tandem.megatron.worker.startup import (
     keep_tensor_pickles_portable,
     resolve_device,
 )
-from tandem.megatron.worker.train_clock import TrainClock
+from tandem.megatron.worker.train_clock import CALL, TrainClock
 from tandem.megatron.worker.weight_export import WeightReceiver, send_weights
 
 __all__ = ["TrainWorker", "WeightReceiver"]
@@ -143,6 +144,7 @@ class TrainWorker(WorkerFigures):
             `gpu_memory.AllocatorCalls`, empty on CPU); on the critic's pipeline-last-stage
             ranks its old values (`CriticValues`).
         """
+        entered = time.perf_counter()
         trainee = self._require_init()
         memory = self._require_memory()
         step_wakes = memory.wake_for_train(self._at_step)
@@ -179,9 +181,11 @@ class TrainWorker(WorkerFigures):
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep, and
         # the seconds of the optimizer state's wakes and sleeps around each step.
         moves = {} if step_wakes is None else step_wakes.figures()
-        return dataclasses.replace(
-            out, allocator=calls.metrics(), step_moves=moves, train_time=clock.figures()
-        )
+        # Beside the parts, the whole method (`CALL`): what the train's call holds beyond `total` (the batch
+        # from the object store, the wakes, the figures); the driver's phase less it is the call's way there
+        # and back and the driver's own routing.
+        seconds = {**clock.figures(), CALL: time.perf_counter() - entered}
+        return dataclasses.replace(out, allocator=calls.metrics(), step_moves=moves, train_time=seconds)
 
     def keep_asleep_for_passes(self, tags: list[str] | None) -> None:
         """The memory tags this worker's trains keep asleep through their forward and backward passes, from

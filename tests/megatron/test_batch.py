@@ -116,3 +116,63 @@ def test_select_of_no_samples_keeps_the_targets_width_zero() -> None:
     batch = make([2, 3]).with_targets(advantages=torch.ones(2, 3))
     picked = batch.select([])
     assert len(picked) == 0 and picked.advantages is not None and picked.advantages.shape == (0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 7)), min_size=1, max_size=9),
+    optional=st.sets(st.sampled_from(["rollout_log_probs", "step_rewards", "teacher_log_probs"])),
+    targets=st.booleans(),
+)
+def test_a_pickled_batch_comes_back_exactly_with_one_tensor_a_per_sample_field(
+    lengths: list[tuple[int, int]], optional: set[str], targets: bool
+) -> None:
+    """A batch crosses processes pickled (`ray.put`, `ray.get`): every field comes back equal, in dtype
+    and values, each per-sample field sent as one tensor (a tensor each loaded in about 0.1 ms)."""
+    import pickle
+
+    from tandem.megatron.batch import PER_SAMPLE
+
+    g = torch.Generator().manual_seed(len(lengths))
+    responses = [r for _, r in lengths]
+    per_response = {
+        name: [torch.randn(r, generator=g) for r in responses] if name in optional else None
+        for name in ("rollout_log_probs", "step_rewards", "teacher_log_probs")
+    }
+    batch = RolloutBatch(
+        tokens=[torch.randint(0, 100, (p + r,), generator=g) for p, r in lengths],
+        response_lengths=responses,
+        loss_masks=[(torch.rand(r, generator=g) > 0.3).float() for r in responses],
+        rewards=torch.randn(len(lengths), generator=g),
+        sample_indices=[7 * i + 3 for i in range(len(lengths))],
+        **per_response,
+    )
+    if targets:
+        batch = batch.with_targets(advantages=torch.randn(len(lengths), max(responses), generator=g))
+    state = batch.__getstate__()
+    for name in PER_SAMPLE:
+        if getattr(batch, name) is not None:
+            assert isinstance(state[name].values, torch.Tensor), name  # one tensor, not a list
+    back = pickle.loads(pickle.dumps(batch))
+    assert back.response_lengths == batch.response_lengths and back.sample_indices == batch.sample_indices
+    for name in ("rewards", "advantages"):
+        a, b = getattr(batch, name), getattr(back, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    for name in PER_SAMPLE:
+        a, b = getattr(batch, name), getattr(back, name)
+        if a is None:
+            assert b is None, name
+            continue
+        assert len(a) == len(b), name
+        for x, y in zip(a, b, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_only_a_list_of_1d_tensors_of_one_dtype_is_flattened() -> None:
+    from tandem.megatron.batch import _Flat
+
+    mixed = [torch.ones(2), torch.ones(2, dtype=torch.float64)]
+    for kept in (mixed, [torch.ones(2, 2)], [], None, [1, 2]):
+        assert _Flat.of(kept) is kept
+    flat = _Flat.of([torch.arange(3), torch.arange(2)])
+    assert flat.lengths == [3, 2] and [t.tolist() for t in flat.samples()] == [[0, 1, 2], [0, 1]]

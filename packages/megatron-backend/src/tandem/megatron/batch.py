@@ -19,12 +19,40 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 TARGETS = ("old_log_probs", "ref_log_probs", "old_values", "advantages", "returns", "token_rewards")
 """The padded per-token fields that the train step fills in (`with_targets`)."""
+
+PER_SAMPLE = ("tokens", "loss_masks", "rollout_log_probs", "step_rewards", "teacher_log_probs")
+"""The fields kept as one 1-D tensor per sample."""
+
+
+class _Flat(NamedTuple):
+    """A list of 1-D tensors of one dtype and device as one tensor and the lengths to cut it at (pickling)."""
+
+    values: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, tensors: Any) -> Any:
+        """`tensors` flat where they are a non-empty list of 1-D tensors of one dtype and device; else as given."""
+        if (
+            not isinstance(tensors, list)
+            or not tensors
+            or not all(isinstance(t, torch.Tensor) for t in tensors)
+        ):
+            return tensors
+        first = tensors[0]
+        if any(t.dim() != 1 or t.dtype != first.dtype or t.device != first.device for t in tensors):
+            return tensors
+        return cls(torch.cat(tensors), [int(t.numel()) for t in tensors])
+
+    def samples(self) -> list[torch.Tensor]:
+        """The tensors again, views of `values`."""
+        return list(torch.split(self.values, self.lengths))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
@@ -144,6 +172,24 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    # --- pickling: one tensor a per-sample field, not one a sample --------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, each per-sample list of tensors as one flat tensor and its lengths (`_Flat`).
+
+        A batch crosses processes pickled (the driver's `ray.put`, each worker's `ray.get`), and torch
+        pickles every tensor on its own: about 0.1 ms each to load on the CPU, so that a rank's 512 samples
+        of three per-sample fields took 80 ms where one tensor a field takes one."""
+        state = dict(self.__dict__)
+        for name in PER_SAMPLE:
+            state[name] = _Flat.of(state[name])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The pickled fields back, each flat field as its samples again (views of the one tensor)."""
+        self.__dict__.update(
+            {name: value.samples() if isinstance(value, _Flat) else value for name, value in state.items()}
+        )
 
     @property
     def max_response_length(self) -> int:

@@ -142,3 +142,26 @@ def test_truncated_counts_only_responses_that_a_stop_token_could_have_ended() ->
     assert truncated(max_new_tokens=8, stop_token_ids=()) == 0.0
     assert rollout.select([0, 1]).metrics(accuracy_threshold=1.0)["reward/truncated"] == 0.0  # params carried
     assert Rollout.concat([rollout, rollout]).params == rollout.params
+
+
+def test_roles_of_the_same_shares_get_the_same_batches_built_and_put_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`shard_per_role`: each distinct data-parallel size is cut and put in the object store once; roles of
+    the same size share its refs and sample indices, a role with a layout of its own gets its own."""
+    from tandem.ppo.rollout import train_batches
+
+    put: list[Any] = []
+    monkeypatch.setattr(train_batches.ray, "put", lambda batch: put.append(batch) or f"ref{len(put) - 1}")
+    cuts: list[int] = []
+    cut = train_batches.to_train_batches
+    monkeypatch.setattr(
+        train_batches, "to_train_batches", lambda r, dp, **kw: cuts.append(dp) or cut(r, dp, **kw)
+    )
+    rollout = fake_rollout(list(range(4)), 2, lambda p, j: p + j)
+    refs, indices = train_batches.shard_per_role(rollout, {"actor": 2, "critic": 2, "reward_model": 4})
+    assert cuts == [2, 4], "each size cut once"
+    assert refs["actor"] is refs["critic"] and indices["actor"] == indices["critic"]
+    assert refs["actor"] == ["ref0", "ref1"] and refs["reward_model"] == ["ref2", "ref3", "ref4", "ref5"]
+    assert len(put) == 6, "two shares for the size 2, four for the size 4, each put once"
+    assert indices["actor"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and indices["reward_model"][3] == [6, 7]

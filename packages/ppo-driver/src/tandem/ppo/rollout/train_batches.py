@@ -127,8 +127,11 @@ def shard_per_role(
     data_refs: dict[str, list[ObjectRef[RolloutBatch]]] = {}
     sample_indices: dict[str, list[list[int]]] = {}
     for role, dp in data_parallel_sizes.items():
+        same = next((r for r in data_refs if data_parallel_sizes[r] == dp), None)
+        if same is not None:  # the same shares: built and put once
+            data_refs[role], sample_indices[role] = data_refs[same], sample_indices[same]
+            continue
         batches = to_train_batches(rollout, dp, rewards=rewards, filter_truncated=filter_truncated)
         sample_indices[role] = [b.sample_indices for b in batches]
-        same = next((r for r in data_refs if data_parallel_sizes[r] == dp), None)
-        data_refs[role] = data_refs[same] if same is not None else [ray.put(b) for b in batches]
+        data_refs[role] = [ray.put(b) for b in batches]
     return data_refs, sample_indices

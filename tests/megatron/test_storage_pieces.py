@@ -92,3 +92,28 @@ def test_piece_names() -> None:
     assert memory_tag_pieces("main_params", 1) == ("main_params",)
     assert memory_tag_pieces("main_params", 3) == ("main_params.0", "main_params.1", "main_params.2")
     assert memory_tag_kind("main_params.2") == memory_tag_kind("main_params") == "main_params"
+
+
+def test_the_state_is_measured_after_the_first_train_only() -> None:
+    """`WorkerMemory.record_state_after_train`: the first train's end measures the state (its optimizer
+    moments now exist); later trains change no size, and a measure walks every storage, so they keep it;
+    `state_nbytes` asleep answers with the figures recorded."""
+    from types import SimpleNamespace
+
+    from tandem.megatron.worker.memory import WorkerMemory
+
+    sizes = iter([{"weights": 4}, {"weights": 4, "moments": 8}, {"weights": 99, "moments": 99}])
+    measured: list[dict[str, int]] = []
+
+    def measure() -> dict[str, int]:
+        measured.append(next(sizes))
+        return measured[-1]
+
+    lifecycle = SimpleNamespace(paused_tags=set())
+    memory = WorkerMemory(lifecycle, ["weights", "moments"], ["weights"], measure)  # type: ignore[arg-type]
+    memory.record_state()  # init
+    for _ in range(3):
+        memory.record_state_after_train()
+    assert len(measured) == 2, "init and the first train"
+    lifecycle.paused_tags = {"weights", "moments"}
+    assert memory.state_nbytes() == {"weights": 4, "moments": 8}

@@ -177,7 +177,7 @@ class TrainWorker(WorkerFigures):
         finally:
             trainee.step_wakes = trainee.clock = None
         if step_wakes is None:
-            memory.record_state()  # the optimizer's moments exist from the first step on
+            memory.record_state_after_train()  # the optimizer's moments exist from the first step on
         # This rank's own counts (not reduced): what the allocator paid for memory handed back by a sleep, and
         # the seconds of the optimizer state's wakes and sleeps around each step.
         moves = {} if step_wakes is None else step_wakes.figures()

@@ -53,7 +53,8 @@ class WorkerFigures:
     def state_nbytes(self) -> dict[str, int]:
         """Bytes of the training state that sleep moves, by memory tag: every tag of `memory_tags()` (0
         where empty), and `base` and `grads` always (`Trainee.state_nbytes`). Measured now when awake;
-        while any tag sleeps, the figures recorded at the end of `init` and of each `train`."""
+        while any tag sleeps, the figures recorded at the end of `init` and of the first `train` (a later one
+        changes no size)."""
         self._require_init()
         return self._require_memory().state_nbytes()
 

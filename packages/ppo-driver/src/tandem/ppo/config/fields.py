@@ -42,8 +42,9 @@ def flag(name: str) -> str:
 
 
 FIT_OPTIMIZER_PIECES = 4
-"""`optimizer_pieces` where the run may plan its memory (`--memory-plan fit`, or `auto` on a GPU) when unset: each optimizer tag in quarters, so that a turn
-moves a quarter of a model's moments or main weights, not all of them, where that is the room it needs."""
+"""`optimizer_pieces` when unset where the run may plan its memory (`--memory-plan fit`, or `auto` on a GPU):
+each optimizer tag in quarters, so that a turn moves a quarter of a model's moments or main weights, not all
+of them, where that is the room it needs."""
 
 CPU_THREADS_MIN_HIDDEN_SIZE = 512
 """The hidden size from which a CPU run's workers get the machine's cores (`cpu_threads` None): on two
@@ -294,7 +295,7 @@ class RunFields(RolloutFields, EpisodeFields, MemoryFields, WorkerFields):
     def may_plan_memory(self) -> bool:
         """Whether the run takes its memory plan after the first step: `fit`, or `auto` with `--offload-train`
         on a device that is not the CPU (a GPU run; whether its engines report the GPU's memory is
-        known only then, `loop.memory_figures.adopt_plans`)."""
+        known only then, `loop.memory_figures.auto_plans`)."""
         if self.memory_plan == "fit":
             return True
         return self.memory_plan == "auto" and self.offload_train and self.device != "cpu"

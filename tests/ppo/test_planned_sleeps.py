@@ -137,8 +137,10 @@ FACTS = StepFacts(colocate=True, offload_train=True, critic=True, kl_first=True)
 MB = 2**20
 
 
-def _gpus(meeting: Meeting | None = None) -> tuple[SharedGpus, FakeGroup, FakeGroup, Events]:
-    actor, critic, events = FakeGroup("actor", meeting), FakeGroup("critic", meeting), Events()
+def _gpus(
+    meeting: Meeting | None = None, group: type[FakeGroup] = FakeGroup
+) -> tuple[SharedGpus, FakeGroup, FakeGroup, Events]:
+    actor, critic, events = group("actor", meeting), group("critic", meeting), Events()
     gpus = SharedGpus(
         engines=FakeEngines(),  # type: ignore[arg-type]
         actor=actor,  # type: ignore[arg-type]
@@ -429,14 +431,7 @@ def test_auto_plans_where_the_run_can_and_else_keeps_whole_roles_and_says_why(
     schedule fits, the next step's tags then moved by it; else no plan, the reason logged and returned,
     and the next step the schedule's whole-role wakes and sleeps."""
     schedule = step_schedule(FACTS)
-    actor, critic, events = MeasuredGroup("actor"), MeasuredGroup("critic"), Events()
-    gpus = SharedGpus(
-        engines=FakeEngines(),  # type: ignore[arg-type]
-        actor=actor,  # type: ignore[arg-type]
-        critic=critic,  # type: ignore[arg-type]
-        events=events,  # type: ignore[arg-type]
-        clock=PhaseClock(track_gpu_memory=False),
-    )
+    gpus, actor, critic, _ = _gpus(group=MeasuredGroup)
     gpus.start_asleep(schedule)
     actor.peaks = critic.peaks = {"train": 20 * MB, "log_probs": 8 * MB}
     stats: dict[str, float] = {"kv_cache_gib": 30 / 1024, "sessions_gib": 0.0, "allocated_gib": 40 / 1024}

@@ -46,8 +46,8 @@ default): about 16,400 tokens of the 0.5B model's 9,728-wide input; smaller call
 20,480 and 40,960 tokens a call ran faster with the kernels (the actor's update at micro batch 32 0.96 ->
 0.86 s, the forward-only passes of 20,480 tokens 0.47 -> 0.38 s and 0.39 -> 0.30 s), passes of 10,240
 tokens and fewer slower (the updates at micro batch 16, 1.24 -> 1.33 s and 1.09 -> 1.20 s; on the packed
-path, micro-batches of about 6,500 tokens, 1.09 -> 1.24, 1.28 -> 1.38 and 1.25 -> 1.49 s), where the
-trains' host sets the pace; packed forward-only calls of about 13,000 tokens ran alike."""
+path, micro-batches of about 6,200 tokens, 1.09 -> 1.24, 1.28 -> 1.38 and 1.25 -> 1.50 s), where the
+trains' host sets the pace; packed forward-only calls of about 12,400 tokens ran alike or slower."""
 
 _install_lock = threading.Lock()
 _min_elements = 0

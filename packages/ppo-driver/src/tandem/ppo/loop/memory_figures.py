@@ -315,6 +315,13 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
 def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
     """Measure the run's memory (`measure_memory`) and have `gpus` take each step's plan from it; every plan
     is logged once and kept with the figures in RUN_DIR/memory_plan.json."""
+    figures = _measured(gpus, config)
+    _use(gpus, figures, run_dir)
+    return figures
+
+
+def _measured(gpus: SharedGpus, config: Any) -> MemoryFigures:
+    """`measure_memory` with the run's flags (capacity, margin, background wakes)."""
     figures = measure_memory(
         gpus,
         engine_stats=gpus.engine_stats,
@@ -322,7 +329,6 @@ def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
         margin_gib=config.memory_margin_gib,
     )
     figures.prefetch = config.prefetch_wakes
-    _use(gpus, figures, run_dir)
     return figures
 
 
@@ -334,13 +340,7 @@ def auto_plans(
     GPU memory; or the plan is refused: the margin does not fit beside the models taking turns). Either
     is said once in the log; without a plan each role keeps sleeping whole, as the first step did."""
     try:
-        figures = measure_memory(
-            gpus,
-            engine_stats=gpus.engine_stats,
-            gpu_memory_gib=config.gpu_memory_gib,
-            margin_gib=config.memory_margin_gib,
-        )
-        figures.prefetch = config.prefetch_wakes
+        figures = _measured(gpus, config)
         plan_memory(
             schedule,
             figures.model,

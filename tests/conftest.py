@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+# The process's exit status is the suite's, whatever the interpreter's teardown does (tests/_clean_exit.py).
+from ._clean_exit import pytest_sessionfinish, pytest_unconfigure  # noqa: F401
+
 # No timed assertion in a test: hypothesis's per-example deadline (200 ms) fails an example that a busy
 # two-core machine runs slowly, whatever the code under test does. Speed goals live in bench/.
 settings.register_profile("tandem", deadline=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from tandem.ppo.loop.memory_model import format_bytes
 from tandem.ppo.loop.memory_planner import plan_memory
 from tandem.ppo.loop.out_of_memory import out_of_memory, out_of_memory_note
 from tandem.ppo.loop.schedule import StepFacts, StepSchedule, step_schedule
+from tandem.ppo.loop.step_plans import StepPlans
 from tandem.ppo.run.errors import failure_line
 
 GIB = 2**30
@@ -238,8 +240,8 @@ def test_the_step_adds_the_note_to_a_turns_out_of_memory_error_only() -> None:
     driver = PPODriver.__new__(PPODriver)  # the turn's wrapper only: no validation, no Ray
     driver.config = PPOConfig(hf_checkpoint="", rollout_batch_size=8, global_batch_size=8, memory_plan="fit")
     driver.gpus = PlannedGpus(plan_memory(schedule, figures.model, figures.budget))  # type: ignore[assignment]
-    driver.memory_figures = figures
-    driver.no_memory_plan = None
+    driver.plans = StepPlans(lambda: driver.config, Path("unused"))
+    driver.plans.figures = figures
     error = worker_error(_oom())
     with pytest.raises(type(error)) as raised:
         driver.take_turn(FailingTurns(error), 3, schedule.turns[3])  # type: ignore[arg-type]

@@ -20,7 +20,6 @@ import pytest
 from tandem.megatron.runtime.gpu_memory import CACHED
 from tandem.ppo.loop.memory_figures import (
     MemoryFigures,
-    auto_plans,
     engine_memory,
     planned_roles,
     planner,
@@ -30,8 +29,15 @@ from tandem.ppo.loop.memory_figures import (
 from tandem.ppo.loop.memory_model import GpuBudget, MemoryModel, RoleMemory, TrainSplit
 from tandem.ppo.loop.memory_plan import MemoryPlan, PlanError, check_plan
 from tandem.ppo.loop.memory_planner import plan_memory
-from tandem.ppo.loop.schedule import StepFacts, StepSchedule, save_schedule, step_schedule
+from tandem.ppo.loop.schedule import (
+    StepFacts,
+    StepSchedule,
+    asleep_between_steps,
+    save_schedule,
+    step_schedule,
+)
 from tandem.ppo.loop.shared_gpus import SharedGpus
+from tandem.ppo.loop.step_plans import auto_plans, begin_step
 from tandem.ppo.run.log import PhaseClock
 
 TAGS = ["weights", "grads", "main_params", "optimizer_moments"]
@@ -175,9 +181,13 @@ def _take(
     groups: dict[str, FakeGroup],
     plan: MemoryPlan | None,
     before_enter: Callable[[int], None] | None = None,
+    *,
+    begun: bool = False,
 ) -> None:
-    """One step's turns as `PPODriver.step` takes them: `enter`, the turn's wake, its work, its sleep."""
-    gpus.begin_step(schedule)
+    """One step's turns as `PPODriver.step` takes them: `enter`, the turn's wake, its work, its sleep
+    (`begun`: the step has begun already, its plan taken)."""
+    if not begun:
+        gpus.begin_step(schedule)
     for index, turn in enumerate(schedule.turns):
         if before_enter is not None:
             before_enter(index)
@@ -373,6 +383,9 @@ def test_a_phase_whose_peak_grew_is_planned_again_from_the_new_figure(tmp_path: 
     gpus.begin_step(schedule)
     before = gpus.plan
     assert before is not None
+    _take(gpus, schedule, {"actor": actor, "critic": _critic}, before, begun=True)
+    left = {r: set(g.asleep) for r, g in (("actor", actor), ("critic", _critic))}
+    assert any(left.values()), "the step ends with some tags asleep"
     actor.peaks = {"train": 20 * MB}  # as measured: nothing grew
     assert replan_if_grown(gpus, figures, tmp_path) is figures
     actor.peaks = {"train": 60 * MB, "log_probs": 1 * MB}  # the actor's train grew; its log-probs did not
@@ -382,6 +395,10 @@ def test_a_phase_whose_peak_grew_is_planned_again_from_the_new_figure(tmp_path: 
     gpus.begin_step(schedule)
     after = gpus.plan
     assert after is not None and after is not before
+    # Planned again between two planned steps: the tags the last step left asleep are known as asleep, and
+    # the next step moves from them (the fakes refuse a tag put to sleep twice or woken while awake).
+    assert {r: gpus._asleep_tags[r] for r in left} == left
+    _take(gpus, schedule, {"actor": actor, "critic": _critic}, after, begun=True)
     actor_train = next(
         i for i, t in enumerate(after.turns) if t.turn.role == "actor" and t.turn.work == "train"
     )
@@ -454,6 +471,94 @@ def test_auto_plans_where_the_run_can_and_else_keeps_whole_roles_and_says_why(
         _take(gpus, schedule, {"actor": actor, "critic": critic}, None)
         assert all(tags is None for _, tags in actor.calls + critic.calls), "whole-role calls only"
         assert not (tmp_path / "memory_plan.json").exists()
+
+
+def _whole_role_state(gpus: SharedGpus, schedule: StepSchedule, groups: dict[str, FakeGroup]) -> None:
+    """Every role as `schedule` starts it under whole-role sleeps: those it starts asleep with every tag
+    asleep, the others with none, and no train told to keep anything asleep through its passes."""
+    asleep = asleep_between_steps(schedule)
+    for role, group in groups.items():
+        assert group.asleep == (set(TAGS) if role in asleep else set()), (role, sorted(group.asleep))
+        assert group.at_step == [], role
+        assert gpus.awake(role) == (role not in asleep)
+    engines = gpus.engines
+    assert isinstance(engines, FakeEngines)
+    assert engines.released == ("engine" in asleep) and gpus.awake("engine") == ("engine" not in asleep)
+
+
+@pytest.mark.parametrize("memory_plan", ["fit", "auto"])
+def test_a_step_with_a_work_no_step_ran_runs_whole_and_a_refused_plan_is_whole_under_auto(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, memory_plan: str
+) -> None:
+    """A critic's warm-up, then the full step: the warm-up's second step is planned from the first's
+    figures; the first full step, whose actor trains for the first time, runs whole and measures the train;
+    the next is planned with it. Then the actor's train grows past the room (a longer rollout): under
+    `auto` the refused plan puts every role back to the whole-role state and the run goes on with
+    whole-role sleeps, said once; under `fit` the PlanError stops it before anything moves."""
+    warm, full = step_schedule(FACTS.replace(warm_up=True)), step_schedule(FACTS)
+    gpus, actor, critic, _ = _gpus(group=MeasuredGroup)
+    groups: dict[str, FakeGroup] = {"actor": actor, "critic": critic}
+    gpus.start_asleep(full)
+    stats = {
+        "kv_cache_gib": 30 / 1024,
+        "sessions_gib": 0.0,
+        "allocated_gib": 40 / 1024,
+        "total_gib": 200 / 1024,
+    }
+    gpus.engine_stats = [stats]
+    config = SimpleNamespace(gpu_memory_gib=None, memory_margin_gib=4 / 1024, prefetch_wakes=True)
+    ran: frozenset[tuple[str, str | None]] = frozenset()
+    figures: MemoryFigures | None = None
+
+    def step(schedule: StepSchedule, *, planned: bool) -> str | None:
+        nonlocal ran, figures
+        if figures is not None:
+            figures = replan_if_grown(gpus, figures, tmp_path)
+        refused = begin_step(
+            gpus,
+            schedule,
+            figures=figures,
+            ran=ran,
+            memory_plan=memory_plan,
+            run_dir=tmp_path,  # type: ignore[arg-type]
+        )
+        assert (gpus.plan is not None) == planned, (schedule.describe(), gpus.plan)
+        if refused is not None:  # as the driver does: no figures from then on
+            figures = None
+        if refused is not None or not planned:
+            _whole_role_state(gpus, schedule, groups)
+        calls = {role: len(group.calls) for role, group in groups.items()}
+        _take(gpus, schedule, groups, gpus.plan, begun=True)
+        made = [call for role, group in groups.items() for call in group.calls[calls[role] :]]
+        assert made, "the step's wakes and sleeps"
+        assert all(tags is None for _, tags in made) == (not planned), made
+        ran |= schedule.works()
+        return refused
+
+    assert step(warm, planned=False) is None  # each start's first step: whole, measuring
+    critic.peaks, actor.peaks = {"train": 20 * MB}, {"log_probs": 8 * MB}
+    figures, why = auto_plans(gpus, config, tmp_path, warm)
+    assert figures is not None and why is None
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        assert step(warm, planned=True) is None
+        assert step(full, planned=False) is None  # the actor's first train: whole, and measured
+        said = [r.getMessage() for r in caplog.records if "ran in no step of this start" in r.getMessage()]
+        assert len(said) == 1 and "actor/train" in said[0], said
+        actor.peaks = {"train": 20 * MB, "log_probs": 8 * MB}
+        assert step(full, planned=True) is None  # planned again, with the actor's train
+        actor.peaks = {"train": 400 * MB, "log_probs": 8 * MB}  # grown past the GPU
+        moved = len(actor.calls) + len(critic.calls)
+        if memory_plan == "fit":
+            with pytest.raises(PlanError, match="actor/train"):
+                step(full, planned=True)
+            assert len(actor.calls) + len(critic.calls) == moved, "refused before any tag moved"
+            return
+        why = step(full, planned=False)
+        assert why is not None and "actor/train" in why
+        refusals = [r.getMessage() for r in caplog.records if "is refused" in r.getMessage()]
+        assert len(refusals) == 1 and why in refusals[0], refusals
+        assert step(full, planned=False) is None  # whole from then on, said once
+    assert len([r for r in caplog.records if "is refused" in r.getMessage()]) == 1
 
 
 def _plan_with_moves_at_once() -> tuple[StepSchedule, MemoryModel, MemoryPlan, list[int]]:

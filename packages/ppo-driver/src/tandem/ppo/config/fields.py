@@ -295,7 +295,7 @@ class RunFields(RolloutFields, EpisodeFields, MemoryFields, WorkerFields):
     def may_plan_memory(self) -> bool:
         """Whether the run takes its memory plan after the first step: `fit`, or `auto` with `--offload-train`
         on a device that is not the CPU (a GPU run; whether its engines report the GPU's memory is
-        known only then, `loop.memory_figures.auto_plans`)."""
+        known only then, `loop.step_plans.auto_plans`)."""
         if self.memory_plan == "fit":
             return True
         return self.memory_plan == "auto" and self.offload_train and self.device != "cpu"

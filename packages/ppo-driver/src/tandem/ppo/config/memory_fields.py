@@ -22,11 +22,13 @@ class MemoryFields:
     bytes per memory tag, each phase's allocator peak, the engines' memory), each turn puts to sleep only
     the tags that the turn needs room for, optimizer moments before fp32 main parameters before
     weights, and keeps the rest resident; a plan that does not fit `--gpu-memory-gib` less
-    `--memory-margin-gib` is refused with the numbers. The first step of each start runs `whole`.
-    `auto` (the default): `fit` where the run can plan, `whole` elsewhere, said once in the log: it plans
-    with `--offload-train` on a GPU run (not `--device cpu`) whose engines report the GPU's memory (the
-    embedded engine; SGLang servers with `--gpu-memory-gib`), and where a plan is refused (the margin does
-    not fit beside the models taking turns) it keeps `whole`, which the first step ran, and says why."""
+    `--memory-margin-gib` is refused with the numbers. The first step of each start runs `whole`, as does
+    a step with a work no earlier step of the start ran (the actor's first train after a critic's
+    warm-up). `auto` (the default): `fit` where the run can plan, `whole` elsewhere, said once in the log:
+    it plans with `--offload-train` on a GPU run (not `--device cpu`) whose engines report the GPU's
+    memory (the embedded engine; SGLang servers with `--gpu-memory-gib`), and where a plan is refused (the
+    margin does not fit beside the models taking turns), then or at a later step, it runs `whole` from
+    there on and says why."""
 
     gpu_memory_gib: float | None = None
     """The GPU memory the memory plan may fill, in GiB per GPU. None: the GPU's whole memory as the

@@ -4,7 +4,7 @@ A newcomer reads the step here: `driver` (`PPODriver`: setup, one step, save, ev
 (`train`: one start of a run as a command runs it),
 `schedule` (a step's turns as data, checked), `memory_model`, `turn_memory`, `memory_plan` and
 `memory_planner` (the memory tags asleep at each turn, chosen and checked against the GPU), `memory_figures` (the plan's inputs read
-off the run's roles, `--memory-plan fit`), `out_of_memory` (a step's out-of-memory error and its note),
+off the run's roles, `--memory-plan fit`), `step_plans` (which steps take the plan: `StepPlans`), `out_of_memory` (a step's out-of-memory error and its note),
 `turns` (each turn's work),
 `shared_gpus` (`SharedGpus`: the roles on the GPUs and who is awake; `planned_moves`, its memory
 plan's tag sleeps and wakes), `weight_sync`,

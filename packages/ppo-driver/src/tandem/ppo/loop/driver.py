@@ -33,8 +33,7 @@ from tandem.ppo.config.ppo_config import PPOConfig
 from tandem.ppo.loop import startup
 from tandem.ppo.loop.drawing import RolloutDrawing
 from tandem.ppo.loop.hints import RunHints
-from tandem.ppo.loop.memory_figures import MemoryFigures, adopt_plans, auto_plans, replan_if_grown
-from tandem.ppo.loop.out_of_memory import out_of_memory, out_of_memory_note
+from tandem.ppo.loop.out_of_memory import out_of_memory
 from tandem.ppo.loop.run_loop import run_loop
 from tandem.ppo.loop.schedule import (
     StepFacts,
@@ -45,6 +44,7 @@ from tandem.ppo.loop.schedule import (
     step_schedule,
 )
 from tandem.ppo.loop.step_metrics import kl_coef_of_step, step_metrics
+from tandem.ppo.loop.step_plans import StepPlans
 from tandem.ppo.loop.turns import StepTurns
 from tandem.ppo.rollout.preflight import read_inputs
 from tandem.ppo.rollout.reward_model import uses_reward_model
@@ -133,13 +133,8 @@ class PPODriver:
         self.stopping_now = False
         """A signal stopped the run in the middle of a step: `close` kills the workers without asking them
         to finish first."""
-        self.steps_here = 0
-        """Steps taken since this start (the first runs the whole-role plan and measures the memory)."""
-        self.memory_figures: MemoryFigures | None = None
-        """The memory plan's figures (`--memory-plan fit`, or `auto` where it plans), once measured."""
-        self.no_memory_plan: str | None = None
-        """Under `--memory-plan auto`, why the run took no plan after its first step (`auto_plans`); None
-        before that step's end, or where it planned."""
+        self.plans = StepPlans(lambda: self.config, self.run_dir)
+        """This start's memory plan as its steps take it (`--memory-plan`; loop/step_plans.py)."""
 
     # --- setup and shutdown ------------------------------------------------------------------
 
@@ -306,14 +301,7 @@ class PPODriver:
         step_start = time.perf_counter()
         self.events.record("step_begin", rollout_id=rollout_id)
         schedule = self.schedule_of(rollout_id, generate_ahead=start_next is not None)
-        if self.plans_next_step():  # the plan from the first step's own figures
-            if self.config.memory_plan == "fit":
-                self.memory_figures = adopt_plans(self.gpus, self.config, self.run_dir)
-            else:
-                self.memory_figures, self.no_memory_plan = auto_plans(
-                    self.gpus, self.config, self.run_dir, schedule
-                )
-        self.gpus.begin_step(schedule)  # its memory plan; a PlanError names the numbers before anything moves
+        self.plans.begin(self.gpus, schedule)  # its memory plan, or whole roles (loop/step_plans.py)
         # The schedule's turns in order (docs/design.md, "The step's schedule"): 1. rollout (its
         # scores and the teacher's log-probs), 2. engines release, 2b. KL-first log-probs, 3. critic,
         # 4. actor, 5. weights
@@ -327,9 +315,7 @@ class PPODriver:
         )
         for index, turn in enumerate(schedule.turns):
             self.take_turn(turns, index, turn)
-        self.steps_here += 1
-        if self.memory_figures is not None:  # the next step counts what this one needed
-            self.memory_figures = replan_if_grown(self.gpus, self.memory_figures, self.run_dir)
+        self.plans.end(self.gpus, schedule)  # the next step counts what this one needed
         self.last_sampled, self.generating = turns.rollout, turns.generating
 
         seconds = time.perf_counter() - step_start
@@ -353,16 +339,6 @@ class PPODriver:
         metrics.update(self.hints.after_step(rollout_id, metrics, turns.rollout.rollout))
         return metrics
 
-    def plans_next_step(self) -> bool:
-        """Whether the memory plan is to be taken now: the run may plan (`may_plan_memory`), a step of this
-        start has run and measured, and neither a plan nor (under `auto`) the reason for none is known."""
-        return (
-            self.config.may_plan_memory
-            and self.steps_here > 0
-            and self.memory_figures is None
-            and self.no_memory_plan is None
-        )
-
     def take_turn(self, turns: StepTurns, index: int, turn: Turn) -> None:
         """Turn `index` of the step: the memory plan's tag sleeps and wakes (nothing without a plan), then the
         turn's work. An out-of-memory error gains a note: the turn, the plan's figures for it, the flags that
@@ -372,17 +348,7 @@ class PPODriver:
             turns.take(turn)
         except Exception as exc:
             if out_of_memory(exc):
-                exc.add_note(
-                    out_of_memory_note(
-                        index,
-                        turn,
-                        plan=self.gpus.plan,
-                        figures=self.memory_figures,
-                        memory_plan=self.config.memory_plan,
-                        measuring=self.config.may_plan_memory and self.no_memory_plan is None,
-                        offload_train=self.config.offload_train,
-                    )
-                )
+                exc.add_note(self.plans.note(self.gpus, index, turn))
             raise
 
     # --- checkpoints, eval, export ---------------------------------------------------------------

@@ -9,8 +9,7 @@ their weights (`weight_bytes`), context and forward peak (`phase_peak`), and tak
 cache built), and takes from the GPU's capacity what processes outside the run hold on it
 (`foreign_bytes`). `planner` then plans each schedule the run takes once (`plan_memory`, the actor's
 and the critic's tags), `write_plans` keeps the figures and every plan as JSON in the run
-folder, (`auto_plans` under `--memory-plan auto`: a plan where the run can plan, else none
-and why), and after each step `replan_if_grown` plans again where a phase's peak grew (a step's
+folder (`loop/step_plans.py` decides which steps take a plan), and after each step `replan_if_grown` plans again where a phase's peak grew (a step's
 out-of-memory error is told apart and explained by `out_of_memory`). docs/design.md, "The memory plan".
 """
 
@@ -45,10 +44,12 @@ __all__ = [
     "adopt_plans",
     "measure_memory",
     "measure_phases",
+    "measured_figures",
     "planned_roles",
     "planner",
     "read_peaks",
     "replan_if_grown",
+    "use_figures",
     "write_plans",
 ]
 
@@ -315,12 +316,12 @@ def write_plans(path: Path, figures: MemoryFigures, plans: Mapping[str, MemoryPl
 def adopt_plans(gpus: SharedGpus, config: Any, run_dir: Path) -> MemoryFigures:
     """Measure the run's memory (`measure_memory`) and have `gpus` take each step's plan from it; every plan
     is logged once and kept with the figures in RUN_DIR/memory_plan.json."""
-    figures = _measured(gpus, config)
-    _use(gpus, figures, run_dir)
+    figures = measured_figures(gpus, config)
+    use_figures(gpus, figures, run_dir)
     return figures
 
 
-def _measured(gpus: SharedGpus, config: Any) -> MemoryFigures:
+def measured_figures(gpus: SharedGpus, config: Any) -> MemoryFigures:
     """`measure_memory` with the run's flags (capacity, margin, background wakes)."""
     figures = measure_memory(
         gpus,
@@ -330,31 +331,6 @@ def _measured(gpus: SharedGpus, config: Any) -> MemoryFigures:
     )
     figures.prefetch = config.prefetch_wakes
     return figures
-
-
-def auto_plans(
-    gpus: SharedGpus, config: Any, run_dir: Path, schedule: StepSchedule
-) -> tuple[MemoryFigures | None, str | None]:
-    """`--memory-plan auto` after the first step: as `adopt_plans` where the run can plan, and `schedule` (the
-    next step's) fits; else no plan, and why (the figures cannot be had: a CPU run, engines that report no
-    GPU memory; or the plan is refused: the margin does not fit beside the models taking turns). Either
-    is said once in the log; without a plan each role keeps sleeping whole, as the first step did."""
-    try:
-        figures = _measured(gpus, config)
-        plan_memory(
-            schedule,
-            figures.model,
-            figures.budget,
-            planned_roles=planned_roles(schedule),
-            prefetch=figures.prefetch,
-        )
-    except ValueError as exc:  # a PlanError too: the numbers of the turn that does not fit
-        why = " ".join(str(exc).split())
-        logger.info("memory plan (--memory-plan auto): none; each role keeps sleeping whole: %s", why)
-        return None, why
-    logger.info("memory plan (--memory-plan auto): planned from the first step's figures")
-    _use(gpus, figures, run_dir)
-    return figures, None
 
 
 def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> MemoryFigures:
@@ -392,11 +368,13 @@ def replan_if_grown(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> 
     roles = {r: replace(m, cache=grown_caches.get(r, m.cache)) for r, m in roles.items()}
     model = MemoryModel(roles, {**figures.model.phases, **grown}, {**known, **grown_splits})
     figures = MemoryFigures(model, figures.budget, figures.tags, prefetch=figures.prefetch)
-    _use(gpus, figures, run_dir)
+    use_figures(gpus, figures, run_dir)
     return figures
 
 
-def _use(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> None:
+def use_figures(gpus: SharedGpus, figures: MemoryFigures, run_dir: Path) -> None:
+    """`gpus` takes each schedule's plan from `figures` from its next step on (`planner`), each plan logged
+    once and kept with the figures in RUN_DIR/memory_plan.json."""
     made: dict[str, MemoryPlan] = {}
 
     def record(schedule: StepSchedule, plan: MemoryPlan) -> None:

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tandem.ppo.loop.memory_plan import MemoryPlan
-from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn
+from tandem.ppo.loop.schedule import TRAIN_ROLES, Role, StepSchedule, Turn, asleep_between_steps
 
 if TYPE_CHECKING:
     from tandem.megatron.group import TrainGroup
@@ -86,10 +86,41 @@ class PlannedMoves:
 
         `tags`: each such role's memory tags (a train role's workers' `memory_tags()`, the engines'
         `weights` and `kv_cache`); `tag_bytes`: each tag's bytes (the memory model's, for `moved_bytes`). The
-        roles' tags asleep now follow from who is awake.
+        roles' tags asleep now: as the last plan left them where plans ran before (figures planned again
+        between two planned steps), else as who is awake says (the whole-role state).
         """
         self.planning, self._tags, self._tag_bytes = planner, {r: list(t) for r, t in tags.items()}, tag_bytes
-        self._asleep_tags = {r: set() if r in self._awake else set(t) for r, t in self._tags.items()}
+        known = self._asleep_tags
+        self._asleep_tags = {
+            r: set(known[r]) if r in known else set() if r in self._awake else set(t)
+            for r, t in self._tags.items()
+        }
+
+    def drop_plans(self, schedule: StepSchedule) -> None:
+        """No plan from now on: each role the plans chose for back to the whole-role state `schedule` starts
+        from (`asleep_between_steps`: every tag of a role it starts asleep asleep, every tag of the others
+        awake; the sleeps first, so that no moment holds more than either state), and every train role's
+        workers told to keep nothing asleep through their passes. The schedule's own wakes and sleeps move
+        whole roles after it, as they did before the first plan."""
+        self._settle()
+        self.planning, self.plan, self._entered = None, None, None
+        asleep = asleep_between_steps(schedule)
+        sleeps = {r: set(self._tags[r]) - tags for r, tags in self._asleep_tags.items() if r in asleep}
+        wakes = {r: set(tags) for r, tags in self._asleep_tags.items() if r not in asleep}
+        for role, tags in sleeps.items():
+            if tags and role == "engine":
+                self._move_engine_tags(sleep=self._ordered(role, tags))
+            elif tags:
+                self._move_tags(role, sleep=tags)
+        for role, tags in wakes.items():
+            if tags and role == "engine":
+                self._move_engine_tags(wake=self._ordered(role, tags))
+            elif tags:
+                self._move_tags(role, wake=tags)
+        for role, at_step in self._at_step.items():
+            if at_step:
+                self.group(role).run("keep_asleep_for_passes", [])
+        self._at_step = {}
 
     def begin_step(self, schedule: StepSchedule) -> None:
         """The step about to run takes `schedule`: its memory plan, where `use_plans` gave a planner."""

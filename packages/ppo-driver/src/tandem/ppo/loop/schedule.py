@@ -103,6 +103,10 @@ class StepSchedule:
         """The first turn of `role` doing `work`, None when the step has none."""
         return next((t for t in self.turns if t.role == role and t.work == work), None)
 
+    def works(self) -> frozenset[tuple[Role, Work]]:
+        """Each role's work in the step, as (role, work)."""
+        return frozenset((t.role, t.work) for t in self.turns if t.work is not None)
+
     def gpus(self, role: Role) -> str:
         """The GPUs `role` runs on: the actor and critic on the train GPUs, engines, reward model and
         teacher on the rollout GPUs, and all of them on the same ones when colocated."""

@@ -219,8 +219,8 @@ class SharedGpus(PlannedMoves):
             with self.clock.phase(f"{role}_wake"):
                 self.events.record("wake", role=role)
                 self.clock.record_lifecycle(f"{role}_wake", group.wake_up())
-            if role in self._asleep_tags:
-                self._asleep_tags[role] = set()
+        if role in self._asleep_tags:  # a role the plans choose for: every tag awake
+            self._asleep_tags[role] = set()
         self._awake.add(role)
 
     def sleep(self, role: Role) -> None:
@@ -241,8 +241,8 @@ class SharedGpus(PlannedMoves):
             with self.clock.phase(f"{role}_sleep"):
                 self.clock.record_lifecycle(f"{role}_sleep", group.sleep())
                 self.events.record("sleep", role=role)
-            if role in self._asleep_tags:
-                self._asleep_tags[role] = set(self._tags[role])
+        if role in self._asleep_tags:  # a role the plans choose for: every tag asleep
+            self._asleep_tags[role] = set(self._tags[role])
         self._awake.discard(role)
 
     def start_asleep(self, schedule: StepSchedule) -> None:
@@ -268,6 +268,8 @@ class SharedGpus(PlannedMoves):
             adapters=self.sync_adapters,
         )
         self._awake.add("engine")
+        if "engine" in self._asleep_tags:  # every engine tag back, as the sync took them
+            self._asleep_tags["engine"] = set()
         if weights_version is not None:
             self.weights_version = weights_version
 

@@ -2,10 +2,10 @@
 
 `StepPlans` is one start's memory plan as the driver's steps take it: before each step (`begin`) the plan
 taken or not, after it (`end`) the figures grown with what the step needed, and an out-of-memory error's
-note (`note`). After the first step of a start `--memory-plan fit` (`memory_figures.adopt_plans`) and the default `auto`
-(`auto_plans`) measure the run's memory and plan each schedule the run takes from those figures; where
-the figures cannot be had (a CPU run, engines that report no GPU memory) or the plan is refused, `auto`
-keeps each role sleeping whole, as the first step did, and the log says why once.
+note (`note`). After the first step of a start `--memory-plan fit` (`memory_figures.adopt_plans`) and
+the default `auto` (`auto_plans`) measure the run's memory and plan each schedule the run takes from
+those figures; where the figures cannot be had (a CPU run, engines that report no GPU memory) or the
+plan is refused, `auto` keeps each role sleeping whole, as the first step did, and the log says why once.
 
 A step is planned only where each of its works ran in an earlier step of the start, so that the
 figures hold its peak (`begin_step`): the full step after `--num-critic-only-steps` of warm-up, whose

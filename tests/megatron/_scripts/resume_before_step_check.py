@@ -17,6 +17,7 @@ import torch
 from tandem.megatron.batch import RolloutBatch
 from tandem.megatron.config import WorkerConfig
 from tandem.megatron.worker import TrainWorker
+from tandem.megatron.worker.optimizer import inner_torch_optimizers
 
 VOCAB = 64
 
@@ -50,6 +51,11 @@ def main() -> None:
     else:
         assert worker.load_model() == 0
     metrics = worker.train(1, batch()).metrics
+    # The CPU's torch AdamW steps fused, also after the checkpoint's load (`optimizer.step_fused`).
+    trainee = worker._trainee
+    assert trainee is not None
+    for inner in inner_torch_optimizers(trainee.optim.optimizer):
+        assert all(g["fused"] is True and g["foreach"] is False for g in inner.param_groups), inner
     torch.save({"state": worker.state_snapshot(), "metrics": metrics}, out)
     worker.shutdown()
 

@@ -149,6 +149,25 @@ def inner_torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
             yield inner
 
 
+def step_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Have torch's Adam/AdamW `optimizer` step through its fused kernel, also after a `load_state_dict`.
+
+    megatron-core builds torch's AdamW without Apex or Transformer Engine, with torch's default
+    implementation: on the CPU that is a Python loop over the parameters. The fused kernel (torch 2.4+ has
+    one for the CPU) computes the same update; on two cores it stepped SmolLM2-135M's 148 M parameters
+    about 9x faster (tests/megatron/test_optimizer_fused.py's docstring gives the command). A checkpoint's
+    param groups carry the implementation they were saved with, so a load sets the fused one again.
+    """
+
+    def fused(opt: torch.optim.Optimizer) -> None:
+        opt.defaults.update(fused=True, foreach=False)
+        for group in opt.param_groups:
+            group.update(fused=True, foreach=False)
+
+    fused(optimizer)
+    optimizer.register_load_state_dict_post_hook(fused)
+
+
 def build_optimizer(model_chunks: Sequence[Any], config: WorkerConfig, role: Role) -> OptimizerBundle:
     """The Megatron optimizer and LR schedule of `role` for DDP-wrapped `model_chunks`."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -174,6 +193,9 @@ def build_optimizer(model_chunks: Sequence[Any], config: WorkerConfig, role: Rol
         clip_grad=config.clip_grad if on_gpu else 0.0,
     )
     optimizer = get_megatron_optimizer(optimizer_config, list(model_chunks), use_gloo_process_groups=False)
+    if not on_gpu:  # the CPU's plain optimizer: torch's AdamW, fused (the GPU keeps megatron-core's choice)
+        for inner in inner_torch_optimizers(optimizer):
+            step_fused(inner)
     warmup = config.lr_warmup_steps
     if config.lr_decay_steps is None:
         decay_steps, decay_style = warmup + 1, "constant"
@@ -242,7 +264,8 @@ def grad_norm(model_chunks: Sequence[Any]) -> float:
             if grad is None or not param.requires_grad:
                 continue
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                total += grad.detach().double().pow(2).sum().cpu()
+                # Summed in float64 as read (no float64 copy of the gradient: ~3x faster on the CPU).
+                total += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).square().cpu()
     device = next(iter(model_chunks[0].parameters())).device
     total = total.to(device)
     torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())

@@ -227,7 +227,8 @@ RAY_START_ATTEMPTS = 3
 
 
 def start_ray(values: dict[str, Any]) -> None:
-    """A local Ray for one run, started again when its node times out starting (a loaded CPU machine).
+    """A local Ray for one run, started again when its node times out starting (a loaded CPU machine); where
+    RAY_ADDRESS names a cluster, that cluster joined instead.
 
     On a busy 2-core machine the raylet gives up when Ray's dashboard agent takes more than
     about 15 s to import; what the failed start left running is killed before the next try.
@@ -235,6 +236,9 @@ def start_ray(values: dict[str, Any]) -> None:
     import ray
     from ray._private.node import Node
 
+    if address := os.environ.get("RAY_ADDRESS"):  # a cluster to join, as the driver's runs do (the tests')
+        ray.init(address=address, log_to_driver=False)
+        return
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "log_to_driver": False}
     if values.get("local_gpus"):
         kwargs["num_gpus"] = values["local_gpus"]

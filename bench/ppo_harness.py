@@ -672,12 +672,15 @@ def run_probe(
             seed=args.seed,
             save=str(paths["work"] / "probe-save"),
         )
-        ray.init(
-            num_gpus=1,
-            include_dashboard=False,
-            log_to_driver=False,
+        # A cluster of its own, unless RAY_ADDRESS names one to join (as the driver's runs do): the tests join
+        # the session's cluster instead of starting one each.
+        address = os.environ.get("RAY_ADDRESS")
+        own: dict[str, Any] = {
+            "num_gpus": 1,
+            "include_dashboard": False,
             **({"num_cpus": 2} if args.quick else {}),
-        )
+        }
+        ray.init(log_to_driver=False, **({"address": address} if address else own))
         pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
         ray.get(pg.ready())
         t0 = time.time()

@@ -70,9 +70,15 @@ def test_the_gpu_task_is_ppo_gpu_bench_with_variable_length_responses(tmp_path: 
 
 
 @pytest.mark.slow
-def test_a_tiny_demo_comparison(tmp_path: Path) -> None:
+def test_a_tiny_demo_comparison(tmp_path: Path, ray_cluster: str) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    # Each run joins the session's cluster (RAY_ADDRESS) as a job of its own.
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "RAY_ADDRESS": ray_cluster,
+    }
     cmd = [
         sys.executable,
         str(BENCH),

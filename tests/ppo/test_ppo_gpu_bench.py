@@ -42,9 +42,17 @@ SHARED_PHASES = (
 RESIDENT_PHASES = ("rollout", "generate", "reward", "critic_train", "actor_train", "weight_sync", "step")
 
 
-def test_quick_run_writes_both_modes_the_probe_the_reward_model_and_the_teacher(tmp_path: Path) -> None:
+def test_quick_run_writes_both_modes_the_probe_the_reward_model_and_the_teacher(
+    tmp_path: Path, ray_cluster: str
+) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    # Each mode's driver and the probe join the session's cluster (RAY_ADDRESS) as jobs of their own.
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "RAY_ADDRESS": ray_cluster,
+    }
     cmd = [sys.executable, str(BENCH), "--quick", "--reward-model", "--teacher", "qwen2.5-1.5b"]
     cmd += ["--out", str(out)]
     cmd += ["--workdir", str(tmp_path / "work")]
@@ -155,7 +163,9 @@ def _check_the_reward_model(report: dict[str, Any], out: Path) -> None:
 
 def test_a_failing_scaling_cell_is_kept_and_the_sweep_goes_on(tmp_path: Path) -> None:
     """The engine is killed in the second generate of the first cell, and may not be restarted: that
-    cell fails, its error is kept, and a fresh driver runs the next cell's two steps."""
+    cell fails, its error is kept, and a fresh driver runs the next cell's two steps. (A Ray of the bench's own:
+    its engine workers must inherit the fault point from the bench's environment, which the session cluster's
+    workers do not.)"""
     out = tmp_path / "scaling.json"
     env = {
         **os.environ,

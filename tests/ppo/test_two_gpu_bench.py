@@ -21,13 +21,19 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "two_gpu_bench.py"
 
 
-def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: int = 900, ray_address: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`args` run by this interpreter; with `ray_address`, every run it starts joins that cluster as a job."""
     env = dict(os.environ, RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_a_quick_dp2_pair_runs_and_sleeping_changes_nothing(tmp_path: Path) -> None:
-    proc = _run(str(BENCH), "--quick", "--out", str(tmp_path), "--runs", "dp2,dp2_resident")
+def test_a_quick_dp2_pair_runs_and_sleeping_changes_nothing(tmp_path: Path, ray_cluster: str) -> None:
+    # Both runs join the session's cluster (4 logical GPUs) instead of starting a Ray each.
+    proc = _run(
+        str(BENCH), "--quick", "--out", str(tmp_path), "--runs", "dp2,dp2_resident", ray_address=ray_cluster
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads((tmp_path / "two_gpu_bench.json").read_text())
     shared, resident = report["runs"]["dp2"], report["runs"]["dp2_resident"]
